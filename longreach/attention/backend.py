@@ -1,0 +1,82 @@
+"""The attention-backend contract and the per-step metadata every backend receives.
+
+A backend turns the queries of one step into attention outputs, reading keys/values from the paged KV cache. Dense is
+the backend whose selection is "everything"; the sparse methods (InfiniteHiP, HiP, StreamingLLM, Quest, MInference,
+PSA, Cascading KV) are backends too, so the model code never changes with the method.
+
+Life cycle, per engine step (prefill steps and decode steps are separate, see engine/scheduler.py):
+  1. the model runner builds `AttentionMetadata` for the batch;
+  2. `begin_step(meta)` runs once (shared per-step work: e.g. which sequences need a mask refresh);
+  3. for each layer the model stores the new k/v in the cache and calls `forward(layer, q, k, v, cache, meta)`;
+  4. when a sequence finishes or is preempted, `free_sequence(seq_id)` drops any state the backend kept for it.
+Decode steps may be captured in a CUDA graph when `supports_cuda_graph` is true: `forward` must then read only the
+device tensors of `meta` (their contents change between replays, their shapes do not) and never sync with the host.
+"""
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, ClassVar
+
+import torch
+
+if TYPE_CHECKING:
+    from ..config import EngineConfig
+    from ..models.config import ModelConfig
+
+
+@dataclass
+class AttentionMetadata:
+    """Where every token of the flattened (T, ...) batch belongs. B sequences, T = sum of query lengths."""
+
+    is_prefill: bool
+    # host copies (valid for the eager path; a captured decode graph must not depend on them)
+    seq_ids: list[int]
+    query_lens: list[int]  # new tokens per sequence this step
+    context_lens: list[int]  # tokens of each sequence already in the cache before this step
+    # device tensors
+    query_start_loc: torch.Tensor  # (B+1,) int32: sequence i owns rows [qsl[i], qsl[i+1]) of q
+    seq_lens: torch.Tensor  # (B,) int32: context + query length (keys visible to the last query)
+    block_tables: torch.Tensor  # (B, max_blocks) int32: page ids; entries past a sequence's pages are padding
+    slot_mapping: torch.Tensor  # (T,) int64: cache slot (page * block_size + offset) of each new token
+    max_seq_len: int
+    max_query_len: int
+
+    @property
+    def num_seqs(self) -> int:
+        return len(self.seq_ids)
+
+
+class AttentionBackend(ABC):
+    name: ClassVar[str] = ""
+    supports_cuda_graph: ClassVar[bool] = False  # may the decode step be captured in a CUDA graph?
+
+    def __init__(self, model_config: "ModelConfig", engine_config: "EngineConfig", device: torch.device):
+        self.model_config = model_config
+        self.engine_config = engine_config
+        self.device = device
+        self.scale = model_config.head_dim ** -0.5
+
+    @classmethod
+    def unsupported_reasons(cls, model_config: "ModelConfig", engine_config: "EngineConfig") -> list[str]:
+        """Why this backend cannot serve this model/config (empty: it can)."""
+        return []
+
+    def begin_step(self, meta: AttentionMetadata) -> None:
+        """Once per forward pass, before layer 0."""
+
+    @abstractmethod
+    def forward(
+        self,
+        layer: int,
+        q: torch.Tensor,  # (T, H_q, D), RoPE applied at true positions
+        k: torch.Tensor,  # (T, H_kv, D) this step's keys (already stored in the cache)
+        v: torch.Tensor,  # (T, H_kv, D)
+        k_cache: torch.Tensor,  # (num_blocks, block_size, H_kv, D), keys rotated at their true positions
+        v_cache: torch.Tensor,  # (num_blocks, block_size, H_kv, D)
+        meta: AttentionMetadata,
+    ) -> torch.Tensor:  # (T, H_q, D)
+        ...
+
+    def free_sequence(self, seq_id: int) -> None:
+        """Drop per-sequence state (mask caches, counters) of a finished or preempted sequence."""

@@ -1,0 +1,43 @@
+"""Attention-backend registry: name -> lazily imported class.
+
+Built-in backends are listed as "module:Class" strings so that naming one imports nothing heavy; `register_backend`
+adds a user's own class under a new name (or replaces one).
+"""
+from __future__ import annotations
+
+import importlib
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from .backend import AttentionBackend
+
+_BUILTIN = {
+    "dense": "longreach.attention.dense:DenseBackend",
+}
+_registry: dict[str, "str | type[AttentionBackend]"] = dict(_BUILTIN)
+
+
+def available_backends() -> list[str]:
+    return sorted(_registry)
+
+
+def check_backend_name(name: str) -> None:
+    if name not in _registry:
+        raise ValueError(f"unknown attention backend {name!r}; available: {', '.join(available_backends())}")
+
+
+def register_backend(name: str, cls: "type[AttentionBackend] | str") -> None:
+    """Register `cls` (a class or a "module:Class" string) under `name`."""
+    if not name or not isinstance(name, str):
+        raise ValueError("backend name must be a non-empty string")
+    _registry[name] = cls
+
+
+def get_backend_class(name: str) -> "type[AttentionBackend]":
+    check_backend_name(name)
+    entry = _registry[name]
+    if isinstance(entry, str):
+        module, _, attr = entry.partition(":")
+        entry = getattr(importlib.import_module(module), attr)
+        _registry[name] = entry
+    return entry

@@ -1,0 +1,67 @@
+"""Engine configuration: one frozen dataclass whose fields are the CLI flags and the `LLM(...)` keyword arguments.
+
+Pure Python (no torch import), validated in `__post_init__` with messages that say what is allowed.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field, fields
+from typing import Any
+
+DTYPES = ("auto", "bfloat16", "float16", "float32")
+DEVICES = ("auto", "cpu", "cuda")
+
+
+def _f(default: Any, help: str):
+    return field(default=default, metadata={"help": help})
+
+
+@dataclass(frozen=True)
+class EngineConfig:
+    model: str = _f("smollm2", "model: an alias (smollm2), a Hugging Face model directory, or a .gguf file")
+    attention: str = _f("dense", "attention backend (see `longreach backends`)")
+    dtype: str = _f("auto", "weights, activations and KV cache dtype; auto = bfloat16 on CUDA, float32 on CPU")
+    device: str = _f("auto", "auto (CUDA when available), cpu, cuda or cuda:N")
+    max_model_len: int | None = _f(None, "longest sequence (prompt + output) in tokens; default: the model's "
+                                         "trained context length")
+    max_num_batched_tokens: int = _f(8192, "tokens per prefill step: long prompts are prefilled in chunks this big")
+    max_num_seqs: int = _f(64, "most sequences running at once")
+    block_size: int = _f(16, "tokens per KV-cache page")
+    gpu_memory_utilization: float = _f(0.90, "share of GPU memory for weights, activations and the KV cache")
+    kv_cache_memory_gb: float | None = _f(None, "KV cache size in GiB; default: what gpu_memory_utilization leaves "
+                                                "on CUDA, up to 4 GiB on CPU")
+    enforce_eager: bool = _f(False, "run decode eagerly (no CUDA graphs)")
+    seed: int = _f(0, "random seed for requests that give none")
+
+    def __post_init__(self) -> None:
+        def bad(what: str) -> None:
+            raise ValueError(what)
+
+        if not isinstance(self.model, str) or not self.model:
+            bad("model must be a non-empty string: an alias (smollm2), a HF model directory or a .gguf file")
+        if self.dtype not in DTYPES:
+            bad(f"dtype must be one of {', '.join(DTYPES)}, got {self.dtype!r}")
+        if not (self.device in DEVICES or (isinstance(self.device, str) and self.device.startswith("cuda:"))):
+            bad(f"device must be one of {', '.join(DEVICES)} or cuda:N, got {self.device!r}")
+        if self.max_model_len is not None and (not isinstance(self.max_model_len, int) or self.max_model_len < 1):
+            bad(f"max_model_len must be a positive integer, got {self.max_model_len!r}")
+        if not isinstance(self.max_num_batched_tokens, int) or self.max_num_batched_tokens < 16:
+            bad(f"max_num_batched_tokens must be an integer >= 16, got {self.max_num_batched_tokens!r}")
+        if not isinstance(self.max_num_seqs, int) or self.max_num_seqs < 1:
+            bad(f"max_num_seqs must be a positive integer, got {self.max_num_seqs!r}")
+        if self.block_size not in (1, 2, 4, 8, 16, 32, 64, 128, 256):
+            bad(f"block_size must be a power of two in [1, 256], got {self.block_size!r}")
+        if not 0.05 <= self.gpu_memory_utilization <= 1.0:
+            bad(f"gpu_memory_utilization must be in [0.05, 1.0], got {self.gpu_memory_utilization}")
+        if self.kv_cache_memory_gb is not None and self.kv_cache_memory_gb <= 0:
+            bad(f"kv_cache_memory_gb must be > 0, got {self.kv_cache_memory_gb}")
+        from .attention.registry import check_backend_name
+
+        check_backend_name(self.attention)
+
+    @classmethod
+    def field_names(cls) -> tuple[str, ...]:
+        return tuple(f.name for f in fields(cls))
+
+    @classmethod
+    def help(cls, name: str) -> str:
+        return next(f.metadata.get("help", "") for f in fields(cls) if f.name == name)

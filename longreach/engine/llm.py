@@ -1,0 +1,148 @@
+"""The offline API, with vLLM's names: `LLM(model=...).generate(prompts, SamplingParams(...))` and `.chat(...)`."""
+from __future__ import annotations
+
+import itertools
+from typing import Any, Sequence, Union
+
+from tqdm.auto import tqdm
+
+from ..config import EngineConfig
+from ..sampling_params import SamplingParams
+from .llm_engine import LLMEngine
+from .outputs import RequestOutput
+
+PromptType = Union[str, dict, list]  # "text" | {"prompt": text} | {"prompt_token_ids": [...]} | [token ids]
+LONG_PREFILL_TOKENS = 4096  # show a token-level prefill bar from this many prompt tokens on
+_counter = itertools.count()
+
+
+class LLM:
+    """An engine instance holding one model. Keyword arguments are `EngineConfig` fields (the CLI flags)."""
+
+    def __init__(self, model: str = "smollm2", **kwargs: Any):
+        unknown = set(kwargs) - set(EngineConfig.field_names())
+        if unknown:
+            raise ValueError(f"unknown LLM argument(s) {sorted(unknown)}; valid: {', '.join(EngineConfig.field_names())}")
+        self.engine = LLMEngine(EngineConfig(model=model, **kwargs))
+        self.config = self.engine.config
+
+    def get_tokenizer(self):
+        return self.engine.tokenizer
+
+    # ---- generate ------------------------------------------------------------------------------------------------
+    def generate(
+        self,
+        prompts: PromptType | Sequence[PromptType],
+        sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
+        use_tqdm: bool = True,
+    ) -> list[RequestOutput]:
+        """Complete each prompt; outputs come back in the order of `prompts`."""
+        items = self._normalise_prompts(prompts)
+        if sampling_params is None:
+            sampling_params = SamplingParams()
+        params = [sampling_params] * len(items) if isinstance(sampling_params, SamplingParams) else list(sampling_params)
+        if len(params) != len(items):
+            raise ValueError(f"got {len(params)} SamplingParams for {len(items)} prompts")
+        encoded = [self._encode(i, p) for i, p in enumerate(items)]  # validate everything before queueing anything
+        ids = []
+        for (text, token_ids), sp in zip(encoded, params):
+            rid = str(next(_counter))
+            self.engine.add_request(rid, token_ids, sp, prompt=text)
+            ids.append(rid)
+        return self._run(ids, sum(len(t) * sp.n for (_, t), sp in zip(encoded, params)), use_tqdm)
+
+    def chat(
+        self,
+        messages: Sequence[dict] | Sequence[Sequence[dict]],
+        sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
+        use_tqdm: bool = True,
+        add_generation_prompt: bool = True,
+        chat_template_kwargs: dict | None = None,
+    ) -> list[RequestOutput]:
+        """One conversation (a list of {"role", "content"} dicts) or a list of them, rendered with the chat template."""
+        tok = self._tokenizer_or_raise()
+        if not isinstance(messages, (list, tuple)) or not messages:
+            raise ValueError("messages must be a non-empty list of {'role': ..., 'content': ...} dicts (or a list of such lists)")
+        conversations = [messages] if isinstance(messages[0], dict) else list(messages)
+        prompts = [
+            {"prompt_token_ids": tok.encode(
+                tok.apply_chat_template(conv, add_generation_prompt, **(chat_template_kwargs or {})),
+                add_special_tokens=False)}
+            for conv in conversations
+        ]
+        return self.generate(prompts, sampling_params, use_tqdm)
+
+    # ---- helpers -------------------------------------------------------------------------------------------------
+    def _tokenizer_or_raise(self):
+        if self.engine.tokenizer is None:
+            raise ValueError("this model has no tokenizer: pass {'prompt_token_ids': [...]} prompts")
+        return self.engine.tokenizer
+
+    @staticmethod
+    def _normalise_prompts(prompts) -> list:
+        if isinstance(prompts, (str, dict)):
+            return [prompts]
+        if isinstance(prompts, (list, tuple)) and prompts and all(isinstance(t, int) for t in prompts):
+            return [{"prompt_token_ids": list(prompts)}]  # a single token-id prompt
+        if not isinstance(prompts, (list, tuple)) or not prompts:
+            raise ValueError("prompts must be a string, a {'prompt': ...} / {'prompt_token_ids': [...]} dict, "
+                             "or a non-empty list of them")
+        return list(prompts)
+
+    def _encode(self, i: int, p) -> tuple[str | None, list[int]]:
+        if isinstance(p, str):
+            text, token_ids = p, None
+        elif isinstance(p, dict) and "prompt_token_ids" in p:
+            text, token_ids = p.get("prompt"), list(p["prompt_token_ids"])
+        elif isinstance(p, dict) and "prompt" in p:
+            text, token_ids = p["prompt"], None
+        elif isinstance(p, (list, tuple)) and all(isinstance(t, int) for t in p):
+            text, token_ids = None, list(p)
+        else:
+            raise ValueError(f"prompt {i} must be a string, a dict with 'prompt' or 'prompt_token_ids', "
+                             f"or a list of token ids; got {type(p).__name__}")
+        if token_ids is None:
+            if not isinstance(text, str) or not text:
+                raise ValueError(f"prompt {i} is empty: give some text")
+            token_ids = self._tokenizer_or_raise().encode(text)
+        if not token_ids:
+            raise ValueError(f"prompt {i} is empty: it has no tokens")
+        limit = self.config.max_model_len
+        if len(token_ids) >= limit:
+            raise ValueError(f"prompt {i} has {len(token_ids)} tokens; max_model_len={limit} allows at most "
+                             f"{limit - 1} (raise --max-model-len or shorten the prompt)")
+        return text, token_ids
+
+    def _run(self, request_ids: list[str], prompt_tokens: int, use_tqdm: bool) -> list[RequestOutput]:
+        engine = self.engine
+        done: dict[str, RequestOutput] = {}
+        bar = tqdm(total=len(request_ids), desc="Processed prompts", unit="req", disable=not use_tqdm, dynamic_ncols=True)
+        prefill_bar = tqdm(total=prompt_tokens, desc="Prefill", unit="tok", unit_scale=True, leave=False,
+                           disable=not use_tqdm or prompt_tokens < LONG_PREFILL_TOKENS, dynamic_ncols=True)
+        n_in = n_out = 0
+        seconds = 0.0
+        try:
+            while engine.has_unfinished_requests():
+                finished = engine.step()
+                st = engine.last_step
+                if st is not None:
+                    seconds += st.seconds
+                    if st.is_prefill:
+                        n_in += st.num_tokens
+                        prefill_bar.update(min(st.num_tokens, prefill_bar.total - prefill_bar.n))
+                    else:
+                        n_out += st.num_tokens
+                for out in finished:
+                    done[out.request_id] = out
+                if finished:
+                    bar.update(len(finished))
+                if seconds > 0:
+                    bar.set_postfix_str(f"in: {n_in / seconds:.0f} tok/s, out: {n_out / seconds:.0f} tok/s")
+        except BaseException:
+            for rid in request_ids:  # leave the engine clean for the next call
+                engine.abort_request(rid)
+            raise
+        finally:
+            prefill_bar.close()
+            bar.close()
+        return [done[r] for r in request_ids]

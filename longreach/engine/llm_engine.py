@@ -1,0 +1,305 @@
+"""The engine loop: requests in, one scheduled step at a time, finished outputs out.
+
+`LLMEngine` owns the model, the paged KV cache, the attention backend, the scheduler and the sampler. `step()` runs
+one prefill or decode step and returns the requests that finished in it. Mutates: every call to `add_request` /
+`step` / `abort_request` changes the scheduler's queues and the sequences' state; not thread-safe.
+"""
+from __future__ import annotations
+
+import dataclasses
+import itertools
+import logging
+import time
+from dataclasses import dataclass
+
+import torch
+
+from ..attention.registry import get_backend_class
+from ..config import EngineConfig
+from ..kvcache.block_manager import BlockManager
+from ..kvcache.paged import PagedKVCache
+from ..models.loader import load_model
+from ..sampling_params import SamplingParams
+from .model_runner import ModelRunner
+from .outputs import CompletionOutput, RequestMetrics, RequestOutput
+from .sampler import Sampler, seeded_generator
+from .scheduler import ScheduledBatch, Scheduler
+from .sequence import Sequence, SequenceStatus
+
+logger = logging.getLogger("longreach")
+
+_DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
+_CPU_KV_DEFAULT_GB = 4.0
+GiB = 1 << 30
+
+
+def resolve_device(name: str) -> torch.device:
+    if name == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    if name.startswith("cuda") and not torch.cuda.is_available():
+        raise ValueError(f"device {name!r} was asked for but CUDA is not available here; use --device cpu")
+    return torch.device(name)
+
+
+def resolve_dtype(name: str, device: torch.device) -> torch.dtype:
+    if name == "auto":
+        return torch.bfloat16 if device.type == "cuda" else torch.float32
+    return _DTYPES[name]
+
+
+@dataclass
+class StepStats:
+    is_prefill: bool
+    num_seqs: int
+    num_tokens: int
+    seconds: float
+
+
+@dataclass
+class _Request:
+    request_id: str
+    prompt: str | None
+    prompt_token_ids: list[int]
+    seqs: list[Sequence]
+
+
+class LLMEngine:
+    def __init__(self, config: EngineConfig):
+        self.device = resolve_device(config.device)
+        self.dtype = resolve_dtype(config.dtype, self.device)
+        torch.manual_seed(config.seed)
+        loaded = load_model(config.model, self.dtype, self.device)
+        self.model_config, self.model, self.tokenizer = loaded.config, loaded.model, loaded.tokenizer
+        mc = self.model_config
+        trained = mc.max_position_embeddings
+        if config.max_model_len is None:
+            config = dataclasses.replace(config, max_model_len=trained)
+        elif config.max_model_len > trained:
+            logger.warning("max_model_len %d exceeds the model's trained context (%d): dense attention degrades "
+                           "past it", config.max_model_len, trained)
+        if mc.sliding_window and config.max_model_len > mc.sliding_window:
+            logger.warning("the model was trained with a %d-token sliding window; longreach attends over the full "
+                           "context", mc.sliding_window)
+        self.config = config
+        backend_cls = get_backend_class(config.attention)
+        reasons = backend_cls.unsupported_reasons(mc, config)
+        if reasons:
+            raise ValueError(f"attention backend {config.attention!r} cannot run this model: {'; '.join(reasons)}")
+        self.backend = backend_cls(mc, config, self.device)
+
+        num_blocks = self._num_kv_blocks()
+        self.blocks = BlockManager(num_blocks, config.block_size)
+        # One extra page: the scratch page that padded CUDA-graph rows write to.
+        self.kv_cache = PagedKVCache(mc.num_layers, num_blocks + 1, config.block_size, mc.num_kv_heads,
+                                     mc.head_dim, self.dtype, self.device)
+        logger.info("KV cache: %d pages x %d tokens = %d tokens (%.2f GiB, %s)", num_blocks, config.block_size,
+                    num_blocks * config.block_size, self.kv_cache.nbytes / GiB, str(self.dtype).replace("torch.", ""))
+        self.runner = ModelRunner(self.model, config, self.kv_cache, self.blocks, self.backend, self.device)
+        self.runner.capture_graphs()
+        self.scheduler = Scheduler(self.blocks, config.max_num_seqs, config.max_num_batched_tokens,
+                                   on_release=lambda seq: self.backend.free_sequence(seq.seq_id))
+        self.sampler = Sampler(self.device, config.seed)
+        self._requests: dict[str, _Request] = {}
+        self._seq_ids = itertools.count()
+        self.eos_token_ids = frozenset(mc.eos_token_ids) | (
+            {self.tokenizer.eos_token_id} if self.tokenizer and self.tokenizer.eos_token_id is not None else set())
+        self.last_step: StepStats | None = None
+
+    # ---- KV sizing -----------------------------------------------------------------------------------------------
+    def _num_kv_blocks(self) -> int:
+        cfg, mc = self.config, self.model_config
+        per_block = PagedKVCache.bytes_per_block(mc.num_layers, cfg.block_size, mc.num_kv_heads, mc.head_dim, self.dtype)
+        if cfg.kv_cache_memory_gb is not None:
+            budget = cfg.kv_cache_memory_gb * GiB
+        elif self.device.type == "cuda":
+            budget = self._profile_free_gpu_memory()
+        else:
+            budget = min(_CPU_KV_DEFAULT_GB * GiB, per_block * -(-cfg.max_model_len // cfg.block_size) * cfg.max_num_seqs)
+        num_blocks = int(budget // per_block)
+        if num_blocks * cfg.block_size < cfg.max_model_len:
+            raise ValueError(
+                f"the KV cache fits {num_blocks * cfg.block_size} tokens ({budget / GiB:.2f} GiB), fewer than "
+                f"max_model_len={cfg.max_model_len}; raise kv_cache_memory_gb / gpu_memory_utilization or lower "
+                "max_model_len")
+        return num_blocks
+
+    @torch.inference_mode()
+    def _profile_free_gpu_memory(self) -> float:
+        """Bytes left for the KV cache after weights and the activations of a largest prefill step."""
+        cfg, mc = self.config, self.model_config
+        n = min(cfg.max_num_batched_tokens, cfg.max_model_len)
+        blocks = BlockManager(-(-n // cfg.block_size), cfg.block_size)
+        cache = PagedKVCache(mc.num_layers, blocks.num_blocks + 1, cfg.block_size, mc.num_kv_heads, mc.head_dim,
+                             self.dtype, self.device)
+        runner = ModelRunner(self.model, cfg, cache, blocks, self.backend, self.device)
+        probe = Sequence(-1, "profile", 0, [0] * n, SamplingParams(max_tokens=1), frozenset(), 1)
+        blocks.ensure(probe.seq_id, n)
+        torch.cuda.synchronize()
+        torch.cuda.reset_peak_memory_stats(self.device)
+        runner.execute(ScheduledBatch(True, [probe], [n]))
+        torch.cuda.synchronize()
+        peak = torch.cuda.max_memory_allocated(self.device) - cache.nbytes
+        self.backend.free_sequence(probe.seq_id)
+        del cache, runner
+        torch.cuda.empty_cache()
+        free, total = torch.cuda.mem_get_info(self.device)
+        others = total - free - torch.cuda.memory_reserved(self.device)  # other processes on this GPU
+        margin = 512 * 1024**2  # CUDA graphs, sampler buffers, allocator slack
+        budget = total * cfg.gpu_memory_utilization - peak - others - margin
+        logger.info("GPU memory: %.1f GiB total, weights + activations peak %.2f GiB, KV budget %.1f GiB",
+                    total / GiB, peak / GiB, budget / GiB)
+        return max(budget, 0.0)
+
+    # ---- requests ------------------------------------------------------------------------------------------------
+    def add_request(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
+                    prompt: str | None = None) -> None:
+        if request_id in self._requests:
+            raise ValueError(f"request id {request_id!r} is already in use")
+        n_prompt = len(prompt_token_ids)
+        limit = self.config.max_model_len
+        if n_prompt == 0:
+            raise ValueError("the prompt is empty: give at least one token")
+        if n_prompt >= limit:
+            raise ValueError(f"the prompt has {n_prompt} tokens; max_model_len={limit} allows at most {limit - 1} "
+                             "(one position is needed for the first generated token)")
+        vocab = self.model_config.vocab_size
+        if min(prompt_token_ids) < 0 or max(prompt_token_ids) >= vocab:
+            raise ValueError(f"prompt token ids must be in [0, {vocab}), got {min(prompt_token_ids)}..{max(prompt_token_ids)}")
+        room = limit - n_prompt
+        max_tokens = room if params.max_tokens is None else min(params.max_tokens, room)
+        eos = frozenset() if params.ignore_eos else self.eos_token_ids
+        seqs = []
+        for i in range(params.n):
+            seq = Sequence(next(self._seq_ids), request_id, i, list(prompt_token_ids), params, eos, max_tokens)
+            if params.seed is not None:
+                seq.generator = seeded_generator(params.seed, i, self.device)
+            if self.tokenizer is not None:
+                seq.decoder = self.tokenizer.decode_stream(params.skip_special_tokens)
+            seqs.append(seq)
+            self.scheduler.add(seq)
+        self._requests[request_id] = _Request(request_id, prompt, list(prompt_token_ids), seqs)
+
+    def abort_request(self, request_id: str) -> None:
+        req = self._requests.pop(request_id, None)
+        for seq in req.seqs if req else ():
+            if not seq.finished:
+                seq.status = SequenceStatus.FINISHED
+                seq.finish_reason = "abort"
+                self.scheduler.finish(seq)
+
+    def has_unfinished_requests(self) -> bool:
+        return self.scheduler.has_unfinished()
+
+    @torch.inference_mode()
+    def prompt_logits(self, token_ids: list[int]) -> torch.Tensor:
+        """fp32 logits (T, V) of every position of `token_ids`, via chunked prefill through the engine's backend.
+
+        Runs outside the scheduler (call it while no requests are queued); pages are taken and returned here.
+        """
+        if self.scheduler.has_unfinished():
+            raise RuntimeError("prompt_logits needs an idle engine (requests are queued or running)")
+        if not 0 < len(token_ids) <= self.config.max_model_len:
+            raise ValueError(f"token_ids must have 1..{self.config.max_model_len} tokens, got {len(token_ids)}")
+        seq = Sequence(next(self._seq_ids), "score", 0, list(token_ids), SamplingParams(max_tokens=1), frozenset(), 1)
+        chunks = []
+        try:
+            while seq.num_computed < seq.num_tokens:
+                n = min(self.config.max_num_batched_tokens, seq.num_uncomputed)
+                if not self.blocks.ensure(seq.seq_id, seq.num_computed + n):
+                    raise ValueError(f"the KV cache cannot hold {len(token_ids)} tokens")
+                logits, _ = self.runner.execute(ScheduledBatch(True, [seq], [n]), all_logits=True)
+                chunks.append(logits)
+                seq.num_computed += n
+        finally:
+            self.blocks.free(seq.seq_id)
+            self.backend.free_sequence(seq.seq_id)
+        return torch.cat(chunks)
+
+    # ---- the loop ------------------------------------------------------------------------------------------------
+    def step(self) -> list[RequestOutput]:
+        batch = self.scheduler.schedule()
+        if batch is None:
+            return []
+        t0 = time.perf_counter()
+        for seq in batch.seqs:
+            if seq.times.first_scheduled is None:
+                seq.times.first_scheduled = t0
+        logits, sample_idx = self.runner.execute(batch)
+        sampling = [batch.seqs[i] for i in sample_idx]
+        tokens = self.sampler(logits, sampling) if sampling else []
+        now = time.perf_counter()
+        for seq, n in zip(batch.seqs, batch.num_tokens):
+            seq.num_computed += n
+        finished: list[RequestOutput] = []
+        for seq, tok in zip(sampling, tokens):
+            if seq.times.first_token is None:
+                seq.times.first_token = now
+            self._append_token(seq, tok)
+            if seq.finished:
+                seq.times.finished = now
+                self.scheduler.finish(seq)
+                out = self._request_output_if_done(seq.request_id)
+                if out is not None:
+                    finished.append(out)
+        self.last_step = StepStats(batch.is_prefill, len(batch.seqs), batch.total_tokens, now - t0)
+        if logger.isEnabledFor(logging.DEBUG):
+            kind = "Prefill" if batch.is_prefill else "Decode"
+            logger.debug("%s batch: %d seqs, %d tokens, %.1f ms, %.0f tok/s, KV pages used %d/%d, queued %d", kind,
+                         len(batch.seqs), batch.total_tokens, 1e3 * (now - t0), batch.total_tokens / (now - t0),
+                         self.blocks.num_blocks - self.blocks.num_free_blocks, self.blocks.num_blocks,
+                         len(self.scheduler.waiting))
+        return finished
+
+    def _append_token(self, seq: Sequence, tok: int) -> None:
+        """Record a sampled token and decide whether the sequence stops (EOS, stop token/string, length)."""
+        p = seq.params
+        seq.output_token_ids.append(tok)
+        n_out = len(seq.output_token_ids)
+        may_stop = n_out >= p.min_tokens
+        if may_stop and tok in p.stop_token_ids:
+            self._finish(seq, "stop", tok)
+        elif may_stop and tok in seq.eos_token_ids:
+            self._finish(seq, "stop", None)
+        else:
+            if seq.decoder is not None:
+                new = seq.decoder.push(tok)
+                seq.text += new
+                if may_stop and p.stop and new:
+                    self._check_stop_strings(seq, len(new))
+            if not seq.finished and n_out >= seq.max_tokens:
+                self._finish(seq, "length", None)
+
+    @staticmethod
+    def _check_stop_strings(seq: Sequence, new_len: int) -> None:
+        longest = max(len(s) for s in seq.params.stop)
+        start = max(0, len(seq.text) - new_len - longest + 1)  # a match must overlap the new text
+        hits = [(i, s) for s in seq.params.stop if (i := seq.text.find(s, start)) >= 0]
+        if hits:
+            i, s = min(hits)
+            seq.text = seq.text[: i + len(s)] if seq.params.include_stop_str_in_output else seq.text[:i]
+            LLMEngine._finish(seq, "stop", s)
+
+    @staticmethod
+    def _finish(seq: Sequence, reason: str, stop_reason) -> None:
+        seq.status = SequenceStatus.FINISHED
+        seq.finish_reason = reason
+        seq.stop_reason = stop_reason
+
+    def _request_output_if_done(self, request_id: str) -> RequestOutput | None:
+        req = self._requests[request_id]
+        if not all(s.finished for s in req.seqs):
+            return None
+        del self._requests[request_id]
+        first = req.seqs[0]
+        metrics = RequestMetrics(
+            arrival_time=first.times.arrival,
+            first_scheduled_time=min(s.times.first_scheduled for s in req.seqs),
+            first_token_time=min(s.times.first_token for s in req.seqs),
+            finished_time=max(s.times.finished for s in req.seqs),
+            num_prompt_tokens=len(req.prompt_token_ids),
+            num_generated_tokens=sum(len(s.output_token_ids) for s in req.seqs),
+            num_preemptions=sum(s.num_preemptions for s in req.seqs),
+        )
+        outs = [CompletionOutput(s.index, s.text, list(s.output_token_ids), s.finish_reason, s.stop_reason)
+                for s in req.seqs]
+        return RequestOutput(request_id, req.prompt, req.prompt_token_ids, outs, True, metrics)

@@ -1,0 +1,177 @@
+"""Turns a scheduled batch into tensors, runs the model, returns logits for the sequences that sample this step.
+
+Decode steps run through CUDA graphs captured per bucketed batch size (1, 2, 4, 8, then multiples of 16): inputs are
+copied into static buffers and rows past the real batch point at a scratch page, so they write nothing that matters.
+"""
+from __future__ import annotations
+
+import bisect
+import logging
+import time
+
+import numpy as np
+import torch
+
+from ..attention.backend import AttentionBackend, AttentionMetadata
+from ..config import EngineConfig
+from ..kvcache.block_manager import BlockManager
+from ..kvcache.paged import PagedKVCache
+from ..models.llama import LlamaForCausalLM
+from .scheduler import ScheduledBatch
+
+logger = logging.getLogger("longreach")
+
+
+class StepContext:
+    """The model's view of the engine for one forward pass (models/llama.py: ForwardContext)."""
+
+    def __init__(self, kv_cache: PagedKVCache, backend: AttentionBackend, meta: AttentionMetadata,
+                 max_position: int | None):
+        self.kv_cache, self.backend, self.meta, self.max_position = kv_cache, backend, meta, max_position
+
+    def attention(self, layer, q, k, v):
+        self.kv_cache.store(layer, k, v, self.meta.slot_mapping)
+        k_cache, v_cache = self.kv_cache.layer(layer)
+        return self.backend.forward(layer, q, k, v, k_cache, v_cache, self.meta)
+
+
+class ModelRunner:
+    def __init__(self, model: LlamaForCausalLM, config: EngineConfig, kv_cache: PagedKVCache,
+                 blocks: BlockManager, backend: AttentionBackend, device: torch.device):
+        self.model, self.config, self.kv_cache, self.blocks, self.backend = model, config, kv_cache, blocks, backend
+        self.device = device
+        self.block_size = blocks.block_size
+        self.scratch_page = blocks.num_blocks  # the cache has one page more than the block manager hands out
+        self._graphs: dict[int, tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}
+        self._graph_sizes: list[int] = []
+
+    # ---- batch tensors -------------------------------------------------------------------------------------------
+    def _metadata(self, batch: ScheduledBatch):
+        bs = self.block_size
+        ids, pos, slots = [], [], []
+        ctx_lens = [s.num_computed for s in batch.seqs]
+        tables = [self.blocks.table(s.seq_id) for s in batch.seqs]
+        for seq, n, c, table in zip(batch.seqs, batch.num_tokens, ctx_lens, tables):
+            ids.extend(seq.token_slice(c, c + n))
+            t = np.arange(c, c + n)
+            pos.append(t)
+            slots.append(np.asarray(table, dtype=np.int64)[t // bs] * bs + t % bs)
+        seq_lens = [c + n for c, n in zip(ctx_lens, batch.num_tokens)]
+        width = max(len(t) for t in tables)
+        bt = np.zeros((len(tables), width), dtype=np.int32)
+        for i, t in enumerate(tables):
+            bt[i, : len(t)] = t
+        qsl = np.concatenate(([0], np.cumsum(batch.num_tokens))).astype(np.int32)
+        dev = self.device
+        meta = AttentionMetadata(
+            is_prefill=batch.is_prefill,
+            seq_ids=[s.seq_id for s in batch.seqs],
+            query_lens=list(batch.num_tokens),
+            context_lens=ctx_lens,
+            query_start_loc=torch.from_numpy(qsl).to(dev, non_blocking=True),
+            seq_lens=torch.tensor(seq_lens, dtype=torch.int32).to(dev, non_blocking=True),
+            block_tables=torch.from_numpy(bt).to(dev, non_blocking=True),
+            slot_mapping=torch.from_numpy(np.concatenate(slots)).to(dev, non_blocking=True),
+            max_seq_len=max(seq_lens),
+            max_query_len=max(batch.num_tokens),
+        )
+        input_ids = torch.tensor(ids, dtype=torch.long).to(dev, non_blocking=True)
+        positions = torch.from_numpy(np.concatenate(pos)).to(dev, non_blocking=True)
+        return input_ids, positions, meta, qsl
+
+    # ---- execution -----------------------------------------------------------------------------------------------
+    @torch.inference_mode()
+    def execute(self, batch: ScheduledBatch, all_logits: bool = False) -> tuple[torch.Tensor, list[int]]:
+        """Run one step. Returns (logits (N, V) fp32, indices into batch.seqs of the N sequences that sample).
+
+        With `all_logits`, the logits of every fed token (T, V) come back instead (scoring a prompt).
+        """
+        sample_idx = [i for i, (s, n) in enumerate(zip(batch.seqs, batch.num_tokens)) if s.num_computed + n == s.num_tokens]
+        if all_logits:
+            input_ids, positions, meta, _ = self._metadata(batch)
+            self.backend.begin_step(meta)
+            hidden = self.model(input_ids, positions, StepContext(self.kv_cache, self.backend, meta, meta.max_seq_len - 1))
+            return self.model.logits(hidden), sample_idx
+        if not batch.is_prefill and self._graphs and len(batch.seqs) <= self._graph_sizes[-1]:
+            return self._replay(batch), sample_idx
+        input_ids, positions, meta, qsl = self._metadata(batch)
+        self.backend.begin_step(meta)
+        ctx = StepContext(self.kv_cache, self.backend, meta, meta.max_seq_len - 1)
+        hidden = self.model(input_ids, positions, ctx)
+        rows = torch.tensor([qsl[i + 1] - 1 for i in sample_idx], dtype=torch.long, device=self.device)
+        return self.model.logits(hidden.index_select(0, rows)), sample_idx
+
+    # ---- CUDA graphs for decode ----------------------------------------------------------------------------------
+    def graphs_supported(self) -> tuple[bool, str]:
+        if self.device.type != "cuda":
+            return False, "not on CUDA"
+        if self.config.enforce_eager:
+            return False, "enforce_eager is set"
+        if not self.backend.supports_cuda_graph:
+            return False, f"attention backend {self.backend.name!r} is not graph-capturable"
+        if self.model.rotary.dynamic:
+            return False, "dynamic NTK RoPE changes its frequencies with the sequence length"
+        return True, ""
+
+    @torch.inference_mode()
+    def capture_graphs(self) -> None:
+        ok, why = self.graphs_supported()
+        if not ok:
+            logger.info("decode runs eagerly (no CUDA graphs): %s", why)
+            return
+        t0 = time.perf_counter()
+        max_bs = self.config.max_num_seqs
+        sizes = sorted({s for s in (1, 2, 4, 8, *range(16, max_bs + 16, 16)) if s <= max_bs} | {max_bs})
+        dev, bs = self.device, self.block_size
+        max_pages = -(-self.config.max_model_len // bs)
+        self._g_ids = torch.zeros(max_bs, dtype=torch.long, device=dev)
+        self._g_pos = torch.zeros(max_bs, dtype=torch.long, device=dev)
+        self._g_slots = torch.full((max_bs,), self.scratch_page * bs, dtype=torch.long, device=dev)
+        self._g_lens = torch.ones(max_bs, dtype=torch.int32, device=dev)
+        self._g_tables = torch.full((max_bs, max_pages), self.scratch_page, dtype=torch.int32, device=dev)
+        self._g_qsl = torch.arange(max_bs + 1, dtype=torch.int32, device=dev)
+        pool = None
+        for n in reversed(sizes):  # largest first, so smaller graphs reuse its memory pool
+            meta = AttentionMetadata(False, [-1] * n, [1] * n, [0] * n, self._g_qsl[: n + 1], self._g_lens[:n],
+                                     self._g_tables[:n], self._g_slots[:n], self.config.max_model_len, 1)
+            ctx = StepContext(self.kv_cache, self.backend, meta, None)
+            run = lambda: self.model.logits(self.model(self._g_ids[:n], self._g_pos[:n], ctx))  # noqa: E731
+            stream = torch.cuda.Stream()
+            stream.wait_stream(torch.cuda.current_stream())
+            with torch.cuda.stream(stream):
+                run()  # warm-up: Triton compilation and cuBLAS handles outside the capture
+            torch.cuda.current_stream().wait_stream(stream)
+            graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(graph, pool=pool):
+                out = run()
+            pool = graph.pool()
+            self._graphs[n] = (graph, out)
+        self._graph_sizes = sizes
+        torch.cuda.synchronize()
+        logger.info("captured %d decode CUDA graphs (batch sizes %s) in %.1f s", len(sizes), sizes,
+                    time.perf_counter() - t0)
+
+    def _replay(self, batch: ScheduledBatch) -> torch.Tensor:
+        n = len(batch.seqs)
+        size = self._graph_sizes[bisect.bisect_left(self._graph_sizes, n)]
+        bs = self.block_size
+        ids = [s.output_token_ids[-1] if s.output_token_ids else s.prompt_token_ids[-1] for s in batch.seqs]
+        pos = [s.num_tokens - 1 for s in batch.seqs]
+        tables = [self.blocks.table(s.seq_id) for s in batch.seqs]
+        width = max(len(t) for t in tables)
+        bt = np.full((size, width), self.scratch_page, dtype=np.int32)
+        for i, t in enumerate(tables):
+            bt[i, : len(t)] = t
+        slots = np.full(size, self.scratch_page * bs, dtype=np.int64)
+        slots[:n] = [t[p // bs] * bs + p % bs for t, p in zip(tables, pos)]
+        lens = np.ones(size, dtype=np.int32)
+        lens[:n] = [p + 1 for p in pos]
+        dev = self.device
+        self._g_ids[:n].copy_(torch.tensor(ids, dtype=torch.long), non_blocking=True)
+        self._g_pos[:n].copy_(torch.tensor(pos, dtype=torch.long), non_blocking=True)
+        self._g_slots[:size].copy_(torch.from_numpy(slots), non_blocking=True)
+        self._g_lens[:size].copy_(torch.from_numpy(lens), non_blocking=True)
+        self._g_tables[:size, :width].copy_(torch.from_numpy(bt).to(dev, non_blocking=True))
+        graph, out = self._graphs[size]
+        graph.replay()
+        return out[:n]

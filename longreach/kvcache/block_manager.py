@@ -1,0 +1,66 @@
+"""Page bookkeeping: which KV-cache pages each sequence owns (no tensors here; CPU-testable).
+
+A sequence's block table is the ordered list of its pages: token t lives in page `table[t // block_size]` at offset
+`t % block_size`. Pages are handed out from a free list and returned when a sequence finishes or is preempted.
+"""
+from __future__ import annotations
+
+from collections import deque
+
+
+class BlockManager:
+    def __init__(self, num_blocks: int, block_size: int):
+        if num_blocks < 1:
+            raise ValueError(f"the KV cache needs at least one page, got {num_blocks}")
+        self.num_blocks = num_blocks
+        self.block_size = block_size
+        self._free: deque[int] = deque(range(num_blocks))
+        self._tables: dict[int, list[int]] = {}
+
+    @property
+    def num_free_blocks(self) -> int:
+        return len(self._free)
+
+    @property
+    def capacity_tokens(self) -> int:
+        return self.num_blocks * self.block_size
+
+    def blocks_for(self, num_tokens: int) -> int:
+        return -(-num_tokens // self.block_size)
+
+    def table(self, seq_id: int) -> list[int]:
+        """The live block table of `seq_id` (empty if it owns no pages). Mutated in place by ensure/free."""
+        return self._tables.setdefault(seq_id, [])
+
+    def extra_blocks_needed(self, seq_id: int, num_tokens: int) -> int:
+        return max(0, self.blocks_for(num_tokens) - len(self._tables.get(seq_id, ())))
+
+    def ensure(self, seq_id: int, num_tokens: int) -> bool:
+        """Grow `seq_id`'s table to hold `num_tokens` tokens. All or nothing: False (and no change) if pages run out."""
+        need = self.extra_blocks_needed(seq_id, num_tokens)
+        if need > len(self._free):
+            return False
+        table = self.table(seq_id)
+        for _ in range(need):
+            table.append(self._free.popleft())
+        return True
+
+    def free(self, seq_id: int) -> None:
+        """Return all pages of `seq_id` to the free list (no-op if it owns none)."""
+        for block in self._tables.pop(seq_id, ()):
+            self._free.append(block)
+
+    def check_integrity(self) -> None:
+        """Every page is either free or owned by exactly one sequence; raises AssertionError otherwise."""
+        owned = [b for table in self._tables.values() for b in table]
+        seen = set(owned)
+        if len(seen) != len(owned):
+            raise AssertionError("a KV page is owned twice")
+        free = set(self._free)
+        if len(free) != len(self._free):
+            raise AssertionError("a KV page is on the free list twice")
+        if seen & free:
+            raise AssertionError(f"pages both owned and free: {sorted(seen & free)[:8]}")
+        if seen | free != set(range(self.num_blocks)):
+            lost = set(range(self.num_blocks)) - seen - free
+            raise AssertionError(f"pages neither owned nor free (leaked): {sorted(lost)[:8]}")

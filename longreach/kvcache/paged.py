@@ -1,0 +1,47 @@
+"""Paged KV storage for all layers.
+
+Layout: one tensor (num_layers, 2, num_blocks, block_size, H_kv, D); layer l's keys are `kv[l, 0]`, values `kv[l, 1]`.
+A token's slot is `page * block_size + offset`. Keys are stored *rotated at their true positions*: dense attention
+reads them as they are, and a method that attends with other positions (rolling / chunk-indexed RoPE) re-rotates a
+key by the position delta (rope/scaling.py: rotations compose), so no second copy of the cache is needed.
+
+The engine talks to this class only through `store` and `layer`; a host-offloaded store (later) keeps that interface.
+"""
+from __future__ import annotations
+
+import torch
+
+
+class PagedKVCache:
+    def __init__(self, num_layers: int, num_blocks: int, block_size: int, num_kv_heads: int, head_dim: int,
+                 dtype: torch.dtype, device: torch.device):
+        self.num_blocks, self.block_size = num_blocks, block_size
+        self.kv = torch.empty(num_layers, 2, num_blocks, block_size, num_kv_heads, head_dim, dtype=dtype, device=device)
+
+    @staticmethod
+    def bytes_per_block(num_layers: int, block_size: int, num_kv_heads: int, head_dim: int, dtype: torch.dtype) -> int:
+        return num_layers * 2 * block_size * num_kv_heads * head_dim * torch.empty((), dtype=dtype).element_size()
+
+    @property
+    def nbytes(self) -> int:
+        return self.kv.numel() * self.kv.element_size()
+
+    def layer(self, layer: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """(k_cache, v_cache) of one layer, each (num_blocks, block_size, H_kv, D)."""
+        return self.kv[layer, 0], self.kv[layer, 1]
+
+    def store(self, layer: int, k: torch.Tensor, v: torch.Tensor, slot_mapping: torch.Tensor) -> None:
+        """Write k, v (T, H_kv, D) into slots (T,) of `layer`."""
+        kc, vc = self.layer(layer)
+        kc.view(-1, *kc.shape[2:]).index_copy_(0, slot_mapping, k)
+        vc.view(-1, *vc.shape[2:]).index_copy_(0, slot_mapping, v)
+
+
+def gather_tokens(cache: torch.Tensor, block_table: torch.Tensor, length: int) -> torch.Tensor:
+    """The first `length` tokens of one sequence as a contiguous (length, H_kv, D) tensor.
+
+    cache (num_blocks, block_size, H_kv, D); block_table (>= ceil(length / block_size),) page ids.
+    """
+    bs = cache.shape[1]
+    n = -(-length // bs)
+    return cache[block_table[:n].long()].reshape(n * bs, *cache.shape[2:])[:length]

@@ -1,0 +1,206 @@
+"""GGUF checkpoints: config from metadata, dequantised weights with HF names, and the embedded tokenizer.
+
+llama.cpp's converter permutes the rows of attn_q / attn_k of `llama`-architecture files for its interleaved rotary
+layout; `_unpermute` restores the HF "rotate half" layout (Qwen files are not permuted: llama.cpp treats them as NEOX).
+"""
+from __future__ import annotations
+
+import os
+from typing import Any, Iterator
+
+import torch
+
+from .config import ModelConfig, RopeConfig
+from .quant import dequantize
+from .tokenizer import Tokenizer
+
+GGUF_ARCHITECTURES = {"llama": "llama", "qwen2": "qwen2", "qwen3": "qwen3"}
+
+_LAYER_NAMES = {  # GGUF per-layer name -> HF name (under model.layers.N.)
+    "attn_norm": "input_layernorm",
+    "ffn_norm": "post_attention_layernorm",
+    "attn_q": "self_attn.q_proj",
+    "attn_k": "self_attn.k_proj",
+    "attn_v": "self_attn.v_proj",
+    "attn_output": "self_attn.o_proj",
+    "attn_q_norm": "self_attn.q_norm",
+    "attn_k_norm": "self_attn.k_norm",
+    "ffn_gate": "mlp.gate_proj",
+    "ffn_up": "mlp.up_proj",
+    "ffn_down": "mlp.down_proj",
+}
+_GLOBAL_NAMES = {"token_embd": "model.embed_tokens", "output_norm": "model.norm", "output": "lm_head"}
+
+# GGUF pre-tokenizer name -> (split regex or None, digits split individually); byte-level BPE for all of them.
+_LLAMA3_REGEX = (
+    r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+"
+)
+_PRE_TOKENIZERS = {
+    "default": (None, False),
+    "gpt2": (None, False),
+    "smollm": (None, True),
+    "llama-bpe": (_LLAMA3_REGEX, False),
+    "llama3": (_LLAMA3_REGEX, False),
+    "qwen2": (_LLAMA3_REGEX.replace(r"\p{N}{1,3}", r"\p{N}"), False),
+}
+
+
+class GGUFFile:
+    """A parsed GGUF file (memory-mapped; tensors are decoded lazily)."""
+
+    def __init__(self, path: str):
+        import gguf
+
+        self.path = path
+        self.reader = gguf.GGUFReader(path)
+        self.tensors = {t.name: t for t in self.reader.tensors}
+        arch = self.get("general.architecture")
+        if arch not in GGUF_ARCHITECTURES:
+            raise ValueError(
+                f"unsupported GGUF architecture {arch!r} in {path}; supported: {', '.join(GGUF_ARCHITECTURES)}"
+            )
+        self.arch = arch
+
+    def get(self, key: str, default: Any = None) -> Any:
+        field = self.reader.fields.get(key)
+        return default if field is None else field.contents()
+
+    def hp(self, key: str, default: Any = None) -> Any:
+        """Architecture-scoped hyper-parameter, e.g. hp('block_count') -> llama.block_count."""
+        return self.get(f"{self.arch}.{key}", default)
+
+    # ---- config --------------------------------------------------------------------------------------------------
+    def model_config(self) -> ModelConfig:
+        heads = self.hp("attention.head_count")
+        hidden = self.hp("embedding_length")
+        kv_heads = self.hp("attention.head_count_kv", heads)
+        head_dim = self.hp("attention.key_length", hidden // heads)
+        ctx = self.hp("context_length", 4096)
+        rope_kwargs: dict[str, Any] = {"theta": float(self.hp("rope.freq_base", 10000.0))}
+        scaling = self.hp("rope.scaling.type", "none")
+        if scaling in ("linear", "yarn"):
+            rope_kwargs.update(
+                rope_type=scaling,
+                factor=float(self.hp("rope.scaling.factor", 1.0)),
+                original_max_position_embeddings=int(self.hp("rope.scaling.original_context_length", ctx)),
+            )
+        elif scaling not in ("none", None):
+            raise ValueError(f"unsupported GGUF rope scaling {scaling!r}; supported: none, linear, yarn")
+        if "rope_freqs.weight" in self.tensors:  # llama3-style scaling baked into per-frequency factors
+            rope_kwargs["freq_factors"] = tuple(float(x) for x in self._tensor("rope_freqs.weight").tolist())
+        eos = self.get("tokenizer.ggml.eos_token_id")
+        eot = self.get("tokenizer.ggml.eot_token_id")
+        eos_ids = tuple(dict.fromkeys(i for i in (eos, eot) if i is not None))
+        vocab = self.hp("vocab_size") or int(self.tensors["token_embd.weight"].shape[1])
+        return ModelConfig(
+            architecture=GGUF_ARCHITECTURES[self.arch],
+            vocab_size=int(vocab),
+            hidden_size=int(hidden),
+            intermediate_size=int(self.hp("feed_forward_length")),
+            num_layers=int(self.hp("block_count")),
+            num_heads=int(heads),
+            num_kv_heads=int(kv_heads),
+            head_dim=int(head_dim),
+            rms_norm_eps=float(self.hp("attention.layer_norm_rms_epsilon", 1e-5)),
+            max_position_embeddings=int(ctx),
+            rope=RopeConfig(**rope_kwargs),
+            tie_word_embeddings="output.weight" not in self.tensors,
+            qkv_bias="blk.0.attn_q.bias" in self.tensors,
+            o_bias="blk.0.attn_output.bias" in self.tensors,
+            qk_norm="blk.0.attn_q_norm.weight" in self.tensors,
+            bos_token_id=self.get("tokenizer.ggml.bos_token_id"),
+            eos_token_ids=eos_ids,
+            name=self.get("general.name", os.path.basename(self.path)),
+        )
+
+    # ---- weights -------------------------------------------------------------------------------------------------
+    def _tensor(self, name: str) -> torch.Tensor:
+        t = self.tensors[name]
+        shape = tuple(int(x) for x in reversed(t.shape.tolist()))  # GGUF lists the innermost dimension first
+        return dequantize(t.tensor_type.name, t.data, shape)
+
+    def weights(self, cfg: ModelConfig, dtype: torch.dtype) -> Iterator[tuple[str, torch.Tensor]]:
+        """Yield (HF name, tensor in `dtype`), one tensor at a time (peak memory: one fp32 tensor)."""
+        for name in self.tensors:
+            if name == "rope_freqs.weight":
+                continue
+            base, suffix = name.rsplit(".", 1)  # suffix: weight | bias
+            if base.startswith("blk."):
+                _, layer, part = base.split(".", 2)
+                if part not in _LAYER_NAMES:
+                    raise ValueError(f"unexpected GGUF tensor {name!r}")
+                hf = f"model.layers.{layer}.{_LAYER_NAMES[part]}.{suffix}"
+            elif base in _GLOBAL_NAMES:
+                hf = f"{_GLOBAL_NAMES[base]}.{suffix}"
+            else:
+                raise ValueError(f"unexpected GGUF tensor {name!r}")
+            w = self._tensor(name)
+            if self.arch == "llama" and base.endswith(("attn_q", "attn_k")):
+                heads = cfg.num_heads if base.endswith("attn_q") else cfg.num_kv_heads
+                w = _unpermute(w, heads)
+            yield hf, w.to(dtype)
+
+    # ---- tokenizer -----------------------------------------------------------------------------------------------
+    def tokenizer(self) -> Tokenizer | None:
+        """The embedded tokenizer, or None if the file carries none."""
+        model = self.get("tokenizer.ggml.model")
+        if model is None:
+            return None
+        if model != "gpt2":
+            raise ValueError(
+                f"GGUF tokenizer type {model!r} is not supported (only byte-level BPE, 'gpt2'); "
+                "load the model from its HF directory instead, which carries tokenizer.json"
+            )
+        pre = self.get("tokenizer.ggml.pre", "default")
+        if pre not in _PRE_TOKENIZERS:
+            raise ValueError(f"GGUF pre-tokenizer {pre!r} is not supported; supported: {', '.join(_PRE_TOKENIZERS)}")
+        tokens = self.get("tokenizer.ggml.tokens")
+        types = self.get("tokenizer.ggml.token_type") or [1] * len(tokens)
+        merges = [tuple(m.split(" ", 1)) for m in self.get("tokenizer.ggml.merges")]
+        return _build_bpe_tokenizer(
+            tokens, types, merges, _PRE_TOKENIZERS[pre],
+            bos_id=self.get("tokenizer.ggml.bos_token_id"),
+            eos_id=self.get("tokenizer.ggml.eos_token_id"),
+            add_bos=bool(self.get("tokenizer.ggml.add_bos_token", False)),
+            chat_template=self.get("tokenizer.chat_template"),
+        )
+
+
+def _unpermute(w: torch.Tensor, n_heads: int) -> torch.Tensor:
+    """Undo llama.cpp's per-head row interleave of q/k (weights (out, in) or biases (out,))."""
+    rest = w.shape[1:]
+    half = w.shape[0] // n_heads // 2
+    return w.reshape(n_heads, half, 2, *rest).transpose(1, 2).reshape(w.shape)
+
+
+def _build_bpe_tokenizer(tokens, types, merges, pre, *, bos_id, eos_id, add_bos, chat_template) -> Tokenizer:
+    from tokenizers import AddedToken, Regex, decoders, models, pre_tokenizers, processors
+    from tokenizers import Tokenizer as HFTokenizer
+
+    regex, individual_digits = pre
+    vocab = {t: i for i, t in enumerate(tokens)}
+    tk = HFTokenizer(models.BPE(vocab=vocab, merges=merges, fuse_unk=False, byte_fallback=False))
+    steps = []
+    if individual_digits:
+        steps.append(pre_tokenizers.Digits(individual_digits=True))
+    if regex is not None:
+        steps.append(pre_tokenizers.Split(Regex(regex), behavior="isolated", invert=False))
+    steps.append(pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=regex is None))
+    tk.pre_tokenizer = pre_tokenizers.Sequence(steps) if len(steps) > 1 else steps[0]
+    tk.decoder = decoders.ByteLevel()
+    # Control (3) and user-defined (4) tokens are matched verbatim in text, like llama.cpp and transformers do.
+    tk.add_special_tokens([AddedToken(t, special=True, normalized=False) for t, ty in zip(tokens, types) if ty == 3])
+    tk.add_tokens([AddedToken(t, special=False, normalized=False) for t, ty in zip(tokens, types) if ty == 4])
+    bos = tokens[bos_id] if bos_id is not None else None
+    eos = tokens[eos_id] if eos_id is not None else None
+    if add_bos and bos is not None:
+        tk.post_processor = processors.TemplateProcessing(
+            single=f"{bos} $A", pair=f"{bos} $A {bos} $B", special_tokens=[(bos, bos_id)]
+        )
+    return Tokenizer(tk, chat_template=chat_template, bos_token=bos, eos_token=eos)
+
+
+def find_gguf_in_dir(path: str) -> str | None:
+    files = sorted(f for f in os.listdir(path) if f.endswith(".gguf"))
+    return os.path.join(path, files[0]) if len(files) == 1 else None
+

