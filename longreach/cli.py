@@ -131,6 +131,39 @@ def _cmd_backends(args) -> int:
     return 0
 
 
+def _bench_parser(sub) -> None:
+    p = sub.add_parser("bench", help="benchmarks (always with the baseline measured in the same run)",
+                       description="Benchmarks. Each prints a table and saves JSON.")
+    bsub = p.add_subparsers(dest="bench", metavar="BENCH", required=True)
+    e = bsub.add_parser("engine", help="longreach vs transformers: decode tok/s, prefill tok/s, greedy agreement",
+                        description="End-to-end engine benchmark against transformers on the same device.")
+    e.add_argument("--model", default="smollm2", help="model for longreach (default: smollm2)")
+    e.add_argument("--hf-model", default=None, metavar="PATH",
+                   help="the same model for transformers: a HF directory or a .gguf file (default: --model's path)")
+    e.add_argument("--device", default="cuda", help="device (default: cuda)")
+    e.add_argument("--batch-sizes", type=int, nargs="+", default=[1, 32], metavar="N", help="decode batch sizes")
+    e.add_argument("--new-tokens", type=int, default=256, help="tokens generated per sequence (default: 256)")
+    e.add_argument("--prefill-len", type=int, default=8191, help="prompt tokens for the prefill test (default: 8191)")
+    e.add_argument("--repeats", type=int, default=3, help="timed repeats, median reported (default: 3)")
+    e.add_argument("--out", default="bench-engine.json", help="JSON output path (default: bench-engine.json)")
+    e.set_defaults(func=_cmd_bench_engine)
+
+
+def _cmd_bench_engine(args) -> int:
+    import os
+
+    from .bench.engine import run
+    from .models.loader import resolve_model_path
+
+    hf = resolve_model_path(args.hf_model or args.model)
+    hf_dir, hf_file = (os.path.dirname(hf), os.path.basename(hf)) if hf.endswith(".gguf") else (hf, None)
+    if min(args.batch_sizes) < 1 or args.new_tokens < 2 or args.prefill_len < 1:
+        raise ValueError("batch sizes must be >= 1, --new-tokens >= 2 and --prefill-len >= 1")
+    run(args.model, hf_dir, hf_file, args.device, tuple(args.batch_sizes), args.new_tokens,
+        prefill_len=args.prefill_len, repeats=args.repeats, out_path=args.out)
+    return 0
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="longreach",
@@ -140,6 +173,7 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("-v", "--verbose", action="store_true", help="debug log (one line per engine step)")
     sub = parser.add_subparsers(dest="command", metavar="COMMAND", required=True)
     _generate_parser(sub)
+    _bench_parser(sub)
     b = sub.add_parser("backends", help="list the attention backends", description="List the attention backends.")
     b.set_defaults(func=_cmd_backends)
     return parser

@@ -65,15 +65,16 @@ if triton is not None:
         stride_ob, stride_oh, stride_os,
         stride_lb, stride_lh,
         qk_scale,  # softmax scale * log2(e): exponentials are taken in base 2
+        num_splits,  # a runtime value: one compiled kernel serves every batch size
         GROUP: tl.constexpr, GROUP_PAD: tl.constexpr, HEAD_DIM: tl.constexpr,
-        PAGE: tl.constexpr, BLOCK_N: tl.constexpr, NUM_SPLITS: tl.constexpr, DOT_PRECISION: tl.constexpr,
+        PAGE: tl.constexpr, BLOCK_N: tl.constexpr, DOT_PRECISION: tl.constexpr,
     ):
         b = tl.program_id(0)
         kvh = tl.program_id(1)
         split = tl.program_id(2)
         seq_len = tl.load(SeqLens + b)
         num_tiles = tl.cdiv(seq_len, BLOCK_N)
-        tiles_per_split = tl.cdiv(num_tiles, NUM_SPLITS)
+        tiles_per_split = tl.cdiv(num_tiles, num_splits)
         t_start = split * tiles_per_split
         t_end = tl.minimum(t_start + tiles_per_split, num_tiles)
 
@@ -118,7 +119,9 @@ def default_num_splits(batch: int, num_kv_heads: int, max_len: int, block_n: int
     return max(1, min(want, -(-max_len // block_n), 64))
 
 
-def paged_decode(q, k_cache, v_cache, block_tables, seq_lens, scale: float, num_splits: int, block_n: int = 64):
+def paged_decode(q, k_cache, v_cache, block_tables, seq_lens, scale: float, num_splits: int, block_n: int = 64,
+                 workspace: tuple[torch.Tensor, torch.Tensor] | None = None):
+    """`workspace` (tests): preallocated (B, H_q, S, D) / (B, H_q, S) fp32 partial buffers, e.g. poisoned with NaN."""
     if triton is None:
         raise RuntimeError("paged_decode needs Triton; use paged_decode_reference on CPU")
     B, Hq, D = q.shape
@@ -136,8 +139,11 @@ def paged_decode(q, k_cache, v_cache, block_tables, seq_lens, scale: float, num_
     if block_tables.shape[0] != B or seq_lens.shape[0] != B:
         raise ValueError("block_tables / seq_lens batch size differs from q")
     G = Hq // Hkv
-    out_p = torch.empty(B, Hq, num_splits, D, dtype=torch.float32, device=q.device)
-    lse_p = torch.empty(B, Hq, num_splits, dtype=torch.float32, device=q.device)
+    if workspace is None:
+        out_p = torch.empty(B, Hq, num_splits, D, dtype=torch.float32, device=q.device)
+        lse_p = torch.empty(B, Hq, num_splits, dtype=torch.float32, device=q.device)
+    else:
+        out_p, lse_p = workspace
     grid = (B, Hkv, num_splits)
     _paged_decode_kernel[grid](
         q, k_cache, v_cache, block_tables, seq_lens, out_p, lse_p,
@@ -148,8 +154,9 @@ def paged_decode(q, k_cache, v_cache, block_tables, seq_lens, scale: float, num_
         out_p.stride(0), out_p.stride(1), out_p.stride(2),
         lse_p.stride(0), lse_p.stride(1),
         scale * math.log2(math.e),
+        num_splits,
         GROUP=G, GROUP_PAD=max(16, triton.next_power_of_2(G)), HEAD_DIM=D,
-        PAGE=page, BLOCK_N=block_n, NUM_SPLITS=num_splits,
+        PAGE=page, BLOCK_N=block_n,
         DOT_PRECISION="ieee" if q.dtype == torch.float32 else "tf32",
         num_warps=4, num_stages=2,
     )

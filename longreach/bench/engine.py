@@ -1,0 +1,157 @@
+"""End-to-end engine benchmark: longreach vs transformers on the same GPU, in the same run.
+
+Measures, for both engines with greedy decoding:
+  * decode throughput at batch 1 and batch 32: (T(generate N tokens) - T(generate 1 token)) gives the decode time of
+    N-1 tokens per sequence, so prefill is excluded the same way for both;
+  * prefill throughput on one long prompt (default 8191 tokens): the time to produce the first token;
+  * greedy-token agreement on a few chat prompts.
+Prints a table and writes JSON. transformers is the baseline here (its default SDPA attention and dynamic KV cache).
+"""
+from __future__ import annotations
+
+import json
+import os
+import statistics
+import time
+from dataclasses import asdict, dataclass, field
+
+CHAT_PROMPTS = [
+    "What is the capital of France?",
+    "Write a haiku about the ocean.",
+    "Explain photosynthesis in two sentences.",
+    "List three prime numbers greater than 50.",
+    "What does a compiler do?",
+]
+
+
+@dataclass
+class EngineResult:
+    decode_tok_s: dict[int, float] = field(default_factory=dict)  # batch size -> generated tokens / s
+    prefill_tok_s: float = 0.0
+    prefill_s: float = 0.0
+
+
+def _sync():
+    import torch
+
+    if torch.cuda.is_available():
+        torch.cuda.synchronize()
+
+
+def _median_time(fn, repeats: int) -> float:
+    times = []
+    for _ in range(repeats):
+        _sync()
+        t0 = time.perf_counter()
+        fn()
+        _sync()
+        times.append(time.perf_counter() - t0)
+    return statistics.median(times)
+
+
+def run(model: str, hf_dir: str, hf_file: str | None, device: str, batch_sizes=(1, 32), new_tokens: int = 256,
+        prompt_len: int = 128, prefill_len: int = 8191, repeats: int = 3, out_path: str | None = None) -> dict:
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    from ..engine.llm import LLM
+    from ..sampling_params import SamplingParams
+
+    dev = torch.device(device)
+    llm = LLM(model, device=device, max_num_seqs=max(batch_sizes), max_model_len=prefill_len + 1,
+              max_num_batched_tokens=max(8192, prefill_len))
+    tok = llm.get_tokenizer()
+    kwargs = {"gguf_file": hf_file} if hf_file else {}
+    hf = AutoModelForCausalLM.from_pretrained(hf_dir, dtype=llm.engine.dtype, **kwargs).to(dev).eval()
+    gen = torch.Generator().manual_seed(0)
+    vocab = llm.engine.model_config.vocab_size
+
+    # ---- greedy agreement on chat prompts ----
+    agreement = []
+    for text in CHAT_PROMPTS:
+        ids = tok.encode(tok.apply_chat_template([{"role": "user", "content": text}]), add_special_tokens=False)
+        ours = llm.generate({"prompt_token_ids": ids}, SamplingParams(temperature=0, max_tokens=48),
+                            use_tqdm=False)[0].token_ids
+        with torch.no_grad():
+            ref = hf.generate(torch.tensor([ids], device=dev), max_new_tokens=48, do_sample=False,
+                              eos_token_id=list(llm.engine.eos_token_ids), pad_token_id=0)[0, len(ids):].tolist()
+        first_diff = next((i for i, (a, b) in enumerate(zip(ours, ref)) if a != b), None)
+        if first_diff is None and len(ours) != len(ref):
+            first_diff = min(len(ours), len(ref))
+        agreement.append({"prompt": text, "equal": ours == ref, "first_difference": first_diff,
+                          "longreach": tok.decode(ours), "transformers": tok.decode(ref)})
+
+    ours, base = EngineResult(), EngineResult()
+    # ---- decode throughput ----
+    for bsz in batch_sizes:
+        prompts = [torch.randint(100, vocab, (prompt_len,), generator=gen).tolist() for _ in range(bsz)]
+        batch = torch.tensor(prompts, device=dev)
+
+        def lr(n):
+            return lambda: llm.generate([{"prompt_token_ids": p} for p in prompts],
+                                        SamplingParams(temperature=0, max_tokens=n, ignore_eos=True), use_tqdm=False)
+
+        def tf(n):
+            def go():
+                with torch.no_grad():
+                    hf.generate(batch, attention_mask=torch.ones_like(batch), max_new_tokens=n, min_new_tokens=n,
+                                do_sample=False, pad_token_id=0)
+            return go
+
+        for fn in (lr(2), tf(2)):
+            fn()  # warm-up
+        for result, make in ((ours, lr), (base, tf)):
+            full = _median_time(make(new_tokens), repeats)
+            one = _median_time(make(1), repeats)
+            result.decode_tok_s[bsz] = bsz * (new_tokens - 1) / (full - one)
+
+    # ---- prefill throughput ----
+    long_ids = torch.randint(100, vocab, (prefill_len,), generator=gen).tolist()
+    lr_prefill = lambda: llm.generate({"prompt_token_ids": long_ids}, SamplingParams(temperature=0, max_tokens=1),  # noqa: E731
+                                      use_tqdm=False)
+
+    def tf_prefill():
+        with torch.no_grad():
+            hf(torch.tensor([long_ids], device=dev), logits_to_keep=1)
+
+    for result, fn in ((ours, lr_prefill), (base, tf_prefill)):
+        fn()
+        result.prefill_s = _median_time(fn, repeats)
+        result.prefill_tok_s = prefill_len / result.prefill_s
+
+    report = {
+        "gpu": torch.cuda.get_device_name(dev) if dev.type == "cuda" else "cpu",
+        "date": time.strftime("%Y-%m-%d"),
+        "torch": torch.__version__,
+        "model": llm.engine.model_config.name,
+        "dtype": str(llm.engine.dtype).replace("torch.", ""),
+        "settings": {"new_tokens": new_tokens, "prompt_len": prompt_len, "prefill_len": prefill_len,
+                     "repeats": repeats, "cuda_graphs": bool(llm.engine.runner._graphs)},
+        "longreach": asdict(ours),
+        "transformers": asdict(base),
+        "greedy_agreement": agreement,
+    }
+    print(format_table(report))
+    if out_path:
+        os.makedirs(os.path.dirname(os.path.abspath(out_path)), exist_ok=True)
+        with open(out_path, "w") as f:
+            json.dump(report, f, indent=2)
+    return report
+
+
+def format_table(r: dict) -> str:
+    lines = [f"{r['model']} on {r['gpu']} ({r['dtype']}, torch {r['torch']}, {r['date']})",
+             f"{'metric':<34} {'longreach':>12} {'transformers':>13} {'ratio':>7}"]
+    ours, base = r["longreach"], r["transformers"]
+    for bsz in ours["decode_tok_s"]:
+        a, b = ours["decode_tok_s"][bsz], base["decode_tok_s"][bsz]
+        lines.append(f"{f'decode tok/s, batch {bsz}':<34} {a:>12,.0f} {b:>13,.0f} {a / b:>6.1f}x")
+    a, b = ours["prefill_tok_s"], base["prefill_tok_s"]
+    lines.append(f"{'prefill tok/s, ' + str(r['settings']['prefill_len']) + ' tokens':<34} {a:>12,.0f} {b:>13,.0f} "
+                 f"{a / b:>6.1f}x")
+    eq = sum(x["equal"] for x in r["greedy_agreement"])
+    lines.append(f"greedy tokens equal on {eq}/{len(r['greedy_agreement'])} chat prompts (48 tokens each)")
+    for x in r["greedy_agreement"]:
+        if not x["equal"]:
+            lines.append(f"  differs at token {x['first_difference']}: {x['prompt']!r}")
+    return "\n".join(lines)

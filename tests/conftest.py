@@ -1,0 +1,58 @@
+"""Shared fixtures. Triton kernels run in the interpreter on machines without a GPU (set before any kernel import)."""
+import os
+
+import pytest
+
+try:
+    import torch
+
+    _HAS_CUDA = torch.cuda.is_available()
+except ImportError:  # pragma: no cover
+    _HAS_CUDA = False
+if not _HAS_CUDA:
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+
+import torch  # noqa: E402
+
+from longreach.config import EngineConfig  # noqa: E402
+from longreach.engine.llm_engine import LLMEngine  # noqa: E402
+
+
+def make_tiny_hf_model(path, arch: str = "llama", seed: int = 0, shard: bool = False, **overrides):
+    """Save a small randomly initialised transformers checkpoint of `arch` in HF format; returns (path, hf_model)."""
+    import transformers
+
+    torch.manual_seed(seed)
+    common = dict(vocab_size=256, hidden_size=64, intermediate_size=96, num_hidden_layers=3, num_attention_heads=4,
+                  num_key_value_heads=2, max_position_embeddings=256, initializer_range=0.2, rms_norm_eps=1e-5,
+                  bos_token_id=1, eos_token_id=2)
+    if arch == "llama":
+        cls, cfg_cls = transformers.LlamaForCausalLM, transformers.LlamaConfig
+    elif arch == "mistral":
+        cls, cfg_cls = transformers.MistralForCausalLM, transformers.MistralConfig
+        common["sliding_window"] = None
+    elif arch == "qwen2":
+        cls, cfg_cls = transformers.Qwen2ForCausalLM, transformers.Qwen2Config
+    elif arch == "qwen3":
+        cls, cfg_cls = transformers.Qwen3ForCausalLM, transformers.Qwen3Config
+        common["head_dim"] = 32  # Qwen3 decouples head_dim from hidden/heads
+    else:
+        raise ValueError(arch)
+    common.update(overrides)
+    model = cls(cfg_cls(**common)).float().eval()
+    model.save_pretrained(str(path), max_shard_size="100KB" if shard else "5GB")
+    return str(path), model
+
+
+@pytest.fixture(scope="session")
+def smollm2():
+    """The real default model, fp32 on CPU, loaded once per session."""
+    return LLMEngine(EngineConfig(model="smollm2", device="cpu", dtype="float32", max_model_len=2048,
+                                  kv_cache_memory_gb=0.5))
+
+
+@pytest.fixture(scope="session")
+def smollm2_gguf_path():
+    from longreach.models.loader import resolve_model_path
+
+    return resolve_model_path("smollm2")

@@ -1,0 +1,74 @@
+"""Paged KV cache: page bookkeeping invariants and the storage layout."""
+import random
+
+import pytest
+import torch
+
+from longreach.kvcache.block_manager import BlockManager
+from longreach.kvcache.paged import PagedKVCache, gather_tokens
+
+
+def test_random_grow_and_free_keeps_invariants():
+    rng = random.Random(0)
+    bm = BlockManager(num_blocks=64, block_size=4)
+    sizes: dict[int, int] = {}
+    for step in range(2000):
+        seq = rng.randrange(12)
+        if rng.random() < 0.25 and seq in sizes:
+            bm.free(seq)
+            del sizes[seq]
+        else:
+            want = sizes.get(seq, 0) + rng.randrange(1, 20)
+            before = (bm.num_free_blocks, list(bm.table(seq)))
+            if bm.ensure(seq, want):
+                sizes[seq] = want
+                assert len(bm.table(seq)) == bm.blocks_for(want)
+            else:  # all or nothing: a failed grow changes nothing
+                assert (bm.num_free_blocks, list(bm.table(seq))) == before
+                assert bm.extra_blocks_needed(seq, want) > bm.num_free_blocks
+        bm.check_integrity()
+        owned = sum(len(bm.table(s)) for s in sizes)
+        assert owned + bm.num_free_blocks == 64
+    for s in list(sizes):
+        bm.free(s)
+    bm.check_integrity()
+    assert bm.num_free_blocks == 64
+
+
+def test_ensure_never_shrinks_and_free_is_idempotent():
+    bm = BlockManager(8, 16)
+    assert bm.ensure(1, 40) and bm.table(1) == [0, 1, 2]
+    assert bm.ensure(1, 10) and bm.table(1) == [0, 1, 2]
+    bm.free(1)
+    bm.free(1)
+    bm.check_integrity()
+
+
+def test_check_integrity_detects_corruption():
+    bm = BlockManager(8, 4)
+    bm.ensure(0, 8)
+    bm.ensure(1, 8)
+    bm.table(1).append(bm.table(0)[0])  # a page owned twice
+    with pytest.raises(AssertionError):
+        bm.check_integrity()
+    bm2 = BlockManager(8, 4)
+    bm2.ensure(0, 4)
+    bm2.table(0).pop()  # a page leaked: neither owned nor free
+    with pytest.raises(AssertionError, match="leaked"):
+        bm2.check_integrity()
+
+
+def test_store_then_gather_returns_tokens_in_order():
+    torch.manual_seed(0)
+    cache = PagedKVCache(num_layers=2, num_blocks=10, block_size=4, num_kv_heads=3, head_dim=8,
+                         dtype=torch.float32, device=torch.device("cpu"))
+    table = torch.tensor([7, 2, 5], dtype=torch.int32)  # scattered pages
+    n = 11
+    k, v = torch.randn(n, 3, 8), torch.randn(n, 3, 8)
+    t = torch.arange(n)
+    slots = table.long()[t // 4] * 4 + t % 4
+    cache.store(1, k, v, slots)
+    kc, vc = cache.layer(1)
+    assert torch.equal(gather_tokens(kc, table, n), k)
+    assert torch.equal(gather_tokens(vc, table, n), v)
+    assert torch.equal(gather_tokens(kc, table, 6), k[:6])
