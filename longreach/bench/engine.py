@@ -49,8 +49,43 @@ def _median_time(fn, repeats: int) -> float:
     return statistics.median(times)
 
 
+def greedy_agreement(llm, hf, dev, new_tokens: int = 48) -> list[dict]:
+    """Greedy continuations of the chat prompts from both engines; where they part, how close the choice was.
+
+    `transformers_gap` is the logit difference, in transformers' own logits at the first differing position
+    (teacher-forced on the common prefix), between its token and longreach's: a gap near the dtype's rounding
+    (~0.1 for bf16 logits of magnitude ~20) means a near-tie that rounding order decides.
+    """
+    import torch
+
+    from ..sampling_params import SamplingParams
+
+    tok = llm.get_tokenizer()
+    eos = sorted(llm.engine.eos_token_ids)
+    rows = []
+    for text in CHAT_PROMPTS:
+        ids = tok.encode(tok.apply_chat_template([{"role": "user", "content": text}]), add_special_tokens=False)
+        ours = llm.generate({"prompt_token_ids": ids}, SamplingParams(temperature=0, max_tokens=new_tokens),
+                            use_tqdm=False)[0].token_ids
+        with torch.no_grad():
+            ref = hf.generate(torch.tensor([ids], device=dev), max_new_tokens=new_tokens, do_sample=False,
+                              eos_token_id=eos, pad_token_id=0)[0, len(ids):].tolist()
+        diff = next((i for i, (a, b) in enumerate(zip(ours, ref)) if a != b), None)
+        if diff is None and len(ours) != len(ref):
+            diff = min(len(ours), len(ref))
+        row = {"prompt": text, "equal": ours == ref, "first_difference": diff,
+               "longreach": tok.decode(ours), "transformers": tok.decode(ref)}
+        if diff is not None and diff < min(len(ours), len(ref)):
+            with torch.no_grad():
+                logits = hf(torch.tensor([ids + ref[:diff]], device=dev), logits_to_keep=1).logits[0, -1].float()
+            row["transformers_gap"] = round((logits[ref[diff]] - logits[ours[diff]]).item(), 4)
+        rows.append(row)
+    return rows
+
+
 def run(model: str, hf_dir: str, hf_file: str | None, device: str, batch_sizes=(1, 32), new_tokens: int = 256,
-        prompt_len: int = 128, prefill_len: int = 8191, repeats: int = 3, out_path: str | None = None) -> dict:
+        prompt_len: int = 128, prefill_len: int = 8191, repeats: int = 3, out_path: str | None = None,
+        compare_fp32: bool = True) -> dict:
     import torch
     from transformers import AutoModelForCausalLM
 
@@ -58,7 +93,7 @@ def run(model: str, hf_dir: str, hf_file: str | None, device: str, batch_sizes=(
     from ..sampling_params import SamplingParams
 
     dev = torch.device(device)
-    llm = LLM(model, device=device, max_num_seqs=max(batch_sizes), max_model_len=prefill_len + 1,
+    llm = LLM(model, device=device, max_num_seqs=max(batch_sizes), max_model_len=max(prefill_len, prompt_len + new_tokens) + 1,
               max_num_batched_tokens=max(8192, prefill_len))
     tok = llm.get_tokenizer()
     kwargs = {"gguf_file": hf_file} if hf_file else {}
@@ -66,20 +101,14 @@ def run(model: str, hf_dir: str, hf_file: str | None, device: str, batch_sizes=(
     gen = torch.Generator().manual_seed(0)
     vocab = llm.engine.model_config.vocab_size
 
-    # ---- greedy agreement on chat prompts ----
-    agreement = []
-    for text in CHAT_PROMPTS:
-        ids = tok.encode(tok.apply_chat_template([{"role": "user", "content": text}]), add_special_tokens=False)
-        ours = llm.generate({"prompt_token_ids": ids}, SamplingParams(temperature=0, max_tokens=48),
-                            use_tqdm=False)[0].token_ids
-        with torch.no_grad():
-            ref = hf.generate(torch.tensor([ids], device=dev), max_new_tokens=48, do_sample=False,
-                              eos_token_id=list(llm.engine.eos_token_ids), pad_token_id=0)[0, len(ids):].tolist()
-        first_diff = next((i for i, (a, b) in enumerate(zip(ours, ref)) if a != b), None)
-        if first_diff is None and len(ours) != len(ref):
-            first_diff = min(len(ours), len(ref))
-        agreement.append({"prompt": text, "equal": ours == ref, "first_difference": first_diff,
-                          "longreach": tok.decode(ours), "transformers": tok.decode(ref)})
+    agreement = greedy_agreement(llm, hf, dev)
+    agreement_fp32 = None
+    if llm.engine.dtype != torch.float32 and compare_fp32:
+        llm32 = LLM(model, device=device, dtype="float32", kv_cache_memory_gb=2)
+        hf32 = AutoModelForCausalLM.from_pretrained(hf_dir, dtype=torch.float32, **kwargs).to(dev).eval()
+        agreement_fp32 = greedy_agreement(llm32, hf32, dev)
+        del llm32, hf32
+        torch.cuda.empty_cache() if dev.type == "cuda" else None
 
     ours, base = EngineResult(), EngineResult()
     # ---- decode throughput ----
@@ -130,6 +159,7 @@ def run(model: str, hf_dir: str, hf_file: str | None, device: str, batch_sizes=(
         "longreach": asdict(ours),
         "transformers": asdict(base),
         "greedy_agreement": agreement,
+        "greedy_agreement_fp32": agreement_fp32,
     }
     print(format_table(report))
     if out_path:
@@ -149,9 +179,15 @@ def format_table(r: dict) -> str:
     a, b = ours["prefill_tok_s"], base["prefill_tok_s"]
     lines.append(f"{'prefill tok/s, ' + str(r['settings']['prefill_len']) + ' tokens':<34} {a:>12,.0f} {b:>13,.0f} "
                  f"{a / b:>6.1f}x")
-    eq = sum(x["equal"] for x in r["greedy_agreement"])
-    lines.append(f"greedy tokens equal on {eq}/{len(r['greedy_agreement'])} chat prompts (48 tokens each)")
-    for x in r["greedy_agreement"]:
-        if not x["equal"]:
-            lines.append(f"  differs at token {x['first_difference']}: {x['prompt']!r}")
+    for key, label in (("greedy_agreement", r["dtype"]), ("greedy_agreement_fp32", "float32")):
+        rows = r.get(key)
+        if not rows:
+            continue
+        eq = sum(x["equal"] for x in rows)
+        lines.append(f"greedy tokens equal ({label}) on {eq}/{len(rows)} chat prompts (48 tokens each)")
+        for x in rows:
+            if not x["equal"]:
+                gap = x.get("transformers_gap")
+                lines.append(f"  differs at token {x['first_difference']} (transformers' logit gap there: {gap}): "
+                             f"{x['prompt']!r}")
     return "\n".join(lines)
