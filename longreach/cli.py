@@ -17,7 +17,7 @@ from . import __version__
 from .config import EngineConfig
 from .sampling_params import SamplingParams
 
-_ENGINE_TYPES = {"max_model_len": int, "kv_cache_memory_gb": float}
+_ENGINE_TYPES = {"max_model_len": int, "kv_cache_memory_gb": float, "preset": str, "attention_config": str}
 
 
 def add_engine_args(p: argparse.ArgumentParser) -> None:
@@ -164,6 +164,96 @@ def _cmd_bench_engine(args) -> int:
     return 0
 
 
+def _add_eval_common(r) -> None:
+    r.add_argument("--model", default="smollm2", help="model (default: smollm2)")
+    src = r.add_mutually_exclusive_group(required=True)
+    src.add_argument("--text-file", metavar="PATH", help="text to read")
+    src.add_argument("--text-source", choices=["paul-graham"], help="a built-in text (from the RULER data package)")
+    r.add_argument("--length", type=int, required=True, help="context length in tokens")
+    r.add_argument("--attention", nargs="+", required=True, metavar="METHOD[:PRESET]",
+                   help="methods to evaluate, e.g. infinitehip:3k hip quest streaming dense")
+    r.add_argument("--preset", default=None, help="preset for methods given without one")
+    r.add_argument("--attention-config", default=None, metavar="JSON", help="overrides applied to every method")
+    r.add_argument("--device", default="auto", help="device (default: auto)")
+    r.add_argument("--dtype", default="float32", help="dtype (default: float32)")
+    r.add_argument("--out", default=None, help="also write the JSON here")
+
+
+def _eval_inputs(args):
+    """(text, [(method, preset)]) from the shared eval arguments."""
+    from .attention.registry import check_backend_name
+    from .eval.data import TEXT_SOURCES
+
+    methods = []
+    for item in args.attention:
+        name, _, preset = item.partition(":")
+        check_backend_name(name)
+        methods.append((name, preset or (args.preset if name != "dense" else None)))
+    if args.text_file:
+        try:
+            with open(args.text_file, encoding="utf-8") as f:
+                return f.read(), methods
+        except OSError as e:
+            raise ValueError(f"cannot read --text-file {args.text_file!r}: {e.strerror}") from None
+    return TEXT_SOURCES[args.text_source](), methods
+
+
+def _emit(report: dict, path: str | None) -> None:
+    import json
+
+    out = json.dumps(report, indent=1)
+    print(out)
+    if path:
+        with open(path, "w") as f:
+            f.write(out)
+
+
+def _cmd_eval_agreement(args) -> int:
+    from .eval.agreement import run
+
+    text, methods = _eval_inputs(args)
+    report = run(args.model, text, args.length, args.new_tokens, methods, args.attention_config, args.device,
+                 args.dtype)
+    _emit(report, args.out)
+    summary = ", ".join(f"{k}: {v['tokens_equal']}/{args.new_tokens} equal" for k, v in report["methods"].items()
+                        if "tokens_equal" in v)
+    print(f"[longreach] greedy agreement with dense after {args.length - args.new_tokens} tokens: {summary}",
+          file=sys.stderr)
+    return 0
+
+
+def _eval_parser(sub) -> None:
+    p = sub.add_parser("eval", help="quality evaluations (JSON out)", description="Quality evaluations.")
+    esub = p.add_subparsers(dest="eval", metavar="EVAL", required=True)
+    r = esub.add_parser(
+        "recall", help="how much exact attention a sparse method keeps, on a model's real queries and keys",
+        description="Run the model densely on a text, capture its queries and keys, and measure for each method the "
+                    "attention-mass recall, top-k key recall and output error of its selection, per layer. Prints "
+                    "JSON.")
+    _add_eval_common(r)
+    r.add_argument("--queries", type=int, default=256, help="evaluate the last N query positions (default: 256)")
+    r.set_defaults(func=_cmd_eval_recall)
+    a = esub.add_parser(
+        "agreement", help="greedy continuations of a long prompt: each method against dense",
+        description="Generate greedily after a long prompt with dense attention and with each method; report how "
+                    "many generated tokens agree with dense and where they first differ. Prints JSON.")
+    _add_eval_common(a)
+    a.add_argument("--new-tokens", type=int, default=64, help="tokens to generate (default: 64)")
+    a.set_defaults(func=_cmd_eval_agreement)
+
+
+def _cmd_eval_recall(args) -> int:
+    from .eval.recall import run
+
+    text, methods = _eval_inputs(args)
+    report = run(args.model, text, args.length, methods, args.attention_config, args.queries, args.device, args.dtype)
+    _emit(report, args.out)
+    summary = ", ".join(f"{k}: mass {v['mean']['mass_recall']:.4f}, top-k {v['mean']['topk_recall']:.4f}, "
+                        f"{v['mean']['keys_per_query']:.0f} keys/query" for k, v in report["methods"].items())
+    print(f"[longreach] recall at {args.length} tokens: {summary}", file=sys.stderr)
+    return 0
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="longreach",
@@ -174,6 +264,7 @@ def build_parser() -> argparse.ArgumentParser:
     sub = parser.add_subparsers(dest="command", metavar="COMMAND", required=True)
     _generate_parser(sub)
     _bench_parser(sub)
+    _eval_parser(sub)
     b = sub.add_parser("backends", help="list the attention backends", description="List the attention backends.")
     b.set_defaults(func=_cmd_backends)
     return parser

@@ -19,6 +19,10 @@ def _f(default: Any, help: str):
 class EngineConfig:
     model: str = _f("smollm2", "model: an alias (smollm2), a Hugging Face model directory, or a .gguf file")
     attention: str = _f("dense", "attention backend (see `longreach backends`)")
+    preset: str | None = _f(None, "named configuration of the attention method, e.g. 3k, 5k, 3k-fast, 3k-flash for "
+                                  "infinitehip; default: the method's own")
+    attention_config: str | None = _f(None, "JSON object overriding fields of the method's config, e.g. "
+                                            "'{\"n_sink\": 128, \"dense_layers\": [0, 1]}'")
     dtype: str = _f("auto", "weights, activations and KV cache dtype; auto = bfloat16 on CUDA, float32 on CPU")
     device: str = _f("auto", "auto (CUDA when available), cpu, cuda or cuda:N")
     max_model_len: int | None = _f(None, "longest sequence (prompt + output) in tokens; default: the model's "
@@ -57,6 +61,15 @@ class EngineConfig:
         from .attention.registry import check_backend_name
 
         check_backend_name(self.attention)
+        if self.attention_config is not None:
+            import json
+
+            try:
+                parsed = json.loads(self.attention_config)
+            except json.JSONDecodeError as e:
+                bad(f"attention_config must be a JSON object, got {self.attention_config!r} ({e.msg})")
+            if not isinstance(parsed, dict):
+                bad(f"attention_config must be a JSON object, got {self.attention_config!r}")
 
     @classmethod
     def field_names(cls) -> tuple[str, ...]:

@@ -67,6 +67,12 @@ class DenseBackend(AttentionBackend):
             start += n
         return out
 
+    @classmethod
+    def unsupported_reasons(cls, model_config, engine_config) -> list[str]:
+        if engine_config.preset or engine_config.attention_config:
+            return ["dense attention takes no --preset or --attention-config"]
+        return []
+
     def __init__(self, model_config, engine_config, device):
         super().__init__(model_config, engine_config, device)
         cuda = device.type == "cuda"

@@ -13,6 +13,10 @@ if TYPE_CHECKING:
 
 _BUILTIN = {
     "dense": "longreach.attention.dense:DenseBackend",
+    "infinitehip": "longreach.attention.infinitehip:InfiniteHiPBackend",
+    "hip": "longreach.attention.hip:HiPBackend",
+    "quest": "longreach.attention.quest:QuestBackend",
+    "streaming": "longreach.attention.streaming:StreamingBackend",
 }
 _registry: dict[str, "str | type[AttentionBackend]"] = dict(_BUILTIN)
 

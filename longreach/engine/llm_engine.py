@@ -191,10 +191,11 @@ class LLMEngine:
         return self.scheduler.has_unfinished()
 
     @torch.inference_mode()
-    def prompt_logits(self, token_ids: list[int]) -> torch.Tensor:
+    def prompt_logits(self, token_ids: list[int], return_logits: bool = True) -> torch.Tensor | None:
         """fp32 logits (T, V) of every position of `token_ids`, via chunked prefill through the engine's backend.
 
         Runs outside the scheduler (call it while no requests are queued); pages are taken and returned here.
+        With `return_logits=False` only the forward passes run (e.g. to capture attention inputs).
         """
         if self.scheduler.has_unfinished():
             raise RuntimeError("prompt_logits needs an idle engine (requests are queued or running)")
@@ -207,13 +208,13 @@ class LLMEngine:
                 n = min(self.config.max_num_batched_tokens, seq.num_uncomputed)
                 if not self.blocks.ensure(seq.seq_id, seq.num_computed + n):
                     raise ValueError(f"the KV cache cannot hold {len(token_ids)} tokens")
-                logits, _ = self.runner.execute(ScheduledBatch(True, [seq], [n]), all_logits=True)
+                logits, _ = self.runner.execute(ScheduledBatch(True, [seq], [n]), all_logits=return_logits)
                 chunks.append(logits)
                 seq.num_computed += n
         finally:
             self.blocks.free(seq.seq_id)
             self.backend.free_sequence(seq.seq_id)
-        return torch.cat(chunks)
+        return torch.cat(chunks) if return_logits else None
 
     # ---- the loop ------------------------------------------------------------------------------------------------
     def step(self) -> list[RequestOutput]:

@@ -1,0 +1,108 @@
+"""Block-sparse attention over the paged KV cache, in plain PyTorch: the reference the Triton kernels must match.
+
+For every query block of a `SparseIndex` it gathers the sink, the block's window span and the selected key blocks
+(through the block table), masks each query row to exactly the keys the index gives it (see index.py: the three
+parts are disjoint and causal), and computes exact softmax attention in fp32. Vectorised over query blocks, heads and
+keys; query blocks are processed in slices so that the score tensor stays within `max_bytes`.
+Returns out (T, H_q, D) in q's dtype and the log-sum-exp (T, H_q) fp32 (natural log; -inf for a row with no key).
+"""
+from __future__ import annotations
+
+import torch
+
+from .index import SparseIndex
+
+
+def head_pairs(num_heads: int, num_kv_heads: int, groups: int) -> tuple[list[tuple[int, int]], int]:
+    """(selection group, KV head) pairs that heads read from, and heads per pair (heads of a pair are contiguous)."""
+    gqa = num_heads // num_kv_heads
+    if groups == num_heads:
+        return [(h, h // gqa) for h in range(num_heads)], 1
+    if groups == num_kv_heads:
+        return [(g, g) for g in range(groups)], gqa
+    if groups == 1:
+        return [(0, kv) for kv in range(num_kv_heads)], gqa
+    raise ValueError(f"groups must be 1, num_kv_heads ({num_kv_heads}) or num_heads ({num_heads}), got {groups}")
+
+
+def block_sparse_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                           block_tables: torch.Tensor, index: SparseIndex, scale: float,
+                           max_bytes: int = 256 << 20) -> tuple[torch.Tensor, torch.Tensor]:
+    T, Hq, D = q.shape
+    page, Hkv = k_cache.shape[1], k_cache.shape[2]
+    dev = q.device
+    qb = index.queries
+    BQ, BK, S, W, G = index.block_q, index.block_k, index.n_sink, index.n_window, index.groups
+    pairs, hpp = head_pairs(Hq, Hkv, G)
+    P = len(pairs)
+    pair_group = torch.tensor([g for g, _ in pairs], device=dev)
+    pair_kv = torch.tensor([kv for _, kv in pairs], device=dev)
+    n_win = BQ + W - 1 if W > 0 else 0
+    NK = S + n_win + index.max_blocks * BK
+    out = torch.zeros(T, Hq, D, dtype=q.dtype, device=dev)
+    lse = torch.full((T, Hq), float("-inf"), dtype=torch.float32, device=dev)
+    per_block = Hq * BQ * NK * 4 * 3 + P * NK * D * 4 * 2  # scores/probs/masks + gathered K/V, fp32
+    step = max(1, int(max_bytes // per_block))
+    k_flat = k_cache.reshape(-1, Hkv, D)
+    v_flat = v_cache.reshape(-1, Hkv, D)
+    for lo in range(0, qb.num_blocks, step):
+        sl = slice(lo, min(lo + step, qb.num_blocks))
+        n = sl.stop - sl.start
+        seq = torch.tensor(qb.seq[sl], device=dev)
+        start = torch.tensor(qb.start[sl], device=dev)
+        length = torch.tensor(qb.length[sl], device=dev)
+        pos0 = torch.tensor(qb.pos[sl], device=dev)
+        r = torch.arange(BQ, device=dev)
+        row_ok = r[None, :] < length[:, None]  # (n, BQ)
+        row_pos = pos0[:, None] + r[None, :]  # (n, BQ)
+
+        # key positions (n, G, NK): sink | window span of the block | selected blocks
+        parts = [torch.arange(S, device=dev).expand(n, S)]
+        if n_win:
+            parts.append(pos0[:, None] - W + 1 + torch.arange(n_win, device=dev)[None, :])
+        shared = torch.cat(parts, dim=1) if parts else torch.empty(n, 0, dtype=torch.long, device=dev)
+        ids = index.blocks[sl].long()  # (n, G, MAXK)
+        sel = (ids[..., None] * BK + torch.arange(BK, device=dev)).reshape(n, G, -1)
+        sel_ok = (ids >= 0)[..., None].expand(n, G, index.max_blocks, BK).reshape(n, G, -1)
+        kpos = torch.cat([shared[:, None, :].expand(n, G, shared.shape[1]), sel], dim=2)  # (n, G, NK)
+
+        # which key each row may read (n, G, BQ, NK)
+        p = row_pos[:, None, :, None]
+        k = kpos[:, :, None, :]
+        is_sink = torch.zeros(NK, dtype=torch.bool, device=dev)
+        is_sink[:S] = True
+        is_win = torch.zeros(NK, dtype=torch.bool, device=dev)
+        is_win[S:S + n_win] = True
+        ok_sink = is_sink & (k <= p)
+        ok_win = is_win & (k >= torch.clamp(p - W + 1, min=S)) & (k <= p) & (k >= 0)
+        ok_sel = ~(is_sink | is_win) & torch.cat(
+            [torch.zeros(n, G, S + n_win, dtype=torch.bool, device=dev), sel_ok], dim=2)[:, :, None, :] \
+            & (k >= S) & (k <= p - W)
+        allowed = (ok_sink | ok_win | ok_sel) & row_ok[:, None, :, None]
+
+        # gather keys/values through the block tables: (n, P, NK, D)
+        kp = kpos[:, pair_group]  # (n, P, NK)
+        last = (pos0 + length - 1)[:, None, None]
+        safe = torch.minimum(kp.clamp(min=0), last)  # masked positions still need a readable slot
+        slots = block_tables[seq].long().gather(1, (safe // page).reshape(n, -1)).reshape(kp.shape) * page + safe % page
+        kv_idx = pair_kv[None, :, None].expand_as(slots)
+        kk = k_flat[slots, kv_idx].float()
+        vv = v_flat[slots, kv_idx].float()
+
+        rows = (start[:, None] + r[None, :]).clamp(max=T - 1)  # (n, BQ)
+        qq = q[rows].float().reshape(n, BQ, P, hpp, D).permute(0, 2, 3, 1, 4)  # (n, P, hpp, BQ, D)
+        s = torch.einsum("npiqd,npkd->npiqk", qq, kk) * scale
+        mask = allowed[:, pair_group][:, :, None]  # (n, P, 1, BQ, NK)
+        s = s.masked_fill(~mask, float("-inf"))
+        m = s.amax(dim=-1, keepdim=True)
+        m = torch.where(torch.isfinite(m), m, torch.zeros_like(m))
+        e = torch.exp(s - m)
+        denom = e.sum(dim=-1, keepdim=True)
+        o = torch.einsum("npiqk,npkd->npiqd", e, vv) / denom.clamp(min=1e-30)
+        l = (m + denom.log()).squeeze(-1)  # (n, P, hpp, BQ)
+        o = o.permute(0, 3, 1, 2, 4).reshape(n, BQ, Hq, D)
+        l = l.permute(0, 3, 1, 2).reshape(n, BQ, Hq)
+        flat_rows = rows[row_ok]
+        out[flat_rows] = o[row_ok].to(q.dtype)
+        lse[flat_rows] = l[row_ok]
+    return out, lse

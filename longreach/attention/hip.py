@@ -1,0 +1,111 @@
+"""HiP: hierarchically pruned attention, top-k keys by a tree search over key blocks (Lee et al., 2024).
+
+Per query block (b_q queries) and selection group, with key blocks of b_k tokens over the selectable range
+[n_sink, end of the block - n_window):
+  1. split the range into K = budget / b_k equal branches (if it has <= K blocks, keep them all);
+  2. split every branch at its midpoint; score each half by its *centre* key block: the max of q . k over the block's
+     queries, the b_k keys of that key block and the heads of the group;
+  3. keep the K best halves; repeat until every branch is one key block (about log2(range / K) rounds).
+Defaults from the paper: b_q = 32, b_k = 2, the first l_d = 3 layers dense; the budget (512/1K/2K in its tables) and
+the sink/window sizes are not given there: longreach uses 2048 selected + 256 sink + 1024 window, the same token
+budget as infinitehip 3k, so the two compare at equal cost. During decode the selection is reused for
+`refresh` steps (HiP's n_r).
+Settled ambiguity (digest §8.7): the representative is the centre block of each branch, as in HiP's method section.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from .sparse import SelectionMethod, SparseBackend, SparseConfig
+
+
+@dataclass(frozen=True)
+class HiPConfig(SparseConfig):
+    block_q: int = 32
+    block_k: int = 2
+    budget: int = 2048
+    dense_layers: tuple[int, ...] = (0, 1, 2)
+    refresh: int = 1  # decode steps a selection is reused (HiP's n_r)
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        if self.block_k < 1 or self.budget < self.block_k or self.budget % self.block_k:
+            raise ValueError(f"budget ({self.budget}) must be a positive multiple of block_k ({self.block_k})")
+        if self.refresh < 1:
+            raise ValueError(f"refresh must be >= 1, got {self.refresh}")
+
+
+class HiP(SelectionMethod):
+    name = "hip"
+    config_cls = HiPConfig
+    presets = {"512": HiPConfig(budget=512), "1k": HiPConfig(budget=1024), "2k": HiPConfig(budget=2048),
+               "2k-r8": HiPConfig(budget=2048, refresh=8)}
+    default_preset = "2k"
+
+    @property
+    def block_k(self) -> int:
+        return self.cfg.block_k
+
+    def selected_budget(self, layer: int) -> int:
+        return self.cfg.budget
+
+    def select(self, layer, q, blocks, keys, state, step):
+        if state is not None and "blocks" in state and step % self.cfg.refresh != 0:
+            return [state["blocks"]]
+        cfg = self.cfg
+        per_block = self.num_heads * (2 * cfg.budget // cfg.block_k) * cfg.block_k * q.shape[-1] * 4 * 3
+        out = [sel for sl in self.slices(len(blocks), per_block) for sel in self._search(q, blocks[sl], keys)]
+        if state is not None:
+            state["blocks"] = out[0]
+        return out
+
+    def _search(self, q, blocks, keys) -> list[torch.Tensor]:
+        cfg, bk = self.cfg, self.cfg.block_k
+        K = cfg.budget // bk
+        dev = q.device
+        width = max(b[1] for b in blocks)
+        qs, ok, end = self.query_rows(q, blocks, width)  # (nb, R, H_q, D)
+        nb, G = qs.shape[0], self.groups
+        lo = torch.full((nb,), -(-cfg.n_sink // bk), device=dev)  # first key block wholly past the sink
+        hi = torch.div(self.candidate_end(end), bk, rounding_mode="floor")  # blocks wholly before the window
+        span = (hi - lo).clamp(min=0)
+        # initial branches: K equal pieces of [lo, hi) per block; empty pieces when the range is short
+        j = torch.arange(K + 1, device=dev)
+        edges = lo[:, None] + torch.div(span[:, None] * j[None, :], K, rounding_mode="floor")  # (nb, K+1)
+        start = edges[:, :-1, None].expand(nb, K, G).transpose(1, 2).contiguous()  # (nb, G, K)
+        stop = edges[:, 1:, None].expand(nb, K, G).transpose(1, 2).contiguous()
+        keys_h = keys.float()[:, self.kv_of_head]  # (L, H_q, D)
+        while bool(((stop - start) > 1).any()):
+            mid = torch.div(start + stop, 2, rounding_mode="floor")
+            starts = torch.cat([start, mid], dim=-1)  # (nb, G, 2K): left halves then right halves
+            stops = torch.cat([mid, stop], dim=-1)
+            nonempty = stops > starts
+            centre = torch.div(starts + stops - 1, 2, rounding_mode="floor").clamp(min=0)
+            score = self._block_scores(qs, ok, keys_h, centre, bk)
+            score = score.masked_fill(~nonempty, float("-inf"))
+            top = score.topk(min(K, score.shape[-1]), dim=-1).indices
+            start, stop = starts.gather(-1, top), stops.gather(-1, top)
+            # halves that were empty come back as empty branches; they are dropped at the end
+        chosen = torch.where(stop > start, start, torch.full_like(start, -1))
+        return list(self.keep_top(chosen, torch.where(chosen >= 0, 0.0, float("-inf")), K))
+
+    def _block_scores(self, qs, ok, keys_h, block_ids, bk) -> torch.Tensor:
+        """max over rows, heads of a group and the bk keys of each key block: (nb, G, C)."""
+        nb, G, C = block_ids.shape
+        L = keys_h.shape[0]
+        pos = (block_ids[..., None] * bk + torch.arange(bk, device=qs.device)).clamp(max=L - 1)  # (nb, G, C, bk)
+        pos_h = pos[:, self.group_of_head]  # (nb, H_q, C, bk)
+        heads = torch.arange(self.num_heads, device=qs.device)[None, :, None, None]
+        k = keys_h[pos_h, heads]  # (nb, H_q, C, bk, D)
+        s = torch.einsum("nrhd,nhcbd->nhcrb", qs, k)
+        s = s.masked_fill(~ok[:, None, None, :, None], float("-inf")).amax(dim=(-1, -2))  # (nb, H_q, C)
+        return self.group_max(s)
+
+
+class HiPBackend(SparseBackend):
+    """HiP: hierarchical top-k over key blocks, first layers dense."""
+
+    name = "hip"
+    method_cls = HiP

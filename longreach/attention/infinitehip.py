@@ -1,0 +1,196 @@
+"""InfiniteHiP: multi-stage hierarchical context pruning (Lee, Park, Suh, Hwang 2025; App. A, Algorithms 1-4).
+
+Per query block of b_q queries and selection group:
+  candidates   [n_sink, end of the block - n_stream): keys before every query's window, so no stage needs a causal
+               mask (Alg. 1, line 1);
+  stage i      (l_c, k): cut the candidates into chunks of l_c tokens, pick one representative key per chunk and head
+               with SelectRep, score the chunk by max over the group's heads and the block's queries of
+               <q, k_rep>, keep the k / l_c best chunks (Alg. 2); the survivors are the next stage's candidates;
+  SelectRep    (Alg. 3) a top-1 binary search: the range is halved ceil(log2 l_c) times; each half is represented
+               by its *first* key and the half whose representative scores higher is kept.
+The last stage's chunks (l_c^(N) tokens each) are the selected key blocks; sink and window are added by the executor.
+During decode each stage's output is cached per sequence and layer and recomputed every n_refresh^(i) steps from the
+(possibly recomputed) output of the stage before (Alg. 4).
+
+Settled ambiguities (digest §8):
+  * chunks are aligned to absolute positions (chunk j of stage i = positions [j*l_c, (j+1)*l_c)), so a chunk keeps
+    its identity as the context grows (what mask caching needs) and the last stage's chunks are the executor's key
+    blocks; the edge chunks of the candidate range are partial and SelectRep searches only their valid keys (§8.4
+    padding). Each l_c must divide the previous one, so every later chunk lies inside one surviving chunk;
+  * the union of survivors is kept sorted by position (§8.4 ordering); keys in both a survivor and a query's window
+    are read once, as the executor's disjoint parts define (§8.4 de-duplication);
+  * SelectRep halves a range of length n into [first, first + n//2) and [first + n//2, last] (balanced halves);
+  * GQA (§8.3): the chunk score is pooled over the heads of a selection group, one selection per KV-head group by
+    default (`granularity`; "layer" is the paper's max over all heads, see index.py for why per-group is default);
+  * flash preset (§8.2): App. F's (96, 24, 8) is used for `3k-flash`; Table 4's timings imply (96, 32, 8), which is
+    one `--attention-config '{"refresh": [96, 32, 8]}'` away;
+  * a stage whose candidates already fit its budget keeps them all (no scoring);
+  * a stage i is recomputed at decode step s when s % n_refresh^(i) == 0 or when an earlier stage was recomputed;
+  * `exact_below` (longreach option; 0 = the paper's SelectRep everywhere): chunks of at most this many tokens are
+    scored by their best key exactly instead of by SelectRep's approximation. Default 8, i.e. the last stage of the
+    3k presets: it reads 8 keys per chunk instead of 4 and lifts mean attention-mass recall on SmolLM2 (Paul Graham
+    essays, 8K tokens, last 256 queries) from 0.962 to 0.982; SelectRep's first-key representatives miss the
+    isolated high-scoring tokens that layers 3-10 of that model attend to (docs/sparse.md).
+Scoring uses the cached keys and the queries as rotated at their true positions; the paper's relative/chunk-indexed
+positions for contexts beyond the trained length belong to the RoPE strategies (a later issue).
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+
+from .sparse import SelectionMethod, SparseBackend, SparseConfig
+
+
+@dataclass(frozen=True)
+class InfiniteHiPConfig(SparseConfig):
+    chunk_sizes: tuple[int, ...] = (256, 32, 8)  # l_c per stage
+    budgets: tuple[int, ...] = (32768, 8192, 2048)  # k per stage: tokens kept after it
+    early_layers: int = 3  # the first layers use early_last_budget as the last stage's k
+    early_last_budget: int | None = 4096
+    refresh: tuple[int, ...] = (16, 8, 4)  # decode steps between recomputations of each stage
+    exact_below: int = 8  # chunks this small are scored by their best key; 0 = SelectRep everywhere (the paper)
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        n = len(self.chunk_sizes)
+        if n == 0 or len(self.budgets) != n or len(self.refresh) != n:
+            raise ValueError(f"chunk_sizes, budgets and refresh need one entry per stage, got {self.chunk_sizes}, "
+                             f"{self.budgets}, {self.refresh}")
+        for i, (l, k) in enumerate(zip(self.chunk_sizes, self.budgets)):
+            if l < 1 or k < l or k % l:
+                raise ValueError(f"stage {i}: budget {k} must be a positive multiple of chunk size {l}")
+            if i and self.chunk_sizes[i - 1] % l:
+                raise ValueError(f"chunk sizes must each divide the previous one, got {self.chunk_sizes}")
+        if self.early_last_budget is not None and self.early_last_budget % self.chunk_sizes[-1]:
+            raise ValueError(f"early_last_budget must be a multiple of {self.chunk_sizes[-1]}")
+        if any(r < 1 for r in self.refresh):
+            raise ValueError(f"refresh intervals must be >= 1, got {self.refresh}")
+
+
+_3K = InfiniteHiPConfig()
+
+
+class InfiniteHiP(SelectionMethod):
+    name = "infinitehip"
+    config_cls = InfiniteHiPConfig
+    presets = {
+        "3k": _3K,
+        "5k": InfiniteHiPConfig(chunk_sizes=(64, 32, 16), budgets=(32768, 16384, 4096), early_last_budget=None),
+        "3k-fast": InfiniteHiPConfig(refresh=(32, 16, 8)),
+        "3k-flash": InfiniteHiPConfig(refresh=(96, 24, 8)),
+    }
+    default_preset = "3k"
+
+    @property
+    def block_k(self) -> int:
+        return self.cfg.chunk_sizes[-1]
+
+    def stage_budgets(self, layer: int) -> tuple[int, ...]:
+        cfg = self.cfg
+        if layer < cfg.early_layers and cfg.early_last_budget is not None:
+            return (*cfg.budgets[:-1], cfg.early_last_budget)
+        return cfg.budgets
+
+    def selected_budget(self, layer: int) -> int:
+        return self.stage_budgets(layer)[-1]
+
+    def select(self, layer, q, blocks, keys, state, step):
+        if state is None:  # prefill: every stage, for every block
+            return [sel for stages in self._sliced_stages(layer, q, blocks, keys) for sel in stages[-1]]
+        cached = state.get("stages")
+        first = 0
+        if cached is not None:
+            first = next((i for i, r in enumerate(self.cfg.refresh) if step % r == 0), len(self.cfg.refresh))
+        prev = cached[first - 1] if first > 0 else None
+        fresh = self.run_stages(layer, q, blocks, keys, first, prev) if first < len(self.cfg.refresh) else []
+        state["stages"] = (cached[:first] if cached is not None else []) + fresh
+        return list(state["stages"][-1])
+
+    def _sliced_stages(self, layer, q, blocks, keys):
+        cfg = self.cfg
+        widest = max([keys.shape[0] // cfg.chunk_sizes[0]] +
+                      [k // l for k, l in zip(cfg.budgets[:-1], cfg.chunk_sizes[1:])])
+        rows = max(b[1] for b in blocks)
+        per_block = self.num_heads * widest * (q.shape[-1] + rows) * 4 * 3 * max(1, cfg.exact_below)
+        for sl in self.slices(len(blocks), per_block):
+            yield self.run_stages(layer, q, blocks[sl], keys)
+
+    def run_stages(self, layer, q, blocks, keys, first: int = 0, prev: torch.Tensor | None = None):
+        """Outputs of stages first..N-1, each (nb, G, C_i) ascending chunk ids at that stage's granularity, -1 padded.
+
+        `prev` is the output of stage first-1 (required when first > 0).
+        """
+        cfg = self.cfg
+        dev = q.device
+        qs, ok, end = self.query_rows(q, blocks, max(b[1] for b in blocks))
+        cand_end = self.candidate_end(end)  # (nb,) exclusive
+        keys_h = keys.float()[:, self.kv_of_head]  # (L, H_q, D): each query head next to its KV head's keys
+        budgets = self.stage_budgets(layer)
+        nb, G = qs.shape[0], self.groups
+        outs = []
+        for i in range(first, len(cfg.chunk_sizes)):
+            l = cfg.chunk_sizes[i]
+            if i == 0:
+                lo = torch.full((nb,), cfg.n_sink // l, device=dev)
+                hi = torch.div(cand_end + l - 1, l, rounding_mode="floor")  # chunks that start before cand_end
+                width = int((hi - lo).clamp(min=0).max()) if nb else 0
+                ids = lo[:, None] + torch.arange(width, device=dev)
+                ids = torch.where(ids < hi[:, None], ids, -1)[:, None, :].expand(nb, G, width)
+            else:
+                ratio = cfg.chunk_sizes[i - 1] // l
+                sub = prev[..., None] * ratio + torch.arange(ratio, device=dev)
+                ids = torch.where(prev[..., None] >= 0, sub, -1).reshape(nb, G, -1)
+            a = torch.clamp(ids * l, min=cfg.n_sink)  # valid part of each chunk: [a, b)
+            b = torch.minimum((ids + 1) * l, cand_end[:, None, None])
+            valid = (ids >= 0) & (a < b)
+            keep = budgets[i] // l
+            if int(valid.sum(-1).max()) <= keep:  # fits the budget: keep every candidate
+                score = torch.where(valid, 0.0, float("-inf"))
+            else:
+                score = self.chunk_scores(qs, ok, keys_h, a, b, valid, l)
+            prev = self.keep_top(torch.where(valid, ids, -1), score, keep)
+            outs.append(prev)
+        return outs
+
+    def chunk_scores(self, qs, ok, keys_h, a, b, valid, l) -> torch.Tensor:
+        """(nb, G, C) chunk scores; -inf for invalid chunks."""
+        gh = self.group_of_head.to(a.device)
+        a_h, b_h, valid_h = a[:, gh], b[:, gh], valid[:, gh]  # (nb, H_q, C): each head searches its group's chunks
+        L = keys_h.shape[0]
+        heads = torch.arange(self.num_heads, device=a.device)[None, :, None]
+        row_mask = ~ok[:, None, None, :]
+
+        def rep_score(pos):  # max over the block's rows of <q_h, k_h[pos]>: (nb, H_q, C)
+            k = keys_h[pos.clamp(0, L - 1), heads]  # (nb, H_q, C, D)
+            s = torch.einsum("nrhd,nhcd->nhcr", qs, k)
+            return s.masked_fill(row_mask, float("-inf")).amax(-1)
+
+        if l <= self.cfg.exact_below:  # every valid key of the chunk
+            pos = a_h[..., None] + torch.arange(l, device=a.device)  # (nb, H_q, C, l)
+            k = keys_h[pos.clamp(0, L - 1), heads[..., None]]  # (nb, H_q, C, l, D)
+            s = torch.einsum("nrhd,nhcjd->nhcrj", qs, k)
+            s = s.masked_fill(row_mask[..., None], float("-inf"))
+            s = s.masked_fill((pos >= b_h[..., None])[:, :, :, None, :], float("-inf")).amax(dim=(-1, -2))
+        else:  # SelectRep: binary search, each half represented by its first key
+            first, last = a_h.clone(), b_h - 1
+            s = rep_score(first)
+            for _ in range(math.ceil(math.log2(l))):
+                length = last - first + 1
+                active = length > 1
+                mid = first + length // 2
+                s_mid = rep_score(mid)
+                right = active & (s_mid > s)
+                first = torch.where(right, mid, first)
+                last = torch.where(active & ~right, mid - 1, last)
+                s = torch.where(right, s_mid, s)
+        return self.group_max(s.masked_fill(~valid_h, float("-inf")))
+
+
+class InfiniteHiPBackend(SparseBackend):
+    """InfiniteHiP: multi-stage context pruning + block-sparse attention, per-stage mask caching in decode."""
+
+    name = "infinitehip"
+    method_cls = InfiniteHiP

@@ -1,0 +1,69 @@
+"""Quest: query-aware page selection by an upper bound on the attention score (Tang et al., 2024).
+
+Each page of `page_size` keys keeps the element-wise min and max of its keys; for a query q the bound
+sum_d max(q_d * min_d, q_d * max_d) >= q . k for every key of the page. A query block keeps the `budget / page_size`
+pages with the highest bound (max over the block's queries and the heads of a selection group) among the pages
+before the window. Quest's own recipe keeps the first two layers dense. The reference computes page bounds from the
+cached keys at each call; a kernel implementation would maintain them as pages fill.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from .sparse import SelectionMethod, SparseBackend, SparseConfig
+
+
+@dataclass(frozen=True)
+class QuestConfig(SparseConfig):
+    page_size: int = 16
+    budget: int = 2048  # selected tokens per query block (beyond sink and window)
+    dense_layers: tuple[int, ...] = (0, 1)
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        if self.page_size < 1 or self.budget < 0 or self.budget % self.page_size:
+            raise ValueError(f"budget ({self.budget}) must be a non-negative multiple of page_size ({self.page_size})")
+
+
+class Quest(SelectionMethod):
+    name = "quest"
+    config_cls = QuestConfig
+    presets = {"3k": QuestConfig(budget=2048), "5k": QuestConfig(budget=4096)}
+    default_preset = "3k"
+
+    @property
+    def block_k(self) -> int:
+        return self.cfg.page_size
+
+    def selected_budget(self, layer: int) -> int:
+        return self.cfg.budget
+
+    def select(self, layer, q, blocks, keys, state, step):
+        cfg, P = self.cfg, self.cfg.page_size
+        L = keys.shape[0]
+        n_pages = -(-L // P)
+        padded = torch.cat([keys.float(), keys[-1:].float().expand(n_pages * P - L, *keys.shape[1:])])
+        pages = padded.reshape(n_pages, P, *keys.shape[1:])  # (pages, P, H_kv, D); padding repeats a real key
+        kmin = pages.amin(dim=1)[:, self.kv_of_head].transpose(0, 1)  # (H_q, pages, D)
+        kmax = pages.amax(dim=1)[:, self.kv_of_head].transpose(0, 1)
+        width = max(b[1] for b in blocks)
+        qs, ok, end = self.query_rows(q, blocks, width)  # (nb, R, H_q, D)
+        # upper bound = q+ . max + q- . min, then max over the block's rows
+        bound = torch.einsum("nrhd,hpd->nhrp", qs.clamp(min=0), kmax) + torch.einsum("nrhd,hpd->nhrp", qs.clamp(max=0), kmin)
+        bound = bound.masked_fill(~ok[:, None, :, None], float("-inf")).amax(dim=2)  # (nb, H_q, pages)
+        score = self.group_max(bound)  # (nb, G, pages)
+        ids = torch.arange(n_pages, device=q.device)
+        cand_end = self.candidate_end(end)  # (nb,)
+        usable = ((ids + 1) * P > cfg.n_sink)[None, :] & (ids[None, :] * P < cand_end[:, None])  # page meets range
+        score = score.masked_fill(~usable[:, None, :], float("-inf"))
+        chosen = self.keep_top(ids.expand(score.shape).clone(), score, cfg.budget // P)
+        return list(chosen)
+
+
+class QuestBackend(SparseBackend):
+    """Quest: top pages by a min/max upper bound on q.k."""
+
+    name = "quest"
+    method_cls = Quest

@@ -1,0 +1,215 @@
+"""The shared half of every sparse method: config fields, the selection interface, and the engine backend.
+
+A method (infinitehip.py, hip.py, quest.py, streaming.py) only implements `SelectionMethod.select`: for the query
+blocks of one sequence it returns which key blocks each block reads. `SparseBackend` does the rest for all of them:
+dense layers and short contexts go to the dense backend, per-sequence decode state (mask caches) is kept and
+dropped, the per-sequence selections are packed into one `SparseIndex`, and the block-sparse executor runs.
+
+Config: each method has a frozen dataclass deriving from `SparseConfig` and named presets. The engine picks one with
+`--preset` and overrides fields with `--attention-config '{"n_sink": 128, ...}'`.
+"""
+from __future__ import annotations
+
+import dataclasses
+import json
+import typing
+from abc import ABC, abstractmethod
+from dataclasses import dataclass
+from typing import ClassVar
+
+import torch
+
+from ..kvcache.paged import gather_tokens
+from .backend import AttentionBackend, AttentionMetadata
+from .dense import DenseBackend
+from .executor import block_sparse_attention
+from .index import QueryBlocks, SparseIndex
+
+GRANULARITIES = ("layer", "kv_head", "head")
+
+
+@dataclass(frozen=True)
+class SparseConfig:
+    n_sink: int = 256  # first tokens every query reads
+    n_window: int = 1024  # last tokens every query reads (the streaming window)
+    block_q: int = 64  # query rows per block in prefill (decode blocks have one row)
+    granularity: str = "kv_head"  # one selection per layer, per KV-head group, or per head (see index.py)
+    dense_layers: tuple[int, ...] = ()  # layers that always attend densely
+    dense_below: int | None = None  # sequences this short attend densely; None: the method's token budget
+
+    def __post_init__(self) -> None:
+        for name in ("n_sink", "n_window"):
+            if getattr(self, name) < 0:
+                raise ValueError(f"{name} must be >= 0, got {getattr(self, name)}")
+        if self.block_q < 1:
+            raise ValueError(f"block_q must be >= 1, got {self.block_q}")
+        if self.granularity not in GRANULARITIES:
+            raise ValueError(f"granularity must be one of {', '.join(GRANULARITIES)}, got {self.granularity!r}")
+        if any(layer < 0 for layer in self.dense_layers):
+            raise ValueError(f"dense_layers must be layer indices >= 0, got {self.dense_layers}")
+
+
+def config_from(cls: type, base, overrides: dict) -> SparseConfig:
+    """`base` with `overrides` applied; unknown fields and bad values raise ValueError naming what is allowed."""
+    names = {f.name for f in dataclasses.fields(cls)}
+    unknown = sorted(set(overrides) - names)
+    if unknown:
+        raise ValueError(f"unknown {cls.__name__} field(s) {unknown}; valid: {', '.join(sorted(names))}")
+    hints = typing.get_type_hints(cls)
+    fixed = {k: tuple(v) if isinstance(v, list) and "tuple" in str(hints[k]) else v for k, v in overrides.items()}
+    return dataclasses.replace(base, **fixed)
+
+
+class SelectionMethod(ABC):
+    """Chooses key blocks for query blocks of one sequence. Subclasses set the class attributes."""
+
+    name: ClassVar[str]
+    config_cls: ClassVar[type]
+    presets: ClassVar[dict[str, SparseConfig]]
+    default_preset: ClassVar[str]
+
+    def __init__(self, cfg: SparseConfig, num_heads: int, num_kv_heads: int):
+        self.cfg = cfg
+        self.num_heads, self.num_kv_heads = num_heads, num_kv_heads
+        self.groups = {"layer": 1, "kv_head": num_kv_heads, "head": num_heads}[cfg.granularity]
+        self.group_of_head = torch.arange(num_heads) // (num_heads // self.groups)
+        self.kv_of_head = torch.arange(num_heads) // (num_heads // num_kv_heads)
+
+    @property
+    @abstractmethod
+    def block_k(self) -> int:
+        """Tokens per key block of the selections this method returns."""
+
+    @abstractmethod
+    def selected_budget(self, layer: int) -> int:
+        """Most tokens selected per query block (beyond sink and window) in `layer`."""
+
+    def token_budget(self, layer: int) -> int:
+        return self.cfg.n_sink + self.cfg.n_window + self.selected_budget(layer)
+
+    @abstractmethod
+    def select(self, layer: int, q: torch.Tensor, blocks: list[tuple[int, int, int]], keys: torch.Tensor,
+               state: dict | None, step: int | None) -> list[torch.Tensor]:
+        """Key blocks for each query block of one sequence.
+
+        q: (n, H_q, D) this step's queries of the sequence (RoPE applied); blocks: (first row in q, rows, position of
+        the first row) per query block; keys: (L, H_kv, D) all keys of the sequence, rotated at true positions.
+        state/step: the sequence's per-layer decode state (a dict the method may fill) and the decode step number
+        since the last prefill, or None in prefill. Returns per block a (groups, n_b) int tensor of ascending key-block
+        ids (padding -1 allowed).
+        """
+
+    # ---- helpers shared by the methods ---------------------------------------------------------------------------
+    @staticmethod
+    def slices(n: int, bytes_per_item: int, budget: int = 256 << 20):
+        """Cut range(n) into slices whose working set stays near `budget` bytes."""
+        step = max(1, budget // max(1, bytes_per_item))
+        return [slice(i, min(n, i + step)) for i in range(0, n, step)]
+
+    def query_rows(self, q: torch.Tensor, blocks: list[tuple[int, int, int]], width: int):
+        """(nb, width, H_q, D) fp32 queries of the blocks, (nb, width) row mask, (nb,) position after each block."""
+        nb = len(blocks)
+        starts = torch.tensor([b[0] for b in blocks], device=q.device)
+        lens = torch.tensor([b[1] for b in blocks], device=q.device)
+        r = torch.arange(width, device=q.device)
+        rows = (starts[:, None] + r).clamp(max=q.shape[0] - 1)
+        ok = r[None, :] < lens[:, None]
+        end = torch.tensor([b[2] + b[1] for b in blocks], device=q.device)
+        return q[rows].float().reshape(nb, width, *q.shape[1:]), ok, end
+
+    def candidate_end(self, block_end: torch.Tensor) -> torch.Tensor:
+        """Exclusive end of the selectable range: keys before every query's window (causal by construction)."""
+        return block_end - self.cfg.n_window
+
+    def group_max(self, per_head: torch.Tensor) -> torch.Tensor:
+        """(nb, H_q, ...) -> (nb, groups, ...): a group's score is the max over its heads."""
+        nb, H = per_head.shape[:2]
+        return per_head.reshape(nb, self.groups, H // self.groups, *per_head.shape[2:]).amax(dim=2)
+
+    @staticmethod
+    def keep_top(ids: torch.Tensor, scores: torch.Tensor, k: int) -> torch.Tensor:
+        """Per (block, group) the k best-scoring ids (scores -inf = invalid), ascending, -1 padded: (nb, G, <=k)."""
+        if ids.shape[-1] > k:
+            top = scores.topk(k, dim=-1)
+            ids, scores = ids.gather(-1, top.indices), top.values
+        ids = torch.where(torch.isfinite(scores), ids, torch.full_like(ids, -1))
+        big = torch.iinfo(torch.int64).max
+        ids = torch.where(ids < 0, big, ids).sort(dim=-1).values
+        return torch.where(ids == big, -1, ids)
+
+
+class SparseBackend(AttentionBackend):
+    """Engine backend for a `SelectionMethod` (set `method_cls` in the subclass)."""
+
+    method_cls: ClassVar[type[SelectionMethod]]
+    supports_cuda_graph = False  # the PyTorch reference path syncs with the host; the Triton path is the next step
+
+    def __init__(self, model_config, engine_config, device):
+        super().__init__(model_config, engine_config, device)
+        self.config = self.resolve_config(engine_config)
+        self.method = self.method_cls(self.config, model_config.num_heads, model_config.num_kv_heads)
+        self.dense = DenseBackend(model_config, engine_config, device)
+        self._decode_step: dict[int, int] = {}
+        self._state: dict[tuple[int, int], dict] = {}
+
+    @classmethod
+    def resolve_config(cls, engine_config) -> SparseConfig:
+        m = cls.method_cls
+        preset = engine_config.preset or m.default_preset
+        if preset not in m.presets:
+            raise ValueError(f"unknown {m.name} preset {preset!r}; available: {', '.join(m.presets)}")
+        overrides = json.loads(engine_config.attention_config) if engine_config.attention_config else {}
+        return config_from(m.config_cls, m.presets[preset], overrides)
+
+    @classmethod
+    def unsupported_reasons(cls, model_config, engine_config) -> list[str]:
+        try:
+            cfg = cls.resolve_config(engine_config)
+        except ValueError as e:
+            return [str(e)]
+        bad = [layer for layer in cfg.dense_layers if layer >= model_config.num_layers]
+        return [f"dense_layers {bad} do not exist (the model has {model_config.num_layers} layers)"] if bad else []
+
+    def dense_below(self, layer: int) -> int:
+        c = self.config.dense_below
+        return self.method.token_budget(layer) if c is None else c
+
+    def begin_step(self, meta: AttentionMetadata) -> None:
+        for seq_id in meta.seq_ids:
+            if meta.is_prefill:  # a (re)prefill starts a fresh mask cache
+                self.free_sequence(seq_id)
+                self._decode_step[seq_id] = -1
+            else:
+                self._decode_step[seq_id] = self._decode_step.get(seq_id, -1) + 1
+
+    def free_sequence(self, seq_id: int) -> None:
+        self._decode_step.pop(seq_id, None)
+        for key in [k for k in self._state if k[0] == seq_id]:
+            del self._state[key]
+
+    def forward(self, layer, q, k, v, k_cache, v_cache, meta: AttentionMetadata):
+        limit = self.dense_below(layer)
+        if layer in self.config.dense_layers or meta.max_seq_len <= limit:
+            return self.dense.forward(layer, q, k, v, k_cache, v_cache, meta)
+        m = self.method
+        block_q = self.config.block_q if meta.is_prefill else 1
+        qb = QueryBlocks.build(meta.query_lens, meta.context_lens, block_q)
+        selections: list[torch.Tensor] = []
+        row0 = 0
+        for i, seq_id in enumerate(meta.seq_ids):
+            n, length = meta.query_lens[i], meta.context_lens[i] + meta.query_lens[i]
+            local = [(qb.start[b] - row0, qb.length[b], qb.pos[b]) for b in qb.of_sequence(i)]
+            if length <= limit:  # short sequence in a long batch: every key block
+                all_blocks = torch.arange(-(-length // m.block_k), device=q.device).expand(m.groups, -1)
+                selections += [all_blocks] * len(local)
+            else:
+                keys = gather_tokens(k_cache, meta.block_tables[i], length)
+                decoding = not meta.is_prefill
+                state = self._state.setdefault((seq_id, layer), {}) if decoding else None
+                step = self._decode_step.get(seq_id, 0) if decoding else None
+                selections += m.select(layer, q[row0:row0 + n], local, keys, state, step)
+            row0 += n
+        blocks, counts = SparseIndex.pack(selections, q.device)
+        index = SparseIndex(block_q, m.block_k, self.config.n_sink, self.config.n_window, m.groups, qb, blocks, counts)
+        out, _ = block_sparse_attention(q, k_cache, v_cache, meta.block_tables, index, self.scale)
+        return out

