@@ -17,11 +17,11 @@ head -c "$half" "$src" > .carry/a/part0
 tail -c +"$((half + 1))" "$src" > .carry/b/part1
 python -m pip download -q --no-deps --only-binary=:all: --python-version 3.12 --implementation cp \
     --platform any -d .carry/b "gguf==$(python -c 'import importlib.metadata as m; print(m.version("gguf"))')"
+# Sourced by the device command: no `set -e` here, it would leak into the caller's shell.
 cat > .carry/b/assemble.sh <<SH
-set -e
-cat /tmp/m/part0 .carry/b/part1 > /tmp/m/model.gguf
-echo "$sha  /tmp/m/model.gguf" | sha256sum -c -
-python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site .carry/b/*.whl
+cat /tmp/m/part0 .carry/b/part1 > /tmp/m/model.gguf || return 1
+echo "$sha  /tmp/m/model.gguf" | sha256sum -c - || return 1
+python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site .carry/b/*.whl || return 1
 export PYTHONPATH=/tmp/site:\$PWD
 SH
 du -sh .carry/a .carry/b
