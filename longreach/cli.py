@@ -173,7 +173,10 @@ def _add_eval_common(r) -> None:
     r.add_argument("--attention", nargs="+", required=True, metavar="METHOD[:PRESET]",
                    help="methods to evaluate, e.g. infinitehip:3k hip quest streaming dense")
     r.add_argument("--preset", default=None, help="preset for methods given without one")
-    r.add_argument("--attention-config", default=None, metavar="JSON", help="overrides applied to every method")
+    r.add_argument("--attention-config", default=None, metavar="JSON",
+                   help="config overrides: a JSON object applied to every method, or one keyed by method name or "
+                        "method:preset, e.g. "
+                        "'{\"infinitehip\": {\"exact_below\": 0}, \"quest\": {\"budget\": 1024}}'")
     r.add_argument("--device", default="auto", help="device (default: auto)")
     r.add_argument("--dtype", default="float32", help="dtype (default: float32)")
     r.add_argument("--out", default=None, help="also write the JSON here")

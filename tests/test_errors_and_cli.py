@@ -34,7 +34,8 @@ def test_bad_sampling_params(kwargs, message):
 
 
 @pytest.mark.parametrize("kwargs, message", [
-    (dict(attention="nope"), r"unknown attention backend 'nope'; available: dense"),
+    (dict(attention="nope"), r"unknown attention backend 'nope'; available: dense, hip, infinitehip, quest, streaming"),
+    (dict(attention="hip", attention_config="{bad"), "attention_config must be a JSON object"),
     (dict(dtype="int8"), "dtype must be one of auto, bfloat16, float16, float32"),
     (dict(device="tpu"), "device must be one of auto, cpu, cuda"),
     (dict(block_size=3), "block_size must be a power of two"),
@@ -86,14 +87,21 @@ def test_help_is_complete():
     for flag in ["--model", "--prompt", "--prompt-file", "--chat", "--system", "--max-tokens", "--temperature",
                  "--top-p", "--top-k", "--min-p", "--seed", "--stop", "--stop-token-ids", "--ignore-eos",
                  "--attention", "--max-model-len", "--max-num-batched-tokens", "--block-size", "--dtype", "--device",
-                 "--enforce-eager", "--kv-cache-memory-gb", "--gpu-memory-utilization"]:
+                 "--enforce-eager", "--kv-cache-memory-gb", "--gpu-memory-utilization", "--preset",
+                 "--attention-config"]:
         assert flag in gen.stdout, flag
-    assert _cli("backends").stdout.splitlines()[1].startswith("dense")
+    names = [line.split()[0] for line in _cli("backends").stdout.splitlines()[1:]]
+    assert names == ["dense", "hip", "infinitehip", "quest", "streaming"]
+    for sub in (["eval", "recall"], ["eval", "agreement"], ["bench", "engine"]):
+        r = _cli(*sub, "--help")
+        assert r.returncode == 0 and "--model" in r.stdout, sub
 
 
 @pytest.mark.parametrize("args, message", [
     (["--prompt", ""], "the prompt is empty"),
-    (["--prompt", "hi", "--attention", "nope"], "unknown attention backend 'nope'; available: dense"),
+    (["--prompt", "hi", "--attention", "nope"], "unknown attention backend 'nope'; available: dense, hip, infinitehip"),
+    (["--prompt", "hi", "--attention", "infinitehip", "--preset", "9k"], "unknown infinitehip preset '9k'; available"),
+    (["--prompt", "hi", "--attention", "hip", "--attention-config", "[1]"], "attention_config must be a JSON object"),
     (["--prompt", "hi", "--temperature", "-1"], "temperature must be >= 0"),
     (["--prompt", "hi", "--top-p", "0"], "top_p must be in (0, 1]"),
     (["--prompt", "hi", "--max-tokens", "0"], "max_tokens must be a positive integer"),

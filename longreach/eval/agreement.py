@@ -10,6 +10,7 @@ def run(model: str, text: str, length: int, new_tokens: int, methods: list[tuple
     """Prompt = the first `length - new_tokens` tokens of `text`; each method generates `new_tokens` greedily."""
     from ..engine.llm import LLM
     from ..sampling_params import SamplingParams
+    from .recall import config_for
 
     if new_tokens < 1 or new_tokens >= length:
         raise ValueError(f"--new-tokens must be in [1, --length), got {new_tokens}")
@@ -20,7 +21,7 @@ def run(model: str, text: str, length: int, new_tokens: int, methods: list[tuple
     reference = None
     for name, preset in runs:
         llm = LLM(model, attention=name, preset=preset, device=device, dtype=dtype, max_model_len=length,
-                  max_num_seqs=1, attention_config=attention_config if name != "dense" else None)
+                  max_num_seqs=1, attention_config=config_for(name, preset, attention_config) if name != "dense" else None)
         if prompt is None:
             ids = llm.get_tokenizer().encode(text)
             if len(ids) < length:

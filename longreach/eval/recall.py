@@ -148,6 +148,23 @@ def evaluate(methods: dict[str, SelectionMethod | None], cap: Capture, scale: fl
             for name, rows in per_layer.items()}
 
 
+def config_for(method: str, preset: str | None, attention_config: str | None) -> str | None:
+    """The overrides for one method from the eval tools' --attention-config: a flat JSON object applies to every
+    method; an object keyed by method names or "method:preset" labels ({"infinitehip:3k": {...}, "quest": {...}})
+    gives each its own (a label's entry wins over its method's)."""
+    import json
+
+    from ..attention.registry import available_backends
+
+    if not attention_config:
+        return None
+    parsed = json.loads(attention_config)
+    if isinstance(parsed, dict) and parsed and all(k.partition(":")[0] in available_backends() for k in parsed):
+        own = parsed.get(f"{method}:{preset}", parsed.get(method))
+        return json.dumps(own) if own else None
+    return attention_config
+
+
 def run(model: str, text: str, length: int, methods: list[tuple[str, str | None]], attention_config: str | None,
         num_queries: int, device: str, dtype: str) -> dict:
     """Capture `model` on the first `length` tokens of `text` and evaluate each (method, preset)."""
@@ -175,7 +192,8 @@ def run(model: str, text: str, length: int, methods: list[tuple[str, str | None]
             built[label] = None
             continue
         cls = get_backend_class(name)
-        cfg = cls.resolve_config(EngineConfig(attention=name, preset=preset, attention_config=attention_config))
+        cfg = cls.resolve_config(EngineConfig(attention=name, preset=preset,
+                                              attention_config=config_for(name, preset, attention_config)))
         built[label] = cls.method_cls(cfg, mc.num_heads, mc.num_kv_heads)
     report["methods"] = evaluate(built, cap, mc.head_dim ** -0.5)
     json.dumps(report)  # fail here, not after printing half of it

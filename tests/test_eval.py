@@ -1,0 +1,43 @@
+"""The evaluation tools on the real default model (short contexts, small method configs so that selection prunes)."""
+import json
+
+import pytest
+
+from longreach.eval.data import paul_graham_text
+
+
+@pytest.fixture(scope="module")
+def text():
+    return paul_graham_text()
+
+
+def test_recall_tool_reports_per_layer_and_mean(text):
+    from longreach.eval.recall import run
+
+    configs = json.dumps({"infinitehip:3k": {"n_sink": 16, "n_window": 64, "budgets": [256, 128, 64],
+                                          "early_last_budget": None},
+                          "streaming": {"n_sink": 16, "n_window": 64}})
+    report = run("smollm2", text, 1024, [("infinitehip", "3k"), ("infinitehip", "5k"), ("streaming", "3k"),
+                                         ("dense", None)], configs, 64, "cpu", "float32")
+    json.dumps(report)
+    ms = report["methods"]
+    assert set(ms) == {"infinitehip:3k", "infinitehip:5k", "streaming:3k", "dense"}
+    assert all(len(m["per_layer"]) == 30 for m in ms.values())
+    assert ms["dense"]["mean"]["mass_recall"] == pytest.approx(1.0, abs=1e-5)
+    # the 5k preset without overrides holds every key of a 1024-token context: its selection is dense
+    assert ms["infinitehip:5k"]["mean"]["mass_recall"] == pytest.approx(1.0, abs=1e-5)
+    ih, st = ms["infinitehip:3k"]["mean"], ms["streaming:3k"]["mean"]
+    assert 16 + 64 < ih["keys_per_query"] <= 16 + 64 + 64  # selected keys inside a row's window are read once
+    assert st["keys_per_query"] == pytest.approx(16 + 64, abs=1)
+    assert ih["mass_recall"] > st["mass_recall"] + 0.02  # selection beats sink + window at a little more budget
+    assert ih["mass_recall"] < 1.0
+
+
+def test_agreement_tool(text):
+    from longreach.eval.agreement import run
+
+    report = run("smollm2", text, 400, 8, [("streaming", "3k")], '{"n_sink": 8, "n_window": 32, "dense_below": 0}',
+                 "cpu", "float32")
+    rows = report["methods"]
+    assert set(rows) == {"dense", "streaming:3k"}
+    assert 0 <= rows["streaming:3k"]["tokens_equal"] <= 8 and rows["dense"]["text"]
