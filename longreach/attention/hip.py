@@ -18,7 +18,7 @@ from dataclasses import dataclass
 
 import torch
 
-from .sparse import SelectionMethod, SparseBackend, SparseConfig
+from .sparse import SelectionMethod, SparseBackend, SparseConfig, use_kernels
 
 
 @dataclass(frozen=True)
@@ -51,57 +51,45 @@ class HiP(SelectionMethod):
     def selected_budget(self, layer: int) -> int:
         return self.cfg.budget
 
-    def select(self, layer, q, blocks, keys, state, step):
+    def _select(self, layer, q, blocks, keys, state, step):
         if state is not None and "blocks" in state and step % self.cfg.refresh != 0:
-            return [state["blocks"]]
+            return state["blocks"]
         cfg = self.cfg
-        per_block = self.num_heads * (2 * cfg.budget // cfg.block_k) * cfg.block_k * q.shape[-1] * 4 * 3
-        out = [sel for sl in self.slices(len(blocks), per_block) for sel in self._search(q, blocks[sl], keys)]
+        per_block = 0 if use_kernels(q) else self.num_heads * (2 * cfg.budget // cfg.block_k) * cfg.block_k * q.shape[-1] * 12
+        out = torch.cat([self._search(q, blocks[sl], keys) for sl in self.slices(blocks.num_blocks, per_block)])
         if state is not None:
-            state["blocks"] = out[0]
+            state["blocks"] = out
         return out
 
-    def _search(self, q, blocks, keys) -> list[torch.Tensor]:
+    def _search(self, q, blocks, keys) -> torch.Tensor:
         cfg, bk = self.cfg, self.cfg.block_k
         K = cfg.budget // bk
         dev = q.device
-        width = max(b[1] for b in blocks)
-        qs, ok, end = self.query_rows(q, blocks, width)  # (nb, R, H_q, D)
-        nb, G = qs.shape[0], self.groups
+        nb, G = blocks.num_blocks, self.groups
+        cand_end = self.candidate_end(blocks.ends)
         lo = torch.full((nb,), -(-cfg.n_sink // bk), device=dev)  # first key block wholly past the sink
-        hi = torch.div(self.candidate_end(end), bk, rounding_mode="floor")  # blocks wholly before the window
+        hi = torch.div(cand_end, bk, rounding_mode="floor")  # blocks wholly before the window
         span = (hi - lo).clamp(min=0)
         # initial branches: K equal pieces of [lo, hi) per block; empty pieces when the range is short
         j = torch.arange(K + 1, device=dev)
         edges = lo[:, None] + torch.div(span[:, None] * j[None, :], K, rounding_mode="floor")  # (nb, K+1)
         start = edges[:, :-1, None].expand(nb, K, G).transpose(1, 2).contiguous()  # (nb, G, K)
         stop = edges[:, 1:, None].expand(nb, K, G).transpose(1, 2).contiguous()
-        keys_h = keys.float()[:, self.kv_of_head]  # (L, H_q, D)
-        while bool(((stop - start) > 1).any()):
+        # halvings until every branch is one key block, from the host-side bound on the range (no device sync)
+        widest = -(-max(0, (blocks.max_end - cfg.n_window) // bk - -(-cfg.n_sink // bk)) // K)
+        for _ in range(max(0, (widest - 1).bit_length())):
             mid = torch.div(start + stop, 2, rounding_mode="floor")
             starts = torch.cat([start, mid], dim=-1)  # (nb, G, 2K): left halves then right halves
             stops = torch.cat([mid, stop], dim=-1)
             nonempty = stops > starts
             centre = torch.div(starts + stops - 1, 2, rounding_mode="floor").clamp(min=0)
-            score = self._block_scores(qs, ok, keys_h, centre, bk)
+            score = self.chunk_scores(q, blocks, keys, centre, bk, True, cand_end)  # the centre block's best key
             score = score.masked_fill(~nonempty, float("-inf"))
             top = score.topk(min(K, score.shape[-1]), dim=-1).indices
             start, stop = starts.gather(-1, top), stops.gather(-1, top)
             # halves that were empty come back as empty branches; they are dropped at the end
         chosen = torch.where(stop > start, start, torch.full_like(start, -1))
-        return list(self.keep_top(chosen, torch.where(chosen >= 0, 0.0, float("-inf")), K))
-
-    def _block_scores(self, qs, ok, keys_h, block_ids, bk) -> torch.Tensor:
-        """max over rows, heads of a group and the bk keys of each key block: (nb, G, C)."""
-        nb, G, C = block_ids.shape
-        L = keys_h.shape[0]
-        pos = (block_ids[..., None] * bk + torch.arange(bk, device=qs.device)).clamp(max=L - 1)  # (nb, G, C, bk)
-        pos_h = pos[:, self.group_of_head]  # (nb, H_q, C, bk)
-        heads = torch.arange(self.num_heads, device=qs.device)[None, :, None, None]
-        k = keys_h[pos_h, heads]  # (nb, H_q, C, bk, D)
-        s = torch.einsum("nrhd,nhcbd->nhcrb", qs, k)
-        s = s.masked_fill(~ok[:, None, None, :, None], float("-inf")).amax(dim=(-1, -2))  # (nb, H_q, C)
-        return self.group_max(s)
+        return self.keep_top(chosen, torch.where(chosen >= 0, 0.0, float("-inf")), K)
 
 
 class HiPBackend(SparseBackend):

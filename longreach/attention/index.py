@@ -85,12 +85,14 @@ class SparseIndex:
 
     @staticmethod
     def pack(selections: list[torch.Tensor], device) -> tuple[torch.Tensor, torch.Tensor]:
-        """Per-block lists -> padded tensors. selections[b] is (groups, n_b) sorted ids with -1 padding allowed."""
-        groups = selections[0].shape[0] if selections else 1
-        width = max([s.shape[1] for s in selections] + [1])
-        blocks = torch.full((len(selections), groups, width), -1, dtype=torch.int32, device=device)
-        for b, s in enumerate(selections):
-            blocks[b, :, : s.shape[1]] = s
+        """Selections -> (blocks, counts). Each entry is (nb_i, groups, n_i) for consecutive query blocks, or
+        (groups, n_i) for one block; ids with -1 padding allowed, in any order."""
+        parts = [s.unsqueeze(0) if s.dim() == 2 else s for s in selections]
+        groups = parts[0].shape[1] if parts else 1
+        width = max([p.shape[2] for p in parts] + [1])
+        blocks = torch.cat([torch.nn.functional.pad(p.to(device=device, dtype=torch.int32), (0, width - p.shape[2]),
+                                                    value=-1) for p in parts]) if parts else \
+            torch.full((0, groups, width), -1, dtype=torch.int32, device=device)
         counts = (blocks >= 0).sum(-1).to(torch.int32)
         # valid ids first, ascending; padding last
         blocks = torch.where(blocks < 0, torch.iinfo(torch.int32).max, blocks).sort(dim=-1).values

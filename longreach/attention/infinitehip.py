@@ -36,12 +36,12 @@ positions for contexts beyond the trained length belong to the RoPE strategies (
 """
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass
 
 import torch
 
-from .sparse import SelectionMethod, SparseBackend, SparseConfig
+from ..kernels.prune_stage import chunk_bounds
+from .sparse import BlockQueries, SelectionMethod, SequenceKeys, SparseBackend, SparseConfig, use_kernels
 
 
 @dataclass(frozen=True)
@@ -97,9 +97,9 @@ class InfiniteHiP(SelectionMethod):
     def selected_budget(self, layer: int) -> int:
         return self.stage_budgets(layer)[-1]
 
-    def select(self, layer, q, blocks, keys, state, step):
+    def _select(self, layer, q, blocks, keys, state, step):
         if state is None:  # prefill: every stage, for every block
-            return [sel for stages in self._sliced_stages(layer, q, blocks, keys) for sel in stages[-1]]
+            return torch.cat([stages[-1] for stages in self._sliced_stages(layer, q, blocks, keys)])
         cached = state.get("stages")
         first = 0
         if cached is not None:
@@ -107,86 +107,73 @@ class InfiniteHiP(SelectionMethod):
         prev = cached[first - 1] if first > 0 else None
         fresh = self.run_stages(layer, q, blocks, keys, first, prev) if first < len(self.cfg.refresh) else []
         state["stages"] = (cached[:first] if cached is not None else []) + fresh
-        return list(state["stages"][-1])
+        return state["stages"][-1]
 
     def _sliced_stages(self, layer, q, blocks, keys):
         cfg = self.cfg
-        widest = max([keys.shape[0] // cfg.chunk_sizes[0]] +
-                      [k // l for k, l in zip(cfg.budgets[:-1], cfg.chunk_sizes[1:])])
-        rows = max(b[1] for b in blocks)
-        per_block = self.num_heads * widest * (q.shape[-1] + rows) * 4 * 3 * max(1, cfg.exact_below)
-        for sl in self.slices(len(blocks), per_block):
+        per_block = 0  # the kernel's working set is its output: no slicing needed
+        if not use_kernels(q):
+            widest = max([keys.length // cfg.chunk_sizes[0]] +
+                         [k // l for k, l in zip(cfg.budgets[:-1], cfg.chunk_sizes[1:])])
+            per_block = self.num_heads * widest * (q.shape[-1] + blocks.max_rows) * 4 * 3 * max(1, cfg.exact_below)
+        for sl in self.slices(blocks.num_blocks, per_block):
             yield self.run_stages(layer, q, blocks[sl], keys)
+
+    def stage_widths(self, layer: int, max_end: int) -> list[tuple[int, bool]]:
+        """Per stage: (candidate list width, whether scoring is needed), from host-side bounds only.
+
+        A stage needs no scoring when even its widest candidate list fits its budget. Using bounds instead of the
+        actual candidate counts keeps the stages free of device-to-host syncs (CUDA-graph capturable); when a bound
+        says "score" but the real candidates fit, top-k keeps them all anyway.
+        """
+        cfg = self.cfg
+        budgets = self.stage_budgets(layer)
+        out = []
+        width = 0
+        for i, l in enumerate(cfg.chunk_sizes):
+            if i == 0:
+                hi = -(-(max_end - cfg.n_window) // l)
+                width = max(0, hi - cfg.n_sink // l)
+            else:
+                width = min(width, budgets[i - 1] // cfg.chunk_sizes[i - 1]) * (cfg.chunk_sizes[i - 1] // l)
+            out.append((width, width > budgets[i] // l))
+        return out
 
     def run_stages(self, layer, q, blocks, keys, first: int = 0, prev: torch.Tensor | None = None):
         """Outputs of stages first..N-1, each (nb, G, C_i) ascending chunk ids at that stage's granularity, -1 padded.
 
-        `prev` is the output of stage first-1 (required when first > 0).
+        `prev` is the output of stage first-1 (required when first > 0). No device-to-host sync.
         """
         cfg = self.cfg
         dev = q.device
-        qs, ok, end = self.query_rows(q, blocks, max(b[1] for b in blocks))
-        cand_end = self.candidate_end(end)  # (nb,) exclusive
-        keys_h = keys.float()[:, self.kv_of_head]  # (L, H_q, D): each query head next to its KV head's keys
+        blocks = BlockQueries.build(blocks, dev)
+        if isinstance(keys, torch.Tensor):
+            keys = SequenceKeys.from_dense(keys)
+        cand_end = self.candidate_end(blocks.ends)  # (nb,) exclusive
         budgets = self.stage_budgets(layer)
-        nb, G = qs.shape[0], self.groups
+        widths = self.stage_widths(layer, blocks.max_end)
+        nb, G = blocks.num_blocks, self.groups
         outs = []
         for i in range(first, len(cfg.chunk_sizes)):
             l = cfg.chunk_sizes[i]
+            width, needs_scores = widths[i]
             if i == 0:
-                lo = torch.full((nb,), cfg.n_sink // l, device=dev)
+                lo = cfg.n_sink // l
                 hi = torch.div(cand_end + l - 1, l, rounding_mode="floor")  # chunks that start before cand_end
-                width = int((hi - lo).clamp(min=0).max()) if nb else 0
-                ids = lo[:, None] + torch.arange(width, device=dev)
-                ids = torch.where(ids < hi[:, None], ids, -1)[:, None, :].expand(nb, G, width)
+                ids = lo + torch.arange(width, device=dev)
+                ids = torch.where(ids[None, :] < hi[:, None], ids[None, :], -1)[:, None, :].expand(nb, G, width)
             else:
                 ratio = cfg.chunk_sizes[i - 1] // l
                 sub = prev[..., None] * ratio + torch.arange(ratio, device=dev)
                 ids = torch.where(prev[..., None] >= 0, sub, -1).reshape(nb, G, -1)
-            a = torch.clamp(ids * l, min=cfg.n_sink)  # valid part of each chunk: [a, b)
-            b = torch.minimum((ids + 1) * l, cand_end[:, None, None])
-            valid = (ids >= 0) & (a < b)
-            keep = budgets[i] // l
-            if int(valid.sum(-1).max()) <= keep:  # fits the budget: keep every candidate
+            _, _, valid = chunk_bounds(ids, l, cfg.n_sink, cand_end)
+            if needs_scores:
+                score = self.chunk_scores(q, blocks, keys, ids, l, l <= cfg.exact_below, cand_end)
+            else:  # every candidate fits the budget
                 score = torch.where(valid, 0.0, float("-inf"))
-            else:
-                score = self.chunk_scores(qs, ok, keys_h, a, b, valid, l)
-            prev = self.keep_top(torch.where(valid, ids, -1), score, keep)
+            prev = self.keep_top(torch.where(valid, ids, -1), score, budgets[i] // l)
             outs.append(prev)
         return outs
-
-    def chunk_scores(self, qs, ok, keys_h, a, b, valid, l) -> torch.Tensor:
-        """(nb, G, C) chunk scores; -inf for invalid chunks."""
-        gh = self.group_of_head.to(a.device)
-        a_h, b_h, valid_h = a[:, gh], b[:, gh], valid[:, gh]  # (nb, H_q, C): each head searches its group's chunks
-        L = keys_h.shape[0]
-        heads = torch.arange(self.num_heads, device=a.device)[None, :, None]
-        row_mask = ~ok[:, None, None, :]
-
-        def rep_score(pos):  # max over the block's rows of <q_h, k_h[pos]>: (nb, H_q, C)
-            k = keys_h[pos.clamp(0, L - 1), heads]  # (nb, H_q, C, D)
-            s = torch.einsum("nrhd,nhcd->nhcr", qs, k)
-            return s.masked_fill(row_mask, float("-inf")).amax(-1)
-
-        if l <= self.cfg.exact_below:  # every valid key of the chunk
-            pos = a_h[..., None] + torch.arange(l, device=a.device)  # (nb, H_q, C, l)
-            k = keys_h[pos.clamp(0, L - 1), heads[..., None]]  # (nb, H_q, C, l, D)
-            s = torch.einsum("nrhd,nhcjd->nhcrj", qs, k)
-            s = s.masked_fill(row_mask[..., None], float("-inf"))
-            s = s.masked_fill((pos >= b_h[..., None])[:, :, :, None, :], float("-inf")).amax(dim=(-1, -2))
-        else:  # SelectRep: binary search, each half represented by its first key
-            first, last = a_h.clone(), b_h - 1
-            s = rep_score(first)
-            for _ in range(math.ceil(math.log2(l))):
-                length = last - first + 1
-                active = length > 1
-                mid = first + length // 2
-                s_mid = rep_score(mid)
-                right = active & (s_mid > s)
-                first = torch.where(right, mid, first)
-                last = torch.where(active & ~right, mid - 1, last)
-                s = torch.where(right, s_mid, s)
-        return self.group_max(s.masked_fill(~valid_h, float("-inf")))
 
 
 class InfiniteHiPBackend(SparseBackend):

@@ -40,26 +40,25 @@ class Quest(SelectionMethod):
     def selected_budget(self, layer: int) -> int:
         return self.cfg.budget
 
-    def select(self, layer, q, blocks, keys, state, step):
+    def _select(self, layer, q, blocks, keys, state, step):
         cfg, P = self.cfg, self.cfg.page_size
+        keys = keys.dense()  # reference only: page bounds from all keys
         L = keys.shape[0]
         n_pages = -(-L // P)
         padded = torch.cat([keys.float(), keys[-1:].float().expand(n_pages * P - L, *keys.shape[1:])])
         pages = padded.reshape(n_pages, P, *keys.shape[1:])  # (pages, P, H_kv, D); padding repeats a real key
         kmin = pages.amin(dim=1)[:, self.kv_of_head].transpose(0, 1)  # (H_q, pages, D)
         kmax = pages.amax(dim=1)[:, self.kv_of_head].transpose(0, 1)
-        width = max(b[1] for b in blocks)
-        qs, ok, end = self.query_rows(q, blocks, width)  # (nb, R, H_q, D)
+        qs, ok = self.query_rows(q, blocks)  # (nb, R, H_q, D)
         # upper bound = q+ . max + q- . min, then max over the block's rows
         bound = torch.einsum("nrhd,hpd->nhrp", qs.clamp(min=0), kmax) + torch.einsum("nrhd,hpd->nhrp", qs.clamp(max=0), kmin)
         bound = bound.masked_fill(~ok[:, None, :, None], float("-inf")).amax(dim=2)  # (nb, H_q, pages)
         score = self.group_max(bound)  # (nb, G, pages)
         ids = torch.arange(n_pages, device=q.device)
-        cand_end = self.candidate_end(end)  # (nb,)
+        cand_end = self.candidate_end(blocks.ends)  # (nb,)
         usable = ((ids + 1) * P > cfg.n_sink)[None, :] & (ids[None, :] * P < cand_end[:, None])  # page meets range
         score = score.masked_fill(~usable[:, None, :], float("-inf"))
-        chosen = self.keep_top(ids.expand(score.shape).clone(), score, cfg.budget // P)
-        return list(chosen)
+        return self.keep_top(ids.expand(score.shape).clone(), score, cfg.budget // P)
 
 
 class QuestBackend(SparseBackend):

@@ -28,6 +28,70 @@ from .index import QueryBlocks, SparseIndex
 GRANULARITIES = ("layer", "kv_head", "head")
 
 
+class SequenceKeys:
+    """One sequence's keys as the selection sees them: the paged cache and the sequence's block table.
+
+    Kernels read through the table; reference code calls `dense()`, which gathers (L, H_kv, D) once and keeps it.
+    """
+
+    def __init__(self, k_cache: torch.Tensor, block_table: torch.Tensor, length: int):
+        self.k_cache, self.block_table, self.length = k_cache, block_table, length
+        self._dense: torch.Tensor | None = None
+
+    @classmethod
+    def from_dense(cls, keys: torch.Tensor) -> "SequenceKeys":
+        """Contiguous keys (L, H_kv, D) viewed as a cache of one-token pages (tests, the recall tool)."""
+        out = cls(keys[:, None], torch.arange(keys.shape[0], dtype=torch.int32, device=keys.device), keys.shape[0])
+        out._dense = keys
+        return out
+
+    def dense(self) -> torch.Tensor:
+        if self._dense is None:
+            self._dense = gather_tokens(self.k_cache, self.block_table, self.length)
+        return self._dense
+
+
+@dataclass
+class BlockQueries:
+    """The query blocks of one sequence as device tensors, plus host-side bounds that fix every shape.
+
+    Selection code reads only these (no host sync), so a decode step can be captured in a CUDA graph once the
+    tensors live in static buffers.
+    """
+
+    starts: torch.Tensor  # (nb,) first row of each block in the sequence's queries
+    lens: torch.Tensor  # (nb,) rows of each block
+    ends: torch.Tensor  # (nb,) position after each block's last row
+    max_rows: int  # >= every len
+    max_end: int  # >= every end
+
+    @property
+    def num_blocks(self) -> int:
+        return self.starts.shape[0]
+
+    @classmethod
+    def build(cls, blocks: "list[tuple[int, int, int]] | BlockQueries", device) -> "BlockQueries":
+        """From (first row, rows, position of the first row) per block."""
+        if isinstance(blocks, BlockQueries):
+            return blocks
+        t = torch.tensor([[b[0], b[1], b[2] + b[1]] for b in blocks], dtype=torch.long).reshape(-1, 3).to(device)
+        return cls(t[:, 0], t[:, 1], t[:, 2], max([b[1] for b in blocks] + [1]), max([b[2] + b[1] for b in blocks] + [0]))
+
+    def __getitem__(self, sl: slice) -> "BlockQueries":
+        return BlockQueries(self.starts[sl], self.lens[sl], self.ends[sl], self.max_rows, self.max_end)
+
+
+def use_kernels(t: torch.Tensor) -> bool:
+    """Triton kernels on CUDA tensors; the PyTorch references everywhere else."""
+    if not t.is_cuda:
+        return False
+    try:
+        import triton  # noqa: F401
+    except ImportError:
+        return False
+    return True
+
+
 @dataclass(frozen=True)
 class SparseConfig:
     n_sink: int = 256  # first tokens every query reads
@@ -87,17 +151,23 @@ class SelectionMethod(ABC):
     def token_budget(self, layer: int) -> int:
         return self.cfg.n_sink + self.cfg.n_window + self.selected_budget(layer)
 
-    @abstractmethod
-    def select(self, layer: int, q: torch.Tensor, blocks: list[tuple[int, int, int]], keys: torch.Tensor,
-               state: dict | None, step: int | None) -> list[torch.Tensor]:
-        """Key blocks for each query block of one sequence.
+    def select(self, layer: int, q: torch.Tensor, blocks: "list[tuple[int, int, int]] | BlockQueries",
+               keys: "SequenceKeys | torch.Tensor", state: dict | None = None, step: int | None = None) -> torch.Tensor:
+        """Key blocks for each query block of one sequence: (nb, groups, W) ascending ids, -1 padded.
 
         q: (n, H_q, D) this step's queries of the sequence (RoPE applied); blocks: (first row in q, rows, position of
-        the first row) per query block; keys: (L, H_kv, D) all keys of the sequence, rotated at true positions.
-        state/step: the sequence's per-layer decode state (a dict the method may fill) and the decode step number
-        since the last prefill, or None in prefill. Returns per block a (groups, n_b) int tensor of ascending key-block
-        ids (padding -1 allowed).
+        the first row) per query block, or a `BlockQueries`; keys: the sequence's keys (rotated at true positions) in
+        the paged cache, or a plain (L, H_kv, D) tensor. state/step: the sequence's per-layer decode state (a dict the
+        method may fill) and the decode step number since the last prefill, or None in prefill.
         """
+        if isinstance(keys, torch.Tensor):
+            keys = SequenceKeys.from_dense(keys)
+        return self._select(layer, q, BlockQueries.build(blocks, q.device), keys, state, step)
+
+    @abstractmethod
+    def _select(self, layer: int, q: torch.Tensor, blocks: BlockQueries, keys: SequenceKeys, state: dict | None,
+                step: int | None) -> torch.Tensor:
+        """`select` with normalised arguments."""
 
     # ---- helpers shared by the methods ---------------------------------------------------------------------------
     @staticmethod
@@ -106,16 +176,25 @@ class SelectionMethod(ABC):
         step = max(1, budget // max(1, bytes_per_item))
         return [slice(i, min(n, i + step)) for i in range(0, n, step)]
 
-    def query_rows(self, q: torch.Tensor, blocks: list[tuple[int, int, int]], width: int):
-        """(nb, width, H_q, D) fp32 queries of the blocks, (nb, width) row mask, (nb,) position after each block."""
-        nb = len(blocks)
-        starts = torch.tensor([b[0] for b in blocks], device=q.device)
-        lens = torch.tensor([b[1] for b in blocks], device=q.device)
-        r = torch.arange(width, device=q.device)
-        rows = (starts[:, None] + r).clamp(max=q.shape[0] - 1)
-        ok = r[None, :] < lens[:, None]
-        end = torch.tensor([b[2] + b[1] for b in blocks], device=q.device)
-        return q[rows].float().reshape(nb, width, *q.shape[1:]), ok, end
+    @staticmethod
+    def query_rows(q: torch.Tensor, blocks: BlockQueries):
+        """(nb, max_rows, H_q, D) fp32 queries of the blocks and the (nb, max_rows) row mask."""
+        r = torch.arange(blocks.max_rows, device=q.device)
+        rows = (blocks.starts[:, None] + r).clamp(max=q.shape[0] - 1)
+        ok = r[None, :] < blocks.lens[:, None]
+        return q[rows].float(), ok
+
+    def chunk_scores(self, q: torch.Tensor, blocks: BlockQueries, keys: SequenceKeys, ids: torch.Tensor, chunk: int,
+                     exact: bool, cand_end: torch.Tensor) -> torch.Tensor:
+        """Scores (nb, G, C) of candidate chunks (kernels/prune_stage.py): the Triton kernel on CUDA, else the
+        reference."""
+        from ..kernels.prune_stage import chunk_scores_reference, chunk_scores_triton
+
+        if use_kernels(q):
+            return chunk_scores_triton(q, keys.k_cache, keys.block_table, blocks.starts, blocks.lens, cand_end, ids,
+                                       chunk, exact, self.cfg.n_sink, self.groups, max_rows=blocks.max_rows)
+        qs, ok = self.query_rows(q, blocks)
+        return chunk_scores_reference(qs, ok, keys.dense(), ids, chunk, exact, self.cfg.n_sink, cand_end, self.groups)
 
     def candidate_end(self, block_end: torch.Tensor) -> torch.Tensor:
         """Exclusive end of the selectable range: keys before every query's window (causal by construction)."""
@@ -200,16 +279,29 @@ class SparseBackend(AttentionBackend):
             n, length = meta.query_lens[i], meta.context_lens[i] + meta.query_lens[i]
             local = [(qb.start[b] - row0, qb.length[b], qb.pos[b]) for b in qb.of_sequence(i)]
             if length <= limit:  # short sequence in a long batch: every key block
-                all_blocks = torch.arange(-(-length // m.block_k), device=q.device).expand(m.groups, -1)
-                selections += [all_blocks] * len(local)
+                all_blocks = torch.arange(-(-length // m.block_k), device=q.device)
+                selections.append(all_blocks.expand(len(local), m.groups, -1))
             else:
-                keys = gather_tokens(k_cache, meta.block_tables[i], length)
+                keys = SequenceKeys(k_cache, meta.block_tables[i], length)
                 decoding = not meta.is_prefill
                 state = self._state.setdefault((seq_id, layer), {}) if decoding else None
                 step = self._decode_step.get(seq_id, 0) if decoding else None
-                selections += m.select(layer, q[row0:row0 + n], local, keys, state, step)
+                selections.append(m.select(layer, q[row0:row0 + n], local, keys, state, step))
             row0 += n
         blocks, counts = SparseIndex.pack(selections, q.device)
         index = SparseIndex(block_q, m.block_k, self.config.n_sink, self.config.n_window, m.groups, qb, blocks, counts)
-        out, _ = block_sparse_attention(q, k_cache, v_cache, meta.block_tables, index, self.scale)
+        if use_kernels(q):
+            from ..kernels.bsa import block_sparse_attention_triton
+
+            splits = 1 if meta.is_prefill else self._decode_splits(qb.num_blocks)
+            out, _ = block_sparse_attention_triton(q, k_cache, v_cache, meta.block_tables, index, self.scale,
+                                                   num_splits=splits)
+        else:
+            out, _ = block_sparse_attention(q, k_cache, v_cache, meta.block_tables, index, self.scale)
         return out
+
+    def _decode_splits(self, num_seqs: int) -> int:
+        """Split-K for decode: about two programs per SM (the selected keys are a few thousand per sequence)."""
+        sms = torch.cuda.get_device_properties(self.device).multi_processor_count
+        programs = num_seqs * max(self.model_config.num_kv_heads, self.method.groups)
+        return max(1, min(32, (2 * sms) // programs))

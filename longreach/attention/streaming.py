@@ -27,8 +27,8 @@ class Streaming(SelectionMethod):
     def selected_budget(self, layer: int) -> int:
         return 0
 
-    def select(self, layer, q, blocks, keys, state, step):
-        return [torch.empty(self.groups, 0, dtype=torch.long, device=q.device) for _ in blocks]
+    def _select(self, layer, q, blocks, keys, state, step):
+        return torch.empty(blocks.num_blocks, self.groups, 0, dtype=torch.long, device=q.device)
 
 
 class StreamingBackend(SparseBackend):

@@ -116,8 +116,8 @@ def selection_mask(method: SelectionMethod, layer: int, q: torch.Tensor, k: torc
     """(R, H_q, L) keys read by each evaluated row under `method`'s prefill selection."""
     R, L = positions.numel(), k.shape[0]
     qb = QueryBlocks.build([R], [int(positions[0])], method.cfg.block_q)
-    sels = method.select(layer, q, list(zip(qb.start, qb.length, qb.pos)), k, None, None)
-    blocks, counts = SparseIndex.pack(sels, "cpu")
+    sels = method.select(layer, q, list(zip(qb.start, qb.length, qb.pos)), k)  # (nb, G, W)
+    blocks, counts = SparseIndex.pack([sels], "cpu")
     index = SparseIndex(method.cfg.block_q, method.block_k, method.cfg.n_sink, method.cfg.n_window, method.groups,
                         qb, blocks, counts)
     block_of_row = torch.repeat_interleave(torch.arange(qb.num_blocks), torch.tensor(qb.length))

@@ -1,0 +1,223 @@
+"""Block-sparse attention over the paged KV cache, in Triton: prefill and decode from one kernel.
+
+Consumes a `SparseIndex` (attention/index.py) and computes exactly what `attention/executor.py` (the PyTorch
+reference, kept beside this kernel as the ground truth) computes: for every query block, softmax attention over the
+sink, the block's window span and the selected key blocks, each query row masked to its own disjoint, causal share.
+
+Grid: (query block, (selection group, KV head) pair x head subset, split). A program holds the queries of up to
+`BLOCK_M` rows — several heads of one GQA group times the block's query rows — so each KV tile it gathers is used by
+all of those heads (a KV block is read once per head group when the group fits one program: decode always, prefill
+when heads x block_q <= 128). It walks one list of key tiles: sink tiles, then the selected key blocks packed into
+tiles of BLOCK_N tokens (token -> logical block -> page through the block table), then the window span, keeping an
+online softmax in base 2. Prefill uses one split per query block; decode splits the tile list over `num_splits`
+programs (flash-decoding) and `combine.py` merges the partial results with their log-sum-exps.
+
+Returns out (T, H_q, D) in q's dtype and lse (T, H_q) fp32, natural log, -inf for a row that reads no key.
+Limits: head_dim a power of two in [16, 256]; selection groups 1, H_kv or H_q. Tested: CPU interpreter
+(TRITON_INTERPRET=1) in fp16/fp32 against the reference (tests/test_kernel_bsa.py); H100 in bf16
+(scripts/gpu_check.py).
+"""
+from __future__ import annotations
+
+import math
+
+import torch
+
+from ..attention.executor import head_pairs
+from ..attention.index import SparseIndex
+from .combine import combine_splits_triton
+
+try:
+    import triton
+    import triton.language as tl
+except ImportError:  # pragma: no cover - CPU installs without Triton use the reference executor
+    triton = None
+
+
+if triton is not None:
+
+    @triton.jit
+    def _bsa_kernel(
+        Q, K, V, BlockTables, QbSeq, QbStart, QbLen, QbPos, Blocks, Counts, PairGroup, PairKv,
+        Out, Lse, OutP, LseP,
+        stride_qt, stride_qh,
+        stride_kp, stride_ko, stride_kh,
+        stride_vp, stride_vo, stride_vh,
+        stride_btb,
+        stride_bb, stride_bg,
+        stride_cb,
+        stride_ot, stride_oh,
+        stride_lt,
+        stride_pt, stride_ph, stride_ps,
+        stride_lpt, stride_lph,
+        qk_scale, num_splits, n_sink, n_window,
+        HPP: tl.constexpr, HEADS_PER_PROG: tl.constexpr, N_HSUB: tl.constexpr,
+        BQ_PAD: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, HEAD_DIM: tl.constexpr,
+        BK: tl.constexpr, PAGE: tl.constexpr, SPLIT: tl.constexpr, DOT_PRECISION: tl.constexpr,
+    ):
+        qb = tl.program_id(0)
+        pair = tl.program_id(1) // N_HSUB
+        hsub = tl.program_id(1) % N_HSUB
+        split = tl.program_id(2)
+
+        seq = tl.load(QbSeq + qb)
+        start = tl.load(QbStart + qb)
+        length = tl.load(QbLen + qb)
+        pos0 = tl.load(QbPos + qb)
+        group = tl.load(PairGroup + pair)
+        kvh = tl.load(PairKv + pair)
+        count = tl.load(Counts + qb * stride_cb + group)
+
+        r = tl.arange(0, BLOCK_M)
+        hh = hsub * HEADS_PER_PROG + r // BQ_PAD  # head offset within the pair
+        qi = r % BQ_PAD
+        row_ok = (qi < length) & (hh < HPP)
+        head = pair * HPP + hh
+        row = start + qi
+        p_row = pos0 + qi  # absolute position of each row
+        d = tl.arange(0, HEAD_DIM)
+        q = tl.load(Q + row[:, None] * stride_qt + head[:, None] * stride_qh + d[None, :], mask=row_ok[:, None],
+                    other=0.0)
+
+        n_win = tl.where(n_window > 0, length + n_window - 1, 0)
+        sink_tiles = tl.cdiv(n_sink, BLOCK_N)
+        sel_tokens = count * BK
+        sel_tiles = tl.cdiv(sel_tokens, BLOCK_N)
+        win_tiles = tl.cdiv(n_win, BLOCK_N)
+        total = sink_tiles + sel_tiles + win_tiles
+        per_split = tl.cdiv(total, num_splits)
+        t_lo = split * per_split
+        t_hi = tl.minimum(t_lo + per_split, total)
+        last_pos = pos0 + length - 1
+        blk_base = Blocks + qb * stride_bb + group * stride_bg
+        bt_base = BlockTables + seq * stride_btb
+
+        m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
+        l_i = tl.zeros([BLOCK_M], tl.float32)
+        acc = tl.zeros([BLOCK_M, HEAD_DIM], tl.float32)
+        n = tl.arange(0, BLOCK_N)
+        for t in range(t_lo, t_hi):
+            is_sink = t < sink_tiles
+            is_sel = (t >= sink_tiles) & (t < sink_tiles + sel_tiles)
+            j_sink = t * BLOCK_N + n
+            j_sel = (t - sink_tiles) * BLOCK_N + n
+            j_win = (t - sink_tiles - sel_tiles) * BLOCK_N + n
+            ok_sel = is_sel & (j_sel < sel_tokens)
+            blk = tl.load(blk_base + j_sel // BK, mask=ok_sel, other=0)
+            kpos = tl.where(is_sink, j_sink, tl.where(is_sel, blk * BK + j_sel % BK, pos0 - n_window + 1 + j_win))
+            k_ok = tl.where(is_sink, j_sink < n_sink, tl.where(is_sel, ok_sel, j_win < n_win))
+            safe = tl.minimum(tl.maximum(kpos, 0), last_pos)
+            page = tl.load(bt_base + safe // PAGE).to(tl.int64)
+            off = safe % PAGE
+            k = tl.load(K + page[:, None] * stride_kp + off[:, None] * stride_ko + kvh * stride_kh + d[None, :],
+                        mask=k_ok[:, None], other=0.0)
+            v = tl.load(V + page[:, None] * stride_vp + off[:, None] * stride_vo + kvh * stride_vh + d[None, :],
+                        mask=k_ok[:, None], other=0.0)
+            s = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * qk_scale  # (BLOCK_M, BLOCK_N), log2 units
+            kp = kpos[None, :]
+            pr = p_row[:, None]
+            m_sink = kp <= pr
+            m_sel = (kp >= n_sink) & (kp <= pr - n_window)
+            m_win = (kp >= tl.maximum(pr - n_window + 1, n_sink)) & (kp <= pr) & (kp >= 0)
+            allowed = k_ok[None, :] & row_ok[:, None] & tl.where(is_sink, m_sink, tl.where(is_sel, m_sel, m_win))
+            s = tl.where(allowed, s, float("-inf"))
+            m_new = tl.maximum(m_i, tl.max(s, axis=1))
+            m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)  # rows with nothing yet stay at zero
+            alpha = tl.exp2(m_i - m_safe)
+            p = tl.exp2(s - m_safe[:, None])
+            l_i = l_i * alpha + tl.sum(p, axis=1)
+            acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=DOT_PRECISION)
+            m_i = m_new
+
+        empty = l_i == 0.0
+        out = acc / tl.where(empty, 1.0, l_i)[:, None]
+        lse = tl.where(empty, float("-inf"), (m_i + tl.log2(tl.where(empty, 1.0, l_i))) * 0.6931471805599453)
+        if SPLIT:
+            tl.store(OutP + row[:, None] * stride_pt + head[:, None] * stride_ph + split * stride_ps + d[None, :],
+                     out, mask=row_ok[:, None])
+            tl.store(LseP + row * stride_lpt + head * stride_lph + split, lse, mask=row_ok)
+        else:
+            tl.store(Out + row[:, None] * stride_ot + head[:, None] * stride_oh + d[None, :],
+                     out.to(Out.dtype.element_ty), mask=row_ok[:, None])
+            tl.store(Lse + row * stride_lt + head, lse, mask=row_ok)
+
+
+class BSAPlan:
+    """The device-side tensors of a SparseIndex (built once per index, reused by every launch)."""
+
+    def __init__(self, index: SparseIndex, num_heads: int, num_kv_heads: int, device):
+        qb = index.queries
+        as_t = lambda xs: torch.tensor(xs, dtype=torch.int32, device=device)  # noqa: E731
+        self.seq, self.start, self.len, self.pos = as_t(qb.seq), as_t(qb.start), as_t(qb.length), as_t(qb.pos)
+        pairs, self.hpp = head_pairs(num_heads, num_kv_heads, index.groups)
+        self.pair_group = as_t([g for g, _ in pairs])
+        self.pair_kv = as_t([kv for _, kv in pairs])
+        self.num_pairs = len(pairs)
+        self.blocks = index.blocks.to(device=device, dtype=torch.int32).contiguous()
+        self.counts = index.counts.to(device=device, dtype=torch.int32).contiguous()
+        self.index = index
+
+
+def block_sparse_attention_triton(q, k_cache, v_cache, block_tables, index: SparseIndex, scale: float,
+                                  num_splits: int = 1, plan: BSAPlan | None = None,
+                                  block_m: int | None = None, block_n: int = 64, num_warps: int | None = None,
+                                  workspace=None, out: torch.Tensor | None = None, lse: torch.Tensor | None = None):
+    """Triton version of `attention.executor.block_sparse_attention` (same arguments and results).
+
+    `out`/`lse` (and the split `workspace`) may be passed preallocated, e.g. poisoned by tests; rows that belong to
+    no query block are left untouched.
+    """
+    if triton is None:
+        raise RuntimeError("block_sparse_attention_triton needs Triton")
+    T, Hq, D = q.shape
+    _, page, Hkv, Dk = k_cache.shape
+    if Dk != D or v_cache.shape != k_cache.shape:
+        raise ValueError(f"cache shapes {tuple(k_cache.shape)} / {tuple(v_cache.shape)} do not match q {tuple(q.shape)}")
+    if D & (D - 1) or not 16 <= D <= 256:
+        raise ValueError(f"head_dim must be a power of two in [16, 256], got {D}")
+    if q.stride(-1) != 1 or k_cache.stride(-1) != 1 or v_cache.stride(-1) != 1:
+        raise ValueError("q and the caches must be contiguous in the head dimension")
+    if block_tables.dtype != torch.int32:
+        raise ValueError("block_tables must be int32")
+    plan = plan or BSAPlan(index, Hq, Hkv, q.device)
+    nqb = index.queries.num_blocks
+    out = torch.empty_like(q) if out is None else out
+    lse = torch.empty(T, Hq, dtype=torch.float32, device=q.device) if lse is None else lse
+    if nqb == 0:
+        return out, lse
+    bq_pad = max(1, triton.next_power_of_2(index.block_q))
+    if block_m is None:
+        block_m = max(16, min(128, triton.next_power_of_2(plan.hpp * bq_pad)))
+    block_m = max(block_m, bq_pad, 16)
+    heads_per_prog = max(1, block_m // bq_pad)
+    n_hsub = -(-plan.hpp // heads_per_prog)
+    split = num_splits > 1
+    if split:
+        out_p, lse_p = workspace if workspace is not None else (
+            torch.empty(T, Hq, num_splits, D, dtype=torch.float32, device=q.device),
+            torch.empty(T, Hq, num_splits, dtype=torch.float32, device=q.device))
+    else:
+        out_p, lse_p = out, lse  # unused placeholders
+    grid = (nqb, plan.num_pairs * n_hsub, num_splits)
+    _bsa_kernel[grid](
+        q, k_cache, v_cache, block_tables, plan.seq, plan.start, plan.len, plan.pos, plan.blocks, plan.counts,
+        plan.pair_group, plan.pair_kv, out, lse, out_p, lse_p,
+        q.stride(0), q.stride(1),
+        k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
+        v_cache.stride(0), v_cache.stride(1), v_cache.stride(2),
+        block_tables.stride(0),
+        plan.blocks.stride(0), plan.blocks.stride(1),
+        plan.counts.stride(0),
+        out.stride(0), out.stride(1),
+        lse.stride(0),
+        out_p.stride(0), out_p.stride(1), out_p.stride(2) if split else 0,
+        lse_p.stride(0), lse_p.stride(1),
+        scale * math.log2(math.e), num_splits, index.n_sink, index.n_window,
+        HPP=plan.hpp, HEADS_PER_PROG=heads_per_prog, N_HSUB=n_hsub, BQ_PAD=bq_pad, BLOCK_M=block_m,
+        BLOCK_N=block_n, HEAD_DIM=D, BK=index.block_k, PAGE=page, SPLIT=split,
+        DOT_PRECISION="ieee" if q.dtype == torch.float32 else "tf32",
+        num_warps=num_warps or (8 if block_m >= 128 else 4), num_stages=2,
+    )
+    if split:
+        combine_splits_triton(out_p, lse_p, out, lse)
+    return out, lse

@@ -1,0 +1,113 @@
+"""Triton block-sparse attention and chunk-scoring kernels vs their PyTorch references.
+
+On a machine without a GPU they run in Triton's interpreter (TRITON_INTERPRET=1, set by conftest) in fp16/fp32 at
+small sizes; scripts/gpu_check.py runs the same comparisons in bf16 at real sizes on a GPU.
+"""
+import pytest
+import torch
+
+from longreach.attention.executor import block_sparse_attention
+from longreach.attention.index import QueryBlocks, SparseIndex
+from longreach.kernels.bsa import block_sparse_attention_triton
+from longreach.kernels.prune_stage import chunk_scores_reference, chunk_scores_triton
+from longreach.kvcache.paged import gather_tokens
+
+DEV = "cuda" if torch.cuda.is_available() else "cpu"
+
+
+def _cache(lengths, Hkv, D, page, dtype, g):
+    """A shared paged cache holding each sequence's tokens in scattered pages, and the block tables."""
+    need = [-(-n // page) for n in lengths]
+    n_pages = sum(need) + 3
+    perm = torch.randperm(n_pages, generator=g)
+    tables = torch.zeros(len(lengths), max(need), dtype=torch.int32)
+    o = 0
+    for i, k in enumerate(need):
+        tables[i, :k] = perm[o:o + k]
+        o += k
+    kc = torch.randn(n_pages, page, Hkv, D, generator=g).to(dtype)
+    vc = torch.randn(n_pages, page, Hkv, D, generator=g).to(dtype)
+    return kc.to(DEV), vc.to(DEV), tables.to(DEV)
+
+
+BSA_CASES = [  # Hq, Hkv, D, page, n_sink, n_window, block_q, block_k, groups, splits
+    (6, 2, 16, 4, 3, 5, 8, 4, 2, 1),
+    (8, 2, 32, 16, 4, 16, 16, 2, 8, 1),  # per-head selections
+    (4, 4, 16, 8, 2, 1, 1, 8, 1, 3),  # decode rows, MHA, split-K
+    (9, 3, 64, 16, 8, 32, 64, 8, 3, 1),  # SmolLM2's shape, GQA 3
+    (8, 1, 16, 4, 0, 0, 8, 4, 1, 2),  # GQA 8, no sink / window, split
+    (4, 1, 128, 16, 5, 7, 4, 16, 1, 1),  # head dim 128, GQA 4
+]
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+@pytest.mark.parametrize("case", BSA_CASES, ids=[f"h{c[0]}-kv{c[1]}-d{c[2]}-bq{c[6]}-g{c[8]}-s{c[9]}" for c in BSA_CASES])
+def test_bsa_kernel_matches_reference(dtype, case):
+    Hq, Hkv, D, page, S, W, BQ, BK, G, splits = case
+    g = torch.Generator().manual_seed(sum(case))
+    ctx, qlen = ([37, 0, 11], [13, 21, 5]) if BQ > 1 else ([37, 12, 3], [1, 1, 1])
+    kc, vc, tables = _cache([c + n for c, n in zip(ctx, qlen)], Hkv, D, page, dtype, g)
+    q = torch.randn(sum(qlen), Hq, D, generator=g).to(dtype).to(DEV)
+    qb = QueryBlocks.build(qlen, ctx, BQ)
+    sels = []
+    for b in range(qb.num_blocks):
+        L = ctx[qb.seq[b]] + qlen[qb.seq[b]]
+        nb = -(-L // BK)
+        sels.append(torch.stack([torch.randperm(nb, generator=g)[: max(1, nb // 2)].sort().values for _ in range(G)]))
+    blocks, counts = SparseIndex.pack(sels, DEV)
+    idx = SparseIndex(BQ, BK, S, W, G, qb, blocks, counts)
+    ref, ref_lse = block_sparse_attention(q.float(), kc.float(), vc.float(), tables, idx, D ** -0.5)
+    out = torch.full_like(q, float("nan"))
+    lse = torch.full((q.shape[0], Hq), float("nan"), device=DEV)
+    ws = (torch.full((q.shape[0], Hq, splits, D), float("nan"), device=DEV),
+          torch.full((q.shape[0], Hq, splits), float("nan"), device=DEV)) if splits > 1 else None
+    block_sparse_attention_triton(q, kc, vc, tables, idx, D ** -0.5, num_splits=splits, block_n=16, out=out, lse=lse,
+                                  workspace=ws)
+    assert not torch.isnan(out).any() and not torch.isnan(lse).any()  # every row written
+    tol = 1e-5 if dtype == torch.float32 else 2e-3
+    assert (out.float() - ref).abs().max() <= tol
+    finite = torch.isfinite(ref_lse)
+    assert torch.equal(torch.isfinite(lse), finite)
+    assert (lse[finite] - ref_lse[finite]).abs().max() <= 1e-4
+
+
+PRUNE_CASES = [  # Hq, Hkv, D, page, rows, chunk, exact, groups
+    (6, 2, 16, 4, 8, 8, False, 2),
+    (6, 2, 16, 4, 8, 8, True, 2),
+    (9, 3, 64, 16, 1, 32, False, 3),  # decode row, SmolLM2's shape
+    (8, 1, 32, 16, 5, 16, False, 1),  # GQA 8, one selection per layer, odd rows
+    (4, 4, 16, 1, 3, 2, True, 4),  # MHA, HiP-style 2-key blocks scored exactly, one-token pages
+    (8, 2, 128, 16, 4, 256, False, 8),  # head dim 128, stage-1 chunks of 256, per-head selection
+]
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+@pytest.mark.parametrize("case", PRUNE_CASES, ids=[f"h{c[0]}-kv{c[1]}-d{c[2]}-r{c[4]}-c{c[5]}-{'x' if c[6] else 's'}-g{c[7]}"
+                                                  for c in PRUNE_CASES])
+def test_chunk_score_kernel_matches_reference(dtype, case):
+    Hq, Hkv, D, page, rows, chunk, exact, G = case
+    g = torch.Generator().manual_seed(sum(map(int, case)))
+    L = 3 * chunk + 29 if chunk > 16 else 211
+    kc, _, tables = _cache([L], Hkv, D, page, dtype, g)
+    nb = 3
+    q = torch.randn(nb * rows, Hq, D, generator=g).to(dtype).to(DEV)
+    starts = torch.arange(nb, device=DEV) * rows
+    lens = torch.tensor([rows, max(1, rows - 1), rows], device=DEV)
+    cand_end = torch.tensor([L - 3, L // 2 + 1, L], device=DEV)
+    n_chunks = -(-L // chunk)
+    ids = torch.stack([torch.stack([torch.randperm(n_chunks, generator=g)[: n_chunks - 1] for _ in range(G)])
+                       for _ in range(nb)]).to(DEV)
+    ids[0, 0, 0] = -1  # padding
+    n_sink = 3
+    got = chunk_scores_triton(q, kc, tables[0], starts, lens, cand_end, ids, chunk, exact, n_sink, G, block_c=16)
+    keys = gather_tokens(kc, tables[0], L)
+    r = torch.arange(rows, device=DEV)
+    qs = q[(starts[:, None] + r).clamp(max=q.shape[0] - 1)].reshape(nb, rows, Hq, D)
+    ok = r[None, :] < lens[:, None]
+    ref = chunk_scores_reference(qs.float(), ok, keys.float(), ids.long(), chunk, exact, n_sink, cand_end, G)
+    finite = torch.isfinite(ref)
+    assert torch.equal(torch.isfinite(got), finite)
+    # fp16 keys/queries: products are exact in fp32, sums may differ by rounding; a SelectRep branch decided by such
+    # a near-tie could differ, so fp16 compares values loosely and fp32 tightly
+    tol = 1e-3 if dtype == torch.float32 else 5e-2
+    assert (got[finite] - ref[finite]).abs().max() <= tol * max(1.0, ref[finite].abs().max().item())
