@@ -147,6 +147,27 @@ def _bench_parser(sub) -> None:
     e.add_argument("--repeats", type=int, default=3, help="timed repeats, median reported (default: 3)")
     e.add_argument("--out", default="bench-engine.json", help="JSON output path (default: bench-engine.json)")
     e.set_defaults(func=_cmd_bench_engine)
+    a = bsub.add_parser("attention", help="one layer at 32K-1M tokens: sparse kernels vs cuDNN/flash SDPA (GPU)",
+                        description="One Llama-3.1-8B-shaped attention layer (32/8 heads, d=128, bf16, batch 1): "
+                                    "the last 32K-query prefill chunk and one decode step at each context length, "
+                                    "infinitehip / hip kernels against dense cuDNN and flash SDPA and FlexAttention.")
+    a.add_argument("--contexts", type=int, nargs="+", default=[32768, 131072, 524288, 1048576], metavar="N",
+                   help="context lengths in tokens (default: 32K 128K 512K 1M)")
+    a.add_argument("--repeats", type=int, default=5, help="timed repeats per measurement, median (default: 5)")
+    a.add_argument("--no-flex", action="store_true", help="skip FlexAttention (it compiles for a while)")
+    a.add_argument("--out", default="bench-attention.json", help="JSON output path")
+    a.set_defaults(func=_cmd_bench_attention)
+    lg = bsub.add_parser("long", help="end to end at long context: a sparse backend vs dense through the engine",
+                         description="Prefill a long prompt and decode through the whole engine with each attention "
+                                     "backend; reports prefill seconds, decode tokens/s and the generated text.")
+    lg.add_argument("--model", default="smollm2", help="model (default: smollm2)")
+    lg.add_argument("--text-file", default=None, help="text for the prompt (default: the Paul Graham essays)")
+    lg.add_argument("--lengths", type=int, nargs="+", default=[32768, 131072], metavar="N", help="prompt tokens")
+    lg.add_argument("--attention", nargs="+", default=["dense", "infinitehip:3k-fast"], metavar="METHOD[:PRESET]")
+    lg.add_argument("--new-tokens", type=int, default=64, help="tokens to generate (default: 64)")
+    lg.add_argument("--device", default="auto")
+    lg.add_argument("--out", default="bench-long.json", help="JSON output path")
+    lg.set_defaults(func=_cmd_bench_long)
 
 
 def _cmd_bench_engine(args) -> int:
@@ -254,6 +275,32 @@ def _cmd_eval_recall(args) -> int:
     summary = ", ".join(f"{k}: mass {v['mean']['mass_recall']:.4f}, top-k {v['mean']['topk_recall']:.4f}, "
                         f"{v['mean']['keys_per_query']:.0f} keys/query" for k, v in report["methods"].items())
     print(f"[longreach] recall at {args.length} tokens: {summary}", file=sys.stderr)
+    return 0
+
+
+def _cmd_bench_attention(args) -> int:
+    from .bench.attention import run
+
+    if any(n < 1 for n in args.contexts) or args.repeats < 1:
+        raise ValueError("--contexts and --repeats must be positive")
+    run(sorted(args.contexts), repeats=args.repeats, out_path=args.out, flex=not args.no_flex)
+    return 0
+
+
+def _cmd_bench_long(args) -> int:
+    from .bench.engine import run_long
+    from .eval.data import paul_graham_text
+
+    if args.text_file:
+        try:
+            with open(args.text_file, encoding="utf-8") as f:
+                text = f.read()
+        except OSError as e:
+            raise ValueError(f"cannot read --text-file {args.text_file!r}: {e.strerror}") from None
+    else:
+        text = paul_graham_text()
+    methods = [(a.partition(":")[0], a.partition(":")[2] or None) for a in args.attention]
+    run_long(args.model, text, sorted(args.lengths), methods, args.new_tokens, args.device, args.out)
     return 0
 
 

@@ -74,6 +74,103 @@ def kernel_matrix():
     return f"{len(cases) * 3} cases, worst relative error {worst:.2e} (bf16)"
 
 
+def _rel(out, ref):
+    return ((out.double() - ref.double()).norm() / ref.double().norm()).item()
+
+
+def bsa_matrix():
+    """Block-sparse attention kernel vs the PyTorch executor (fp32 math on the same bf16 inputs), real sizes."""
+    from longreach.attention.executor import block_sparse_attention
+    from longreach.attention.index import QueryBlocks, SparseIndex
+    from longreach.kernels.bsa import block_sparse_attention_triton
+
+    dev = "cuda"
+    worst = 0.0
+    n = 0
+    for (Hq, Hkv, D) in [(32, 8, 128), (9, 3, 64), (8, 8, 128), (32, 4, 128)]:
+        for groups in sorted({1, Hkv, Hq}):
+            for decode in (False, True):
+                g = torch.Generator(device=dev).manual_seed(Hq + D + groups + decode)
+                lens_ctx = [20000, 9000] if decode else [16384 + 37, 0]
+                lens_q = [1, 1] if decode else [131, 300]
+                L = [c + q for c, q in zip(lens_ctx, lens_q)]
+                page = 16
+                need = [-(-x // page) for x in L]
+                kc = torch.randn(sum(need) + 4, page, Hkv, D, device=dev, dtype=torch.bfloat16, generator=g)
+                vc = torch.randn_like(kc)
+                perm = torch.randperm(kc.shape[0], device=dev, generator=g).int()
+                tables = torch.zeros(2, max(need), dtype=torch.int32, device=dev)
+                tables[0, : need[0]], tables[1, : need[1]] = perm[: need[0]], perm[need[0]: need[0] + need[1]]
+                q = torch.randn(sum(lens_q), Hq, D, device=dev, dtype=torch.bfloat16, generator=g)
+                BQ, BK = (1 if decode else 64), 8
+                qb = QueryBlocks.build(lens_q, lens_ctx, BQ)
+                sels = []
+                for b in range(qb.num_blocks):
+                    nblk = -(-L[qb.seq[b]] // BK)
+                    sels.append(torch.stack([torch.randperm(nblk, device=dev, generator=g)[: min(256, nblk)]
+                                             for _ in range(groups)]))
+                blocks, counts = SparseIndex.pack(sels, dev)
+                idx = SparseIndex(BQ, BK, 256, 1024, groups, qb, blocks, counts)
+                ref, _ = block_sparse_attention(q, kc, vc, tables, idx, D ** -0.5)
+                for splits in ((1, 8, 32) if decode else (1,)):
+                    out = torch.full_like(q, float("nan"))
+                    block_sparse_attention_triton(q, kc, vc, tables, idx, D ** -0.5, num_splits=splits, out=out)
+                    err = _rel(out, ref)
+                    n += 1
+                    if torch.isnan(out).any() or err > 1e-2:
+                        raise AssertionError(f"H={Hq}/{Hkv} D={D} groups={groups} decode={decode} splits={splits}: "
+                                             f"rel err {err:.2e}")
+                    worst = max(worst, err)
+    return f"{n} cases (prefill + decode, groups 1/H_kv/H_q), worst relative error {worst:.2e} vs fp32 reference"
+
+
+def prune_matrix():
+    """Chunk-scoring kernel vs its reference, real sizes, bf16: scores and the top-k sets they induce."""
+    from longreach.kernels.prune_stage import chunk_scores_reference, chunk_scores_triton
+    from longreach.kvcache.paged import gather_tokens
+
+    dev = "cuda"
+    worst_val, worst_set, n = 0.0, 1.0, 0
+    for (Hq, Hkv, D) in [(32, 8, 128), (9, 3, 64)]:
+        for chunk, exact, rows, L in [(256, False, 64, 65536), (32, False, 64, 20000), (8, True, 64, 20000),
+                                      (256, False, 1, 131072), (8, True, 1, 20000), (2, True, 32, 20000)]:
+            g = torch.Generator(device=dev).manual_seed(chunk + rows + Hq)
+            page = 16
+            kc = torch.randn(-(-L // page), page, Hkv, D, device=dev, dtype=torch.bfloat16, generator=g)
+            table = torch.arange(kc.shape[0], device=dev, dtype=torch.int32)
+            nb = 4
+            q = torch.randn(nb * rows, Hq, D, device=dev, dtype=torch.bfloat16, generator=g)
+            starts = torch.arange(nb, device=dev) * rows
+            lens = torch.full((nb,), rows, device=dev)
+            cand_end = torch.full((nb,), L - 1024, device=dev)
+            C = min(1024, (L - 1024) // chunk)
+            ids = torch.stack([torch.randperm((L - 1024) // chunk, device=dev, generator=g)[:C] for _ in range(nb * Hkv)])
+            ids = ids.view(nb, Hkv, C)
+            got = chunk_scores_triton(q, kc, table, starts, lens, cand_end, ids, chunk, exact, 256, Hkv)
+            keys = gather_tokens(kc, table, L)
+            r = torch.arange(rows, device=dev)
+            qs = q[(starts[:, None] + r)].reshape(nb, rows, Hq, D)
+            ref = chunk_scores_reference(qs, torch.ones(nb, rows, dtype=torch.bool, device=dev), keys, ids.long(),
+                                         chunk, exact, 256, cand_end, Hkv)
+            fin = torch.isfinite(ref)
+            if not torch.equal(torch.isfinite(got), fin):
+                raise AssertionError(f"chunk={chunk} rows={rows}: different invalid chunks")
+            rel = ((got[fin] - ref[fin]).abs() / ref[fin].abs().clamp(min=1.0))
+            frac_off = (rel > 0.05).float().mean().item()  # SelectRep branches decided by bf16 near-ties
+            k = max(1, C // 8)
+            top_got = got.topk(k, dim=-1).indices.sort(-1).values
+            top_ref = ref.topk(k, dim=-1).indices.sort(-1).values
+            overlap = sum(len(set(a.tolist()) & set(b.tolist())) for a, b in
+                          zip(top_got.flatten(0, 1), top_ref.flatten(0, 1))) / top_ref.numel()
+            n += 1
+            if frac_off > 0.02 or overlap < 0.97:
+                raise AssertionError(f"H={Hq}/{Hkv} chunk={chunk} exact={exact} rows={rows}: {frac_off:.1%} scores "
+                                     f"off by >5%, top-k overlap {overlap:.3f}")
+            worst_val = max(worst_val, frac_off)
+            worst_set = min(worst_set, overlap)
+    return f"{n} cases, at most {worst_val:.2%} of scores off by >5% (SelectRep ties), top-k overlap >= {worst_set:.3f}"
+
+
 def engine_checks(model: str):
     from longreach import LLM, SamplingParams
 
@@ -100,6 +197,35 @@ def engine_checks(model: str):
     return f"graph == eager on {same}/{len(prompts)}; chunked-prefill (128) == unchunked on {agree}/{len(prompts)}"
 
 
+def sparse_engine(model: str):
+    """Each sparse backend end to end on the GPU (kernels) vs the same backend's CPU reference path, 3K-token prompt
+    with small budgets so that selection prunes; greedy tokens should agree."""
+    from longreach import LLM, SamplingParams
+    from longreach.eval.data import paul_graham_text
+
+    cfg = {"infinitehip": '{"n_sink": 64, "n_window": 256, "budgets": [2048, 1024, 256], "early_last_budget": 512}',
+           "hip": '{"n_sink": 64, "n_window": 256, "budget": 256}',
+           "streaming": '{"n_sink": 64, "n_window": 512}'}
+    text = open(".carry/b/pg.txt").read() if os.path.exists(".carry/b/pg.txt") else paul_graham_text()
+    rows = []
+    for name, conf in cfg.items():
+        outs = []
+        for device, dtype in (("cuda", "float32"), ("cpu", "float32")):
+            gc.collect()
+            torch.cuda.empty_cache()
+            llm = LLM(model, attention=name, attention_config=conf, device=device, dtype=dtype, max_model_len=4096,
+                      kv_cache_memory_gb=1, max_num_seqs=1)
+            ids = llm.get_tokenizer().encode(text)[:3000]
+            outs.append(llm.generate({"prompt_token_ids": ids}, SamplingParams(temperature=0, max_tokens=24,
+                                                                               ignore_eos=True), use_tqdm=False)[0])
+            del llm
+        same = sum(a == b for a, b in zip(outs[0].token_ids, outs[1].token_ids))
+        rows.append(f"{name} {same}/24")
+        if same < 20:
+            raise AssertionError(f"{name}: GPU kernels and CPU reference agree on only {same}/24 greedy tokens")
+    return "GPU kernels vs CPU reference, fp32, greedy tokens equal: " + ", ".join(rows)
+
+
 def fp32_parity(model: str):
     from transformers import AutoModelForCausalLM
 
@@ -123,13 +249,17 @@ def fp32_parity(model: str):
 
 def main():
     ap = argparse.ArgumentParser()
-    ap.add_argument("--model", required=True)
+    ap.add_argument("--model", default=None, help="a model for the engine checks (skipped without one)")
     ap.add_argument("--out", default=os.environ.get("OUT", "."))
     args = ap.parse_args()
     print(f"GPU: {torch.cuda.get_device_name()}, torch {torch.__version__}", flush=True)
     check("paged decode kernel vs reference (bf16 matrix)")(kernel_matrix)
-    check("engine: CUDA graphs, eager, chunked prefill")(lambda: engine_checks(args.model))
-    check("fp32 logits parity on GPU")(lambda: fp32_parity(args.model))
+    check("block-sparse attention kernel vs reference (bf16)")(bsa_matrix)
+    check("chunk-scoring kernel vs reference (bf16)")(prune_matrix)
+    if args.model:
+        check("engine: CUDA graphs, eager, chunked prefill")(lambda: engine_checks(args.model))
+        check("fp32 logits parity on GPU")(lambda: fp32_parity(args.model))
+        check("engine: sparse backends through the kernels")(lambda: sparse_engine(args.model))
     with open(os.path.join(args.out, "gpu_check.json"), "w") as f:
         json.dump({"gpu": torch.cuda.get_device_name(), "results": RESULTS}, f, indent=2)
     print("\n=== gpu_check summary ===")

@@ -27,6 +27,11 @@ def _cache(lengths, Hkv, D, page, dtype, g):
         o += k
     kc = torch.randn(n_pages, page, Hkv, D, generator=g).to(dtype)
     vc = torch.randn(n_pages, page, Hkv, D, generator=g).to(dtype)
+    # stale cache memory may hold anything: NaN in every slot no sequence owns must not leak into results
+    kc[perm[o:]] = vc[perm[o:]] = float("nan")
+    for i, n in enumerate(lengths):
+        if n % page:
+            kc[tables[i, need[i] - 1], n % page:] = vc[tables[i, need[i] - 1], n % page:] = float("nan")
     return kc.to(DEV), vc.to(DEV), tables.to(DEV)
 
 

@@ -16,6 +16,12 @@ def _case(B, Hq, Hkv, D, page, dtype, max_len, seed):
     tables = torch.randperm(num_pages, generator=g)[: B * pages_per_seq].view(B, pages_per_seq)
     k = torch.randn(num_pages, page, Hkv, D, generator=g).to(dtype)
     v = torch.randn(num_pages, page, Hkv, D, generator=g).to(dtype)
+    for b in range(B):  # slots past each sequence's end hold NaN, as stale cache memory may
+        last = tables[b, (int(lens[b]) - 1) // page]
+        k[last, (int(lens[b]) - 1) % page + 1:] = float("nan")
+        v[last, (int(lens[b]) - 1) % page + 1:] = float("nan")
+        k[tables[b, -(-int(lens[b]) // page):]] = float("nan")
+        v[tables[b, -(-int(lens[b]) // page):]] = float("nan")
     q = torch.randn(B, Hq, D, generator=g).to(dtype)
     to = lambda t: t.to(DEVICE)  # noqa: E731
     return to(q), to(k), to(v), to(tables.int()), to(lens.int())
@@ -36,7 +42,7 @@ def test_paged_decode_matches_reference(dtype, B, Hq, Hkv, D, page, max_len, spl
               torch.full((B, Hq, splits), float("nan"), device=DEVICE))
     out, lse = paged_decode(q, k, v, tables, lens, scale, num_splits=splits, block_n=16, workspace=poison)
     ref_out, ref_lse = paged_decode_reference(q, k, v, tables, lens, scale)
-    assert out.dtype == dtype and not torch.isnan(out).any()
+    assert out.dtype == dtype and not torch.isnan(out).any() and not torch.isnan(ref_out).any()
     tol = 1e-5 if dtype == torch.float32 else 2e-3
     assert (out.float() - ref_out.float()).abs().max().item() <= tol
     assert (lse - ref_lse).abs().max().item() <= 1e-4

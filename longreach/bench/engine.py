@@ -191,3 +191,47 @@ def format_table(r: dict) -> str:
                 lines.append(f"  differs at token {x['first_difference']} (transformers' logit gap there: {gap}): "
                              f"{x['prompt']!r}")
     return "\n".join(lines)
+
+
+def run_long(model: str, text: str, lengths: list[int], methods: list[tuple[str, str | None]], new_tokens: int,
+             device: str, out_path: str | None) -> dict:
+    """Prefill time and decode tokens/s through the engine for each (method, preset) at each prompt length."""
+    import gc
+
+    import torch
+
+    from ..engine.llm import LLM
+    from ..sampling_params import SamplingParams
+
+    report = {"date": time.strftime("%Y-%m-%d"), "runs": []}
+    ids = None
+    for n in lengths:
+        for name, preset in methods:
+            llm = LLM(model, attention=name, preset=preset, device=device, max_model_len=n + new_tokens + 1,
+                      max_num_seqs=1, gpu_memory_utilization=0.5)
+            if ids is None:
+                ids = llm.get_tokenizer().encode(text)
+                report["gpu"] = torch.cuda.get_device_name() if llm.engine.device.type == "cuda" else "cpu"
+                report["model"] = llm.engine.model_config.name
+            if len(ids) < n:
+                raise ValueError(f"the text has {len(ids)} tokens, fewer than the prompt length {n}")
+            prompt = {"prompt_token_ids": ids[:n]}
+            params = SamplingParams(temperature=0, max_tokens=new_tokens, ignore_eos=True)
+            llm.generate(prompt, SamplingParams(temperature=0, max_tokens=2), use_tqdm=False)  # warm-up (compiles)
+            out = llm.generate(prompt, params, use_tqdm=False)[0]
+            m = out.metrics
+            row = {"length": n, "attention": f"{name}:{preset}" if preset else name, "prefill_s": m.prefill_seconds,
+                   "prefill_tok_s": m.prefill_tokens_per_s, "decode_tok_s": m.decode_tokens_per_s,
+                   "cuda_graphs": bool(llm.engine.runner._graphs), "text": out.text, "token_ids": out.token_ids}
+            report["runs"].append(row)
+            print(f"{n:>8} {row['attention']:<22} prefill {row['prefill_s']:8.2f} s ({row['prefill_tok_s']:>9,.0f} tok/s)"
+                  f"  decode {row['decode_tok_s'] or 0:8.1f} tok/s  graphs={row['cuda_graphs']}  {out.text[:60]!r}",
+                  flush=True)
+            del llm
+            gc.collect()
+            if torch.cuda.is_available():
+                torch.cuda.empty_cache()
+            if out_path:
+                with open(out_path, "w") as f:
+                    json.dump(report, f, indent=1)
+    return report

@@ -33,11 +33,12 @@ def paged_decode_reference(q, k_cache, v_cache, block_tables, seq_lens, scale):
     G = Hq // Hkv
     n_pages = block_tables.shape[1]
     idx = block_tables.long()
-    k = k_cache[idx].reshape(B, n_pages * page, Hkv, D).float()  # (B, N, H_kv, D)
-    v = v_cache[idx].reshape(B, n_pages * page, Hkv, D).float()
+    valid = torch.arange(n_pages * page, device=q.device)[None, :] < seq_lens[:, None].long()  # (B, N)
+    # slots past a sequence's end hold whatever the cache had (possibly NaN): zero them, 0 * NaN would poison the sum
+    k = k_cache[idx].reshape(B, n_pages * page, Hkv, D).float().masked_fill(~valid[..., None, None], 0.0)
+    v = v_cache[idx].reshape(B, n_pages * page, Hkv, D).float().masked_fill(~valid[..., None, None], 0.0)
     qg = q.float().view(B, Hkv, G, D)
     s = torch.einsum("bhgd,bnhd->bhgn", qg, k) * scale  # (B, H_kv, G, N)
-    valid = torch.arange(n_pages * page, device=q.device)[None, :] < seq_lens[:, None].long()  # (B, N)
     s = s.masked_fill(~valid[:, None, None, :], float("-inf"))
     lse = torch.logsumexp(s, dim=-1)
     out = torch.einsum("bhgn,bnhd->bhgd", torch.softmax(s, dim=-1), v)

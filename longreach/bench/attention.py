@@ -1,0 +1,350 @@
+"""One attention layer at long context: longreach's sparse kernels vs dense cuDNN / flash SDPA, in the same run.
+
+Shape: Llama-3.1-8B (32 query heads, 8 KV heads, head dim 128), bf16, batch 1, keys in a paged cache of 16-token
+pages (longreach) or contiguous (SDPA). Inputs are random: the selection's cost does not depend on what it finds.
+
+Prefill is measured as the *last* 32K-query chunk of a context of N tokens (the costliest chunk of a chunked prefill,
+InfiniteHiP's protocol):
+  * dense cuDNN / flash SDPA: the chunk's queries against the N - 32K prefix keys without a mask plus against the
+    chunk's own keys with a causal mask (two calls: exactly the dense work; the merge is not counted);
+  * FlexAttention (compiled) with a block mask assembled from infinitehip's own 3k selection: 128x128 blocks covering
+    the selected 8-token blocks, the sink and the window, causal mask_mod (a superset of the keys longreach reads);
+  * infinitehip 3k / 5k and hip 2k: selection (all stages) + block-sparse attention, reported separately.
+Decode is one query at position N-1, each variant captured in a CUDA graph and replayed:
+  * dense cuDNN SDPA (enable_gqa);
+  * infinitehip with the mask fully cached (attention only), refreshed from stage 3, from stage 2, fully refreshed,
+    and the average over a preset's refresh cycle (3k, 3k-fast, 3k-flash) — the amortised decode cost;
+  * hip 2k (selection every step + attention).
+Times are medians of CUDA-event measurements after warm-up. Prints a table and writes JSON.
+"""
+from __future__ import annotations
+
+import json
+import math
+import os
+import statistics
+import time
+import traceback
+
+import torch
+
+HQ, HKV, D = 32, 8, 128
+PAGE = 16
+CHUNK = 32768
+DTYPE = torch.bfloat16
+DEVICE = "cuda"  # tests run the whole benchmark logic on CPU at toy sizes (Triton interpreter, host timers)
+
+
+def _sync():
+    if DEVICE == "cuda":
+        torch.cuda.synchronize()
+
+
+def _time(fn, repeats: int, warmup: int = 1) -> float:
+    """Median seconds of fn() by CUDA events (host clock on CPU)."""
+    for _ in range(warmup):
+        fn()
+    _sync()
+    times = []
+    for _ in range(repeats):
+        if DEVICE != "cuda":
+            t0 = time.perf_counter()
+            fn()
+            times.append(time.perf_counter() - t0)
+            continue
+        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        a.record()
+        fn()
+        b.record()
+        b.synchronize()
+        times.append(a.elapsed_time(b) / 1e3)
+    return statistics.median(times)
+
+
+def _graph_time(fn, repeats: int = 50) -> tuple[float, bool]:
+    """Median seconds of a CUDA-graph replay of fn (falls back to eager timing if capture fails)."""
+    fn()
+    _sync()
+    if DEVICE != "cuda":
+        return _time(fn, repeats), False
+    try:
+        s = torch.cuda.Stream()
+        s.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(s):
+            fn()
+        torch.cuda.current_stream().wait_stream(s)
+        g = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(g):
+            fn()
+        return _time(g.replay, repeats, warmup=3), True
+    except Exception:  # noqa: BLE001 - reported as eager timing
+        traceback.print_exc()
+        return _time(fn, repeats, warmup=2), False
+
+
+def _sdpa(backend):
+    import contextlib
+
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+
+    return sdpa_kernel([getattr(SDPBackend, backend)]) if DEVICE == "cuda" else contextlib.nullcontext()
+
+
+class Context:
+    """A context of n tokens: a paged cache (identity page order) and contiguous copies for SDPA."""
+
+    def __init__(self, n: int, seed: int = 0):
+        g = torch.Generator(device=DEVICE).manual_seed(seed)
+        self.n = n
+        pages = -(-n // PAGE)
+        self.k_cache = torch.randn(pages, PAGE, HKV, D, device=DEVICE, generator=g).to(DTYPE)
+        self.v_cache = torch.randn(pages, PAGE, HKV, D, device=DEVICE, generator=g).to(DTYPE)
+        self.table = torch.arange(pages, device=DEVICE, dtype=torch.int32)
+        self.k = self.k_cache.view(-1, HKV, D)[:n].permute(1, 0, 2).unsqueeze(0).contiguous()  # (1, H_kv, n, D)
+        self.v = self.v_cache.view(-1, HKV, D)[:n].permute(1, 0, 2).unsqueeze(0).contiguous()
+
+    def keys(self):
+        from ..attention.sparse import SequenceKeys
+
+        return SequenceKeys(self.k_cache, self.table, self.n)
+
+
+CONFIG_OVERRIDES: dict[str, dict] = {}  # per method name; the CPU smoke test shrinks budgets to toy contexts
+
+
+def _method(name: str, preset: str):
+    import dataclasses
+
+    from ..attention.hip import HiP
+    from ..attention.infinitehip import InfiniteHiP
+
+    cls = {"infinitehip": InfiniteHiP, "hip": HiP}[name]
+    return cls(dataclasses.replace(cls.presets[preset], **CONFIG_OVERRIDES.get(name, {})), HQ, HKV)
+
+
+def _index(method, blocks_host, selection):
+    from ..attention.index import QueryBlocks, SparseIndex
+
+    qb = QueryBlocks(*[list(x) for x in zip(*[(0, s, n, p) for s, n, p in blocks_host])])
+    blocks, counts = SparseIndex.pack([selection], DEVICE)
+    return SparseIndex(method.cfg.block_q if len(blocks_host) > 1 else 1, method.block_k, method.cfg.n_sink,
+                       method.cfg.n_window, method.groups, qb, blocks, counts)
+
+
+def prefill(ctx: Context, methods: list[tuple[str, str]], repeats: int, flex: bool) -> dict:
+    from ..kernels.bsa import BSAPlan, block_sparse_attention_triton
+
+    n, c = ctx.n, min(CHUNK, ctx.n)
+    g = torch.Generator(device=DEVICE).manual_seed(1)
+    q = torch.randn(c, HQ, D, device=DEVICE, dtype=DTYPE, generator=g)
+    res: dict = {}
+    qh = q.transpose(0, 1).unsqueeze(0)  # (1, H_q, c, D)
+    k32 = ctx.k.repeat_interleave(HQ // HKV, dim=1)  # the fused SDPA prefill kernels need expanded K/V
+    v32 = ctx.v.repeat_interleave(HQ // HKV, dim=1)
+    F = torch.nn.functional
+    for backend, label in (("CUDNN_ATTENTION", "dense cuDNN"), ("FLASH_ATTENTION", "dense flash")):
+        def dense():
+            with _sdpa(backend):
+                if n > c:
+                    F.scaled_dot_product_attention(qh, k32[:, :, : n - c], v32[:, :, : n - c])
+                F.scaled_dot_product_attention(qh, k32[:, :, n - c:], v32[:, :, n - c:], is_causal=True)
+        try:
+            res[label] = {"total_s": _time(dense, repeats)}
+        except Exception as e:  # noqa: BLE001
+            res[label] = {"error": f"{type(e).__name__}: {e}"}
+    flops = 4 * HQ * D * (c * (n - c) + c * c / 2)
+    for v in res.values():
+        if "total_s" in v:
+            v["tflops"] = flops / v["total_s"] / 1e12
+    del k32, v32
+
+    keys = ctx.keys()
+    ih_selection = None
+    for name, preset in methods:
+        m = _method(name, preset)
+        bq = m.cfg.block_q
+        blocks_host = [(r, min(bq, c - r), n - c + r) for r in range(0, c, bq)]
+        from ..attention.sparse import BlockQueries
+
+        bqs = BlockQueries.build(blocks_host, DEVICE)
+        select = lambda: m.select(3, q, bqs, keys)  # noqa: E731  layer 3: not one of the early, larger layers
+        try:
+            sel_s = _time(select, repeats)
+            sel = select()
+            index = _index(m, blocks_host, sel)
+            plan = BSAPlan(index, HQ, HKV, DEVICE)
+            attend = lambda: block_sparse_attention_triton(q, ctx.k_cache, ctx.v_cache, ctx.table[None], index,  # noqa: E731
+                                                           D ** -0.5, plan=plan)
+            att_s = _time(attend, repeats)
+            keys_per_q = ((index.counts.float().mean() * m.block_k).item() + m.cfg.n_sink + m.cfg.n_window)
+            res[f"{name} {preset}"] = {"total_s": sel_s + att_s, "selection_s": sel_s, "attention_s": att_s,
+                                       "keys_per_query_approx": keys_per_q}
+            if name == "infinitehip" and preset == "3k":
+                ih_selection = (m, sel)
+        except Exception as e:  # noqa: BLE001
+            traceback.print_exc()
+            res[f"{name} {preset}"] = {"error": f"{type(e).__name__}: {e}"}
+    if flex and ih_selection is not None:
+        try:
+            res["flex (ih 3k mask)"] = {"total_s": _flex_prefill(ctx, q, *ih_selection, repeats)}
+        except Exception as e:  # noqa: BLE001
+            traceback.print_exc()
+            res["flex (ih 3k mask)"] = {"error": f"{type(e).__name__}: {e}"}
+    return res
+
+
+def _flex_prefill(ctx: Context, q, method, sel, repeats: int) -> float:
+    """FlexAttention with a 128x128 block mask covering infinitehip's selection (+ sink, window), causal."""
+    from torch.nn.attention.flex_attention import BlockMask, flex_attention
+
+    n, c = ctx.n, q.shape[0]
+    QB = KB = 128
+    nq, nk = c // QB, -(-n // KB)
+    off = n - c
+    # (qblocks of 64) -> (qblocks of 128): union of two consecutive selections; ids in 8-token blocks -> 128 blocks
+    bk = method.block_k
+    sel = sel.long()  # (c // 64, G, W)
+    hit = torch.zeros(nq, sel.shape[1], nk, dtype=torch.bool, device=DEVICE)
+    kb = torch.where(sel >= 0, sel * bk // KB, 0)
+    qi = torch.arange(sel.shape[0], device=DEVICE) // (QB // method.cfg.block_q)
+    hit[qi[:, None, None].expand_as(kb), torch.arange(sel.shape[1], device=DEVICE)[None, :, None].expand_as(kb), kb] |= sel >= 0
+    hit[:, :, : -(-method.cfg.n_sink // KB)] = True
+    qpos0 = off + torch.arange(nq, device=DEVICE) * QB
+    kpos = torch.arange(nk, device=DEVICE) * KB
+    in_window = (kpos[None, :] + KB > qpos0[:, None] - method.cfg.n_window) & (kpos[None, :] <= qpos0[:, None] + QB - 1)
+    hit |= in_window[:, None, :]
+    hit = hit.repeat_interleave(HQ // sel.shape[1], dim=1)  # per query head
+    num = hit.sum(-1).int()[None]  # (1, H, nq)
+    idx = torch.argsort(hit.int(), dim=-1, descending=True, stable=True).int()[None]  # selected blocks first
+
+    def causal(b, h, q_idx, kv_idx):
+        return kv_idx <= q_idx + off
+
+    mask = BlockMask.from_kv_blocks(num, idx, BLOCK_SIZE=(QB, KB), mask_mod=causal, seq_lengths=(c, n))
+    qh = q.transpose(0, 1).unsqueeze(0)
+    compiled = torch.compile(flex_attention)
+    return _time(lambda: compiled(qh, ctx.k, ctx.v, block_mask=mask, enable_gqa=True), repeats, warmup=2)
+
+
+def decode(ctx: Context, repeats: int) -> dict:
+    from ..attention.index import SparseIndex
+    from ..attention.sparse import BlockQueries
+    from ..kernels.bsa import BSAPlan, block_sparse_attention_triton
+
+    n = ctx.n
+    g = torch.Generator(device=DEVICE).manual_seed(2)
+    q = torch.randn(1, HQ, D, device=DEVICE, dtype=DTYPE, generator=g)
+    res: dict = {}
+    qd = q.view(1, HQ, 1, D)
+    with _sdpa("CUDNN_ATTENTION"):
+        t, graphed = _graph_time(lambda: torch.nn.functional.scaled_dot_product_attention(
+            qd, ctx.k, ctx.v, enable_gqa=True), repeats)
+    res["dense cuDNN"] = {"total_s": t, "graph": graphed, "gbps": 2 * n * HKV * D * 2 / t / 1e9}
+    keys = ctx.keys()
+    blocks_host = [(0, 1, n - 1)]
+    bqs = BlockQueries.build(blocks_host, DEVICE)
+    sms = torch.cuda.get_device_properties(0).multi_processor_count if DEVICE == "cuda" else 4
+    splits = max(1, min(32, 2 * sms // HKV))
+
+    def attention_step(m, sel_fn):
+        sel0 = sel_fn()
+        index = _index(m, blocks_host, sel0)
+        plan = BSAPlan(index, HQ, HKV, DEVICE)
+
+        def step():
+            blocks, counts = SparseIndex.pack([sel_fn()], DEVICE)
+            plan.blocks[:, :, : blocks.shape[2]].copy_(blocks)
+            plan.counts.copy_(counts)
+            return block_sparse_attention_triton(q, ctx.k_cache, ctx.v_cache, ctx.table[None], index, D ** -0.5,
+                                                 num_splits=splits, plan=plan)
+        return step
+
+    ih = _method("infinitehip", "3k")
+    stages = ih.run_stages(3, q, bqs, keys)
+    variants = {
+        "cached": lambda: stages[-1],
+        "from stage 3": lambda: ih.run_stages(3, q, bqs, keys, 2, stages[1])[-1],
+        "from stage 2": lambda: ih.run_stages(3, q, bqs, keys, 1, stages[0])[-1],
+        "full refresh": lambda: ih.run_stages(3, q, bqs, keys)[-1],
+    }
+    times = {}
+    for label, fn in variants.items():
+        try:
+            t, graphed = _graph_time(attention_step(ih, fn), repeats)
+            times[label] = t
+            res[f"infinitehip {label}"] = {"total_s": t, "graph": graphed}
+        except Exception as e:  # noqa: BLE001
+            traceback.print_exc()
+            res[f"infinitehip {label}"] = {"error": f"{type(e).__name__}: {e}"}
+    if len(times) == 4:
+        order = ["full refresh", "from stage 2", "from stage 3", "cached"]
+        for preset in ("3k", "3k-fast", "3k-flash"):
+            refresh = type(ih).presets[preset].refresh
+            cycle = math.lcm(*refresh)
+            total = 0.0
+            for s in range(cycle):
+                first = next((i for i, r in enumerate(refresh) if s % r == 0), len(refresh))
+                total += times[order[first]]
+            res[f"infinitehip {preset} amortised"] = {"total_s": total / cycle, "refresh": list(refresh)}
+    hip = _method("hip", "2k")
+    try:
+        t, graphed = _graph_time(attention_step(hip, lambda: hip.select(3, q, bqs, keys)), repeats)
+        res["hip 2k"] = {"total_s": t, "graph": graphed}
+    except Exception as e:  # noqa: BLE001
+        traceback.print_exc()
+        res["hip 2k"] = {"error": f"{type(e).__name__}: {e}"}
+    return res
+
+
+def run(contexts: list[int], repeats: int = 5, out_path: str | None = None, flex: bool = True,
+        prefill_methods=(("infinitehip", "3k"), ("infinitehip", "5k"), ("hip", "2k"))) -> dict:
+    if DEVICE == "cuda" and not torch.cuda.is_available():
+        raise ValueError("bench attention needs a CUDA GPU")
+    report = {"gpu": torch.cuda.get_device_name() if DEVICE == "cuda" else "cpu", "date": time.strftime("%Y-%m-%d"), "torch": torch.__version__,
+              "shape": {"q_heads": HQ, "kv_heads": HKV, "head_dim": D, "dtype": "bfloat16", "page": PAGE,
+                        "prefill_chunk": CHUNK}, "contexts": {}}
+    for n in contexts:
+        t0 = time.perf_counter()
+        ctx = Context(n)
+        entry = {"prefill": prefill(ctx, list(prefill_methods), repeats, flex), "decode": decode(ctx, max(20, repeats))}
+        entry["seconds"] = round(time.perf_counter() - t0, 1)
+        report["contexts"][str(n)] = entry
+        del ctx
+        if DEVICE == "cuda":
+            torch.cuda.empty_cache()
+        print(format_table(report, only=str(n)), flush=True)
+        if out_path:
+            os.makedirs(os.path.dirname(os.path.abspath(out_path)) or ".", exist_ok=True)
+            with open(out_path, "w") as f:
+                json.dump(report, f, indent=1)
+    return report
+
+
+def format_table(report: dict, only: str | None = None) -> str:
+    lines = []
+    for n, entry in report["contexts"].items():
+        if only and n != only:
+            continue
+        lines.append(f"--- context {int(n):,} tokens ({report['gpu']}) ---")
+        for phase, unit, scale in (("prefill", "ms", 1e3), ("decode", "us", 1e6)):
+            rows = entry[phase]
+            base = rows.get("dense cuDNN", {}).get("total_s")
+            lines.append(f"{phase + ' (last 32K chunk)' if phase == 'prefill' else phase:<36} {unit:>10} "
+                         f"{'vs cuDNN':>9}  detail")
+            for label, r in rows.items():
+                if "error" in r:
+                    lines.append(f"  {label:<34} {'error':>10}            {r['error'][:60]}")
+                    continue
+                t = r["total_s"]
+                extra = []
+                if "selection_s" in r:
+                    extra.append(f"select {r['selection_s'] * scale:.2f} + attend {r['attention_s'] * scale:.2f}")
+                if "tflops" in r:
+                    extra.append(f"{r['tflops']:.0f} TFLOP/s")
+                if "gbps" in r:
+                    extra.append(f"{r['gbps']:.0f} GB/s")
+                if r.get("graph") is False:
+                    extra.append("eager")
+                ratio = f"{base / t:8.1f}x" if base else ""
+                lines.append(f"  {label:<34} {t * scale:>10.2f} {ratio:>9}  {'; '.join(extra)}")
+    return "\n".join(lines)
