@@ -76,21 +76,25 @@ def test_bsa_kernel_matches_reference(dtype, case):
     assert (lse[finite] - ref_lse[finite]).abs().max() <= 1e-4
 
 
-PRUNE_CASES = [  # Hq, Hkv, D, page, rows, chunk, exact, groups
-    (6, 2, 16, 4, 8, 8, False, 2),
-    (6, 2, 16, 4, 8, 8, True, 2),
-    (9, 3, 64, 16, 1, 32, False, 3),  # decode row, SmolLM2's shape
-    (8, 1, 32, 16, 5, 16, False, 1),  # GQA 8, one selection per layer, odd rows
-    (4, 4, 16, 1, 3, 2, True, 4),  # MHA, HiP-style 2-key blocks scored exactly, one-token pages
-    (8, 2, 128, 16, 4, 256, False, 8),  # head dim 128, stage-1 chunks of 256, per-head selection
+PRUNE_CASES = [  # Hq, Hkv, D, page, rows, chunk, exact, groups, rep_per_head
+    (6, 2, 16, 4, 8, 8, False, 2, True),
+    (6, 2, 16, 4, 8, 8, False, 2, False),  # SelectRep shared by the heads of a KV head
+    (6, 2, 16, 4, 8, 8, True, 2, True),
+    (9, 3, 64, 16, 1, 32, False, 3, True),  # decode row, SmolLM2's shape
+    (9, 3, 64, 16, 1, 32, False, 3, False),
+    (8, 1, 32, 16, 5, 16, False, 1, True),  # GQA 8, one selection per layer, odd rows
+    (8, 2, 32, 16, 5, 16, False, 1, False),  # one selection per layer over two KV heads, shared SelectRep
+    (4, 4, 16, 1, 3, 2, True, 4, True),  # MHA, HiP-style 2-key blocks scored exactly, one-token pages
+    (8, 2, 128, 16, 4, 256, False, 8, True),  # head dim 128, stage-1 chunks of 256, per-head selection
 ]
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
-@pytest.mark.parametrize("case", PRUNE_CASES, ids=[f"h{c[0]}-kv{c[1]}-d{c[2]}-r{c[4]}-c{c[5]}-{'x' if c[6] else 's'}-g{c[7]}"
-                                                  for c in PRUNE_CASES])
+@pytest.mark.parametrize("case", PRUNE_CASES, ids=[
+    f"h{c[0]}-kv{c[1]}-d{c[2]}-r{c[4]}-c{c[5]}-{'x' if c[6] else 's'}-g{c[7]}-{'ph' if c[8] else 'sh'}"
+    for c in PRUNE_CASES])
 def test_chunk_score_kernel_matches_reference(dtype, case):
-    Hq, Hkv, D, page, rows, chunk, exact, G = case
+    Hq, Hkv, D, page, rows, chunk, exact, G, per_head = case
     g = torch.Generator().manual_seed(sum(map(int, case)))
     L = 3 * chunk + 29 if chunk > 16 else 211
     kc, _, tables = _cache([L], Hkv, D, page, dtype, g)
@@ -104,15 +108,42 @@ def test_chunk_score_kernel_matches_reference(dtype, case):
                        for _ in range(nb)]).to(DEV)
     ids[0, 0, 0] = -1  # padding
     n_sink = 3
-    got = chunk_scores_triton(q, kc, tables[0], starts, lens, cand_end, ids, chunk, exact, n_sink, G, block_c=16)
+    got = chunk_scores_triton(q, kc, tables[0], starts, lens, cand_end, ids, chunk, exact, n_sink, G,
+                              rep_per_head=per_head, block_c=16)
     keys = gather_tokens(kc, tables[0], L)
     r = torch.arange(rows, device=DEV)
     qs = q[(starts[:, None] + r).clamp(max=q.shape[0] - 1)].reshape(nb, rows, Hq, D)
     ok = r[None, :] < lens[:, None]
-    ref = chunk_scores_reference(qs.float(), ok, keys.float(), ids.long(), chunk, exact, n_sink, cand_end, G)
+    ref = chunk_scores_reference(qs.float(), ok, keys.float(), ids.long(), chunk, exact, n_sink, cand_end, G,
+                                 rep_per_head=per_head)
     finite = torch.isfinite(ref)
     assert torch.equal(torch.isfinite(got), finite)
     # fp16 keys/queries: products are exact in fp32, sums may differ by rounding; a SelectRep branch decided by such
     # a near-tie could differ, so fp16 compares values loosely and fp32 tightly
     tol = 1e-3 if dtype == torch.float32 else 5e-2
     assert (got[finite] - ref[finite]).abs().max() <= tol * max(1.0, ref[finite].abs().max().item())
+
+
+@pytest.mark.parametrize("rows, C, k", [(3, 50, 8), (4, 3000, 256), (2, 10, 16), (5, 40, 40), (2, 1, 4), (3, 5000, 100)])
+def test_topk_kernel_matches_reference(rows, C, k):
+    from longreach.kernels.topk import topk_ascending_reference, topk_ascending_triton
+
+    g = torch.Generator().manual_seed(C + k)
+    ids = (torch.arange(C).expand(rows, C) * 3 + 5).clone()
+    scores = torch.randn(rows, C, generator=g)
+    scores[:, ::7] = float("-inf")  # not candidates
+    ids[scores == float("-inf")] = -1
+    scores[0, 1:6] = 0.5  # ties at various ranks
+    scores[-1] = torch.where(torch.isfinite(scores[-1]), torch.tensor(1.0), scores[-1])  # a row of ties
+    ids, scores = ids.to(DEV), scores.to(DEV)
+    want, want_n = topk_ascending_reference(ids, scores, k)
+    got, got_n = topk_ascending_triton(ids, scores, k)
+    assert torch.equal(got, want) and torch.equal(got_n, want_n)
+    valid = torch.isfinite(scores)
+    assert torch.equal(want_n, torch.clamp(valid.sum(-1), max=k).int())
+    for r in range(rows):  # the kept ids are the k best, ascending
+        kept = want[r][want[r] >= 0]
+        assert torch.equal(kept, kept.sort().values)
+        if valid[r].sum() > k:
+            worst_kept = scores[r][torch.isin(ids[r], kept)].min()
+            assert (scores[r][valid[r] & ~torch.isin(ids[r], kept)] <= worst_kept).all()

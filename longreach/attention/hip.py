@@ -88,8 +88,9 @@ class HiP(SelectionMethod):
             top = score.topk(min(K, score.shape[-1]), dim=-1).indices
             start, stop = starts.gather(-1, top), stops.gather(-1, top)
             # halves that were empty come back as empty branches; they are dropped at the end
-        chosen = torch.where(stop > start, start, torch.full_like(start, -1))
-        return self.keep_top(chosen, torch.where(chosen >= 0, 0.0, float("-inf")), K)
+        big = torch.iinfo(start.dtype).max
+        chosen = torch.where(stop > start, start, big).sort(dim=-1).values  # branches come back in score order
+        return torch.where(chosen == big, -1, chosen).to(torch.int32)
 
 
 class HiPBackend(SparseBackend):

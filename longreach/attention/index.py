@@ -85,19 +85,16 @@ class SparseIndex:
 
     @staticmethod
     def pack(selections: list[torch.Tensor], device) -> tuple[torch.Tensor, torch.Tensor]:
-        """Selections -> (blocks, counts). Each entry is (nb_i, groups, n_i) for consecutive query blocks, or
-        (groups, n_i) for one block; ids with -1 padding allowed, in any order."""
+        """Selections -> (blocks int32, counts int32). Each entry is (nb_i, groups, n_i) for consecutive query blocks,
+        or (groups, n_i) for one block, holding ascending ids followed by -1 padding (what every method returns)."""
         parts = [s.unsqueeze(0) if s.dim() == 2 else s for s in selections]
         groups = parts[0].shape[1] if parts else 1
         width = max([p.shape[2] for p in parts] + [1])
-        blocks = torch.cat([torch.nn.functional.pad(p.to(device=device, dtype=torch.int32), (0, width - p.shape[2]),
-                                                    value=-1) for p in parts]) if parts else \
+        parts = [torch.nn.functional.pad(p.to(device=device, dtype=torch.int32), (0, width - p.shape[2]), value=-1)
+                 for p in parts]
+        blocks = torch.cat(parts) if len(parts) > 1 else parts[0] if parts else \
             torch.full((0, groups, width), -1, dtype=torch.int32, device=device)
-        counts = (blocks >= 0).sum(-1).to(torch.int32)
-        # valid ids first, ascending; padding last
-        blocks = torch.where(blocks < 0, torch.iinfo(torch.int32).max, blocks).sort(dim=-1).values
-        blocks = torch.where(blocks == torch.iinfo(torch.int32).max, -1, blocks)
-        return blocks, counts
+        return blocks, (blocks >= 0).sum(-1).to(torch.int32)
 
     def attended_positions(self, b: int, group: int, row_pos: int) -> torch.Tensor:
         """All key positions query row at `row_pos` of block b attends to (reference / tests; slow)."""

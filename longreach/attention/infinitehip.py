@@ -26,6 +26,8 @@ Settled ambiguities (digest §8):
     one `--attention-config '{"refresh": [96, 32, 8]}'` away;
   * a stage whose candidates already fit its budget keeps them all (no scoring);
   * a stage i is recomputed at decode step s when s % n_refresh^(i) == 0 or when an earlier stage was recomputed;
+  * `rep_per_head` (longreach option; True = the paper): False runs SelectRep once per KV head, comparing halves by
+    the max over all the query heads that read that KV head, so one key gather per probe serves all of them;
   * `exact_below` (longreach option; 0 = the paper's SelectRep everywhere): chunks of at most this many tokens are
     scored by their best key exactly instead of by SelectRep's approximation. Default 8, i.e. the last stage of the
     3k presets: it reads 8 keys per chunk instead of 4 and lifts mean attention-mass recall on SmolLM2 (Paul Graham
@@ -52,6 +54,7 @@ class InfiniteHiPConfig(SparseConfig):
     early_last_budget: int | None = 4096
     refresh: tuple[int, ...] = (16, 8, 4)  # decode steps between recomputations of each stage
     exact_below: int = 8  # chunks this small are scored by their best key; 0 = SelectRep everywhere (the paper)
+    rep_per_head: bool = True  # SelectRep per query head (the paper); False: once per KV head, for all its heads
 
     def __post_init__(self) -> None:
         super().__post_init__()
@@ -139,8 +142,10 @@ class InfiniteHiP(SelectionMethod):
             out.append((width, width > budgets[i] // l))
         return out
 
-    def run_stages(self, layer, q, blocks, keys, first: int = 0, prev: torch.Tensor | None = None):
-        """Outputs of stages first..N-1, each (nb, G, C_i) ascending chunk ids at that stage's granularity, -1 padded.
+    def run_stages(self, layer, q, blocks, keys, first: int = 0, prev: torch.Tensor | None = None,
+                   return_counts: bool = False):
+        """Outputs of stages first..N-1, each (nb, G, C_i) ascending chunk ids at that stage's granularity, -1 padded
+        (and, with `return_counts`, the last stage's (nb, G) counts: the attention index without any repacking).
 
         `prev` is the output of stage first-1 (required when first > 0). No device-to-host sync.
         """
@@ -171,9 +176,9 @@ class InfiniteHiP(SelectionMethod):
                 score = self.chunk_scores(q, blocks, keys, ids, l, l <= cfg.exact_below, cand_end)
             else:  # every candidate fits the budget
                 score = torch.where(valid, 0.0, float("-inf"))
-            prev = self.keep_top(torch.where(valid, ids, -1), score, budgets[i] // l)
+            prev, counts = self.top_k(torch.where(valid, ids, -1), score, budgets[i] // l)
             outs.append(prev)
-        return outs
+        return (outs, counts) if return_counts else outs
 
 
 class InfiniteHiPBackend(SparseBackend):

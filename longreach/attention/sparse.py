@@ -190,11 +190,14 @@ class SelectionMethod(ABC):
         reference."""
         from ..kernels.prune_stage import chunk_scores_reference, chunk_scores_triton
 
+        per_head = getattr(self.cfg, "rep_per_head", True)
         if use_kernels(q):
             return chunk_scores_triton(q, keys.k_cache, keys.block_table, blocks.starts, blocks.lens, cand_end, ids,
-                                       chunk, exact, self.cfg.n_sink, self.groups, max_rows=blocks.max_rows)
+                                       chunk, exact, self.cfg.n_sink, self.groups, rep_per_head=per_head,
+                                       max_rows=blocks.max_rows)
         qs, ok = self.query_rows(q, blocks)
-        return chunk_scores_reference(qs, ok, keys.dense(), ids, chunk, exact, self.cfg.n_sink, cand_end, self.groups)
+        return chunk_scores_reference(qs, ok, keys.dense(), ids, chunk, exact, self.cfg.n_sink, cand_end, self.groups,
+                                      rep_per_head=per_head)
 
     def candidate_end(self, block_end: torch.Tensor) -> torch.Tensor:
         """Exclusive end of the selectable range: keys before every query's window (causal by construction)."""
@@ -206,15 +209,16 @@ class SelectionMethod(ABC):
         return per_head.reshape(nb, self.groups, H // self.groups, *per_head.shape[2:]).amax(dim=2)
 
     @staticmethod
-    def keep_top(ids: torch.Tensor, scores: torch.Tensor, k: int) -> torch.Tensor:
-        """Per (block, group) the k best-scoring ids (scores -inf = invalid), ascending, -1 padded: (nb, G, <=k)."""
-        if ids.shape[-1] > k:
-            top = scores.topk(k, dim=-1)
-            ids, scores = ids.gather(-1, top.indices), top.values
-        ids = torch.where(torch.isfinite(scores), ids, torch.full_like(ids, -1))
-        big = torch.iinfo(torch.int64).max
-        ids = torch.where(ids < 0, big, ids).sort(dim=-1).values
-        return torch.where(ids == big, -1, ids)
+    def top_k(ids: torch.Tensor, scores: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """Per (block, group) the k best-scoring ids (scores -inf = invalid; ties to the lower position), ascending,
+        -1 padded, int32 (nb, G, k), and their counts (nb, G). ids must be ascending among the valid ones."""
+        from ..kernels.topk import topk_ascending_reference, topk_ascending_triton
+
+        fn = topk_ascending_triton if use_kernels(ids) else topk_ascending_reference
+        return fn(ids, scores, k)
+
+    def keep_top(self, ids: torch.Tensor, scores: torch.Tensor, k: int) -> torch.Tensor:
+        return self.top_k(ids, scores, k)[0]
 
 
 class SparseBackend(AttentionBackend):

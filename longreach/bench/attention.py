@@ -112,14 +112,23 @@ class Context:
 CONFIG_OVERRIDES: dict[str, dict] = {}  # per method name; the CPU smoke test shrinks budgets to toy contexts
 
 
-def _method(name: str, preset: str):
+def _method(name: str, preset: str, extra: dict | None = None):
     import dataclasses
 
     from ..attention.hip import HiP
     from ..attention.infinitehip import InfiniteHiP
 
     cls = {"infinitehip": InfiniteHiP, "hip": HiP}[name]
-    return cls(dataclasses.replace(cls.presets[preset], **CONFIG_OVERRIDES.get(name, {})), HQ, HKV)
+    cfg = dataclasses.replace(cls.presets[preset], **CONFIG_OVERRIDES.get(name, {}), **(extra or {}))
+    return cls(cfg, HQ, HKV)
+
+
+# (label, method, preset, config overrides): the paper's per-head SelectRep and longreach's per-KV-head variant
+PREFILL_METHODS = (("infinitehip 3k", "infinitehip", "3k", {}),
+                   ("infinitehip 3k kv-rep", "infinitehip", "3k", {"rep_per_head": False}),
+                   ("infinitehip 5k", "infinitehip", "5k", {}),
+                   ("hip 2k", "hip", "2k", {}))
+DECODE_VARIANTS = (("infinitehip", {}), ("infinitehip kv-rep", {"rep_per_head": False}))
 
 
 def _index(method, blocks_host, selection):
@@ -131,7 +140,7 @@ def _index(method, blocks_host, selection):
                        method.cfg.n_window, method.groups, qb, blocks, counts)
 
 
-def prefill(ctx: Context, methods: list[tuple[str, str]], repeats: int, flex: bool) -> dict:
+def prefill(ctx: Context, methods, repeats: int, flex: bool) -> dict:
     from ..kernels.bsa import BSAPlan, block_sparse_attention_triton
 
     n, c = ctx.n, min(CHUNK, ctx.n)
@@ -160,8 +169,8 @@ def prefill(ctx: Context, methods: list[tuple[str, str]], repeats: int, flex: bo
 
     keys = ctx.keys()
     ih_selection = None
-    for name, preset in methods:
-        m = _method(name, preset)
+    for label, name, preset, extra in methods:
+        m = _method(name, preset, extra)
         bq = m.cfg.block_q
         blocks_host = [(r, min(bq, c - r), n - c + r) for r in range(0, c, bq)]
         from ..attention.sparse import BlockQueries
@@ -177,13 +186,13 @@ def prefill(ctx: Context, methods: list[tuple[str, str]], repeats: int, flex: bo
                                                            D ** -0.5, plan=plan)
             att_s = _time(attend, repeats)
             keys_per_q = ((index.counts.float().mean() * m.block_k).item() + m.cfg.n_sink + m.cfg.n_window)
-            res[f"{name} {preset}"] = {"total_s": sel_s + att_s, "selection_s": sel_s, "attention_s": att_s,
-                                       "keys_per_query_approx": keys_per_q}
-            if name == "infinitehip" and preset == "3k":
+            res[label] = {"total_s": sel_s + att_s, "selection_s": sel_s, "attention_s": att_s,
+                          "keys_per_query_approx": keys_per_q}
+            if label == "infinitehip 3k":
                 ih_selection = (m, sel)
         except Exception as e:  # noqa: BLE001
             traceback.print_exc()
-            res[f"{name} {preset}"] = {"error": f"{type(e).__name__}: {e}"}
+            res[label] = {"error": f"{type(e).__name__}: {e}"}
     if flex and ih_selection is not None:
         try:
             res["flex (ih 3k mask)"] = {"total_s": _flex_prefill(ctx, q, *ih_selection, repeats)}
@@ -247,48 +256,68 @@ def decode(ctx: Context, repeats: int) -> dict:
     splits = max(1, min(32, 2 * sms // HKV))
 
     def attention_step(m, sel_fn):
-        sel0 = sel_fn()
-        index = _index(m, blocks_host, sel0)
+        """One decode step: sel_fn() -> (ids, counts) or None (mask cached), then block-sparse attention."""
+        from ..attention.index import QueryBlocks
+
+        sel = sel_fn()
+        ids0, counts0 = sel if sel is not None else cached
+        qb = QueryBlocks([0], [0], [1], [n - 1])
+        index = SparseIndex(1, m.block_k, m.cfg.n_sink, m.cfg.n_window, m.groups, qb, ids0.int(), counts0.int())
         plan = BSAPlan(index, HQ, HKV, DEVICE)
 
         def step():
-            blocks, counts = SparseIndex.pack([sel_fn()], DEVICE)
-            plan.blocks[:, :, : blocks.shape[2]].copy_(blocks)
-            plan.counts.copy_(counts)
+            sel = sel_fn()
+            if sel is not None:  # a refreshed mask lands in the plan's buffers
+                plan.blocks.copy_(sel[0])
+                plan.counts.copy_(sel[1])
             return block_sparse_attention_triton(q, ctx.k_cache, ctx.v_cache, ctx.table[None], index, D ** -0.5,
                                                  num_splits=splits, plan=plan)
         return step
 
-    ih = _method("infinitehip", "3k")
-    stages = ih.run_stages(3, q, bqs, keys)
-    variants = {
-        "cached": lambda: stages[-1],
-        "from stage 3": lambda: ih.run_stages(3, q, bqs, keys, 2, stages[1])[-1],
-        "from stage 2": lambda: ih.run_stages(3, q, bqs, keys, 1, stages[0])[-1],
-        "full refresh": lambda: ih.run_stages(3, q, bqs, keys)[-1],
-    }
-    times = {}
-    for label, fn in variants.items():
-        try:
-            t, graphed = _graph_time(attention_step(ih, fn), repeats)
-            times[label] = t
-            res[f"infinitehip {label}"] = {"total_s": t, "graph": graphed}
-        except Exception as e:  # noqa: BLE001
-            traceback.print_exc()
-            res[f"infinitehip {label}"] = {"error": f"{type(e).__name__}: {e}"}
-    if len(times) == 4:
-        order = ["full refresh", "from stage 2", "from stage 3", "cached"]
-        for preset in ("3k", "3k-fast", "3k-flash"):
-            refresh = type(ih).presets[preset].refresh
-            cycle = math.lcm(*refresh)
-            total = 0.0
-            for s in range(cycle):
-                first = next((i for i, r in enumerate(refresh) if s % r == 0), len(refresh))
-                total += times[order[first]]
-            res[f"infinitehip {preset} amortised"] = {"total_s": total / cycle, "refresh": list(refresh)}
+    for tag, extra in DECODE_VARIANTS:
+        ih = _method("infinitehip", "3k", extra)
+        stages, counts = ih.run_stages(3, q, bqs, keys, return_counts=True)
+        cached = (stages[-1], counts)
+
+        def from_stage(first, ih=ih, stages=stages):
+            def fn():
+                out, c = ih.run_stages(3, q, bqs, keys, first, stages[first - 1] if first else None,
+                                       return_counts=True)
+                return out[-1], c
+            return fn
+
+        variants = {"cached": lambda: None, "from stage 3": from_stage(2), "from stage 2": from_stage(1),
+                    "full refresh": from_stage(0)}
+        if extra:  # the cached step is the same kernel whatever the selection's flavour
+            variants.pop("cached")
+        times = {"cached": res.get("infinitehip cached", {}).get("total_s")}
+        for label, fn in variants.items():
+            try:
+                t, graphed = _graph_time(attention_step(ih, fn), repeats)
+                times[label] = t
+                res[f"{tag} {label}"] = {"total_s": t, "graph": graphed}
+            except Exception as e:  # noqa: BLE001
+                traceback.print_exc()
+                res[f"{tag} {label}"] = {"error": f"{type(e).__name__}: {e}"}
+        if len(times) == 4 and all(v is not None for v in times.values()):
+            order = ["full refresh", "from stage 2", "from stage 3", "cached"]
+            for preset in ("3k", "3k-fast", "3k-flash"):
+                refresh = type(ih).presets[preset].refresh
+                cycle = math.lcm(*refresh)
+                total = 0.0
+                for s in range(cycle):
+                    first = next((i for i, r in enumerate(refresh) if s % r == 0), len(refresh))
+                    total += times[order[first]]
+                res[f"{tag} {preset} amortised"] = {"total_s": total / cycle, "refresh": list(refresh)}
     hip = _method("hip", "2k")
+
+    def hip_select():
+        ids = hip.select(3, q, bqs, keys)
+        return ids, (ids >= 0).sum(-1).int()
+
     try:
-        t, graphed = _graph_time(attention_step(hip, lambda: hip.select(3, q, bqs, keys)), repeats)
+        cached = hip_select()
+        t, graphed = _graph_time(attention_step(hip, hip_select), repeats)
         res["hip 2k"] = {"total_s": t, "graph": graphed}
     except Exception as e:  # noqa: BLE001
         traceback.print_exc()
@@ -297,7 +326,7 @@ def decode(ctx: Context, repeats: int) -> dict:
 
 
 def run(contexts: list[int], repeats: int = 5, out_path: str | None = None, flex: bool = True,
-        prefill_methods=(("infinitehip", "3k"), ("infinitehip", "5k"), ("hip", "2k"))) -> dict:
+        prefill_methods=PREFILL_METHODS) -> dict:
     if DEVICE == "cuda" and not torch.cuda.is_available():
         raise ValueError("bench attention needs a CUDA GPU")
     report = {"gpu": torch.cuda.get_device_name() if DEVICE == "cuda" else "cpu", "date": time.strftime("%Y-%m-%d"), "torch": torch.__version__,

@@ -39,56 +39,83 @@ def chunk_bounds(ids: torch.Tensor, chunk: int, n_sink: int, cand_end: torch.Ten
 
 
 def chunk_scores_reference(qs: torch.Tensor, row_ok: torch.Tensor, keys: torch.Tensor, ids: torch.Tensor,
-                           chunk: int, exact: bool, n_sink: int, cand_end: torch.Tensor, groups: int) -> torch.Tensor:
-    """qs (nb, R, H_q, D) block queries, row_ok (nb, R), keys (L, H_kv, D) -> scores (nb, G, C), -inf if invalid."""
+                           chunk: int, exact: bool, n_sink: int, cand_end: torch.Tensor, groups: int,
+                           rep_per_head: bool = True) -> torch.Tensor:
+    """qs (nb, R, H_q, D) block queries, row_ok (nb, R), keys (L, H_kv, D) -> scores (nb, G, C), -inf if invalid.
+
+    SelectRep runs per query head (`rep_per_head`, the paper) or once per KV head of the group, its halves compared
+    by the max over the heads that read that KV head (shared branches: one key read per probe for all of them).
+    """
+    from ..attention.executor import head_pairs
+
     nb, _, Hq, _ = qs.shape
     dev = qs.device
     L, Hkv = keys.shape[:2]
-    keys_h = keys.float()[:, torch.arange(Hq, device=dev) // (Hq // Hkv)]  # (L, H_q, D)
-    group_of_head = torch.arange(Hq, device=dev) // (Hq // groups)
+    pairs, hpp = head_pairs(Hq, Hkv, groups)
+    P = len(pairs)
+    pair_group = torch.tensor([g for g, _ in pairs], device=dev)
+    pair_kv = torch.tensor([kv for _, kv in pairs], device=dev)
     a, b, valid = chunk_bounds(ids, chunk, n_sink, cand_end)
-    a_h, b_h, valid_h = a[:, group_of_head], b[:, group_of_head], valid[:, group_of_head]  # (nb, H_q, C)
-    heads = torch.arange(Hq, device=dev)[None, :, None]
+    a, b, valid = a[:, pair_group], b[:, pair_group], valid[:, pair_group]  # (nb, P, C)
+    q32 = qs.float().reshape(nb, qs.shape[1], P, hpp, -1)  # heads of a pair are contiguous
     row_mask = ~row_ok[:, None, None, :]
-    q32 = qs.float()
+    kf = keys.float()
+    kvs = pair_kv[None, :, None]
 
-    def rep_score(pos):  # max over rows of <q_h, k_h[pos]>: (nb, H_q, C)
-        s = torch.einsum("nrhd,nhcd->nhcr", q32, keys_h[pos.clamp(0, L - 1), heads])
-        return s.masked_fill(row_mask, float("-inf")).amax(-1)
+    def probe(pos):  # per head of each pair, max over rows of <q, k[pos]>; pos (nb, P, C) or (nb, P, hpp, C)
+        per_head = pos.dim() == 4
+        k = kf[pos.clamp(0, L - 1), kvs[..., None] if per_head else kvs]  # (nb, P, [hpp,] C, D)
+        eq = "nrpid,npicd->npicr" if per_head else "nrpid,npcd->npicr"
+        s = torch.einsum(eq, q32, k)  # (nb, P, hpp, C, R)
+        return s.masked_fill(row_mask[..., None, :], float("-inf")).amax(-1)  # (nb, P, hpp, C)
 
     if exact:
-        pos = a_h[..., None] + torch.arange(chunk, device=dev)  # (nb, H_q, C, chunk)
-        s = torch.einsum("nrhd,nhcjd->nhcrj", q32, keys_h[pos.clamp(0, L - 1), heads[..., None]])
-        s = s.masked_fill(row_mask[..., None], float("-inf"))
-        s = s.masked_fill((pos >= b_h[..., None])[:, :, :, None, :], float("-inf")).amax(dim=(-1, -2))
-    else:
-        first, last = a_h.clone(), b_h - 1
-        s = rep_score(first)
+        s = torch.full(a.shape, float("-inf"), device=dev)
+        for j in range(chunk):
+            pos = a + j
+            sj = probe(pos).amax(2)
+            s = torch.maximum(s, sj.masked_fill(pos >= b, float("-inf")))
+    elif rep_per_head:
+        first, last = a[:, :, None].expand(-1, -1, hpp, -1).clone(), (b - 1)[:, :, None].expand(-1, -1, hpp, -1).clone()
+        s = probe(first)
         for _ in range(math.ceil(math.log2(chunk))):
             length = last - first + 1
             active = length > 1
             mid = first + length // 2
-            s_mid = rep_score(mid)
+            s_mid = probe(mid)
             right = active & (s_mid > s)
             first = torch.where(right, mid, first)
             last = torch.where(active & ~right, mid - 1, last)
             s = torch.where(right, s_mid, s)
-    s = s.masked_fill(~valid_h, float("-inf"))
-    return s.reshape(nb, groups, Hq // groups, -1).amax(dim=2)
+        s = s.amax(2)
+    else:
+        first, last = a.clone(), b - 1
+        s = probe(first).amax(2)
+        for _ in range(math.ceil(math.log2(chunk))):
+            length = last - first + 1
+            active = length > 1
+            mid = first + length // 2
+            s_mid = probe(mid).amax(2)
+            right = active & (s_mid > s)
+            first = torch.where(right, mid, first)
+            last = torch.where(active & ~right, mid - 1, last)
+            s = torch.where(right, s_mid, s)
+    s = s.masked_fill(~valid, float("-inf"))  # (nb, P, C)
+    return s.reshape(nb, groups, P // groups, -1).amax(dim=2)
 
 
 if triton is not None:
 
     @triton.jit
-    def _rep_scores(q, K, bt_base, kv, pos, ok, row_ok, stride_kp, stride_ko, stride_kh,
-                    PAGE: tl.constexpr, HEAD_DIM: tl.constexpr, DOT_PRECISION: tl.constexpr):
-        """max over rows of <q_row, k[pos]> for a vector of key positions -> (BLOCK_C,), -inf where not ok."""
+    def _probe(q, K, bt_base, kv, pos, ok, row_ok, stride_kp, stride_ko, stride_kh,
+               PAGE: tl.constexpr, HEAD_DIM: tl.constexpr, DOT_PRECISION: tl.constexpr):
+        """max over the valid rows of q of <q_row, k[pos]>, for a vector of key positions: (BLOCK_C,), -inf if not ok."""
         d = tl.arange(0, HEAD_DIM)
         safe = tl.maximum(pos, 0)
         page = tl.load(bt_base + safe // PAGE, mask=ok, other=0).to(tl.int64)
         k = tl.load(K + page[:, None] * stride_kp + (safe % PAGE)[:, None] * stride_ko + kv * stride_kh + d[None, :],
                     mask=ok[:, None], other=0.0)
-        s = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION)  # (ROWS, BLOCK_C)
+        s = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION)  # (rows, BLOCK_C)
         s = tl.where(row_ok[:, None], s, float("-inf"))
         return tl.where(ok, tl.max(s, axis=0), float("-inf"))
 
@@ -96,67 +123,94 @@ if triton is not None:
     def _chunk_score_kernel(
         Q, K, BlockTable, QbStart, QbLen, CandEnd, Ids, Scores,
         stride_qt, stride_qh, stride_kp, stride_ko, stride_kh,
-        stride_ib, stride_ig, stride_sb, stride_sg,
+        stride_ib, stride_ig, stride_sb, stride_sp,
         num_chunks, n_sink,
-        HPG: tl.constexpr, GQA: tl.constexpr, CHUNK: tl.constexpr, EXACT: tl.constexpr, N_ITER: tl.constexpr,
-        ROWS: tl.constexpr, BLOCK_C: tl.constexpr, HEAD_DIM: tl.constexpr, PAGE: tl.constexpr,
-        DOT_PRECISION: tl.constexpr,
+        HPP: tl.constexpr, PAIRS_PER_GROUP: tl.constexpr, PAIR_KV_DIV: tl.constexpr,
+        CHUNK: tl.constexpr, EXACT: tl.constexpr, PER_HEAD: tl.constexpr, N_ITER: tl.constexpr,
+        BQ_PAD: tl.constexpr, HPP_PAD: tl.constexpr, BLOCK_C: tl.constexpr, HEAD_DIM: tl.constexpr,
+        PAGE: tl.constexpr, DOT_PRECISION: tl.constexpr,
     ):
         qb = tl.program_id(0)
-        g = tl.program_id(1)
+        pair = tl.program_id(1)
         c = tl.program_id(2) * BLOCK_C + tl.arange(0, BLOCK_C)
+        group = pair // PAIRS_PER_GROUP
+        kv = pair // PAIR_KV_DIV
         start = tl.load(QbStart + qb)
         length = tl.load(QbLen + qb)
         cand_end = tl.load(CandEnd + qb)
-        ids = tl.load(Ids + qb * stride_ib + g * stride_ig + c, mask=c < num_chunks, other=-1)
+        ids = tl.load(Ids + qb * stride_ib + group * stride_ig + c, mask=c < num_chunks, other=-1)
         a = tl.maximum(ids * CHUNK, n_sink)
         b = tl.minimum((ids + 1) * CHUNK, cand_end)
         valid = (ids >= 0) & (a < b)
-        r = tl.arange(0, ROWS)
-        row_ok = r < length
         d = tl.arange(0, HEAD_DIM)
-        best = tl.full([BLOCK_C], float("-inf"), tl.float32)
-        for i in tl.static_range(HPG):
-            head = g * HPG + i
-            kv = head // GQA
-            q = tl.load(Q + (start + r)[:, None] * stride_qt + head * stride_qh + d[None, :], mask=row_ok[:, None],
-                        other=0.0)
-            if EXACT:
-                hs = tl.full([BLOCK_C], float("-inf"), tl.float32)
-                for j in tl.static_range(CHUNK):
-                    pos = a + j
-                    s = _rep_scores(q, K, BlockTable, kv, pos, valid & (pos < b), row_ok, stride_kp, stride_ko,
-                                    stride_kh, PAGE, HEAD_DIM, DOT_PRECISION)
-                    hs = tl.maximum(hs, s)
-            else:
+        if PER_HEAD:  # the paper's SelectRep: each query head searches on its own
+            r = tl.arange(0, BQ_PAD)
+            row_ok = r < length
+            best = tl.full([BLOCK_C], float("-inf"), tl.float32)
+            for i in tl.static_range(HPP):
+                head = pair * HPP + i
+                q = tl.load(Q + (start + r)[:, None] * stride_qt + head * stride_qh + d[None, :],
+                            mask=row_ok[:, None], other=0.0)
                 first = a
                 last = b - 1
-                hs = _rep_scores(q, K, BlockTable, kv, first, valid, row_ok, stride_kp, stride_ko, stride_kh,
-                                 PAGE, HEAD_DIM, DOT_PRECISION)
+                hs = _probe(q, K, BlockTable, kv, first, valid, row_ok, stride_kp, stride_ko, stride_kh,
+                            PAGE, HEAD_DIM, DOT_PRECISION)
                 for _ in tl.static_range(N_ITER):
                     span = last - first + 1
                     active = valid & (span > 1)
                     mid = first + span // 2
-                    s_mid = _rep_scores(q, K, BlockTable, kv, mid, active, row_ok, stride_kp, stride_ko, stride_kh,
-                                        PAGE, HEAD_DIM, DOT_PRECISION)
+                    s_mid = _probe(q, K, BlockTable, kv, mid, active, row_ok, stride_kp, stride_ko, stride_kh,
+                                   PAGE, HEAD_DIM, DOT_PRECISION)
                     right = active & (s_mid > hs)
                     first = tl.where(right, mid, first)
                     last = tl.where(active & (s_mid <= hs), mid - 1, last)
                     hs = tl.where(right, s_mid, hs)
-            best = tl.maximum(best, hs)
-        tl.store(Scores + qb * stride_sb + g * stride_sg + c, tl.where(valid, best, float("-inf")),
+                best = tl.maximum(best, hs)
+        else:  # every head of the pair in one query tile: one key gather per probe serves them all
+            r = tl.arange(0, HPP_PAD * BQ_PAD)
+            hh = r // BQ_PAD
+            qi = r % BQ_PAD
+            row_ok = (hh < HPP) & (qi < length)
+            q = tl.load(Q + (start + qi)[:, None] * stride_qt + (pair * HPP + hh)[:, None] * stride_qh + d[None, :],
+                        mask=row_ok[:, None], other=0.0)
+            if EXACT:
+                best = tl.full([BLOCK_C], float("-inf"), tl.float32)
+                for j in tl.static_range(CHUNK):
+                    pos = a + j
+                    s = _probe(q, K, BlockTable, kv, pos, valid & (pos < b), row_ok, stride_kp, stride_ko,
+                               stride_kh, PAGE, HEAD_DIM, DOT_PRECISION)
+                    best = tl.maximum(best, s)
+            else:
+                first = a
+                last = b - 1
+                best = _probe(q, K, BlockTable, kv, first, valid, row_ok, stride_kp, stride_ko, stride_kh,
+                              PAGE, HEAD_DIM, DOT_PRECISION)
+                for _ in tl.static_range(N_ITER):
+                    span = last - first + 1
+                    active = valid & (span > 1)
+                    mid = first + span // 2
+                    s_mid = _probe(q, K, BlockTable, kv, mid, active, row_ok, stride_kp, stride_ko, stride_kh,
+                                   PAGE, HEAD_DIM, DOT_PRECISION)
+                    right = active & (s_mid > best)
+                    first = tl.where(right, mid, first)
+                    last = tl.where(active & (s_mid <= best), mid - 1, last)
+                    best = tl.where(right, s_mid, best)
+        tl.store(Scores + qb * stride_sb + pair * stride_sp + c, tl.where(valid, best, float("-inf")),
                  mask=c < num_chunks)
 
 
 def chunk_scores_triton(q: torch.Tensor, k_cache: torch.Tensor, block_table: torch.Tensor, starts: torch.Tensor,
                         lens: torch.Tensor, cand_end: torch.Tensor, ids: torch.Tensor, chunk: int, exact: bool,
-                        n_sink: int, groups: int, block_c: int = 64, max_rows: int | None = None) -> torch.Tensor:
+                        n_sink: int, groups: int, rep_per_head: bool = True, max_rows: int | None = None,
+                        block_c: int | None = None) -> torch.Tensor:
     """Triton version of `chunk_scores_reference` reading keys from the paged cache of one sequence.
 
     q (n, H_q, D) the sequence's queries this step; starts/lens (nb,) each block's rows in q; cand_end (nb,);
     ids (nb, G, C) int; block_table (pages,) int32 of the sequence; max_rows: a bound on lens known on the host
     (without it lens is read back, a host sync). Returns (nb, G, C) fp32.
     """
+    from ..attention.executor import head_pairs
+
     if triton is None:
         raise RuntimeError("chunk_scores_triton needs Triton")
     _, Hq, D = q.shape
@@ -166,21 +220,30 @@ def chunk_scores_triton(q: torch.Tensor, k_cache: torch.Tensor, block_table: tor
     if q.stride(-1) != 1 or k_cache.stride(-1) != 1:
         raise ValueError("q and the cache must be contiguous in the head dimension")
     nb, G, C = ids.shape
+    pairs, hpp = head_pairs(Hq, Hkv, groups)
+    P = len(pairs)
     ids32 = ids.to(torch.int32).contiguous()
-    scores = torch.empty(nb, G, C, dtype=torch.float32, device=q.device)
     if nb == 0 or C == 0:
-        return scores
-    rows = max(16, triton.next_power_of_2(max_rows if max_rows is not None else int(lens.max())))
-    grid = (nb, G, triton.cdiv(C, block_c))
+        return torch.full((nb, G, C), float("-inf"), device=q.device)
+    scores = torch.empty(nb, P, C, dtype=torch.float32, device=q.device)
+    rows = max(1, triton.next_power_of_2(max_rows if max_rows is not None else int(lens.max())))
+    per_head = rep_per_head and not exact
+    bq_pad = max(16, rows) if per_head else rows
+    hpp_pad = triton.next_power_of_2(hpp)
+    tile_rows = bq_pad if per_head else max(16, hpp_pad * rows)
+    if block_c is None:
+        block_c = 64 if tile_rows <= 64 else 32
+    grid = (nb, P, triton.cdiv(C, block_c))
     _chunk_score_kernel[grid](
         q, k_cache, block_table, starts.to(torch.int32), lens.to(torch.int32), cand_end.to(torch.int32), ids32,
         scores,
         q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
         ids32.stride(0), ids32.stride(1), scores.stride(0), scores.stride(1),
         C, n_sink,
-        HPG=Hq // G, GQA=Hq // Hkv, CHUNK=chunk, EXACT=exact, N_ITER=max(0, math.ceil(math.log2(chunk))),
-        ROWS=rows, BLOCK_C=block_c, HEAD_DIM=D, PAGE=page,
-        DOT_PRECISION="ieee" if q.dtype == torch.float32 else "tf32",
-        num_warps=4, num_stages=2,
+        HPP=hpp, PAIRS_PER_GROUP=P // groups, PAIR_KV_DIV=(Hq // Hkv) if groups == Hq and Hq != Hkv else 1,
+        CHUNK=chunk, EXACT=exact, PER_HEAD=per_head, N_ITER=max(0, math.ceil(math.log2(chunk))),
+        BQ_PAD=bq_pad if per_head else max(16 // hpp_pad, rows), HPP_PAD=hpp_pad, BLOCK_C=block_c, HEAD_DIM=D,
+        PAGE=page, DOT_PRECISION="ieee" if q.dtype == torch.float32 else "tf32",
+        num_warps=8 if tile_rows >= 128 else 4, num_stages=2,
     )
-    return scores
+    return scores if P == groups else scores.reshape(nb, groups, P // groups, C).amax(dim=2)

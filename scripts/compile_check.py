@@ -1,0 +1,100 @@
+"""Compile every Triton kernel for Hopper (sm_90) on this machine, no GPU needed, and report registers and spills.
+
+    python scripts/compile_check.py
+
+Triton lowers to PTX and assembles a cubin with its bundled ptxas, so compile errors and register spills show up
+before any device time is spent. Each entry: kernel, a representative set of constexprs and argument types.
+"""
+from __future__ import annotations
+
+import os
+import sys
+
+sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
+
+import re  # noqa: E402
+import subprocess  # noqa: E402
+import tempfile  # noqa: E402
+
+import triton  # noqa: E402
+from triton.backends.compiler import GPUTarget  # noqa: E402
+
+from longreach.kernels import bsa, combine, paged_decode, prune_stage, topk  # noqa: E402
+
+
+def compile_one(fn, pointer_types: dict[str, str], constexprs: dict, floats=(), num_warps: int = 4):
+    sig = {}
+    for name in fn.arg_names:
+        if name in constexprs:
+            sig[name] = "constexpr"
+        elif name in pointer_types:
+            sig[name] = pointer_types[name]
+        elif name in floats:
+            sig[name] = "fp32"
+        else:
+            sig[name] = "i32"
+    # what the JIT specialises at launch: pointers and strides divisible by 16 (rows of 16-byte-aligned tensors)
+    aligned = [n for n in fn.arg_names if n in pointer_types or n.startswith("stride_")]
+    attrs = {(fn.arg_names.index(n),): [["tt.divisibility", 16]] for n in aligned}
+    src = triton.compiler.ASTSource(fn=fn, signature=sig, attrs=attrs,
+                                    constexprs={(fn.arg_names.index(k),): v for k, v in constexprs.items()})
+    return triton.compile(src, target=GPUTarget("cuda", 90, 32), options={"num_warps": num_warps})
+
+
+def _resources(ptxas: str, ptx: str) -> tuple[str, str]:
+    """Registers and spill-store bytes from `ptxas -v` on the kernel's PTX."""
+    with tempfile.NamedTemporaryFile("w", suffix=".ptx", delete=False) as f:
+        f.write(ptx)
+    out = subprocess.run([ptxas, "-v", "--gpu-name", "sm_90a", f.name, "-o", os.devnull], capture_output=True,
+                         text=True).stderr
+    os.unlink(f.name)
+    regs = re.search(r"Used (\d+) registers", out)
+    spill = re.search(r"(\d+) bytes spill stores", out)
+    return (regs.group(1) if regs else "?"), (spill.group(1) if spill else "?")
+
+
+def main() -> int:
+    cases = []
+    bf, f32, i32 = "*bf16", "*fp32", "*i32"
+    cases.append(("paged_decode d128 g4", paged_decode._paged_decode_kernel,
+                  dict(Q=bf, K=bf, V=bf, BlockTables=i32, SeqLens=i32, OutPartial=f32, LsePartial=f32),
+                  dict(GROUP=4, GROUP_PAD=16, HEAD_DIM=128, PAGE=16, BLOCK_N=64, DOT_PRECISION="tf32"), ["qk_scale"]))
+    for name, bq, bm, split in (("bsa prefill bq64", 64, 128, False), ("bsa decode", 1, 16, True)):
+        cases.append((name, bsa._bsa_kernel,
+                      dict(Q=bf, K=bf, V=bf, BlockTables=i32, QbSeq=i32, QbStart=i32, QbLen=i32, QbPos=i32,
+                           Blocks=i32, Counts=i32, PairGroup=i32, PairKv=i32, Out=bf, Lse=f32, OutP=f32, LseP=f32),
+                      dict(HPP=4, HEADS_PER_PROG=max(1, bm // bq), N_HSUB=max(1, 4 // max(1, bm // bq)), BQ_PAD=bq,
+                           BLOCK_M=bm, BLOCK_N=64, HEAD_DIM=128, BK=8, PAGE=16, SPLIT=split, DOT_PRECISION="tf32"),
+                      ["qk_scale"]))
+    cases.append(("combine", combine._combine_kernel, dict(OutP=f32, LseP=f32, Out=bf, Lse=f32),
+                  dict(S_PAD=32, HEAD_DIM=128), []))
+    for label, chunk, exact, per_head, bq_pad, hpp_pad in (
+            ("prune stage1 selectrep/head bq64", 256, False, True, 64, 4),
+            ("prune stage1 selectrep/kv bq64", 256, False, False, 64, 4),
+            ("prune stage3 exact bq64", 8, True, False, 64, 4),
+            ("prune decode selectrep/kv", 256, False, False, 4, 4),
+            ("prune decode exact", 8, True, False, 4, 4)):
+        cases.append((label, prune_stage._chunk_score_kernel,
+                      dict(Q=bf, K=bf, BlockTable=i32, QbStart=i32, QbLen=i32, CandEnd=i32, Ids=i32, Scores=f32),
+                      dict(HPP=4, PAIRS_PER_GROUP=1, PAIR_KV_DIV=1, CHUNK=chunk, EXACT=exact, PER_HEAD=per_head,
+                           N_ITER=max(0, (chunk - 1).bit_length()), BQ_PAD=bq_pad, HPP_PAD=hpp_pad,
+                           BLOCK_C=32 if hpp_pad * bq_pad > 64 else 64, HEAD_DIM=128, PAGE=16,
+                           DOT_PRECISION="tf32"), []))
+    cases.append(("topk", topk._topk_kernel, dict(Ids=i32, Scores=f32, Out=i32, Counts=i32), dict(BLOCK=1024), []))
+    failed = 0
+    ptxas = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "ptxas")
+    print(f"{'kernel':<36} {'regs':>5} {'spill B':>8} {'shared':>8}")
+    for label, fn, ptrs, consts, floats in cases:
+        try:
+            rows = consts.get("BLOCK_M", consts.get("HPP_PAD", 1) * consts.get("BQ_PAD", 1))
+            k = compile_one(fn, ptrs, dict(consts), floats, num_warps=8 if rows >= 128 else 4)
+            regs, spills = _resources(ptxas, k.asm["ptx"])
+            print(f"{label:<36} {regs:>5} {spills:>8} {k.metadata.shared:>8}")
+        except Exception as e:  # noqa: BLE001
+            failed += 1
+            print(f"{label:<36} FAILED: {type(e).__name__}: {str(e).splitlines()[0][:200]}")
+    return 1 if failed else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
