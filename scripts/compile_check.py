@@ -68,26 +68,29 @@ def main() -> int:
                       ["qk_scale"]))
     cases.append(("combine", combine._combine_kernel, dict(OutP=f32, LseP=f32, Out=bf, Lse=f32),
                   dict(S_PAD=32, HEAD_DIM=128), []))
-    for label, chunk, exact, per_head, bq_pad, hpp_pad in (
-            ("prune stage1 selectrep/head bq64", 256, False, True, 64, 4),
-            ("prune stage1 selectrep/kv bq64", 256, False, False, 64, 4),
-            ("prune stage3 exact bq64", 8, True, False, 64, 4),
-            ("prune decode selectrep/kv", 256, False, False, 4, 4),
-            ("prune decode exact", 8, True, False, 4, 4)):
+    for label, chunk, exact, per_head, bq_pad, hpp_pad, block_c, tiles in (
+            ("prune stage1 selectrep/head bq64", 256, False, True, 64, 4, 32, 1),
+            ("prune stage1 selectrep/kv bq64", 256, False, False, 64, 4, 32, 4),
+            ("prune stage3 exact bq64", 8, True, False, 64, 4, 16, 4),
+            ("prune decode selectrep/kv", 256, False, False, 4, 4, 64, 1),
+            ("prune decode exact", 8, True, False, 4, 4, 16, 1)):
         cases.append((label, prune_stage._chunk_score_kernel,
                       dict(Q=bf, K=bf, BlockTable=i32, QbStart=i32, QbLen=i32, CandEnd=i32, Ids=i32, Scores=f32),
                       dict(HPP=4, PAIRS_PER_GROUP=1, PAIR_KV_DIV=1, CHUNK=chunk, EXACT=exact, PER_HEAD=per_head,
                            N_ITER=max(0, (chunk - 1).bit_length()), BQ_PAD=bq_pad, HPP_PAD=hpp_pad,
-                           BLOCK_C=32 if hpp_pad * bq_pad > 64 else 64, HEAD_DIM=128, PAGE=16,
-                           DOT_PRECISION="tf32"), []))
-    cases.append(("topk", topk._topk_kernel, dict(Ids=i32, Scores=f32, Out=i32, Counts=i32), dict(BLOCK=1024), []))
+                           BLOCK_C=block_c, TILES=tiles, HEAD_DIM=128, PAGE=16, DOT_PRECISION="tf32"), []))
+    cases.append(("topk single tile", topk._topk_kernel, dict(Ids=i32, Scores=f32, Out=i32, Counts=i32),
+                  dict(BLOCK=4096, SINGLE=True), []))
+    cases.append(("topk tiled", topk._topk_kernel, dict(Ids=i32, Scores=f32, Out=i32, Counts=i32),
+                  dict(BLOCK=4096, SINGLE=False), []))
     failed = 0
     ptxas = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "ptxas")
     print(f"{'kernel':<36} {'regs':>5} {'spill B':>8} {'shared':>8}")
     for label, fn, ptrs, consts, floats in cases:
         try:
             rows = consts.get("BLOCK_M", consts.get("HPP_PAD", 1) * consts.get("BQ_PAD", 1))
-            k = compile_one(fn, ptrs, dict(consts), floats, num_warps=8 if rows >= 128 else 4)
+            warps = 8 if rows >= 128 or consts.get("BLOCK", 0) > 1024 else 4
+            k = compile_one(fn, ptrs, dict(consts), floats, num_warps=warps)
             regs, spills = _resources(ptxas, k.asm["ptx"])
             print(f"{label:<36} {regs:>5} {spills:>8} {k.metadata.shared:>8}")
         except Exception as e:  # noqa: BLE001

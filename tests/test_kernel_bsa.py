@@ -76,25 +76,27 @@ def test_bsa_kernel_matches_reference(dtype, case):
     assert (lse[finite] - ref_lse[finite]).abs().max() <= 1e-4
 
 
-PRUNE_CASES = [  # Hq, Hkv, D, page, rows, chunk, exact, groups, rep_per_head
-    (6, 2, 16, 4, 8, 8, False, 2, True),
-    (6, 2, 16, 4, 8, 8, False, 2, False),  # SelectRep shared by the heads of a KV head
-    (6, 2, 16, 4, 8, 8, True, 2, True),
-    (9, 3, 64, 16, 1, 32, False, 3, True),  # decode row, SmolLM2's shape
-    (9, 3, 64, 16, 1, 32, False, 3, False),
-    (8, 1, 32, 16, 5, 16, False, 1, True),  # GQA 8, one selection per layer, odd rows
-    (8, 2, 32, 16, 5, 16, False, 1, False),  # one selection per layer over two KV heads, shared SelectRep
-    (4, 4, 16, 1, 3, 2, True, 4, True),  # MHA, HiP-style 2-key blocks scored exactly, one-token pages
-    (8, 2, 128, 16, 4, 256, False, 8, True),  # head dim 128, stage-1 chunks of 256, per-head selection
+PRUNE_CASES = [  # Hq, Hkv, D, page, rows, chunk, exact, groups, rep_per_head, chunk tiles per program
+    (6, 2, 16, 4, 8, 8, False, 2, True, 1),
+    (6, 2, 16, 4, 8, 8, False, 2, False, 1),  # SelectRep shared by the heads of a KV head
+    (6, 2, 16, 4, 8, 8, False, 2, False, 3),  # ... with each program walking 3 chunk tiles
+    (6, 2, 16, 4, 8, 4, True, 2, False, 2),
+    (6, 2, 16, 4, 8, 8, True, 2, True, 1),
+    (9, 3, 64, 16, 1, 32, False, 3, True, 1),  # decode row, SmolLM2's shape
+    (9, 3, 64, 16, 1, 32, False, 3, False, 1),
+    (8, 1, 32, 16, 5, 16, False, 1, True, 1),  # GQA 8, one selection per layer, odd rows
+    (8, 2, 32, 16, 5, 16, False, 1, False, 1),  # one selection per layer over two KV heads, shared SelectRep
+    (4, 4, 16, 1, 3, 2, True, 4, True, 1),  # MHA, HiP-style 2-key blocks scored exactly, one-token pages
+    (8, 2, 128, 16, 4, 256, False, 8, True, 1),  # head dim 128, stage-1 chunks of 256, per-head selection
 ]
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
 @pytest.mark.parametrize("case", PRUNE_CASES, ids=[
-    f"h{c[0]}-kv{c[1]}-d{c[2]}-r{c[4]}-c{c[5]}-{'x' if c[6] else 's'}-g{c[7]}-{'ph' if c[8] else 'sh'}"
+    f"h{c[0]}-kv{c[1]}-d{c[2]}-r{c[4]}-c{c[5]}-{'x' if c[6] else 's'}-g{c[7]}-{'ph' if c[8] else 'sh'}-t{c[9]}"
     for c in PRUNE_CASES])
 def test_chunk_score_kernel_matches_reference(dtype, case):
-    Hq, Hkv, D, page, rows, chunk, exact, G, per_head = case
+    Hq, Hkv, D, page, rows, chunk, exact, G, per_head, tiles = case
     g = torch.Generator().manual_seed(sum(map(int, case)))
     L = 3 * chunk + 29 if chunk > 16 else 211
     kc, _, tables = _cache([L], Hkv, D, page, dtype, g)
@@ -109,7 +111,7 @@ def test_chunk_score_kernel_matches_reference(dtype, case):
     ids[0, 0, 0] = -1  # padding
     n_sink = 3
     got = chunk_scores_triton(q, kc, tables[0], starts, lens, cand_end, ids, chunk, exact, n_sink, G,
-                              rep_per_head=per_head, block_c=16)
+                              rep_per_head=per_head, block_c=16 if not exact else None, tiles=tiles)
     keys = gather_tokens(kc, tables[0], L)
     r = torch.arange(rows, device=DEV)
     qs = q[(starts[:, None] + r).clamp(max=q.shape[0] - 1)].reshape(nb, rows, Hq, D)

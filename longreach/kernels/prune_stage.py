@@ -127,82 +127,84 @@ if triton is not None:
         num_chunks, n_sink,
         HPP: tl.constexpr, PAIRS_PER_GROUP: tl.constexpr, PAIR_KV_DIV: tl.constexpr,
         CHUNK: tl.constexpr, EXACT: tl.constexpr, PER_HEAD: tl.constexpr, N_ITER: tl.constexpr,
-        BQ_PAD: tl.constexpr, HPP_PAD: tl.constexpr, BLOCK_C: tl.constexpr, HEAD_DIM: tl.constexpr,
-        PAGE: tl.constexpr, DOT_PRECISION: tl.constexpr,
+        BQ_PAD: tl.constexpr, HPP_PAD: tl.constexpr, BLOCK_C: tl.constexpr, TILES: tl.constexpr,
+        HEAD_DIM: tl.constexpr, PAGE: tl.constexpr, DOT_PRECISION: tl.constexpr,
     ):
         qb = tl.program_id(0)
         pair = tl.program_id(1)
-        c = tl.program_id(2) * BLOCK_C + tl.arange(0, BLOCK_C)
         group = pair // PAIRS_PER_GROUP
         kv = pair // PAIR_KV_DIV
         start = tl.load(QbStart + qb)
         length = tl.load(QbLen + qb)
         cand_end = tl.load(CandEnd + qb)
-        ids = tl.load(Ids + qb * stride_ib + group * stride_ig + c, mask=c < num_chunks, other=-1)
-        a = tl.maximum(ids * CHUNK, n_sink)
-        b = tl.minimum((ids + 1) * CHUNK, cand_end)
-        valid = (ids >= 0) & (a < b)
         d = tl.arange(0, HEAD_DIM)
-        if PER_HEAD:  # the paper's SelectRep: each query head searches on its own
-            r = tl.arange(0, BQ_PAD)
-            row_ok = r < length
-            best = tl.full([BLOCK_C], float("-inf"), tl.float32)
-            for i in tl.static_range(HPP):
-                head = pair * HPP + i
-                q = tl.load(Q + (start + r)[:, None] * stride_qt + head * stride_qh + d[None, :],
-                            mask=row_ok[:, None], other=0.0)
-                first = a
-                last = b - 1
-                hs = _probe(q, K, BlockTable, kv, first, valid, row_ok, stride_kp, stride_ko, stride_kh,
-                            PAGE, HEAD_DIM, DOT_PRECISION)
-                for _ in tl.static_range(N_ITER):
-                    span = last - first + 1
-                    active = valid & (span > 1)
-                    mid = first + span // 2
-                    s_mid = _probe(q, K, BlockTable, kv, mid, active, row_ok, stride_kp, stride_ko, stride_kh,
-                                   PAGE, HEAD_DIM, DOT_PRECISION)
-                    right = active & (s_mid > hs)
-                    first = tl.where(right, mid, first)
-                    last = tl.where(active & (s_mid <= hs), mid - 1, last)
-                    hs = tl.where(right, s_mid, hs)
-                best = tl.maximum(best, hs)
-        else:  # every head of the pair in one query tile: one key gather per probe serves them all
+        if not PER_HEAD:  # every head of the pair in one query tile, loaded once for all the program's chunk tiles
             r = tl.arange(0, HPP_PAD * BQ_PAD)
             hh = r // BQ_PAD
             qi = r % BQ_PAD
-            row_ok = (hh < HPP) & (qi < length)
-            q = tl.load(Q + (start + qi)[:, None] * stride_qt + (pair * HPP + hh)[:, None] * stride_qh + d[None, :],
-                        mask=row_ok[:, None], other=0.0)
-            if EXACT:
+            rows_ok = (hh < HPP) & (qi < length)
+            q_all = tl.load(Q + (start + qi)[:, None] * stride_qt + (pair * HPP + hh)[:, None] * stride_qh + d[None, :],
+                            mask=rows_ok[:, None], other=0.0)
+        for t in tl.static_range(TILES):
+            c = (tl.program_id(2) * TILES + t) * BLOCK_C + tl.arange(0, BLOCK_C)
+            ids = tl.load(Ids + qb * stride_ib + group * stride_ig + c, mask=c < num_chunks, other=-1)
+            a = tl.maximum(ids * CHUNK, n_sink)
+            b = tl.minimum((ids + 1) * CHUNK, cand_end)
+            valid = (ids >= 0) & (a < b)
+            if PER_HEAD:  # the paper's SelectRep: each query head searches on its own
+                r1 = tl.arange(0, BQ_PAD)
+                row_ok = r1 < length
                 best = tl.full([BLOCK_C], float("-inf"), tl.float32)
-                for j in tl.static_range(CHUNK):
-                    pos = a + j
-                    s = _probe(q, K, BlockTable, kv, pos, valid & (pos < b), row_ok, stride_kp, stride_ko,
-                               stride_kh, PAGE, HEAD_DIM, DOT_PRECISION)
-                    best = tl.maximum(best, s)
-            else:
+                for i in tl.static_range(HPP):
+                    head = pair * HPP + i
+                    q = tl.load(Q + (start + r1)[:, None] * stride_qt + head * stride_qh + d[None, :],
+                                mask=row_ok[:, None], other=0.0)
+                    first = a
+                    last = b - 1
+                    hs = _probe(q, K, BlockTable, kv, first, valid, row_ok, stride_kp, stride_ko, stride_kh,
+                                PAGE, HEAD_DIM, DOT_PRECISION)
+                    for _ in tl.static_range(N_ITER):
+                        span = last - first + 1
+                        active = valid & (span > 1)
+                        mid = first + span // 2
+                        s_mid = _probe(q, K, BlockTable, kv, mid, active, row_ok, stride_kp, stride_ko, stride_kh,
+                                       PAGE, HEAD_DIM, DOT_PRECISION)
+                        right = active & (s_mid > hs)
+                        first = tl.where(right, mid, first)
+                        last = tl.where(active & (s_mid <= hs), mid - 1, last)
+                        hs = tl.where(right, s_mid, hs)
+                    best = tl.maximum(best, hs)
+            elif EXACT:  # every key of every chunk in one gather and one dot
+                j = tl.arange(0, CHUNK)
+                pos2 = a[:, None] + j[None, :]
+                ok2 = valid[:, None] & (pos2 < b[:, None])
+                s = _probe(q_all, K, BlockTable, kv, tl.reshape(pos2, [BLOCK_C * CHUNK]),
+                           tl.reshape(ok2, [BLOCK_C * CHUNK]), rows_ok, stride_kp, stride_ko, stride_kh,
+                           PAGE, HEAD_DIM, DOT_PRECISION)
+                best = tl.max(tl.reshape(s, [BLOCK_C, CHUNK]), axis=1)
+            else:  # SelectRep shared by the heads of the pair: one gather per probe
                 first = a
                 last = b - 1
-                best = _probe(q, K, BlockTable, kv, first, valid, row_ok, stride_kp, stride_ko, stride_kh,
+                best = _probe(q_all, K, BlockTable, kv, first, valid, rows_ok, stride_kp, stride_ko, stride_kh,
                               PAGE, HEAD_DIM, DOT_PRECISION)
                 for _ in tl.static_range(N_ITER):
                     span = last - first + 1
                     active = valid & (span > 1)
                     mid = first + span // 2
-                    s_mid = _probe(q, K, BlockTable, kv, mid, active, row_ok, stride_kp, stride_ko, stride_kh,
+                    s_mid = _probe(q_all, K, BlockTable, kv, mid, active, rows_ok, stride_kp, stride_ko, stride_kh,
                                    PAGE, HEAD_DIM, DOT_PRECISION)
                     right = active & (s_mid > best)
                     first = tl.where(right, mid, first)
                     last = tl.where(active & (s_mid <= best), mid - 1, last)
                     best = tl.where(right, s_mid, best)
-        tl.store(Scores + qb * stride_sb + pair * stride_sp + c, tl.where(valid, best, float("-inf")),
-                 mask=c < num_chunks)
+            tl.store(Scores + qb * stride_sb + pair * stride_sp + c, tl.where(valid, best, float("-inf")),
+                     mask=c < num_chunks)
 
 
 def chunk_scores_triton(q: torch.Tensor, k_cache: torch.Tensor, block_table: torch.Tensor, starts: torch.Tensor,
                         lens: torch.Tensor, cand_end: torch.Tensor, ids: torch.Tensor, chunk: int, exact: bool,
                         n_sink: int, groups: int, rep_per_head: bool = True, max_rows: int | None = None,
-                        block_c: int | None = None) -> torch.Tensor:
+                        block_c: int | None = None, tiles: int | None = None) -> torch.Tensor:
     """Triton version of `chunk_scores_reference` reading keys from the paged cache of one sequence.
 
     q (n, H_q, D) the sequence's queries this step; starts/lens (nb,) each block's rows in q; cand_end (nb,);
@@ -228,12 +230,18 @@ def chunk_scores_triton(q: torch.Tensor, k_cache: torch.Tensor, block_table: tor
     scores = torch.empty(nb, P, C, dtype=torch.float32, device=q.device)
     rows = max(1, triton.next_power_of_2(max_rows if max_rows is not None else int(lens.max())))
     per_head = rep_per_head and not exact
-    bq_pad = max(16, rows) if per_head else rows
+    if exact and (chunk & (chunk - 1) or chunk > 64):
+        raise ValueError(f"exact scoring needs a power-of-two chunk <= 64, got {chunk}")
     hpp_pad = triton.next_power_of_2(hpp)
-    tile_rows = bq_pad if per_head else max(16, hpp_pad * rows)
-    if block_c is None:
-        block_c = 64 if tile_rows <= 64 else 32
-    grid = (nb, P, triton.cdiv(C, block_c))
+    bq_pad = max(16, rows) if per_head else max(16 // hpp_pad, rows)
+    tile_rows = bq_pad if per_head else hpp_pad * bq_pad
+    if block_c is None:  # measured on H200 (docs/kernel-notes.md)
+        block_c = max(1, 128 // chunk) if exact else (64 if tile_rows <= 64 else 32)
+    # with plenty of programs (long prefill) each walks 4 chunk tiles so its query tile is loaded once, not 4 times;
+    # decode and short prefill keep every tile a program of its own (parallelism first)
+    if tiles is None:
+        tiles = 4 if not per_head and rows > 1 and nb * P * triton.cdiv(C, block_c) >= 8192 else 1
+    grid = (nb, P, triton.cdiv(C, block_c * tiles))
     _chunk_score_kernel[grid](
         q, k_cache, block_table, starts.to(torch.int32), lens.to(torch.int32), cand_end.to(torch.int32), ids32,
         scores,
@@ -242,7 +250,7 @@ def chunk_scores_triton(q: torch.Tensor, k_cache: torch.Tensor, block_table: tor
         C, n_sink,
         HPP=hpp, PAIRS_PER_GROUP=P // groups, PAIR_KV_DIV=(Hq // Hkv) if groups == Hq and Hq != Hkv else 1,
         CHUNK=chunk, EXACT=exact, PER_HEAD=per_head, N_ITER=max(0, math.ceil(math.log2(chunk))),
-        BQ_PAD=bq_pad if per_head else max(16 // hpp_pad, rows), HPP_PAD=hpp_pad, BLOCK_C=block_c, HEAD_DIM=D,
+        BQ_PAD=bq_pad, HPP_PAD=hpp_pad, BLOCK_C=block_c, TILES=tiles, HEAD_DIM=D,
         PAGE=page, DOT_PRECISION="ieee" if q.dtype == torch.float32 else "tf32",
         num_warps=8 if tile_rows >= 128 else 4, num_stages=2,
     )

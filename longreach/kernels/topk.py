@@ -49,45 +49,65 @@ if triton is not None:
         return (b ^ ((b >> 31) & 0x7FFFFFFF)).to(tl.int64)
 
     @triton.jit
-    def _topk_kernel(Ids, Scores, Out, Counts, C, K, stride_ir, stride_sr, stride_or, BLOCK: tl.constexpr):
+    def _topk_kernel(Ids, Scores, Out, Counts, C, K, stride_ir, stride_sr, stride_or, BLOCK: tl.constexpr,
+                     SINGLE: tl.constexpr):
         row = tl.program_id(0)
         offs = tl.arange(0, BLOCK)
         zero = tl.sum(tl.zeros([BLOCK], tl.int32), axis=0)  # a scalar tensor: loop-carried counters start from it
-        n_valid = zero
-        for t in range(0, C, BLOCK):
-            s = tl.load(Scores + row * stride_sr + t + offs, mask=t + offs < C, other=float("-inf"))
-            n_valid += tl.sum((s > float("-inf")).to(tl.int32), axis=0)
+        if SINGLE:  # the whole row fits one tile: load it once, every pass below runs in registers
+            s1 = tl.load(Scores + row * stride_sr + offs, mask=offs < C, other=float("-inf"))
+            ok1 = s1 > float("-inf")
+            key1 = _order_key(s1)
+            n_valid = tl.sum(ok1.to(tl.int32), axis=0)
+        else:
+            n_valid = zero
+            for t in range(0, C, BLOCK):
+                s = tl.load(Scores + row * stride_sr + t + offs, mask=t + offs < C, other=float("-inf"))
+                n_valid += tl.sum((s > float("-inf")).to(tl.int32), axis=0)
         # threshold: the largest key t with count(key >= t) >= K (when there are more than K candidates)
         lo = zero.to(tl.int64) - 2147483647  # keys of finite scores and +inf lie above the key of -inf
         hi = zero.to(tl.int64) + 2147483647
         if n_valid > K:
             for _ in range(32):
                 mid = lo + ((hi - lo + 1) >> 1)
-                cnt = zero
-                for t in range(0, C, BLOCK):
-                    s = tl.load(Scores + row * stride_sr + t + offs, mask=t + offs < C, other=float("-inf"))
-                    ok = s > float("-inf")
-                    cnt += tl.sum((ok & (_order_key(s) >= mid)).to(tl.int32), axis=0)
+                if SINGLE:
+                    cnt = tl.sum((ok1 & (key1 >= mid)).to(tl.int32), axis=0)
+                else:
+                    cnt = zero
+                    for t in range(0, C, BLOCK):
+                        s = tl.load(Scores + row * stride_sr + t + offs, mask=t + offs < C, other=float("-inf"))
+                        cnt += tl.sum(((s > float("-inf")) & (_order_key(s) >= mid)).to(tl.int32), axis=0)
                 if cnt >= K:
                     lo = mid
                 else:
                     hi = mid - 1
         thr = lo
-        greater = zero
-        if n_valid > K:
-            for t in range(0, C, BLOCK):
-                s = tl.load(Scores + row * stride_sr + t + offs, mask=t + offs < C, other=float("-inf"))
-                greater += tl.sum(((s > float("-inf")) & (_order_key(s) > thr)).to(tl.int32), axis=0)
-        need_eq = K - greater
         written = zero
         seen_eq = zero
+        greater = zero
         for t in range(0, C, BLOCK):
             m = t + offs < C
-            s = tl.load(Scores + row * stride_sr + t + offs, mask=m, other=float("-inf"))
-            ids = tl.load(Ids + row * stride_ir + t + offs, mask=m, other=-1)
-            ok = s > float("-inf")
-            if n_valid > K:
+            if SINGLE:
+                s = s1
+                ok = ok1
+                key = key1
+            else:
+                s = tl.load(Scores + row * stride_sr + t + offs, mask=m, other=float("-inf"))
+                ok = s > float("-inf")
                 key = _order_key(s)
+            greater += tl.sum((ok & (key > thr)).to(tl.int32), axis=0)
+        need_eq = K - greater
+        for t in range(0, C, BLOCK):
+            m = t + offs < C
+            ids = tl.load(Ids + row * stride_ir + t + offs, mask=m, other=-1)
+            if SINGLE:
+                ok = ok1
+                key = key1
+            else:
+                s = tl.load(Scores + row * stride_sr + t + offs, mask=m, other=float("-inf"))
+                ok = s > float("-inf")
+                key = _order_key(s)
+            if n_valid > K:
                 eq = ok & (key == thr)
                 eq_rank = seen_eq + tl.cumsum(eq.to(tl.int32), axis=0) - 1
                 keep = (ok & (key > thr)) | (eq & (eq_rank < need_eq))
@@ -121,7 +141,7 @@ def topk_ascending_triton(ids: torch.Tensor, scores: torch.Tensor, k: int) -> tu
         out.fill_(-1)
         counts.zero_()
         return out, counts
-    block = max(16, min(2048, triton.next_power_of_2(max(C, k))))
+    block = max(16, min(4096, triton.next_power_of_2(max(C, k))))
     _topk_kernel[(rows,)](ids2, sc2, out.view(rows, k), counts.view(rows), C, k, ids2.stride(0), sc2.stride(0), k,
-                          BLOCK=block, num_warps=4)
+                          BLOCK=block, SINGLE=C <= block, num_warps=4 if block <= 1024 else 8)
     return out, counts
