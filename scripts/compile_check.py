@@ -78,7 +78,7 @@ def main() -> int:
                       dict(Q=bf, K=bf, BlockTable=i32, QbStart=i32, QbLen=i32, CandEnd=i32, Ids=i32, Scores=f32),
                       dict(HPP=4, PAIRS_PER_GROUP=1, PAIR_KV_DIV=1, CHUNK=chunk, EXACT=exact, PER_HEAD=per_head,
                            N_ITER=max(0, (chunk - 1).bit_length()), BQ_PAD=bq_pad, HPP_PAD=hpp_pad,
-                           BLOCK_C=block_c, TILES=tiles, HEAD_DIM=128, PAGE=16, DOT_PRECISION="tf32"), []))
+                           BLOCK_C=block_c, TILES=tiles, TILE_FIRST=False, HEAD_DIM=128, PAGE=16, DOT_PRECISION="tf32"), []))
     cases.append(("topk single tile", topk._topk_kernel, dict(Ids=i32, Scores=f32, Out=i32, Counts=i32),
                   dict(BLOCK=4096, SINGLE=True), []))
     cases.append(("topk tiled", topk._topk_kernel, dict(Ids=i32, Scores=f32, Out=i32, Counts=i32),

@@ -128,9 +128,12 @@ if triton is not None:
         HPP: tl.constexpr, PAIRS_PER_GROUP: tl.constexpr, PAIR_KV_DIV: tl.constexpr,
         CHUNK: tl.constexpr, EXACT: tl.constexpr, PER_HEAD: tl.constexpr, N_ITER: tl.constexpr,
         BQ_PAD: tl.constexpr, HPP_PAD: tl.constexpr, BLOCK_C: tl.constexpr, TILES: tl.constexpr,
-        HEAD_DIM: tl.constexpr, PAGE: tl.constexpr, DOT_PRECISION: tl.constexpr,
+        TILE_FIRST: tl.constexpr, HEAD_DIM: tl.constexpr, PAGE: tl.constexpr, DOT_PRECISION: tl.constexpr,
     ):
-        qb = tl.program_id(0)
+        # TILE_FIRST: consecutive programs take consecutive chunk tiles of one query block (its queries stay in L2);
+        # otherwise consecutive programs take the same chunk tile of consecutive query blocks (keys stay in L2)
+        qb = tl.program_id(2) if TILE_FIRST else tl.program_id(0)
+        tile0 = tl.program_id(0) if TILE_FIRST else tl.program_id(2)
         pair = tl.program_id(1)
         group = pair // PAIRS_PER_GROUP
         kv = pair // PAIR_KV_DIV
@@ -146,7 +149,7 @@ if triton is not None:
             q_all = tl.load(Q + (start + qi)[:, None] * stride_qt + (pair * HPP + hh)[:, None] * stride_qh + d[None, :],
                             mask=rows_ok[:, None], other=0.0)
         for t in tl.static_range(TILES):
-            c = (tl.program_id(2) * TILES + t) * BLOCK_C + tl.arange(0, BLOCK_C)
+            c = (tile0 * TILES + t) * BLOCK_C + tl.arange(0, BLOCK_C)
             ids = tl.load(Ids + qb * stride_ib + group * stride_ig + c, mask=c < num_chunks, other=-1)
             a = tl.maximum(ids * CHUNK, n_sink)
             b = tl.minimum((ids + 1) * CHUNK, cand_end)
@@ -204,7 +207,8 @@ if triton is not None:
 def chunk_scores_triton(q: torch.Tensor, k_cache: torch.Tensor, block_table: torch.Tensor, starts: torch.Tensor,
                         lens: torch.Tensor, cand_end: torch.Tensor, ids: torch.Tensor, chunk: int, exact: bool,
                         n_sink: int, groups: int, rep_per_head: bool = True, max_rows: int | None = None,
-                        block_c: int | None = None, tiles: int | None = None) -> torch.Tensor:
+                        block_c: int | None = None, tiles: int | None = None,
+                        tile_first: bool = False) -> torch.Tensor:
     """Triton version of `chunk_scores_reference` reading keys from the paged cache of one sequence.
 
     q (n, H_q, D) the sequence's queries this step; starts/lens (nb,) each block's rows in q; cand_end (nb,);
@@ -241,7 +245,8 @@ def chunk_scores_triton(q: torch.Tensor, k_cache: torch.Tensor, block_table: tor
     # decode and short prefill keep every tile a program of its own (parallelism first)
     if tiles is None:
         tiles = 4 if not per_head and rows > 1 and nb * P * triton.cdiv(C, block_c) >= 8192 else 1
-    grid = (nb, P, triton.cdiv(C, block_c * tiles))
+    n_tiles = triton.cdiv(C, block_c * tiles)
+    grid = (n_tiles, P, nb) if tile_first else (nb, P, n_tiles)
     _chunk_score_kernel[grid](
         q, k_cache, block_table, starts.to(torch.int32), lens.to(torch.int32), cand_end.to(torch.int32), ids32,
         scores,
@@ -250,7 +255,7 @@ def chunk_scores_triton(q: torch.Tensor, k_cache: torch.Tensor, block_table: tor
         C, n_sink,
         HPP=hpp, PAIRS_PER_GROUP=P // groups, PAIR_KV_DIV=(Hq // Hkv) if groups == Hq and Hq != Hkv else 1,
         CHUNK=chunk, EXACT=exact, PER_HEAD=per_head, N_ITER=max(0, math.ceil(math.log2(chunk))),
-        BQ_PAD=bq_pad, HPP_PAD=hpp_pad, BLOCK_C=block_c, TILES=tiles, HEAD_DIM=D,
+        BQ_PAD=bq_pad, HPP_PAD=hpp_pad, BLOCK_C=block_c, TILES=tiles, TILE_FIRST=tile_first, HEAD_DIM=D,
         PAGE=page, DOT_PRECISION="ieee" if q.dtype == torch.float32 else "tf32",
         num_warps=8 if tile_rows >= 128 else 4, num_stages=2,
     )
