@@ -20,7 +20,7 @@ from longreach.kernels.prune_stage import chunk_scores_triton  # noqa: E402
 from longreach.kernels.topk import topk_ascending_triton  # noqa: E402
 
 
-def bench(fn, reps=10):
+def bench(fn, reps=5):
     fn()
     torch.cuda.synchronize()
     ts = []
@@ -34,7 +34,17 @@ def bench(fn, reps=10):
     return sorted(ts)[len(ts) // 2]
 
 
+SETTINGS = {  # stage -> [(rep_per_head, block_c, tiles, tile_first)], prefill at 1M only: few compiles per run
+    "s1": [(False, 32, 1, False), (False, 32, 4, False), (False, 32, 1, True), (False, 64, 1, False)],
+    "s2": [(False, 32, 1, False), (False, 32, 4, False)],
+    "s3": [(False, 16, 1, False), (False, 16, 4, False), (False, 8, 1, False), (False, 4, 1, False)],
+}
+
+
 def main():
+    import time
+
+    deadline = time.time() + float(os.environ.get("TUNE_SECONDS", "200"))
     out = sys.argv[sys.argv.index("--out") + 1] if "--out" in sys.argv else os.environ.get("OUT", ".")
     dev = "cuda"
     Hq, Hkv, D, L, page = 32, 8, 128, 1 << 20, 16
@@ -42,22 +52,17 @@ def main():
     kc = torch.randn(L // page, page, Hkv, D, device=dev, dtype=torch.bfloat16, generator=g)
     table = torch.arange(L // page, device=dev, dtype=torch.int32)
     rows_all = []
-    for phase, nb, rows in (("prefill", 512, 64), ("decode", 1, 1)):
+    for phase, nb, rows in (("prefill", 512, 64),):
         q = torch.randn(nb * rows, Hq, D, device=dev, dtype=torch.bfloat16, generator=g)
         starts = torch.arange(nb, device=dev) * rows
         lens = torch.full((nb,), rows, device=dev)
         cand_end = torch.full((nb,), L - 1024, device=dev)
         for stage, chunk, C, exact in (("s1", 256, 4096, False), ("s2", 32, 1024, False), ("s3", 8, 1024, True)):
             ids = (torch.arange(C, device=dev) + 1).expand(nb, Hkv, C).contiguous()
-            settings = []
-            for per_head in ((False,) if exact else (False, True)):
-                for bc in ((8, 16, 32) if exact else (16, 32, 64)):
-                    for tiles in (1, 4):
-                        for tf in (False, True):
-                            if per_head and (tiles > 1 or tf):
-                                continue
-                            settings.append((per_head, bc, tiles, tf))
-            for per_head, bc, tiles, tf in settings:
+            for per_head, bc, tiles, tf in SETTINGS[stage]:
+                if time.time() > deadline:
+                    print("time budget spent", flush=True)
+                    break
                 try:
                     ms = bench(lambda: chunk_scores_triton(q, kc, table, starts, lens, cand_end, ids, chunk, exact,
                                                            256, Hkv, rep_per_head=per_head, max_rows=rows,
@@ -70,6 +75,8 @@ def main():
                 print(f"{phase:<8} {stage} {'head' if per_head else 'kv  '} block_c={bc:<3} tiles={tiles} "
                       f"tile_first={int(tf)}  {ms * (1000 if phase == 'decode' else 1):9.3f} "
                       f"{'us' if phase == 'decode' else 'ms'}", flush=True)
+                with open(os.path.join(out, "tune_prune.json"), "w") as f:
+                    json.dump(rows_all, f, indent=1)
         for C, k in ((4096, 128), (1024, 256)):
             sc = torch.randn(nb, Hkv, C, device=dev, generator=g)
             ids = torch.arange(C, device=dev).expand(nb, Hkv, C).contiguous()
