@@ -241,10 +241,11 @@ def chunk_scores_triton(q: torch.Tensor, k_cache: torch.Tensor, block_table: tor
     tile_rows = bq_pad if per_head else hpp_pad * bq_pad
     if block_c is None:  # measured on H200 (docs/kernel-notes.md)
         block_c = max(1, 128 // chunk) if exact else (64 if tile_rows <= 64 else 32)
-    # with plenty of programs (long prefill) each walks 4 chunk tiles so its query tile is loaded once, not 4 times;
-    # decode and short prefill keep every tile a program of its own (parallelism first)
+    # exact scoring with plenty of programs (long prefill): each walks 4 chunk tiles so its query tile is loaded once
+    # (H200, 1M prefill stage 3: 13.7 -> 10.7 ms); SelectRep is latency-bound and loses from it (stage 1: 50.6 ->
+    # 76.4 ms), and decode keeps every tile a program of its own (docs/kernel-notes.md)
     if tiles is None:
-        tiles = 4 if not per_head and rows > 1 and nb * P * triton.cdiv(C, block_c) >= 8192 else 1
+        tiles = 4 if exact and rows > 1 and nb * P * triton.cdiv(C, block_c) >= 8192 else 1
     n_tiles = triton.cdiv(C, block_c * tiles)
     grid = (n_tiles, P, nb) if tile_first else (nb, P, n_tiles)
     _chunk_score_kernel[grid](
