@@ -2,7 +2,8 @@
 import pytest
 import torch
 
-from longreach.kernels.paged_decode import combine_splits, paged_decode, paged_decode_reference
+from longreach.kernels.combine import combine_splits_reference, combine_splits_triton
+from longreach.kernels.paged_decode import paged_decode, paged_decode_reference
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 
@@ -58,9 +59,16 @@ def test_bad_inputs_raise_before_launch():
         paged_decode(q[..., :48], k[..., :48], v[..., :48], tables, lens, 0.1, num_splits=1)
 
 
-def test_combine_ignores_empty_splits():
-    out = torch.randn(1, 2, 3, 4)
-    lse = torch.tensor([[[0.5, float("-inf"), -1.0], [2.0, float("-inf"), float("-inf")]]])
-    merged, total = combine_splits(out, lse, torch.float32)
-    w = torch.softmax(lse, dim=-1)
-    assert torch.allclose(merged, (out * w[..., None]).sum(-2)) and torch.allclose(total, torch.logsumexp(lse, -1))
+def test_combine_ignores_empty_splits_and_kernel_matches():
+    out = torch.randn(1, 3, 3, 16)
+    lse = torch.tensor([[[0.5, float("-inf"), -1.0], [2.0, float("-inf"), float("-inf")],
+                         [float("-inf")] * 3]])  # the last row read no key at all
+    merged, total = combine_splits_reference(out, lse, torch.float32)
+    w = torch.softmax(lse[:, :2], dim=-1)
+    assert torch.allclose(merged[:, :2], (out[:, :2] * w[..., None]).sum(-2))
+    assert torch.allclose(total[:, :2], torch.logsumexp(lse[:, :2], -1))
+    assert torch.equal(merged[:, 2], torch.zeros(1, 16)) and total[0, 2] == float("-inf")
+    got = torch.full(merged.shape, float("nan"), device=DEVICE)
+    got_lse = torch.full(total.shape, float("nan"), device=DEVICE)
+    combine_splits_triton(out.to(DEVICE), lse.to(DEVICE), got, got_lse)
+    assert torch.allclose(got.cpu(), merged, atol=1e-6) and torch.equal(got_lse.cpu().isinf(), total.isinf())

@@ -26,6 +26,7 @@ import torch
 from ..attention.executor import head_pairs
 from ..attention.index import SparseIndex
 from .combine import combine_splits_triton
+from .softmax import online_softmax_finish, online_softmax_step
 
 try:
     import triton
@@ -121,17 +122,9 @@ if triton is not None:
             m_win = (kp >= tl.maximum(pr - n_window + 1, n_sink)) & (kp <= pr) & (kp >= 0)
             allowed = k_ok[None, :] & row_ok[:, None] & tl.where(is_sink, m_sink, tl.where(is_sel, m_sel, m_win))
             s = tl.where(allowed, s, float("-inf"))
-            m_new = tl.maximum(m_i, tl.max(s, axis=1))
-            m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)  # rows with nothing yet stay at zero
-            alpha = tl.exp2(m_i - m_safe)
-            p = tl.exp2(s - m_safe[:, None])
-            l_i = l_i * alpha + tl.sum(p, axis=1)
-            acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=DOT_PRECISION)
-            m_i = m_new
+            m_i, l_i, acc = online_softmax_step(s, v, m_i, l_i, acc, DOT_PRECISION)
 
-        empty = l_i == 0.0
-        out = acc / tl.where(empty, 1.0, l_i)[:, None]
-        lse = tl.where(empty, float("-inf"), (m_i + tl.log2(tl.where(empty, 1.0, l_i))) * 0.6931471805599453)
+        out, lse = online_softmax_finish(m_i, l_i, acc)
         if SPLIT:
             tl.store(OutP + row[:, None] * stride_pt + head[:, None] * stride_ph + split * stride_ps + d[None, :],
                      out, mask=row_ok[:, None])

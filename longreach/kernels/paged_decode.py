@@ -3,7 +3,7 @@
 Algorithm: the grid is (sequence, KV head, split). Each program owns one KV head and the GQA group of query heads
 that share it, so every key/value tile is loaded once per group; it walks its share of the sequence's tokens in tiles
 of BLOCK_N (translating token -> page through the block table), keeps an online softmax, and writes a partial output
-and its log-sum-exp. A second pass (`combine_splits`, plain torch ops, CUDA-graph safe) merges the splits.
+and its log-sum-exp. A second, tiny kernel (combine.py) merges the splits.
 Splitting the key range keeps all SMs busy at batch 1 with long contexts (FlashDecoding).
 
 Inputs: q (B, H_q, D); k_cache/v_cache (num_pages, page_size, H_kv, D); block_tables (B, max_pages) int32;
@@ -19,9 +19,13 @@ import math
 
 import torch
 
+from .combine import combine_splits_triton
+
 try:
     import triton
     import triton.language as tl
+
+    from .softmax import online_softmax_finish, online_softmax_step
 except ImportError:  # the CPU path never needs Triton
     triton = None
 
@@ -43,15 +47,6 @@ def paged_decode_reference(q, k_cache, v_cache, block_tables, seq_lens, scale):
     lse = torch.logsumexp(s, dim=-1)
     out = torch.einsum("bhgn,bnhd->bhgd", torch.softmax(s, dim=-1), v)
     return out.reshape(B, Hq, D).to(q.dtype), lse.reshape(B, Hq)
-
-
-def combine_splits(out_partial: torch.Tensor, lse_partial: torch.Tensor, dtype: torch.dtype):
-    """Merge (B, H, S, D) partial outputs with their (B, H, S) log-sum-exps; empty splits carry lse = -inf."""
-    m = lse_partial.amax(dim=-1, keepdim=True)  # finite: split 0 is never empty
-    w = torch.exp(lse_partial - m)
-    denom = w.sum(dim=-1, keepdim=True)
-    out = (out_partial * w.unsqueeze(-1)).sum(dim=-2) / denom
-    return out.to(dtype), (m + denom.log()).squeeze(-1)
 
 
 if triton is not None:
@@ -99,16 +94,9 @@ if triton is not None:
                         mask=nmask[:, None], other=0.0)
             s = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * qk_scale  # (GROUP_PAD, BLOCK_N), log2 units
             s = tl.where(nmask[None, :], s, float("-inf"))
-            m_new = tl.maximum(m_i, tl.max(s, axis=1))
-            alpha = tl.exp2(m_i - m_new)
-            p = tl.exp2(s - m_new[:, None])
-            l_i = l_i * alpha + tl.sum(p, axis=1)
-            acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=DOT_PRECISION)
-            m_i = m_new
+            m_i, l_i, acc = online_softmax_step(s, v, m_i, l_i, acc, DOT_PRECISION)
 
-        empty = l_i == 0.0
-        out = acc / tl.where(empty, 1.0, l_i)[:, None]
-        lse = tl.where(empty, float("-inf"), (m_i + tl.log2(tl.where(empty, 1.0, l_i))) * 0.6931471805599453)
+        out, lse = online_softmax_finish(m_i, l_i, acc)
         tl.store(OutPartial + b * stride_ob + heads[:, None] * stride_oh + split * stride_os + d[None, :], out,
                  mask=gmask[:, None])
         tl.store(LsePartial + b * stride_lb + heads * stride_lh + split, lse, mask=gmask)
@@ -161,4 +149,7 @@ def paged_decode(q, k_cache, v_cache, block_tables, seq_lens, scale: float, num_
         DOT_PRECISION="ieee" if q.dtype == torch.float32 else "tf32",
         num_warps=4, num_stages=2,
     )
-    return combine_splits(out_p, lse_p, q.dtype)
+    out = torch.empty_like(q)
+    lse = torch.empty(B, Hq, dtype=torch.float32, device=q.device)
+    combine_splits_triton(out_p, lse_p, out, lse)
+    return out, lse

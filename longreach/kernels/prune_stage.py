@@ -120,6 +120,27 @@ if triton is not None:
         return tl.where(ok, tl.max(s, axis=0), float("-inf"))
 
     @triton.jit
+    def _select_rep(q, K, bt_base, kv, a, b, valid, row_ok, stride_kp, stride_ko, stride_kh, N_ITER: tl.constexpr,
+                    PAGE: tl.constexpr, HEAD_DIM: tl.constexpr, DOT_PRECISION: tl.constexpr):
+        """SelectRep over chunks [a, b) for the rows of q: halve N_ITER times, each half represented by its first key,
+        keep the higher-scoring half. Returns the score of the representative found: (BLOCK_C,)."""
+        first = a
+        last = b - 1
+        best = _probe(q, K, bt_base, kv, first, valid, row_ok, stride_kp, stride_ko, stride_kh, PAGE, HEAD_DIM,
+                      DOT_PRECISION)
+        for _ in tl.static_range(N_ITER):
+            span = last - first + 1
+            active = valid & (span > 1)
+            mid = first + span // 2
+            s_mid = _probe(q, K, bt_base, kv, mid, active, row_ok, stride_kp, stride_ko, stride_kh, PAGE, HEAD_DIM,
+                           DOT_PRECISION)
+            right = active & (s_mid > best)
+            first = tl.where(right, mid, first)
+            last = tl.where(active & (s_mid <= best), mid - 1, last)
+            best = tl.where(right, s_mid, best)
+        return best
+
+    @triton.jit
     def _chunk_score_kernel(
         Q, K, BlockTable, QbStart, QbLen, CandEnd, Ids, Scores,
         stride_qt, stride_qh, stride_kp, stride_ko, stride_kh,
@@ -162,20 +183,8 @@ if triton is not None:
                     head = pair * HPP + i
                     q = tl.load(Q + (start + r1)[:, None] * stride_qt + head * stride_qh + d[None, :],
                                 mask=row_ok[:, None], other=0.0)
-                    first = a
-                    last = b - 1
-                    hs = _probe(q, K, BlockTable, kv, first, valid, row_ok, stride_kp, stride_ko, stride_kh,
-                                PAGE, HEAD_DIM, DOT_PRECISION)
-                    for _ in tl.static_range(N_ITER):
-                        span = last - first + 1
-                        active = valid & (span > 1)
-                        mid = first + span // 2
-                        s_mid = _probe(q, K, BlockTable, kv, mid, active, row_ok, stride_kp, stride_ko, stride_kh,
-                                       PAGE, HEAD_DIM, DOT_PRECISION)
-                        right = active & (s_mid > hs)
-                        first = tl.where(right, mid, first)
-                        last = tl.where(active & (s_mid <= hs), mid - 1, last)
-                        hs = tl.where(right, s_mid, hs)
+                    hs = _select_rep(q, K, BlockTable, kv, a, b, valid, row_ok, stride_kp, stride_ko, stride_kh,
+                                     N_ITER, PAGE, HEAD_DIM, DOT_PRECISION)
                     best = tl.maximum(best, hs)
             elif EXACT:  # every key of every chunk in one gather and one dot
                 j = tl.arange(0, CHUNK)
@@ -186,20 +195,8 @@ if triton is not None:
                            PAGE, HEAD_DIM, DOT_PRECISION)
                 best = tl.max(tl.reshape(s, [BLOCK_C, CHUNK]), axis=1)
             else:  # SelectRep shared by the heads of the pair: one gather per probe
-                first = a
-                last = b - 1
-                best = _probe(q_all, K, BlockTable, kv, first, valid, rows_ok, stride_kp, stride_ko, stride_kh,
-                              PAGE, HEAD_DIM, DOT_PRECISION)
-                for _ in tl.static_range(N_ITER):
-                    span = last - first + 1
-                    active = valid & (span > 1)
-                    mid = first + span // 2
-                    s_mid = _probe(q_all, K, BlockTable, kv, mid, active, rows_ok, stride_kp, stride_ko, stride_kh,
-                                   PAGE, HEAD_DIM, DOT_PRECISION)
-                    right = active & (s_mid > best)
-                    first = tl.where(right, mid, first)
-                    last = tl.where(active & (s_mid <= best), mid - 1, last)
-                    best = tl.where(right, s_mid, best)
+                best = _select_rep(q_all, K, BlockTable, kv, a, b, valid, rows_ok, stride_kp, stride_ko, stride_kh,
+                                   N_ITER, PAGE, HEAD_DIM, DOT_PRECISION)
             tl.store(Scores + qb * stride_sb + pair * stride_sp + c, tl.where(valid, best, float("-inf")),
                      mask=c < num_chunks)
 
