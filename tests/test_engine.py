@@ -127,7 +127,7 @@ def test_smollm2_chunked_batched_greedy_equals_one_by_one(smollm2):
     together = [o.token_ids for o in llm.generate(texts, params, use_tqdm=False)]
     chunked = LLMEngine(EngineConfig(model="smollm2", device="cpu", dtype="float32", max_model_len=2048,
                                      kv_cache_memory_gb=0.5, max_num_batched_tokens=64, max_num_seqs=2))
-    for text, expect in zip(texts, together):
+    for text in texts:
         chunked.add_request(text[:20], tok.encode(text), params)
     got = {}
     while chunked.has_unfinished_requests():

@@ -12,7 +12,7 @@ def test_random_grow_and_free_keeps_invariants():
     rng = random.Random(0)
     bm = BlockManager(num_blocks=64, block_size=4)
     sizes: dict[int, int] = {}
-    for step in range(2000):
+    for _ in range(2000):
         seq = rng.randrange(12)
         if rng.random() < 0.25 and seq in sizes:
             bm.free(seq)

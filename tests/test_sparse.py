@@ -115,7 +115,7 @@ def test_selection_is_causal_budgeted_and_keeps_sink_and_window(method):
         idx = _index(qb, sels, method.cfg.block_q, method.block_k, method.cfg.n_sink, method.cfg.n_window,
                      method.groups)
         assert int(idx.counts.max()) * method.block_k <= method.selected_budget(layer)
-        for b, (start, length, pos) in enumerate(local):
+        for b, (_, length, pos) in enumerate(local):
             ids = idx.blocks[b][idx.blocks[b] >= 0]
             end = pos + length
             assert (ids * method.block_k < end - method.cfg.n_window).all()  # no block starts in or after the window

@@ -232,6 +232,8 @@ class SparseBackend(AttentionBackend):
         self.config = self.resolve_config(engine_config)
         self.method = self.method_cls(self.config, model_config.num_heads, model_config.num_kv_heads)
         self.dense = DenseBackend(model_config, engine_config, device)
+        cuda = device.type == "cuda"
+        self._num_sms = torch.cuda.get_device_properties(device).multi_processor_count if cuda else 1
         self._decode_step: dict[int, int] = {}
         self._state: dict[tuple[int, int], dict] = {}
 
@@ -306,6 +308,5 @@ class SparseBackend(AttentionBackend):
 
     def _decode_splits(self, num_seqs: int) -> int:
         """Split-K for decode: about two programs per SM (the selected keys are a few thousand per sequence)."""
-        sms = torch.cuda.get_device_properties(self.device).multi_processor_count
         programs = num_seqs * max(self.model_config.num_kv_heads, self.method.groups)
-        return max(1, min(32, (2 * sms) // programs))
+        return max(1, min(32, (2 * self._num_sms) // programs))

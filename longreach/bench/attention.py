@@ -140,23 +140,20 @@ def _index(method, blocks_host, selection):
                        method.cfg.n_window, method.groups, qb, blocks, counts)
 
 
-def prefill(ctx: Context, methods, repeats: int, flex: bool) -> dict:
-    from ..kernels.bsa import BSAPlan, block_sparse_attention_triton
-
-    n, c = ctx.n, min(CHUNK, ctx.n)
-    g = torch.Generator(device=DEVICE).manual_seed(1)
-    q = torch.randn(c, HQ, D, device=DEVICE, dtype=DTYPE, generator=g)
-    res: dict = {}
+def _dense_prefill(ctx: Context, q: torch.Tensor, repeats: int) -> dict:
+    """cuDNN and flash SDPA on the chunk: prefix without a mask + the chunk's own keys with a causal mask."""
+    n, c = ctx.n, q.shape[0]
     qh = q.transpose(0, 1).unsqueeze(0)  # (1, H_q, c, D)
     k32 = ctx.k.repeat_interleave(HQ // HKV, dim=1)  # the fused SDPA prefill kernels need expanded K/V
     v32 = ctx.v.repeat_interleave(HQ // HKV, dim=1)
-    F = torch.nn.functional
+    sdpa = torch.nn.functional.scaled_dot_product_attention
+    res: dict = {}
     for backend, label in (("CUDNN_ATTENTION", "dense cuDNN"), ("FLASH_ATTENTION", "dense flash")):
-        def dense():
+        def dense(backend=backend):
             with _sdpa(backend):
                 if n > c:
-                    F.scaled_dot_product_attention(qh, k32[:, :, : n - c], v32[:, :, : n - c])
-                F.scaled_dot_product_attention(qh, k32[:, :, n - c:], v32[:, :, n - c:], is_causal=True)
+                    sdpa(qh, k32[:, :, : n - c], v32[:, :, : n - c])
+                sdpa(qh, k32[:, :, n - c:], v32[:, :, n - c:], is_causal=True)
         try:
             res[label] = {"total_s": _time(dense, repeats)}
         except Exception as e:  # noqa: BLE001
@@ -165,7 +162,16 @@ def prefill(ctx: Context, methods, repeats: int, flex: bool) -> dict:
     for v in res.values():
         if "total_s" in v:
             v["tflops"] = flops / v["total_s"] / 1e12
-    del k32, v32
+    return res
+
+
+def prefill(ctx: Context, methods, repeats: int, flex: bool) -> dict:
+    from ..kernels.bsa import BSAPlan, block_sparse_attention_triton
+
+    n, c = ctx.n, min(CHUNK, ctx.n)
+    g = torch.Generator(device=DEVICE).manual_seed(1)
+    q = torch.randn(c, HQ, D, device=DEVICE, dtype=DTYPE, generator=g)
+    res = _dense_prefill(ctx, q, repeats)
 
     keys = ctx.keys()
     ih_selection = None
@@ -326,7 +332,7 @@ def decode(ctx: Context, repeats: int) -> dict:
 
 
 def run(contexts: list[int], repeats: int = 5, out_path: str | None = None, flex: bool = True,
-        prefill_methods=PREFILL_METHODS) -> dict:
+        prefill_methods=PREFILL_METHODS, decode_repeats: int = 20) -> dict:
     if DEVICE == "cuda" and not torch.cuda.is_available():
         raise ValueError("bench attention needs a CUDA GPU")
     report = {"gpu": torch.cuda.get_device_name() if DEVICE == "cuda" else "cpu", "date": time.strftime("%Y-%m-%d"), "torch": torch.__version__,
@@ -335,7 +341,7 @@ def run(contexts: list[int], repeats: int = 5, out_path: str | None = None, flex
     for n in contexts:
         t0 = time.perf_counter()
         ctx = Context(n)
-        entry = {"prefill": prefill(ctx, list(prefill_methods), repeats, flex), "decode": decode(ctx, max(20, repeats))}
+        entry = {"prefill": prefill(ctx, list(prefill_methods), repeats, flex), "decode": decode(ctx, decode_repeats)}
         entry["seconds"] = round(time.perf_counter() - t0, 1)
         report["contexts"][str(n)] = entry
         del ctx

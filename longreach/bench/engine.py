@@ -93,9 +93,9 @@ def run(model: str, hf_dir: str, hf_file: str | None, device: str, batch_sizes=(
     from ..sampling_params import SamplingParams
 
     dev = torch.device(device)
-    llm = LLM(model, device=device, max_num_seqs=max(batch_sizes), max_model_len=max(prefill_len, prompt_len + new_tokens) + 1,
+    max_len = max(prefill_len, prompt_len + new_tokens) + 1
+    llm = LLM(model, device=device, max_num_seqs=max(batch_sizes), max_model_len=max_len,
               max_num_batched_tokens=max(8192, prefill_len))
-    tok = llm.get_tokenizer()
     kwargs = {"gguf_file": hf_file} if hf_file else {}
     hf = AutoModelForCausalLM.from_pretrained(hf_dir, dtype=llm.engine.dtype, **kwargs).to(dev).eval()
     gen = torch.Generator().manual_seed(0)

@@ -1,0 +1,33 @@
+"""The GPU benchmarks' own logic, run end to end on CPU at toy sizes (kernels in Triton's interpreter, host timers).
+
+Timings here mean nothing; the test guards the code paths (index building, graph-step closures, amortisation,
+FlexAttention mask assembly, the JSON and the table) so that a GPU session does not find them broken.
+"""
+import json
+
+import torch
+
+import longreach.bench.attention as A
+
+
+def test_bench_attention_runs_on_cpu(tmp_path, monkeypatch):
+    monkeypatch.setattr(A, "DEVICE", "cpu")
+    monkeypatch.setattr(A, "DTYPE", torch.float32)
+    monkeypatch.setattr(A, "HQ", 4)
+    monkeypatch.setattr(A, "HKV", 2)
+    monkeypatch.setattr(A, "D", 16)
+    monkeypatch.setattr(A, "CHUNK", 128)
+    monkeypatch.setattr(A, "CONFIG_OVERRIDES", {
+        "infinitehip": dict(n_sink=16, n_window=32, chunk_sizes=(32, 8, 2), budgets=(256, 64, 16),
+                            early_last_budget=None),
+        "hip": dict(n_sink=16, n_window=32, budget=16, block_q=32)})
+    out = tmp_path / "bench.json"
+    report = A.run([512], repeats=1, out_path=str(out), flex=True, decode_repeats=1)
+    saved = json.loads(out.read_text())
+    entry = saved["contexts"]["512"]
+    assert {"dense cuDNN", "infinitehip 3k", "infinitehip 3k kv-rep", "infinitehip 5k", "hip 2k",
+            "flex (ih 3k mask)"} <= set(entry["prefill"])
+    errors = {k: v["error"] for phase in ("prefill", "decode") for k, v in entry[phase].items() if "error" in v}
+    assert not errors, errors
+    assert {"infinitehip 3k-fast amortised", "infinitehip kv-rep 3k-flash amortised", "hip 2k"} <= set(entry["decode"])
+    assert "context 512 tokens" in A.format_table(report)
