@@ -25,8 +25,6 @@ class SequenceTimes:
     first_scheduled: float | None = None
     first_token: float | None = None
     finished: float | None = None
-    prefill_seconds: float = 0.0  # model time spent on this sequence's prefill steps (shared steps counted fully)
-    decode_seconds: float = 0.0
 
 
 @dataclass

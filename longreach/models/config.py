@@ -93,15 +93,6 @@ class ModelConfig:
         if self.num_heads % self.num_kv_heads:
             raise ValueError(f"num_heads ({self.num_heads}) must be a multiple of num_kv_heads ({self.num_kv_heads})")
 
-    @property
-    def gqa_ratio(self) -> int:
-        return self.num_heads // self.num_kv_heads
-
-    @property
-    def kv_bytes_per_token(self) -> int:
-        """Bytes of K+V per token over all layers, per byte of element size (multiply by dtype size)."""
-        return 2 * self.num_layers * self.num_kv_heads * self.head_dim
-
     @classmethod
     def from_hf(cls, cfg: Mapping[str, Any], name: str = "") -> "ModelConfig":
         archs = cfg.get("architectures") or []
