@@ -105,12 +105,7 @@ class LLM:
             if not isinstance(text, str) or not text:
                 raise ValueError(f"prompt {i} is empty: give some text")
             token_ids = self._tokenizer_or_raise().encode(text)
-        if not token_ids:
-            raise ValueError(f"prompt {i} is empty: it has no tokens")
-        limit = self.config.max_model_len
-        if len(token_ids) >= limit:
-            raise ValueError(f"prompt {i} has {len(token_ids)} tokens; max_model_len={limit} allows at most "
-                             f"{limit - 1} (raise --max-model-len or shorten the prompt)")
+        self.engine.check_prompt(token_ids, f"prompt {i}")  # every prompt is checked before any is queued
         return text, token_ids
 
     def _run(self, request_ids: list[str], prompt_tokens: int, use_tqdm: bool) -> list[RequestOutput]:

@@ -155,16 +155,9 @@ class LLMEngine:
                     prompt: str | None = None) -> None:
         if request_id in self._requests:
             raise ValueError(f"request id {request_id!r} is already in use")
+        self.check_prompt(prompt_token_ids)
         n_prompt = len(prompt_token_ids)
         limit = self.config.max_model_len
-        if n_prompt == 0:
-            raise ValueError("the prompt is empty: give at least one token")
-        if n_prompt >= limit:
-            raise ValueError(f"the prompt has {n_prompt} tokens; max_model_len={limit} allows at most {limit - 1} "
-                             "(one position is needed for the first generated token)")
-        vocab = self.model_config.vocab_size
-        if min(prompt_token_ids) < 0 or max(prompt_token_ids) >= vocab:
-            raise ValueError(f"prompt token ids must be in [0, {vocab}), got {min(prompt_token_ids)}..{max(prompt_token_ids)}")
         room = limit - n_prompt
         max_tokens = room if params.max_tokens is None else min(params.max_tokens, room)
         eos = frozenset() if params.ignore_eos else self.eos_token_ids
@@ -178,6 +171,18 @@ class LLMEngine:
             seqs.append(seq)
             self.scheduler.add(seq)
         self._requests[request_id] = _Request(request_id, prompt, list(prompt_token_ids), seqs)
+
+    def check_prompt(self, token_ids: list[int], name: str = "the prompt") -> None:
+        """Raise ValueError unless `token_ids` can be served: non-empty, shorter than max_model_len, in the vocab."""
+        n, limit = len(token_ids), self.config.max_model_len
+        if n == 0:
+            raise ValueError(f"{name} is empty: it has no tokens")
+        if n >= limit:
+            raise ValueError(f"{name} has {n} tokens; max_model_len={limit} allows at most {limit - 1} (one position "
+                             "is needed for the first generated token; raise --max-model-len or shorten the prompt)")
+        vocab = self.model_config.vocab_size
+        if min(token_ids) < 0 or max(token_ids) >= vocab:
+            raise ValueError(f"{name}: token ids must be in [0, {vocab}), got {min(token_ids)}..{max(token_ids)}")
 
     def abort_request(self, request_id: str) -> None:
         req = self._requests.pop(request_id, None)

@@ -26,6 +26,7 @@ import torch
 from ..attention.executor import head_pairs
 from ..attention.index import SparseIndex
 from .combine import combine_splits_triton
+from .paged import load_rows
 from .softmax import online_softmax_finish, online_softmax_step
 
 try:
@@ -110,10 +111,8 @@ if triton is not None:
             safe = tl.minimum(tl.maximum(kpos, 0), last_pos)
             page = tl.load(bt_base + safe // PAGE).to(tl.int64)
             off = safe % PAGE
-            k = tl.load(K + page[:, None] * stride_kp + off[:, None] * stride_ko + kvh * stride_kh + d[None, :],
-                        mask=k_ok[:, None], other=0.0)
-            v = tl.load(V + page[:, None] * stride_vp + off[:, None] * stride_vo + kvh * stride_vh + d[None, :],
-                        mask=k_ok[:, None], other=0.0)
+            k = load_rows(K, page, off, kvh, stride_kp, stride_ko, stride_kh, d, k_ok)
+            v = load_rows(V, page, off, kvh, stride_vp, stride_vo, stride_vh, d, k_ok)
             s = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * qk_scale  # (BLOCK_M, BLOCK_N), log2 units
             kp = kpos[None, :]
             pr = p_row[:, None]

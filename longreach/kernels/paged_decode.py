@@ -25,6 +25,7 @@ try:
     import triton
     import triton.language as tl
 
+    from .paged import load_rows
     from .softmax import online_softmax_finish, online_softmax_step
 except ImportError:  # the CPU path never needs Triton
     triton = None
@@ -88,10 +89,8 @@ if triton is not None:
             nmask = n < seq_len
             page = tl.load(BlockTables + b * stride_btb + n // PAGE, mask=nmask, other=0).to(tl.int64)
             off = n % PAGE
-            k = tl.load(K + page[:, None] * stride_kp + off[:, None] * stride_ko + kvh * stride_kh + d[None, :],
-                        mask=nmask[:, None], other=0.0)
-            v = tl.load(V + page[:, None] * stride_vp + off[:, None] * stride_vo + kvh * stride_vh + d[None, :],
-                        mask=nmask[:, None], other=0.0)
+            k = load_rows(K, page, off, kvh, stride_kp, stride_ko, stride_kh, d, nmask)
+            v = load_rows(V, page, off, kvh, stride_vp, stride_vo, stride_vh, d, nmask)
             s = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * qk_scale  # (GROUP_PAD, BLOCK_N), log2 units
             s = tl.where(nmask[None, :], s, float("-inf"))
             m_i, l_i, acc = online_softmax_step(s, v, m_i, l_i, acc, DOT_PRECISION)

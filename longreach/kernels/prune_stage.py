@@ -27,6 +27,8 @@ import torch
 try:
     import triton
     import triton.language as tl
+
+    from .paged import load_rows
 except ImportError:  # pragma: no cover
     triton = None
 
@@ -113,8 +115,7 @@ if triton is not None:
         d = tl.arange(0, HEAD_DIM)
         safe = tl.maximum(pos, 0)
         page = tl.load(bt_base + safe // PAGE, mask=ok, other=0).to(tl.int64)
-        k = tl.load(K + page[:, None] * stride_kp + (safe % PAGE)[:, None] * stride_ko + kv * stride_kh + d[None, :],
-                    mask=ok[:, None], other=0.0)
+        k = load_rows(K, page, safe % PAGE, kv, stride_kp, stride_ko, stride_kh, d, ok)
         s = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION)  # (rows, BLOCK_C)
         s = tl.where(row_ok[:, None], s, float("-inf"))
         return tl.where(ok, tl.max(s, axis=0), float("-inf"))

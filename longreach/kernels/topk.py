@@ -49,21 +49,25 @@ if triton is not None:
         return (b ^ ((b >> 31) & 0x7FFFFFFF)).to(tl.int64)
 
     @triton.jit
+    def _tile(Scores, row, stride_sr, t, offs, C):
+        """(candidate?, order key) of the row's scores t .. t+BLOCK-1."""
+        s = tl.load(Scores + row * stride_sr + t + offs, mask=t + offs < C, other=float("-inf"))
+        return s > float("-inf"), _order_key(s)
+
+    @triton.jit
     def _topk_kernel(Ids, Scores, Out, Counts, C, K, stride_ir, stride_sr, stride_or, BLOCK: tl.constexpr,
                      SINGLE: tl.constexpr):
         row = tl.program_id(0)
         offs = tl.arange(0, BLOCK)
         zero = tl.sum(tl.zeros([BLOCK], tl.int32), axis=0)  # a scalar tensor: loop-carried counters start from it
         if SINGLE:  # the whole row fits one tile: load it once, every pass below runs in registers
-            s1 = tl.load(Scores + row * stride_sr + offs, mask=offs < C, other=float("-inf"))
-            ok1 = s1 > float("-inf")
-            key1 = _order_key(s1)
+            ok1, key1 = _tile(Scores, row, stride_sr, 0, offs, C)
             n_valid = tl.sum(ok1.to(tl.int32), axis=0)
         else:
             n_valid = zero
             for t in range(0, C, BLOCK):
-                s = tl.load(Scores + row * stride_sr + t + offs, mask=t + offs < C, other=float("-inf"))
-                n_valid += tl.sum((s > float("-inf")).to(tl.int32), axis=0)
+                ok, _ = _tile(Scores, row, stride_sr, t, offs, C)
+                n_valid += tl.sum(ok.to(tl.int32), axis=0)
         # threshold: the largest key t with count(key >= t) >= K (when there are more than K candidates)
         lo = zero.to(tl.int64) - 2147483647  # keys of finite scores and +inf lie above the key of -inf
         hi = zero.to(tl.int64) + 2147483647
@@ -75,8 +79,8 @@ if triton is not None:
                 else:
                     cnt = zero
                     for t in range(0, C, BLOCK):
-                        s = tl.load(Scores + row * stride_sr + t + offs, mask=t + offs < C, other=float("-inf"))
-                        cnt += tl.sum(((s > float("-inf")) & (_order_key(s) >= mid)).to(tl.int32), axis=0)
+                        ok, key = _tile(Scores, row, stride_sr, t, offs, C)
+                        cnt += tl.sum((ok & (key >= mid)).to(tl.int32), axis=0)
                 if cnt >= K:
                     lo = mid
                 else:
@@ -86,27 +90,19 @@ if triton is not None:
         seen_eq = zero
         greater = zero
         for t in range(0, C, BLOCK):
-            m = t + offs < C
             if SINGLE:
-                s = s1
-                ok = ok1
-                key = key1
+                ok, key = ok1, key1
             else:
-                s = tl.load(Scores + row * stride_sr + t + offs, mask=m, other=float("-inf"))
-                ok = s > float("-inf")
-                key = _order_key(s)
+                ok, key = _tile(Scores, row, stride_sr, t, offs, C)
             greater += tl.sum((ok & (key > thr)).to(tl.int32), axis=0)
         need_eq = K - greater
         for t in range(0, C, BLOCK):
             m = t + offs < C
             ids = tl.load(Ids + row * stride_ir + t + offs, mask=m, other=-1)
             if SINGLE:
-                ok = ok1
-                key = key1
+                ok, key = ok1, key1
             else:
-                s = tl.load(Scores + row * stride_sr + t + offs, mask=m, other=float("-inf"))
-                ok = s > float("-inf")
-                key = _order_key(s)
+                ok, key = _tile(Scores, row, stride_sr, t, offs, C)
             if n_valid > K:
                 eq = ok & (key == thr)
                 eq_rank = seen_eq + tl.cumsum(eq.to(tl.int32), axis=0) - 1
