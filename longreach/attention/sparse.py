@@ -236,6 +236,7 @@ class SparseBackend(AttentionBackend):
         self._num_sms = torch.cuda.get_device_properties(device).multi_processor_count if cuda else 1
         self._decode_step: dict[int, int] = {}
         self._state: dict[tuple[int, int], dict] = {}
+        self._step_layout = None  # (meta, layout) of the current step, see _layout
 
     @classmethod
     def resolve_config(cls, engine_config) -> SparseConfig:
@@ -277,34 +278,54 @@ class SparseBackend(AttentionBackend):
         if layer in self.config.dense_layers or meta.max_seq_len <= limit:
             return self.dense.forward(layer, q, k, v, k_cache, v_cache, meta)
         m = self.method
-        block_q = self.config.block_q if meta.is_prefill else 1
-        qb = QueryBlocks.build(meta.query_lens, meta.context_lens, block_q)
+        qb, per_seq, plan_queries = self._layout(meta, q.device)
         selections: list[torch.Tensor] = []
-        row0 = 0
         for i, seq_id in enumerate(meta.seq_ids):
-            n, length = meta.query_lens[i], meta.context_lens[i] + meta.query_lens[i]
-            local = [(qb.start[b] - row0, qb.length[b], qb.pos[b]) for b in qb.of_sequence(i)]
+            row0, n, length, local = per_seq[i]
             if length <= limit:  # short sequence in a long batch: every key block
                 all_blocks = torch.arange(-(-length // m.block_k), device=q.device)
-                selections.append(all_blocks.expand(len(local), m.groups, -1))
+                selections.append(all_blocks.expand(local.num_blocks, m.groups, -1))
             else:
                 keys = SequenceKeys(k_cache, meta.block_tables[i], length)
                 decoding = not meta.is_prefill
                 state = self._state.setdefault((seq_id, layer), {}) if decoding else None
                 step = self._decode_step.get(seq_id, 0) if decoding else None
                 selections.append(m.select(layer, q[row0:row0 + n], local, keys, state, step))
-            row0 += n
         blocks, counts = SparseIndex.pack(selections, q.device)
+        block_q = self.config.block_q if meta.is_prefill else 1
         index = SparseIndex(block_q, m.block_k, self.config.n_sink, self.config.n_window, m.groups, qb, blocks, counts)
         if use_kernels(q):
-            from ..kernels.bsa import block_sparse_attention_triton
+            from ..kernels.bsa import BSAPlan, block_sparse_attention_triton
 
             splits = 1 if meta.is_prefill else self._decode_splits(qb.num_blocks)
+            plan = BSAPlan(index, self.model_config.num_heads, self.model_config.num_kv_heads, q.device, plan_queries)
             out, _ = block_sparse_attention_triton(q, k_cache, v_cache, meta.block_tables, index, self.scale,
-                                                   num_splits=splits)
+                                                   num_splits=splits, plan=plan)
         else:
             out, _ = block_sparse_attention(q, k_cache, v_cache, meta.block_tables, index, self.scale)
         return out
+
+    def _layout(self, meta: AttentionMetadata, device):
+        """The step's query blocks, built once per step and shared by every sparse layer: the batch-wide
+        `QueryBlocks`, per sequence (first row, rows, length, its `BlockQueries`), and the kernels' block tensors."""
+        if self._step_layout is not None and self._step_layout[0] is meta:
+            return self._step_layout[1]
+        block_q = self.config.block_q if meta.is_prefill else 1
+        qb = QueryBlocks.build(meta.query_lens, meta.context_lens, block_q)
+        per_seq = []
+        row0 = 0
+        for i, n in enumerate(meta.query_lens):
+            local = [(qb.start[b] - row0, qb.length[b], qb.pos[b]) for b in qb.of_sequence(i)]
+            per_seq.append((row0, n, meta.context_lens[i] + n, BlockQueries.build(local, device)))
+            row0 += n
+        plan_queries = None
+        if device.type == "cuda":
+            from ..kernels.bsa import query_block_tensors
+
+            plan_queries = query_block_tensors(qb, device)
+        layout = (qb, per_seq, plan_queries)
+        self._step_layout = (meta, layout)
+        return layout
 
     def _decode_splits(self, num_seqs: int) -> int:
         """Split-K for decode: about two programs per SM (the selected keys are a few thousand per sequence)."""

@@ -24,7 +24,7 @@ import math
 import torch
 
 from ..attention.executor import head_pairs
-from ..attention.index import SparseIndex
+from ..attention.index import QueryBlocks, SparseIndex
 from .combine import combine_splits_triton
 from .paged import load_rows
 from .softmax import online_softmax_finish, online_softmax_step
@@ -134,13 +134,23 @@ if triton is not None:
             tl.store(Lse + row * stride_lt + head, lse, mask=row_ok)
 
 
-class BSAPlan:
-    """The device-side tensors of a SparseIndex (built once per index, reused by every launch)."""
+def query_block_tensors(qb: QueryBlocks, device) -> tuple[torch.Tensor, ...]:
+    """(seq, start, length, position) of every query block as int32 device tensors (one host-to-device copy)."""
+    t = torch.tensor([qb.seq, qb.start, qb.length, qb.pos], dtype=torch.int32).reshape(4, -1).to(device)
+    return t[0], t[1], t[2], t[3]
 
-    def __init__(self, index: SparseIndex, num_heads: int, num_kv_heads: int, device):
-        qb = index.queries
+
+class BSAPlan:
+    """The device-side tensors of a SparseIndex (built once per index, reused by every launch).
+
+    `queries`: the query-block tensors when the caller already has them (the same query blocks serve every layer of
+    an engine step; only the selected blocks change).
+    """
+
+    def __init__(self, index: SparseIndex, num_heads: int, num_kv_heads: int, device,
+                 queries: tuple[torch.Tensor, ...] | None = None):
         as_t = lambda xs: torch.tensor(xs, dtype=torch.int32, device=device)  # noqa: E731
-        self.seq, self.start, self.len, self.pos = as_t(qb.seq), as_t(qb.start), as_t(qb.length), as_t(qb.pos)
+        self.seq, self.start, self.len, self.pos = queries or query_block_tensors(index.queries, device)
         pairs, self.hpp = head_pairs(num_heads, num_kv_heads, index.groups)
         self.pair_group = as_t([g for g, _ in pairs])
         self.pair_kv = as_t([kv for _, kv in pairs])
