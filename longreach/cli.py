@@ -9,6 +9,8 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import importlib
+import importlib.util
 import logging
 import sys
 import time
@@ -17,6 +19,8 @@ from . import __version__
 from .config import EngineConfig
 from .sampling_params import SamplingParams
 
+_EVAL_COMMANDS = tuple(n for n in ("passkey", "ruler", "ppl")  # modules under longreach/eval/
+                      if importlib.util.find_spec(f"longreach.eval.{n}") is not None)
 _ENGINE_TYPES = {"max_model_len": int, "kv_cache_memory_gb": float, "preset": str, "attention_config": str}
 
 
@@ -264,6 +268,11 @@ def _eval_parser(sub) -> None:
     _add_eval_common(a)
     a.add_argument("--new-tokens", type=int, default=64, help="tokens to generate (default: 64)")
     a.set_defaults(func=_cmd_eval_agreement)
+    for name in _EVAL_COMMANDS:  # each module: HELP, DESCRIPTION, add_arguments(parser), main(args) -> int
+        mod = importlib.import_module(f".eval.{name}", __package__)
+        e = esub.add_parser(name, help=mod.HELP, description=mod.DESCRIPTION)
+        mod.add_arguments(e)
+        e.set_defaults(func=mod.main)
 
 
 def _cmd_eval_recall(args) -> int:
