@@ -7,6 +7,7 @@ from __future__ import annotations
 import argparse
 import json
 import sys
+from typing import NamedTuple
 
 
 def add_method_args(p: argparse.ArgumentParser, default_methods: tuple[str, ...] = ("dense", "infinitehip")) -> None:
@@ -25,33 +26,65 @@ def add_method_args(p: argparse.ArgumentParser, default_methods: tuple[str, ...]
     p.add_argument("--plot", default=None, metavar="PNG", help="draw the figure here (default: next to --out, or none)")
 
 
-def parse_methods(items: list[str], default_preset: str | None = None) -> list[tuple[str, str | None]]:
-    """["dense", "infinitehip:3k", "hip"] -> [("dense", None), ("infinitehip", "3k"), ("hip", default_preset)]."""
+class MethodSpec(NamedTuple):
+    """One method an eval runs: backend name, preset (None = the method's default) and the label it is reported
+    under. The label is `name[:preset][@variant]`; a variant is a named entry of --attention-config, so one method
+    can run several times with different settings."""
+
+    name: str
+    preset: str | None
+    label: str
+
+
+def parse_methods(items: list[str], default_preset: str | None = None) -> list[MethodSpec]:
+    """["dense", "infinitehip:3k", "infinitehip@no-rope", "hip"] -> MethodSpecs (presets default to
+    `default_preset`; dense has none)."""
     from ..attention.registry import check_backend_name
 
     out = []
     for item in items:
-        name, _, preset = item.partition(":")
+        base, _, variant = item.partition("@")
+        name, _, preset = base.partition(":")
         check_backend_name(name)
-        out.append((name, preset or (default_preset if name != "dense" else None)))
-    if len(set(out)) != len(out):
-        raise ValueError(f"--attention lists a method twice: {items}")
+        preset = preset or (default_preset if name != "dense" else None)
+        label = (f"{name}:{preset}" if preset else name) + (f"@{variant}" if variant else "")
+        out.append(MethodSpec(name, preset, label))
+    labels = [m.label for m in out]
+    if len(set(labels)) != len(labels):
+        raise ValueError(f"--attention lists a method twice: {labels}; give repeats a variant, e.g. infinitehip@v2")
     return out
 
 
-def method_label(name: str, preset: str | None) -> str:
-    return f"{name}:{preset}" if preset else name
+def method_config(spec: MethodSpec, attention_config: str | None) -> str | None:
+    """The JSON overrides for one method from the eval-wide --attention-config: a flat object applies to every
+    sparse method; an object keyed by labels ("infinitehip@no-rope"), "method:preset" or method names gives each its
+    own (the most specific key wins)."""
+    from ..attention.registry import available_backends
+
+    if not attention_config or spec.name == "dense":
+        return None
+    try:
+        parsed = json.loads(attention_config)
+    except json.JSONDecodeError as e:
+        raise ValueError(f"--attention-config must be a JSON object ({e.msg})") from None
+    if not isinstance(parsed, dict):
+        raise ValueError(f"--attention-config must be a JSON object, got {attention_config!r}")  # noqa: TRY004
+    keyed = parsed and all(k.partition("@")[0].partition(":")[0] in available_backends() for k in parsed)
+    if not keyed:
+        return attention_config
+    for key in (spec.label, f"{spec.name}:{spec.preset}", spec.name):
+        if key in parsed:
+            return json.dumps(parsed[key])
+    return None
 
 
-def make_llm(model: str, name: str, preset: str | None, attention_config: str | None, device: str, dtype: str,
+def make_llm(model: str, spec: MethodSpec, attention_config: str | None, device: str, dtype: str,
              max_model_len: int, **engine_kwargs):
-    """An `LLM` for one method; `attention_config` is the eval-wide option (see `recall.config_for`)."""
+    """An `LLM` running one method (`attention_config`: the eval-wide option, see `method_config`)."""
     from ..engine.llm import LLM
-    from .recall import config_for
 
-    cfg = config_for(name, preset, attention_config) if name != "dense" else None
-    return LLM(model, attention=name, preset=preset, attention_config=cfg, device=device, dtype=dtype,
-               max_model_len=max_model_len, **engine_kwargs)
+    return LLM(model, attention=spec.name, preset=spec.preset, attention_config=method_config(spec, attention_config),
+               device=device, dtype=dtype, max_model_len=max_model_len, **engine_kwargs)
 
 
 def emit(report: dict, path: str | None) -> None:
@@ -68,7 +101,7 @@ def plot_path(args: argparse.Namespace) -> str | None:
     if args.plot:
         return args.plot
     if args.out:
-        return (args.out[:-5] if args.out.endswith(".json") else args.out) + ".png"
+        return args.out.removesuffix(".json") + ".png"
     return None
 
 
