@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import torch
 
+from ..rope.strategies import RopeArgs, attend_key_pos, attend_query_pos, rotate
 from .index import SparseIndex
 
 
@@ -27,7 +28,10 @@ def head_pairs(num_heads: int, num_kv_heads: int, groups: int) -> tuple[list[tup
 
 def block_sparse_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                            block_tables: torch.Tensor, index: SparseIndex, scale: float,
-                           max_bytes: int = 256 << 20) -> tuple[torch.Tensor, torch.Tensor]:
+                           max_bytes: int = 256 << 20, rope: RopeArgs | None = None
+                           ) -> tuple[torch.Tensor, torch.Tensor]:
+    """`rope`: remap the positions of far keys (rope/strategies.py, attention strategies) for query blocks ending
+    at or past rope.rope_from; None or mode "none" keeps true positions."""
     T, Hq, D = q.shape
     page, Hkv = k_cache.shape[1], k_cache.shape[2]
     dev = q.device
@@ -92,6 +96,19 @@ def block_sparse_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
         rows = (start[:, None] + r[None, :]).clamp(max=T - 1)  # (n, BQ)
         qq = q[rows].float().reshape(n, BQ, P, hpp, D).permute(0, 2, 3, 1, 4)  # (n, P, hpp, BQ, D)
         s = torch.einsum("npiqd,npkd->npiqk", qq, kk) * scale
+        if rope is not None and rope.mode != "none":  # far keys and the queries facing them move; the window stays
+            remap = (pos0 + length - 1 >= rope.rope_from)[:, None, None]  # (n, 1, 1)
+            slot = torch.arange(NK, device=dev)
+            far = ~is_win
+            new_k = attend_key_pos(rope.mode, kp, is_sink.expand_as(kp), (slot - S - n_win).expand_as(kp), S,
+                                   rope.group)
+            dk = torch.where(remap & far, new_k - kp, 0)
+            sel_tokens = (index.counts[sl].long() * BK)[:, pair_group][..., None]  # (n, P, 1)
+            new_q = attend_query_pos(rope.mode, row_pos[:, None, :], S, sel_tokens, W, rope.group)  # (n, P, BQ)
+            dq = torch.where(remap, new_q - row_pos[:, None, :], 0)
+            s_far = torch.einsum("npiqd,npkd->npiqk", rotate(qq, dq[:, :, None, :], rope.inv_freq),
+                                 rotate(kk, dk, rope.inv_freq)) * scale
+            s = torch.where(far, s_far, s)
         mask = allowed[:, pair_group][:, :, None]  # (n, P, 1, BQ, NK)
         s = s.masked_fill(~mask, float("-inf"))
         m = s.amax(dim=-1, keepdim=True)

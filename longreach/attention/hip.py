@@ -18,6 +18,7 @@ from dataclasses import dataclass
 
 import torch
 
+from ..rope.strategies import PRUNE_CODES, parse_layer_spec
 from .sparse import SelectionMethod, SparseBackend, SparseConfig, use_kernels
 
 
@@ -28,6 +29,7 @@ class HiPConfig(SparseConfig):
     budget: int = 2048
     dense_layers: tuple[int, ...] = (0, 1, 2)
     refresh: int = 1  # decode steps a selection is reused (HiP's n_r)
+    attend_rope: str = "st"  # rolling positions after selection (the BLOG's HiP/InfiniteHiP extension, §3.2)
 
     def __post_init__(self) -> None:
         super().__post_init__()
@@ -35,6 +37,9 @@ class HiPConfig(SparseConfig):
             raise ValueError(f"budget ({self.budget}) must be a positive multiple of block_k ({self.block_k})")
         if self.refresh < 1:
             raise ValueError(f"refresh must be >= 1, got {self.refresh}")
+        if any(name == "ci" for name, _, _ in parse_layer_spec(self.prune_rope, PRUNE_CODES, "prune_rope")):
+            raise ValueError("hip cannot prune with ci positions (its branches are not in position order); "
+                             "use none, rt, il or de")
 
 
 class HiP(SelectionMethod):
@@ -56,12 +61,12 @@ class HiP(SelectionMethod):
             return state["blocks"]
         cfg = self.cfg
         per_block = 0 if use_kernels(q) else self.num_heads * (2 * cfg.budget // cfg.block_k) * cfg.block_k * q.shape[-1] * 12
-        out = torch.cat([self._search(q, blocks[sl], keys) for sl in self.slices(blocks.num_blocks, per_block)])
+        out = torch.cat([self._search(layer, q, blocks[sl], keys) for sl in self.slices(blocks.num_blocks, per_block)])
         if state is not None:
             state["blocks"] = out
         return out
 
-    def _search(self, q, blocks, keys) -> torch.Tensor:
+    def _search(self, layer, q, blocks, keys) -> torch.Tensor:
         cfg, bk = self.cfg, self.cfg.block_k
         K = cfg.budget // bk
         dev = q.device
@@ -83,7 +88,7 @@ class HiP(SelectionMethod):
             stops = torch.cat([mid, stop], dim=-1)
             nonempty = stops > starts
             centre = torch.div(starts + stops - 1, 2, rounding_mode="floor").clamp(min=0)
-            score = self.chunk_scores(q, blocks, keys, centre, bk, True, cand_end)  # the centre block's best key
+            score = self.chunk_scores(layer, q, blocks, keys, centre, bk, True, cand_end)  # the centre block's best key
             score = score.masked_fill(~nonempty, float("-inf"))
             top = score.topk(min(K, score.shape[-1]), dim=-1).indices
             start, stop = starts.gather(-1, top), stops.gather(-1, top)

@@ -33,8 +33,9 @@ Settled ambiguities (digest §8):
     3k presets: it reads 8 keys per chunk instead of 4 and lifts mean attention-mass recall on SmolLM2 (Paul Graham
     essays, 8K tokens, last 256 queries) from 0.962 to 0.982; SelectRep's first-key representatives miss the
     isolated high-scoring tokens that layers 3-10 of that model attend to (docs/sparse.md).
-Scoring uses the cached keys and the queries as rotated at their true positions; the paper's relative/chunk-indexed
-positions for contexts beyond the trained length belong to the RoPE strategies (a later issue).
+RoPE (§1.5): the paper's strategies by default — chunk-indexed positions while pruning in layers 0-2, relative in the
+rest, rolling (StreamingLLM) positions in the attention — applied to query blocks past the model's trained length
+(`rope_from`); inside it true positions are exact and score better (rope/strategies.py).
 """
 from __future__ import annotations
 
@@ -43,7 +44,14 @@ from dataclasses import dataclass
 import torch
 
 from ..kernels.prune_stage import chunk_bounds
-from .sparse import BlockQueries, SelectionMethod, SequenceKeys, SparseBackend, SparseConfig, use_kernels
+from .sparse import (
+    BlockQueries,
+    SelectionMethod,
+    SequenceKeys,
+    SparseBackend,
+    SparseConfig,
+    use_kernels,
+)
 
 
 @dataclass(frozen=True)
@@ -55,6 +63,8 @@ class InfiniteHiPConfig(SparseConfig):
     refresh: tuple[int, ...] = (16, 8, 4)  # decode steps between recomputations of each stage
     exact_below: int = 8  # chunks this small are scored by their best key; 0 = SelectRep everywhere (the paper)
     rep_per_head: bool = True  # SelectRep per query head (the paper); False: once per KV head, for all its heads
+    prune_rope: str = "ci:0-2,rt"  # the paper's: chunk-indexed in the first 3 layers, relative in the rest
+    attend_rope: str = "st"  # the paper's: StreamingLLM-style rolling positions over the attended keys
 
     def __post_init__(self) -> None:
         super().__post_init__()
@@ -173,7 +183,7 @@ class InfiniteHiP(SelectionMethod):
                 ids = torch.where(prev[..., None] >= 0, sub, -1).reshape(nb, G, -1)
             _, _, valid = chunk_bounds(ids, l, cfg.n_sink, cand_end)
             if needs_scores:
-                score = self.chunk_scores(q, blocks, keys, ids, l, l <= cfg.exact_below, cand_end)
+                score = self.chunk_scores(layer, q, blocks, keys, ids, l, l <= cfg.exact_below, cand_end)
             else:  # every candidate fits the budget
                 score = torch.where(valid, 0.0, float("-inf"))
             prev, counts = self.top_k(torch.where(valid, ids, -1), score, budgets[i] // l)

@@ -20,6 +20,15 @@ from typing import ClassVar
 import torch
 
 from ..kvcache.paged import gather_tokens
+from ..rope.strategies import (
+    ATTEND_CODES,
+    PRUNE_CODES,
+    RopeArgs,
+    RopeFrame,
+    de_group_size,
+    parse_layer_spec,
+    strategy_for,
+)
 from .backend import AttentionBackend, AttentionMetadata
 from .dense import DenseBackend
 from .executor import block_sparse_attention
@@ -100,6 +109,11 @@ class SparseConfig:
     granularity: str = "kv_head"  # one selection per layer, per KV-head group, or per head (see index.py)
     dense_layers: tuple[int, ...] = ()  # layers that always attend densely
     dense_below: int | None = None  # sequences this short attend densely; None: the method's token budget
+    # RoPE position strategies (rope/strategies.py), "strategy[:first-last],...", first match per layer wins
+    prune_rope: str = "none"  # while scoring chunks: none, rt, ci, il, de
+    attend_rope: str = "none"  # in block-sparse attention: none, st, il, de
+    rope_from: int | None = None  # remap query blocks ending at or past this position; None: the trained length
+    de_group: int | None = None  # SelfExtend group for de; None: the smallest that fits the trained length
 
     def __post_init__(self) -> None:
         for name in ("n_sink", "n_window"):
@@ -111,6 +125,12 @@ class SparseConfig:
             raise ValueError(f"granularity must be one of {', '.join(GRANULARITIES)}, got {self.granularity!r}")
         if any(layer < 0 for layer in self.dense_layers):
             raise ValueError(f"dense_layers must be layer indices >= 0, got {self.dense_layers}")
+        parse_layer_spec(self.prune_rope, PRUNE_CODES, "prune_rope")
+        parse_layer_spec(self.attend_rope, ATTEND_CODES, "attend_rope")
+        for name in ("rope_from", "de_group"):
+            v = getattr(self, name)
+            if v is not None and (not isinstance(v, int) or v < (0 if name == "rope_from" else 1)):
+                raise ValueError(f"{name} must be None or an integer >= {0 if name == 'rope_from' else 1}, got {v!r}")
 
 
 def config_from(cls: type, base, overrides: dict) -> SparseConfig:
@@ -138,6 +158,19 @@ class SelectionMethod(ABC):
         self.groups = {"layer": 1, "kv_head": num_kv_heads, "head": num_heads}[cfg.granularity]
         self.group_of_head = torch.arange(num_heads) // (num_heads // self.groups)
         self.kv_of_head = torch.arange(num_heads) // (num_heads // num_kv_heads)
+        self.prune_spec = parse_layer_spec(cfg.prune_rope, PRUNE_CODES, "prune_rope")
+        self.attend_spec = parse_layer_spec(cfg.attend_rope, ATTEND_CODES, "attend_rope")
+        self.rope_frame: RopeFrame | None = None  # set by the backend (the model's frequencies); None: no remapping
+
+    def rope_args(self, layer: int, phase: str, context_len: int) -> RopeArgs | None:
+        """The strategy of `phase` ("prune" or "attend") in `layer` for a context of `context_len` tokens, or None
+        when positions stay true (strategy none, or no model frame)."""
+        mode = strategy_for(self.prune_spec if phase == "prune" else self.attend_spec, layer)
+        f = self.rope_frame
+        if mode == "none" or f is None:
+            return None
+        group = self.cfg.de_group or de_group_size(context_len, f.trained_len, self.cfg.n_window)
+        return RopeArgs(mode, f.inv_freq, f.rope_from, group, self.cfg.n_window)
 
     @property
     @abstractmethod
@@ -184,20 +217,21 @@ class SelectionMethod(ABC):
         ok = r[None, :] < blocks.lens[:, None]
         return q[rows].float(), ok
 
-    def chunk_scores(self, q: torch.Tensor, blocks: BlockQueries, keys: SequenceKeys, ids: torch.Tensor, chunk: int,
-                     exact: bool, cand_end: torch.Tensor) -> torch.Tensor:
-        """Scores (nb, G, C) of candidate chunks (kernels/prune_stage.py): the Triton kernel on CUDA, else the
-        reference."""
+    def chunk_scores(self, layer: int, q: torch.Tensor, blocks: BlockQueries, keys: SequenceKeys, ids: torch.Tensor,
+                     chunk: int, exact: bool, cand_end: torch.Tensor) -> torch.Tensor:
+        """Scores (nb, G, C) of candidate chunks (kernels/prune_stage.py), with the layer's pruning RoPE strategy:
+        the Triton kernel on CUDA, else the reference."""
         from ..kernels.prune_stage import chunk_scores_reference, chunk_scores_triton
 
         per_head = getattr(self.cfg, "rep_per_head", True)
+        rope = self.rope_args(layer, "prune", blocks.max_end)
         if use_kernels(q):
             return chunk_scores_triton(q, keys.k_cache, keys.block_table, blocks.starts, blocks.lens, cand_end, ids,
                                        chunk, exact, self.cfg.n_sink, self.groups, rep_per_head=per_head,
-                                       max_rows=blocks.max_rows)
+                                       max_rows=blocks.max_rows, rope=rope)
         qs, ok = self.query_rows(q, blocks)
         return chunk_scores_reference(qs, ok, keys.dense(), ids, chunk, exact, self.cfg.n_sink, cand_end, self.groups,
-                                      rep_per_head=per_head)
+                                      rep_per_head=per_head, rope=rope)
 
     def candidate_end(self, block_end: torch.Tensor) -> torch.Tensor:
         """Exclusive end of the selectable range: keys before every query's window (causal by construction)."""
@@ -231,6 +265,12 @@ class SparseBackend(AttentionBackend):
         super().__init__(model_config, engine_config, device)
         self.config = self.resolve_config(engine_config)
         self.method = self.method_cls(self.config, model_config.num_heads, model_config.num_kv_heads)
+        from ..rope.scaling import rope_inv_freq
+
+        trained = model_config.max_position_embeddings
+        rope_from = trained if self.config.rope_from is None else self.config.rope_from
+        self.method.rope_frame = RopeFrame(rope_inv_freq(model_config.rope, model_config.head_dim)[0].to(device),
+                                           rope_from, trained)
         self.dense = DenseBackend(model_config, engine_config, device)
         cuda = device.type == "cuda"
         self._num_sms = torch.cuda.get_device_properties(device).multi_processor_count if cuda else 1
@@ -294,15 +334,16 @@ class SparseBackend(AttentionBackend):
         blocks, counts = SparseIndex.pack(selections, q.device)
         block_q = self.config.block_q if meta.is_prefill else 1
         index = SparseIndex(block_q, m.block_k, self.config.n_sink, self.config.n_window, m.groups, qb, blocks, counts)
+        rope = m.rope_args(layer, "attend", meta.max_seq_len)
         if use_kernels(q):
             from ..kernels.bsa import BSAPlan, block_sparse_attention_triton
 
             splits = 1 if meta.is_prefill else self._decode_splits(qb.num_blocks)
             plan = BSAPlan(index, self.model_config.num_heads, self.model_config.num_kv_heads, q.device, plan_queries)
             out, _ = block_sparse_attention_triton(q, k_cache, v_cache, meta.block_tables, index, self.scale,
-                                                   num_splits=splits, plan=plan)
+                                                   num_splits=splits, plan=plan, rope=rope)
         else:
-            out, _ = block_sparse_attention(q, k_cache, v_cache, meta.block_tables, index, self.scale)
+            out, _ = block_sparse_attention(q, k_cache, v_cache, meta.block_tables, index, self.scale, rope=rope)
         return out
 
     def _layout(self, meta: AttentionMetadata, device):

@@ -15,6 +15,7 @@ from .sparse import SelectionMethod, SparseBackend, SparseConfig
 @dataclass(frozen=True)
 class StreamingConfig(SparseConfig):
     n_window: int = 3072
+    attend_rope: str = "st"  # StreamingLLM numbers the cached keys by slot: sink, then the window, query last
 
 
 class Streaming(SelectionMethod):

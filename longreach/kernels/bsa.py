@@ -25,8 +25,10 @@ import torch
 
 from ..attention.executor import head_pairs
 from ..attention.index import QueryBlocks, SparseIndex
+from ..rope.strategies import ATTEND_CODES, RopeArgs
 from .combine import combine_splits_triton
 from .paged import load_rows
+from .rope import rotate_rows, swap_halves
 from .softmax import online_softmax_finish, online_softmax_step
 
 try:
@@ -40,7 +42,7 @@ if triton is not None:
 
     @triton.jit
     def _bsa_kernel(
-        Q, K, V, BlockTables, QbSeq, QbStart, QbLen, QbPos, Blocks, Counts, PairGroup, PairKv,
+        Q, K, V, BlockTables, QbSeq, QbStart, QbLen, QbPos, Blocks, Counts, PairGroup, PairKv, InvFreq,
         Out, Lse, OutP, LseP,
         stride_qt, stride_qh,
         stride_kp, stride_ko, stride_kh,
@@ -52,8 +54,8 @@ if triton is not None:
         stride_lt,
         stride_pt, stride_ph, stride_ps,
         stride_lpt, stride_lph,
-        qk_scale, num_splits, n_sink, n_window,
-        HPP: tl.constexpr, HEADS_PER_PROG: tl.constexpr, N_HSUB: tl.constexpr,
+        qk_scale, num_splits, n_sink, n_window, rope_from, de_group,
+        ROPE: tl.constexpr, HPP: tl.constexpr, HEADS_PER_PROG: tl.constexpr, N_HSUB: tl.constexpr,
         BQ_PAD: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, HEAD_DIM: tl.constexpr,
         BK: tl.constexpr, PAGE: tl.constexpr, SPLIT: tl.constexpr, DOT_PRECISION: tl.constexpr,
     ):
@@ -80,6 +82,19 @@ if triton is not None:
         d = tl.arange(0, HEAD_DIM)
         q = tl.load(Q + row[:, None] * stride_qt + head[:, None] * stride_qh + d[None, :], mask=row_ok[:, None],
                     other=0.0)
+
+        if ROPE != 0:  # far keys and the queries facing them move (rope/strategies.py); the window keeps its own
+            remap = pos0 + length - 1 >= rope_from
+            inv = tl.load(InvFreq + d % (HEAD_DIM // 2))
+            q_sw = tl.load(Q + row[:, None] * stride_qt + head[:, None] * stride_qh + swap_halves(d, HEAD_DIM)[None, :],
+                           mask=row_ok[:, None], other=0.0)
+            if ROPE == 1:  # st: one past the selected keys plus the window
+                new_q = p_row * 0 + (n_sink + count * BK + n_window - 1)
+            elif ROPE == 2:  # il
+                new_q = p_row * 0 + (n_sink + n_window)
+            else:  # de
+                new_q = p_row // de_group + n_window - n_window // de_group
+            q_far = rotate_rows(q, q_sw, tl.where(remap, new_q - p_row, 0), inv, d, HEAD_DIM).to(q.dtype)
 
         n_win = tl.where(n_window > 0, length + n_window - 1, 0)
         sink_tiles = tl.cdiv(n_sink, BLOCK_N)
@@ -113,7 +128,21 @@ if triton is not None:
             off = safe % PAGE
             k = load_rows(K, page, off, kvh, stride_kp, stride_ko, stride_kh, d, k_ok)
             v = load_rows(V, page, off, kvh, stride_vp, stride_vo, stride_vh, d, k_ok)
-            s = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * qk_scale  # (BLOCK_M, BLOCK_N), log2 units
+            if ROPE != 0:
+                far = (is_sink | is_sel) & remap
+                if ROPE == 1:
+                    new_k = tl.where(is_sink, j_sink, n_sink + j_sel)
+                elif ROPE == 2:
+                    new_k = tl.where(is_sink, j_sink, n_sink)
+                else:
+                    new_k = kpos // de_group
+                k_sw = load_rows(K, page, off, kvh, stride_kp, stride_ko, stride_kh, swap_halves(d, HEAD_DIM),
+                                 k_ok & far)
+                k = rotate_rows(k, k_sw, tl.where(far, new_k - kpos, 0), inv, d, HEAD_DIM).to(q.dtype)
+                qq = tl.where(far, q_far, q)
+            else:
+                qq = q
+            s = tl.dot(qq, tl.trans(k), input_precision=DOT_PRECISION) * qk_scale  # (BLOCK_M, BLOCK_N), log2 units
             kp = kpos[None, :]
             pr = p_row[:, None]
             m_sink = kp <= pr
@@ -163,8 +192,9 @@ class BSAPlan:
 def block_sparse_attention_triton(q, k_cache, v_cache, block_tables, index: SparseIndex, scale: float,
                                   num_splits: int = 1, plan: BSAPlan | None = None,
                                   block_m: int | None = None, block_n: int = 64, num_warps: int | None = None,
-                                  workspace=None, out: torch.Tensor | None = None, lse: torch.Tensor | None = None):
-    """Triton version of `attention.executor.block_sparse_attention` (same arguments and results).
+                                  workspace=None, out: torch.Tensor | None = None, lse: torch.Tensor | None = None,
+                                  rope: RopeArgs | None = None):
+    """Triton version of `attention.executor.block_sparse_attention` (same arguments and results, `rope` included).
 
     `out`/`lse` (and the split `workspace`) may be passed preallocated, e.g. poisoned by tests; rows that belong to
     no query block are left untouched.
@@ -200,10 +230,12 @@ def block_sparse_attention_triton(q, k_cache, v_cache, block_tables, index: Spar
             torch.empty(T, Hq, num_splits, dtype=torch.float32, device=q.device))
     else:
         out_p, lse_p = out, lse  # unused placeholders
+    mode = ATTEND_CODES[rope.mode] if rope is not None else 0
+    inv_freq = rope.inv_freq.to(device=q.device, dtype=torch.float32) if mode else plan.counts  # unused when mode 0
     grid = (nqb, plan.num_pairs * n_hsub, num_splits)
     _bsa_kernel[grid](
         q, k_cache, v_cache, block_tables, plan.seq, plan.start, plan.len, plan.pos, plan.blocks, plan.counts,
-        plan.pair_group, plan.pair_kv, out, lse, out_p, lse_p,
+        plan.pair_group, plan.pair_kv, inv_freq, out, lse, out_p, lse_p,
         q.stride(0), q.stride(1),
         k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
         v_cache.stride(0), v_cache.stride(1), v_cache.stride(2),
@@ -215,7 +247,8 @@ def block_sparse_attention_triton(q, k_cache, v_cache, block_tables, index: Spar
         out_p.stride(0), out_p.stride(1), out_p.stride(2) if split else 0,
         lse_p.stride(0), lse_p.stride(1),
         scale * math.log2(math.e), num_splits, index.n_sink, index.n_window,
-        HPP=plan.hpp, HEADS_PER_PROG=heads_per_prog, N_HSUB=n_hsub, BQ_PAD=bq_pad, BLOCK_M=block_m,
+        rope.rope_from if mode else 0, rope.group if mode else 1,
+        ROPE=mode, HPP=plan.hpp, HEADS_PER_PROG=heads_per_prog, N_HSUB=n_hsub, BQ_PAD=bq_pad, BLOCK_M=block_m,
         BLOCK_N=block_n, HEAD_DIM=D, BK=index.block_k, PAGE=page, SPLIT=split,
         DOT_PRECISION="ieee" if q.dtype == torch.float32 else "tf32",
         num_warps=num_warps or (8 if block_m >= 128 else 4), num_stages=2,

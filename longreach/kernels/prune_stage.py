@@ -24,11 +24,20 @@ import math
 
 import torch
 
+from ..rope.strategies import (
+    PRUNE_CODES,
+    RopeArgs,
+    prune_key_pos,
+    prune_query_pos,
+    rotate,
+)
+
 try:
     import triton
     import triton.language as tl
 
     from .paged import load_rows
+    from .rope import rotate_rows, swap_halves
 except ImportError:  # pragma: no cover
     triton = None
 
@@ -42,15 +51,17 @@ def chunk_bounds(ids: torch.Tensor, chunk: int, n_sink: int, cand_end: torch.Ten
 
 def chunk_scores_reference(qs: torch.Tensor, row_ok: torch.Tensor, keys: torch.Tensor, ids: torch.Tensor,
                            chunk: int, exact: bool, n_sink: int, cand_end: torch.Tensor, groups: int,
-                           rep_per_head: bool = True) -> torch.Tensor:
+                           rep_per_head: bool = True, rope: RopeArgs | None = None) -> torch.Tensor:
     """qs (nb, R, H_q, D) block queries, row_ok (nb, R), keys (L, H_kv, D) -> scores (nb, G, C), -inf if invalid.
 
     SelectRep runs per query head (`rep_per_head`, the paper) or once per KV head of the group, its halves compared
     by the max over the heads that read that KV head (shared branches: one key read per probe for all of them).
+    `rope`: a pruning strategy (rope/strategies.py) applied to blocks ending at or past rope.rope_from; a block's
+    rows are the last rows before its end, cand_end + rope.n_window.
     """
     from ..attention.executor import head_pairs
 
-    nb, _, Hq, _ = qs.shape
+    nb, R, Hq, _ = qs.shape
     dev = qs.device
     L, Hkv = keys.shape[:2]
     pairs, hpp = head_pairs(Hq, Hkv, groups)
@@ -59,14 +70,29 @@ def chunk_scores_reference(qs: torch.Tensor, row_ok: torch.Tensor, keys: torch.T
     pair_kv = torch.tensor([kv for _, kv in pairs], device=dev)
     a, b, valid = chunk_bounds(ids, chunk, n_sink, cand_end)
     a, b, valid = a[:, pair_group], b[:, pair_group], valid[:, pair_group]  # (nb, P, C)
-    q32 = qs.float().reshape(nb, qs.shape[1], P, hpp, -1)  # heads of a pair are contiguous
+    q32 = qs.float()
+    mode = rope.mode if rope is not None else "none"
+    if mode != "none":
+        end = cand_end + rope.n_window
+        remap = (end - 1 >= rope.rope_from)[:, None, None]  # (nb, 1, 1)
+        lens = row_ok.sum(1)
+        p = (end - lens)[:, None] + torch.arange(R, device=dev)  # (nb, R) row positions
+        dq = torch.where(remap[:, :, 0], prune_query_pos(mode, p, rope.n_window, rope.group) - p, 0)
+        q32 = rotate(q32, dq[:, :, None], rope.inv_freq)
+        n_chunk = (ids >= 0).sum(-1, keepdim=True)[:, pair_group]  # (nb, P, 1)
+        from_end = torch.arange(ids.shape[-1], device=dev) - (n_chunk - 1)  # (nb, P, C)
+    q32 = q32.reshape(nb, R, P, hpp, -1)  # heads of a pair are contiguous
     row_mask = ~row_ok[:, None, None, :]
     kf = keys.float()
     kvs = pair_kv[None, :, None]
 
-    def probe(pos):  # per head of each pair, max over rows of <q, k[pos]>; pos (nb, P, C) or (nb, P, hpp, C)
+    def probe(pos, right=True):  # per head of each pair, max over rows of <q, k[pos]>; pos (nb, P, C) or (nb, P, hpp, C)
         per_head = pos.dim() == 4
         k = kf[pos.clamp(0, L - 1), kvs[..., None] if per_head else kvs]  # (nb, P, [hpp,] C, D)
+        if mode != "none":
+            fe = from_end[:, :, None] if per_head else from_end
+            new = prune_key_pos(mode, pos, right, fe, rope.group)
+            k = rotate(k, torch.where(remap[..., None] if per_head else remap, new - pos, 0), rope.inv_freq)
         eq = "nrpid,npicd->npicr" if per_head else "nrpid,npcd->npicr"
         s = torch.einsum(eq, q32, k)  # (nb, P, hpp, C, R)
         return s.masked_fill(row_mask[..., None, :], float("-inf")).amax(-1)  # (nb, P, hpp, C)
@@ -79,7 +105,7 @@ def chunk_scores_reference(qs: torch.Tensor, row_ok: torch.Tensor, keys: torch.T
             s = torch.maximum(s, sj.masked_fill(pos >= b, float("-inf")))
     elif rep_per_head:
         first, last = a[:, :, None].expand(-1, -1, hpp, -1).clone(), (b - 1)[:, :, None].expand(-1, -1, hpp, -1).clone()
-        s = probe(first)
+        s = probe(first, right=False)
         for _ in range(math.ceil(math.log2(chunk))):
             length = last - first + 1
             active = length > 1
@@ -92,7 +118,7 @@ def chunk_scores_reference(qs: torch.Tensor, row_ok: torch.Tensor, keys: torch.T
         s = s.amax(2)
     else:
         first, last = a.clone(), b - 1
-        s = probe(first).amax(2)
+        s = probe(first, right=False).amax(2)
         for _ in range(math.ceil(math.log2(chunk))):
             length = last - first + 1
             active = length > 1
@@ -109,32 +135,53 @@ def chunk_scores_reference(qs: torch.Tensor, row_ok: torch.Tensor, keys: torch.T
 if triton is not None:
 
     @triton.jit
-    def _probe(q, K, bt_base, kv, pos, ok, row_ok, stride_kp, stride_ko, stride_kh,
-               PAGE: tl.constexpr, HEAD_DIM: tl.constexpr, DOT_PRECISION: tl.constexpr):
-        """max over the valid rows of q of <q_row, k[pos]>, for a vector of key positions: (BLOCK_C,), -inf if not ok."""
+    def _new_key_pos(pos, from_end, de_group, ROPE: tl.constexpr, RIGHT: tl.constexpr):
+        """rope/strategies.prune_key_pos for a vector of probed keys."""
+        if ROPE == 1:  # rt
+            return pos * 0 + RIGHT
+        elif ROPE == 2:  # ci
+            return from_end
+        elif ROPE == 3:  # il
+            return pos * 0
+        else:  # de (and none, unused)
+            return pos // de_group
+
+    @triton.jit
+    def _probe(q, K, bt_base, kv, pos, ok, row_ok, stride_kp, stride_ko, stride_kh, inv, remap, from_end, de_group,
+               PAGE: tl.constexpr, HEAD_DIM: tl.constexpr, DOT_PRECISION: tl.constexpr, ROPE: tl.constexpr,
+               RIGHT: tl.constexpr):
+        """max over the valid rows of q of <q_row, k[pos]>, for a vector of key positions: (BLOCK_C,), -inf if not ok.
+        With a pruning strategy (ROPE > 0) each key is first moved to its strategy position."""
         d = tl.arange(0, HEAD_DIM)
         safe = tl.maximum(pos, 0)
         page = tl.load(bt_base + safe // PAGE, mask=ok, other=0).to(tl.int64)
         k = load_rows(K, page, safe % PAGE, kv, stride_kp, stride_ko, stride_kh, d, ok)
+        if ROPE != 0:
+            k_sw = load_rows(K, page, safe % PAGE, kv, stride_kp, stride_ko, stride_kh, swap_halves(d, HEAD_DIM),
+                             ok & remap)
+            dk = tl.where(remap, _new_key_pos(pos, from_end, de_group, ROPE, RIGHT) - pos, 0)
+            k = rotate_rows(k, k_sw, dk, inv, d, HEAD_DIM).to(q.dtype)
         s = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION)  # (rows, BLOCK_C)
         s = tl.where(row_ok[:, None], s, float("-inf"))
         return tl.where(ok, tl.max(s, axis=0), float("-inf"))
 
     @triton.jit
-    def _select_rep(q, K, bt_base, kv, a, b, valid, row_ok, stride_kp, stride_ko, stride_kh, N_ITER: tl.constexpr,
-                    PAGE: tl.constexpr, HEAD_DIM: tl.constexpr, DOT_PRECISION: tl.constexpr):
+    def _select_rep(q, K, bt_base, kv, a, b, valid, row_ok, stride_kp, stride_ko, stride_kh, inv, remap, from_end,
+                    de_group, N_ITER: tl.constexpr, PAGE: tl.constexpr, HEAD_DIM: tl.constexpr,
+                    DOT_PRECISION: tl.constexpr, ROPE: tl.constexpr):
         """SelectRep over chunks [a, b) for the rows of q: halve N_ITER times, each half represented by its first key,
-        keep the higher-scoring half. Returns the score of the representative found: (BLOCK_C,)."""
+        keep the higher-scoring half. Returns the score of the representative found: (BLOCK_C,).
+        The first probe is the left branch's representative, every later one a right branch's (rt positions)."""
         first = a
         last = b - 1
-        best = _probe(q, K, bt_base, kv, first, valid, row_ok, stride_kp, stride_ko, stride_kh, PAGE, HEAD_DIM,
-                      DOT_PRECISION)
+        best = _probe(q, K, bt_base, kv, first, valid, row_ok, stride_kp, stride_ko, stride_kh, inv, remap, from_end,
+                      de_group, PAGE, HEAD_DIM, DOT_PRECISION, ROPE, 0)
         for _ in tl.static_range(N_ITER):
             span = last - first + 1
             active = valid & (span > 1)
             mid = first + span // 2
-            s_mid = _probe(q, K, bt_base, kv, mid, active, row_ok, stride_kp, stride_ko, stride_kh, PAGE, HEAD_DIM,
-                           DOT_PRECISION)
+            s_mid = _probe(q, K, bt_base, kv, mid, active, row_ok, stride_kp, stride_ko, stride_kh, inv, remap,
+                           from_end, de_group, PAGE, HEAD_DIM, DOT_PRECISION, ROPE, 1)
             right = active & (s_mid > best)
             first = tl.where(right, mid, first)
             last = tl.where(active & (s_mid <= best), mid - 1, last)
@@ -142,12 +189,33 @@ if triton is not None:
         return best
 
     @triton.jit
+    def _load_q(Q, rows, heads, ok, stride_qt, stride_qh, qi, length, blk_end, inv, remap, n_window, de_group,
+                HEAD_DIM: tl.constexpr, ROPE: tl.constexpr):
+        """Query rows (R, D); with a pruning strategy, rotated to its query position (rope/strategies.prune_query_pos);
+        row qi of a block sits at blk_end - length + qi."""
+        d = tl.arange(0, HEAD_DIM)
+        q = tl.load(Q + rows[:, None] * stride_qt + heads[:, None] * stride_qh + d[None, :], mask=ok[:, None],
+                    other=0.0)
+        if ROPE != 0:
+            q_sw = tl.load(Q + rows[:, None] * stride_qt + heads[:, None] * stride_qh + swap_halves(d, HEAD_DIM)[None, :],
+                           mask=ok[:, None], other=0.0)
+            p = blk_end - length + qi
+            if ROPE == 1:  # rt
+                new_q = p * 0 + n_window + 1
+            elif ROPE == 4:  # de
+                new_q = p // de_group + n_window - n_window // de_group
+            else:  # ci, il
+                new_q = p * 0 + n_window
+            q = rotate_rows(q, q_sw, tl.where(remap, new_q - p, 0), inv, d, HEAD_DIM).to(q.dtype)
+        return q
+
+    @triton.jit
     def _chunk_score_kernel(
-        Q, K, BlockTable, QbStart, QbLen, CandEnd, Ids, Scores,
+        Q, K, BlockTable, QbStart, QbLen, CandEnd, Ids, Scores, InvFreq, NChunk,
         stride_qt, stride_qh, stride_kp, stride_ko, stride_kh,
-        stride_ib, stride_ig, stride_sb, stride_sp,
-        num_chunks, n_sink,
-        HPP: tl.constexpr, PAIRS_PER_GROUP: tl.constexpr, PAIR_KV_DIV: tl.constexpr,
+        stride_ib, stride_ig, stride_sb, stride_sp, stride_nb,
+        num_chunks, n_sink, n_window, rope_from, de_group,
+        ROPE: tl.constexpr, HPP: tl.constexpr, PAIRS_PER_GROUP: tl.constexpr, PAIR_KV_DIV: tl.constexpr,
         CHUNK: tl.constexpr, EXACT: tl.constexpr, PER_HEAD: tl.constexpr, N_ITER: tl.constexpr,
         BQ_PAD: tl.constexpr, HPP_PAD: tl.constexpr, BLOCK_C: tl.constexpr, TILES: tl.constexpr,
         TILE_FIRST: tl.constexpr, HEAD_DIM: tl.constexpr, PAGE: tl.constexpr, DOT_PRECISION: tl.constexpr,
@@ -163,41 +231,47 @@ if triton is not None:
         length = tl.load(QbLen + qb)
         cand_end = tl.load(CandEnd + qb)
         d = tl.arange(0, HEAD_DIM)
+        blk_end = cand_end + n_window
+        remap = blk_end - 1 >= rope_from
+        inv = tl.load(InvFreq + d % (HEAD_DIM // 2)) if ROPE != 0 else d * 0.0
+        n_chunk = tl.load(NChunk + qb * stride_nb + group) if ROPE == 2 else 0
         if not PER_HEAD:  # every head of the pair in one query tile, loaded once for all the program's chunk tiles
             r = tl.arange(0, HPP_PAD * BQ_PAD)
             hh = r // BQ_PAD
             qi = r % BQ_PAD
             rows_ok = (hh < HPP) & (qi < length)
-            q_all = tl.load(Q + (start + qi)[:, None] * stride_qt + (pair * HPP + hh)[:, None] * stride_qh + d[None, :],
-                            mask=rows_ok[:, None], other=0.0)
+            q_all = _load_q(Q, start + qi, pair * HPP + hh, rows_ok, stride_qt, stride_qh, qi, length, blk_end, inv,
+                            remap, n_window, de_group, HEAD_DIM, ROPE)
         for t in tl.static_range(TILES):
             c = (tile0 * TILES + t) * BLOCK_C + tl.arange(0, BLOCK_C)
             ids = tl.load(Ids + qb * stride_ib + group * stride_ig + c, mask=c < num_chunks, other=-1)
             a = tl.maximum(ids * CHUNK, n_sink)
             b = tl.minimum((ids + 1) * CHUNK, cand_end)
             valid = (ids >= 0) & (a < b)
+            from_end = c - (n_chunk - 1)  # ci: the chunk's ordinal counted from the last candidate
             if PER_HEAD:  # the paper's SelectRep: each query head searches on its own
                 r1 = tl.arange(0, BQ_PAD)
                 row_ok = r1 < length
                 best = tl.full([BLOCK_C], float("-inf"), tl.float32)
                 for i in tl.static_range(HPP):
-                    head = pair * HPP + i
-                    q = tl.load(Q + (start + r1)[:, None] * stride_qt + head * stride_qh + d[None, :],
-                                mask=row_ok[:, None], other=0.0)
+                    q = _load_q(Q, start + r1, r1 * 0 + pair * HPP + i, row_ok, stride_qt, stride_qh, r1, length,
+                                blk_end, inv, remap, n_window, de_group, HEAD_DIM, ROPE)
                     hs = _select_rep(q, K, BlockTable, kv, a, b, valid, row_ok, stride_kp, stride_ko, stride_kh,
-                                     N_ITER, PAGE, HEAD_DIM, DOT_PRECISION)
+                                     inv, remap, from_end, de_group, N_ITER, PAGE, HEAD_DIM, DOT_PRECISION, ROPE)
                     best = tl.maximum(best, hs)
             elif EXACT:  # every key of every chunk in one gather and one dot
                 j = tl.arange(0, CHUNK)
                 pos2 = a[:, None] + j[None, :]
                 ok2 = valid[:, None] & (pos2 < b[:, None])
+                fe2 = from_end[:, None] + j[None, :] * 0
                 s = _probe(q_all, K, BlockTable, kv, tl.reshape(pos2, [BLOCK_C * CHUNK]),
                            tl.reshape(ok2, [BLOCK_C * CHUNK]), rows_ok, stride_kp, stride_ko, stride_kh,
-                           PAGE, HEAD_DIM, DOT_PRECISION)
+                           inv, remap, tl.reshape(fe2, [BLOCK_C * CHUNK]), de_group,
+                           PAGE, HEAD_DIM, DOT_PRECISION, ROPE, 1)
                 best = tl.max(tl.reshape(s, [BLOCK_C, CHUNK]), axis=1)
             else:  # SelectRep shared by the heads of the pair: one gather per probe
                 best = _select_rep(q_all, K, BlockTable, kv, a, b, valid, rows_ok, stride_kp, stride_ko, stride_kh,
-                                   N_ITER, PAGE, HEAD_DIM, DOT_PRECISION)
+                                   inv, remap, from_end, de_group, N_ITER, PAGE, HEAD_DIM, DOT_PRECISION, ROPE)
             tl.store(Scores + qb * stride_sb + pair * stride_sp + c, tl.where(valid, best, float("-inf")),
                      mask=c < num_chunks)
 
@@ -206,7 +280,7 @@ def chunk_scores_triton(q: torch.Tensor, k_cache: torch.Tensor, block_table: tor
                         lens: torch.Tensor, cand_end: torch.Tensor, ids: torch.Tensor, chunk: int, exact: bool,
                         n_sink: int, groups: int, rep_per_head: bool = True, max_rows: int | None = None,
                         block_c: int | None = None, tiles: int | None = None,
-                        tile_first: bool = False) -> torch.Tensor:
+                        tile_first: bool = False, rope: RopeArgs | None = None) -> torch.Tensor:
     """Triton version of `chunk_scores_reference` reading keys from the paged cache of one sequence.
 
     q (n, H_q, D) the sequence's queries this step; starts/lens (nb,) each block's rows in q; cand_end (nb,);
@@ -246,13 +320,16 @@ def chunk_scores_triton(q: torch.Tensor, k_cache: torch.Tensor, block_table: tor
         tiles = 4 if exact and rows > 1 and nb * P * triton.cdiv(C, block_c) >= 8192 else 1
     n_tiles = triton.cdiv(C, block_c * tiles)
     grid = (n_tiles, P, nb) if tile_first else (nb, P, n_tiles)
+    mode = PRUNE_CODES[rope.mode] if rope is not None else 0
+    inv_freq = rope.inv_freq.to(device=q.device, dtype=torch.float32) if mode else scores  # unused when mode 0
+    n_chunk = (ids32 >= 0).sum(-1, dtype=torch.int32) if mode == PRUNE_CODES["ci"] else ids32
     _chunk_score_kernel[grid](
         q, k_cache, block_table, starts.to(torch.int32), lens.to(torch.int32), cand_end.to(torch.int32), ids32,
-        scores,
+        scores, inv_freq, n_chunk,
         q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
-        ids32.stride(0), ids32.stride(1), scores.stride(0), scores.stride(1),
-        C, n_sink,
-        HPP=hpp, PAIRS_PER_GROUP=P // groups, PAIR_KV_DIV=(Hq // Hkv) if groups == Hq and Hq != Hkv else 1,
+        ids32.stride(0), ids32.stride(1), scores.stride(0), scores.stride(1), n_chunk.stride(0),
+        C, n_sink, rope.n_window if mode else 0, rope.rope_from if mode else 0, rope.group if mode else 1,
+        ROPE=mode, HPP=hpp, PAIRS_PER_GROUP=P // groups, PAIR_KV_DIV=(Hq // Hkv) if groups == Hq and Hq != Hkv else 1,
         CHUNK=chunk, EXACT=exact, PER_HEAD=per_head, N_ITER=max(0, math.ceil(math.log2(chunk))),
         BQ_PAD=bq_pad, HPP_PAD=hpp_pad, BLOCK_C=block_c, TILES=tiles, TILE_FIRST=tile_first, HEAD_DIM=D,
         PAGE=page, DOT_PRECISION="ieee" if q.dtype == torch.float32 else "tf32",
