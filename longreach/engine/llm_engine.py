@@ -6,10 +6,12 @@ one prefill or decode step and returns the requests that finished in it. Mutates
 """
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import itertools
 import logging
 import time
+from collections.abc import Iterator
 from dataclasses import dataclass
 
 import torch
@@ -202,24 +204,47 @@ class LLMEngine:
         Runs outside the scheduler (call it while no requests are queued); pages are taken and returned here.
         With `return_logits=False` only the forward passes run (e.g. to capture attention inputs).
         """
+        chunks = list(self._prefill_chunks(token_ids, return_logits))
+        return torch.cat(chunks) if return_logits else None
+
+    @torch.inference_mode()
+    def prompt_nll(self, token_ids: list[int]) -> torch.Tensor:
+        """Per-token negative log-likelihood (T-1,) fp32: entry t is -log p(token t+1 | tokens <= t).
+
+        The same chunked prefill as `prompt_logits`, but each chunk's logits are reduced as soon as they come back,
+        so memory holds one chunk's (n, V) logits, never the whole (T, V).
+        """
+        if len(token_ids) < 2:
+            raise ValueError(f"prompt_nll needs at least 2 tokens (one context, one target), got {len(token_ids)}")
+        targets = torch.tensor(token_ids[1:], dtype=torch.long, device=self.device)
+        nll, start = [], 0
+        with contextlib.closing(self._prefill_chunks(token_ids, True)) as chunks:  # frees the pages on an error here
+            for logits in chunks:  # (n, V); row i predicts token start + i + 1
+                tgt = targets[start: start + logits.shape[0]]  # the sequence's last row has no target
+                nll.append(torch.nn.functional.cross_entropy(logits[: len(tgt)], tgt, reduction="none"))
+                start += logits.shape[0]
+        return torch.cat(nll)
+
+    def _prefill_chunks(self, token_ids: list[int], all_logits: bool) -> Iterator[torch.Tensor | None]:
+        """Prefill `token_ids` as one throw-away sequence, max_num_batched_tokens at a time, outside the scheduler;
+        yields each chunk's fp32 logits (n, V) (None without `all_logits`). Its pages are freed when the generator
+        finishes or is closed."""
         if self.scheduler.has_unfinished():
-            raise RuntimeError("prompt_logits needs an idle engine (requests are queued or running)")
+            raise RuntimeError("scoring a prompt needs an idle engine (requests are queued or running)")
         if not 0 < len(token_ids) <= self.config.max_model_len:
             raise ValueError(f"token_ids must have 1..{self.config.max_model_len} tokens, got {len(token_ids)}")
         seq = Sequence(next(self._seq_ids), "score", 0, list(token_ids), SamplingParams(max_tokens=1), frozenset(), 1)
-        chunks = []
         try:
             while seq.num_computed < seq.num_tokens:
                 n = min(self.config.max_num_batched_tokens, seq.num_uncomputed)
                 if not self.blocks.ensure(seq.seq_id, seq.num_computed + n):
                     raise ValueError(f"the KV cache cannot hold {len(token_ids)} tokens")
-                logits, _ = self.runner.execute(ScheduledBatch(True, [seq], [n]), all_logits=return_logits)
-                chunks.append(logits)
+                logits, _ = self.runner.execute(ScheduledBatch(True, [seq], [n]), all_logits=all_logits)
                 seq.num_computed += n
+                yield logits if all_logits else None
         finally:
             self.blocks.free(seq.seq_id)
             self.backend.free_sequence(seq.seq_id)
-        return torch.cat(chunks) if return_logits else None
 
     # ---- the loop ------------------------------------------------------------------------------------------------
     def step(self) -> list[RequestOutput]:
