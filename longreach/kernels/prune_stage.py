@@ -85,11 +85,21 @@ def chunk_scores_reference(qs: torch.Tensor, row_ok: torch.Tensor, keys: torch.T
     row_mask = ~row_ok[:, None, None, :]
     kf = keys.float()
     kvs = pair_kv[None, :, None]
+    tables = {}  # strategies whose key positions depend only on the key: every key moved once, probes just gather
+    if mode in ("rt", "il", "de"):
+        p_k = torch.arange(L, device=dev)
+        for right in (False, True):
+            moved = rotate(kf, prune_key_pos(mode, p_k, right, None, rope.group)[:, None] - p_k[:, None], rope.inv_freq)
+            tables[right] = torch.cat([kf, moved])  # rows L.. hold the moved keys, read by remapped blocks
 
     def probe(pos, right=True):  # per head of each pair, max over rows of <q, k[pos]>; pos (nb, P, C) or (nb, P, hpp, C)
         per_head = pos.dim() == 4
-        k = kf[pos.clamp(0, L - 1), kvs[..., None] if per_head else kvs]  # (nb, P, [hpp,] C, D)
-        if mode != "none":
+        kv_idx = kvs[..., None] if per_head else kvs
+        if tables:
+            k = tables[right][pos.clamp(0, L - 1) + L * (remap[..., None] if per_head else remap), kv_idx]
+        else:
+            k = kf[pos.clamp(0, L - 1), kv_idx]  # (nb, P, [hpp,] C, D)
+        if mode == "ci":  # positions depend on the block's candidate list: move the probed keys
             fe = from_end[:, :, None] if per_head else from_end
             new = prune_key_pos(mode, pos, right, fe, rope.group)
             k = rotate(k, torch.where(remap[..., None] if per_head else remap, new - pos, 0), rope.inv_freq)
