@@ -324,6 +324,10 @@ def build_parser() -> argparse.ArgumentParser:
     _generate_parser(sub)
     _bench_parser(sub)
     _eval_parser(sub)
+    d = sub.add_parser("demo", help="a pass key hidden past the trained context: sparse attention vs dense",
+                       description=importlib.import_module(".demo", __package__).__doc__.split("\n\n")[1])
+    importlib.import_module(".demo", __package__).add_arguments(d)
+    d.set_defaults(func=lambda args: importlib.import_module(".demo", __package__).main(args))
     b = sub.add_parser("backends", help="list the attention backends", description="List the attention backends.")
     b.set_defaults(func=_cmd_backends)
     return parser
