@@ -12,7 +12,7 @@ def _readme_commands():
 def test_readme_has_the_two_quick_start_commands():
     cmds = _readme_commands()
     assert len(cmds) >= 2
-    assert "longreach generate" in cmds[0] and "pytest" in cmds[1]
+    assert "longreach demo" in cmds[0] and "pytest" in cmds[1]
 
 
 def test_ci_runs_exactly_the_readme_test_command():

@@ -139,7 +139,7 @@ def test_eval_ruler_end_to_end(smollm2, tmp_path, capsys, monkeypatch):
 @pytest.mark.parametrize("argv, message", [
     (["--tasks", "niah_single_1", "needle"], "unknown RULER task(s) needle; available: niah_single_1, "),
     (["--tasks", "vt", "vt"], "--tasks lists a task twice"),
-    (["--lengths", "4x"], "--lengths takes token counts like 2048, 4k, 128K or 1M, got '4x'"),
+    (["--lengths", "4x"], "--lengths: expected a token count like 4096, 4k or 1M"),
     (["--lengths", "256"], "--lengths must be at least 512 tokens"),
     (["--samples", "0"], "--samples must be at least 1"),
     (["--attention", "nope"], "unknown attention backend 'nope'"),

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import re
 import sys
 from typing import NamedTuple
 
@@ -107,3 +108,22 @@ def plot_path(args: argparse.Namespace) -> str | None:
 
 def note(msg: str) -> None:
     print(f"[longreach] {msg}", file=sys.stderr, flush=True)
+
+
+def context_length(value: str) -> int:
+    """'4096', '4k', '8K', '1M' -> tokens (k = 1024, M = 1024^2); an argparse type."""
+    m = re.fullmatch(r"(\d+)([kKmM]?)", value.strip())
+    if not m:
+        raise argparse.ArgumentTypeError(f"expected a token count like 4096, 4k or 1M (k = 1024, M = 1024^2), "
+                                         f"got {value!r}")
+    n = int(m[1]) << {"": 0, "k": 10, "m": 20}[m[2].lower()]
+    if n < 2:
+        raise argparse.ArgumentTypeError(f"a context length needs at least 2 tokens (one to predict), got {value!r}")
+    return n
+
+
+def format_length(n: int) -> str:
+    """4096 -> '4K', 1048576 -> '1M', 1000 -> '1000'."""
+    if n % (1 << 20) == 0:
+        return f"{n >> 20}M"
+    return f"{n >> 10}K" if n % 1024 == 0 else str(n)

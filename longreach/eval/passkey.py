@@ -28,7 +28,16 @@ import re
 import sys
 import time
 
-from .common import add_method_args, emit, make_llm, note, parse_methods, plot_path
+from .common import (
+    add_method_args,
+    context_length,
+    emit,
+    format_length,
+    make_llm,
+    note,
+    parse_methods,
+    plot_path,
+)
 
 HELP = "passkey retrieval: find a 5-digit key hidden at a depth of a long filler text, methods side by side"
 DESCRIPTION = (
@@ -76,22 +85,6 @@ def score(text: str, key: str) -> bool:
     """True when the first number in the generated `text` is the key ("12345." counts, "123456" or "1 2345" not)."""
     m = re.search(r"\d+", text)
     return m is not None and m.group() == key
-
-
-def context_length(value: str) -> int:
-    """'4096', '4k', '8K', '1M' -> tokens (k = 1024, M = 1024^2); an argparse type."""
-    m = re.fullmatch(r"(\d+)([kKmM]?)", value.strip())
-    if not m:
-        raise argparse.ArgumentTypeError(f"expected a token count like 4096, 4k or 1M (k = 1024, M = 1024^2), "
-                                         f"got {value!r}")
-    return int(m[1]) << {"": 0, "k": 10, "m": 20}[m[2].lower()]
-
-
-def format_length(n: int) -> str:
-    """4096 -> '4K', 1048576 -> '1M', 1000 -> '1000'."""
-    if n % (1 << 20) == 0:
-        return f"{n >> 20}M"
-    return f"{n >> 10}K" if n % 1024 == 0 else str(n)
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:

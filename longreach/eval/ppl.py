@@ -22,11 +22,19 @@ from __future__ import annotations
 import argparse
 import datetime
 import gc
-import re
 import sys
 import time
 
-from .common import add_method_args, emit, make_llm, note, parse_methods, plot_path
+from .common import (
+    add_method_args,
+    context_length,
+    emit,
+    format_length,
+    make_llm,
+    note,
+    parse_methods,
+    plot_path,
+)
 from .data import TEXT_SOURCES
 
 HELP = "perplexity of a long text at several context lengths, methods side by side"
@@ -35,25 +43,6 @@ DESCRIPTION = (
     "score every token of each window with each attention method, and report the perplexity over the whole window "
     "and over its last --tail tokens (the same tokens at every length; they see the full context). Prints JSON; "
     "draws tail perplexity against context length (--plot, or next to --out).")
-
-
-def context_length(value: str) -> int:
-    """'4096', '4k', '8K', '1M' -> tokens (k = 1024, M = 1024^2); an argparse type."""
-    m = re.fullmatch(r"(\d+)([kKmM]?)", value.strip())
-    if not m:
-        raise argparse.ArgumentTypeError(f"expected a token count like 4096, 4k or 1M (k = 1024, M = 1024^2), "
-                                         f"got {value!r}")
-    n = int(m[1]) << {"": 0, "k": 10, "m": 20}[m[2].lower()]
-    if n < 2:
-        raise argparse.ArgumentTypeError(f"a context length needs at least 2 tokens (one to predict), got {value!r}")
-    return n
-
-
-def format_length(n: int) -> str:
-    """4096 -> '4K', 1048576 -> '1M', 1000 -> '1000'."""
-    if n % (1 << 20) == 0:
-        return f"{n >> 20}M"
-    return f"{n >> 10}K" if n % 1024 == 0 else str(n)
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:

@@ -48,7 +48,16 @@ import types
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
-from .common import add_method_args, emit, make_llm, note, parse_methods, plot_path
+from .common import (
+    add_method_args,
+    context_length,
+    emit,
+    format_length,
+    make_llm,
+    note,
+    parse_methods,
+    plot_path,
+)
 
 if TYPE_CHECKING:
     import numpy as np
@@ -114,21 +123,17 @@ def check_tasks(names: list[str]) -> list[Task]:
 
 
 def parse_length(text: str) -> int:
-    """'4k' / '16K' / '1M' / '2048' -> tokens (K = 1024, M = 1024**2)."""
-    m = re.fullmatch(r"(\d+)([kKmM]?)", text.strip())
-    if not m:
-        raise ValueError(f"--lengths takes token counts like 2048, 4k, 128K or 1M, got {text!r}")
-    n = int(m[1]) * {"": 1, "k": 1024, "m": 1024 ** 2}[m[2].lower()]
+    """'4k' / '16K' / '1M' / '2048' -> tokens (K = 1024, M = 1024**2), at least MIN_LENGTH."""
+    try:
+        n = context_length(text)
+    except argparse.ArgumentTypeError as e:
+        raise ValueError(f"--lengths: {e}") from None
     if n < MIN_LENGTH:
         raise ValueError(f"--lengths must be at least {MIN_LENGTH} tokens (RULER's prompts need room), got {text!r}")
     return n
 
 
-def length_label(n: int) -> str:
-    for unit, size in (("M", 1024 ** 2), ("K", 1024)):
-        if n % size == 0:
-            return f"{n // size}{unit}"
-    return str(n)
+length_label = format_length
 
 
 def metric(name: str):
