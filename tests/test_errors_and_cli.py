@@ -129,3 +129,14 @@ def test_import_is_cheap():
     code = "import sys, longreach; from longreach import SamplingParams; print('torch' in sys.modules)"
     r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
     assert r.stdout.strip() == "False", r.stderr
+
+
+def test_demo_answers_and_reports(capsys):
+    """The README's demo end to end at a short length on CPU (the sparse method runs dense below its budget here;
+    the GPU runs in docs/quality.md are the long-context evidence)."""
+    from longreach.cli import main
+
+    assert main(["demo", "--length", "1024", "--no-dense", "--device", "cpu"]) == 0
+    out = capsys.readouterr().out
+    assert "magic number" in out and "infinitehip on cpu" in out
+    assert out.strip().splitlines()[-1].split()[-3] == "right"  # label, device, answer, verdict, seconds, "s"
