@@ -206,15 +206,11 @@ def _add_eval_common(r) -> None:
 
 
 def _eval_inputs(args):
-    """(text, [(method, preset)]) from the shared eval arguments."""
-    from .attention.registry import check_backend_name
+    """(text, [MethodSpec]) from the shared eval arguments."""
+    from .eval.common import parse_methods
     from .eval.data import TEXT_SOURCES
 
-    methods = []
-    for item in args.attention:
-        name, _, preset = item.partition(":")
-        check_backend_name(name)
-        methods.append((name, preset or (args.preset if name != "dense" else None)))
+    methods = parse_methods(args.attention, args.preset)
     if args.text_file:
         try:
             with open(args.text_file, encoding="utf-8") as f:
@@ -224,23 +220,14 @@ def _eval_inputs(args):
     return TEXT_SOURCES[args.text_source](), methods
 
 
-def _emit(report: dict, path: str | None) -> None:
-    import json
-
-    out = json.dumps(report, indent=1)
-    print(out)
-    if path:
-        with open(path, "w") as f:
-            f.write(out)
-
-
 def _cmd_eval_agreement(args) -> int:
     from .eval.agreement import run
+    from .eval.common import emit
 
     text, methods = _eval_inputs(args)
     report = run(args.model, text, args.length, args.new_tokens, methods, args.attention_config, args.device,
                  args.dtype)
-    _emit(report, args.out)
+    emit(report, args.out)
     summary = ", ".join(f"{k}: {v['tokens_equal']}/{args.new_tokens} equal" for k, v in report["methods"].items()
                         if "tokens_equal" in v)
     print(f"[longreach] greedy agreement with dense after {args.length - args.new_tokens} tokens: {summary}",
@@ -274,11 +261,12 @@ def _eval_parser(sub) -> None:
 
 
 def _cmd_eval_recall(args) -> int:
+    from .eval.common import emit
     from .eval.recall import run
 
     text, methods = _eval_inputs(args)
     report = run(args.model, text, args.length, methods, args.attention_config, args.queries, args.device, args.dtype)
-    _emit(report, args.out)
+    emit(report, args.out)
     summary = ", ".join(f"{k}: mass {v['mean']['mass_recall']:.4f}, top-k {v['mean']['topk_recall']:.4f}, "
                         f"{v['mean']['keys_per_query']:.0f} keys/query" for k, v in report["methods"].items())
     print(f"[longreach] recall at {args.length} tokens: {summary}", file=sys.stderr)

@@ -3,6 +3,7 @@ import json
 
 import pytest
 
+from longreach.eval.common import parse_methods
 from longreach.eval.data import paul_graham_text
 
 
@@ -17,8 +18,8 @@ def test_recall_tool_reports_per_layer_and_mean(text):
     configs = json.dumps({"infinitehip:3k": {"n_sink": 16, "n_window": 64, "budgets": [256, 128, 64],
                                           "early_last_budget": None},
                           "streaming": {"n_sink": 16, "n_window": 64}})
-    report = run("smollm2", text, 1024, [("infinitehip", "3k"), ("infinitehip", "5k"), ("streaming", "3k"),
-                                         ("dense", None)], configs, 64, "cpu", "float32")
+    methods = parse_methods(["infinitehip:3k", "infinitehip:5k", "streaming:3k", "dense"])
+    report = run("smollm2", text, 1024, methods, configs, 64, "cpu", "float32")
     json.dumps(report)
     ms = report["methods"]
     assert set(ms) == {"infinitehip:3k", "infinitehip:5k", "streaming:3k", "dense"}
@@ -36,8 +37,8 @@ def test_recall_tool_reports_per_layer_and_mean(text):
 def test_agreement_tool(text):
     from longreach.eval.agreement import run
 
-    report = run("smollm2", text, 400, 8, [("streaming", "3k")], '{"n_sink": 8, "n_window": 32, "dense_below": 0}',
-                 "cpu", "float32")
+    report = run("smollm2", text, 400, 8, parse_methods(["streaming:3k"]),
+                 '{"n_sink": 8, "n_window": 32, "dense_below": 0}', "cpu", "float32")
     rows = report["methods"]
     assert set(rows) == {"dense", "streaming:3k"}
     assert 0 <= rows["streaming:3k"]["tokens_equal"] <= 8 and rows["dense"]["text"]

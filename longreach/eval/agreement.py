@@ -5,23 +5,22 @@ import gc
 import time
 
 
-def run(model: str, text: str, length: int, new_tokens: int, methods: list[tuple[str, str | None]],
-        attention_config: str | None, device: str, dtype: str) -> dict:
-    """Prompt = the first `length - new_tokens` tokens of `text`; each method generates `new_tokens` greedily."""
-    from ..engine.llm import LLM
+def run(model: str, text: str, length: int, new_tokens: int, methods: list, attention_config: str | None,
+        device: str, dtype: str) -> dict:
+    """Prompt = the first `length - new_tokens` tokens of `text`; each method (`common.MethodSpec`) generates
+    `new_tokens` greedily."""
     from ..sampling_params import SamplingParams
-    from .recall import config_for
+    from .common import make_llm, parse_methods
 
     if new_tokens < 1 or new_tokens >= length:
         raise ValueError(f"--new-tokens must be in [1, --length), got {new_tokens}")
     params = SamplingParams(temperature=0, max_tokens=new_tokens, ignore_eos=True)
     report: dict = {"length": length, "new_tokens": new_tokens, "methods": {}}
-    runs = [("dense", None)] + [m for m in methods if m[0] != "dense"]
+    runs = parse_methods(["dense"]) + [m for m in methods if m.name != "dense"]
     prompt = None
     reference = None
-    for name, preset in runs:
-        llm = LLM(model, attention=name, preset=preset, device=device, dtype=dtype, max_model_len=length,
-                  max_num_seqs=1, attention_config=config_for(name, preset, attention_config) if name != "dense" else None)
+    for spec in runs:
+        llm = make_llm(model, spec, attention_config, device, dtype, length, max_num_seqs=1)
         if prompt is None:
             ids = llm.get_tokenizer().encode(text)
             if len(ids) < length:
@@ -37,7 +36,7 @@ def run(model: str, text: str, length: int, new_tokens: int, methods: list[tuple
         else:
             same = [a == b for a, b in zip(out.token_ids, reference)]
             row.update(tokens_equal=sum(same), first_difference=next((i for i, s in enumerate(same) if not s), None))
-        report["methods"][f"{name}:{preset}" if preset else name] = row
+        report["methods"][spec.label] = row
         del llm
         gc.collect()
     return report

@@ -148,31 +148,15 @@ def evaluate(methods: dict[str, SelectionMethod | None], cap: Capture, scale: fl
             for name, rows in per_layer.items()}
 
 
-def config_for(method: str, preset: str | None, attention_config: str | None) -> str | None:
-    """The overrides for one method from the eval tools' --attention-config: a flat JSON object applies to every
-    method; an object keyed by method names or "method:preset" labels ({"infinitehip:3k": {...}, "quest": {...}})
-    gives each its own (a label's entry wins over its method's)."""
-    import json
-
-    from ..attention.registry import available_backends
-
-    if not attention_config:
-        return None
-    parsed = json.loads(attention_config)
-    if isinstance(parsed, dict) and parsed and all(k.partition(":")[0] in available_backends() for k in parsed):
-        own = parsed.get(f"{method}:{preset}", parsed.get(method))
-        return json.dumps(own) if own else None
-    return attention_config
-
-
-def run(model: str, text: str, length: int, methods: list[tuple[str, str | None]], attention_config: str | None,
+def run(model: str, text: str, length: int, methods: list, attention_config: str | None,
         num_queries: int, device: str, dtype: str) -> dict:
-    """Capture `model` on the first `length` tokens of `text` and evaluate each (method, preset)."""
+    """Capture `model` on the first `length` tokens of `text` and evaluate each method (`common.MethodSpec`)."""
     import json
 
     from ..attention.registry import get_backend_class
     from ..config import EngineConfig
     from ..engine.llm_engine import LLMEngine
+    from .common import method_config
 
     if num_queries < 1 or num_queries > length:
         raise ValueError(f"--queries must be in [1, --length], got {num_queries}")
@@ -186,15 +170,14 @@ def run(model: str, text: str, length: int, methods: list[tuple[str, str | None]
     report = {"model": mc.name, "length": length, "queries": num_queries, "device": str(engine.device),
               "dtype": str(engine.dtype).replace("torch.", ""), "methods": {}}
     built: dict[str, SelectionMethod | None] = {}
-    for name, preset in methods:
-        label = f"{name}:{preset}" if preset else name
-        if name == "dense":
-            built[label] = None
+    for spec in methods:
+        if spec.name == "dense":
+            built[spec.label] = None
             continue
-        cls = get_backend_class(name)
-        cfg = cls.resolve_config(EngineConfig(attention=name, preset=preset,
-                                              attention_config=config_for(name, preset, attention_config)))
-        built[label] = cls.method_cls(cfg, mc.num_heads, mc.num_kv_heads)
+        cls = get_backend_class(spec.name)
+        cfg = cls.resolve_config(EngineConfig(attention=spec.name, preset=spec.preset,
+                                              attention_config=method_config(spec, attention_config)))
+        built[spec.label] = cls.method_cls(cfg, mc.num_heads, mc.num_kv_heads)
     report["methods"] = evaluate(built, cap, mc.head_dim ** -0.5)
     json.dumps(report)  # fail here, not after printing half of it
     return report
