@@ -93,9 +93,6 @@ class RopeFrame:
     rope_from: int  # query blocks ending at or past this position are remapped
     trained_len: int
 
-    def on(self, device) -> RopeFrame:
-        return RopeFrame(self.inv_freq.to(device), self.rope_from, self.trained_len)
-
 
 def rotate(x: torch.Tensor, delta: torch.Tensor, inv_freq: torch.Tensor) -> torch.Tensor:
     """Rotate x (..., D) (rotate-half layout) by `delta` positions (broadcast to x.shape[:-1]); fp32 out."""
