@@ -31,6 +31,18 @@ def _index(qb, sels, BQ, BK, S, W, G):
     return SparseIndex(BQ, BK, S, W, G, qb, blocks, counts)
 
 
+def test_query_blocks_last_rows_get_their_own_block_only_where_the_prompt_ends():
+    # two sequences: 21 rows from position 5 (its prompt ends), 10 rows from position 30 (a chunk in the middle)
+    qb = QueryBlocks.build([21, 10], [5, 30], 8, last_rows=1, ends=[True, False])
+    assert list(zip(qb.seq, qb.start, qb.length, qb.pos)) == [
+        (0, 0, 3, 5), (0, 3, 8, 8), (0, 11, 8, 16), (0, 19, 1, 24), (0, 20, 1, 25),  # position 25 alone
+        (1, 21, 2, 30), (1, 23, 8, 32)]  # no prompt end: blocks stay aligned
+    plain = QueryBlocks.build([21, 10], [5, 30], 8)
+    assert plain.length == [3, 8, 8, 2, 2, 8]
+    three = QueryBlocks.build([20], [0], 8, last_rows=3)
+    assert list(zip(three.length, three.pos)) == [(8, 0), (8, 8), (1, 16), (3, 17)]
+
+
 @pytest.mark.parametrize("S, W, BQ, BK, G", [(0, 0, 8, 4, 1), (3, 5, 8, 4, 2), (4, 16, 16, 2, 6), (2, 1, 1, 8, 2)])
 def test_full_selection_equals_dense(S, W, BQ, BK, G):
     ctx, n = 37, 29  # a chunk of 29 queries against a cached prefix of 37

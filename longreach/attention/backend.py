@@ -41,6 +41,8 @@ class AttentionMetadata:
     slot_mapping: torch.Tensor  # (T,) int64: cache slot (page * block_size + offset) of each new token
     max_seq_len: int
     max_query_len: int
+    # prefill: whether each sequence's prompt ends in this step (its last row predicts a sampled token); None: all do
+    prompt_ends: list[bool] | None = None
 
     @property
     def num_seqs(self) -> int:

@@ -3,7 +3,10 @@
 A step's queries are cut into **query blocks**: runs of at most `block_q` consecutive query rows of one sequence,
 aligned to absolute positions (block m of a sequence holds positions [m*block_q, (m+1)*block_q) that are in this
 step), so a prefill split into chunks that are multiples of `block_q` sees the same blocks as an unchunked one. A
-decode step has one block of one row per sequence.
+decode step has one block of one row per sequence. With `last_rows` > 0 the last `last_rows` rows of each sequence
+whose prompt ends in the step (`ends`; default all) form a block of their own: the row that predicts the first output
+token then selects its keys by itself (`SparseConfig.last_block_q`). The blocks before them keep the alignment, and a
+chunked prefill still sees the blocks of an unchunked one.
 
 For every query block and selection group, the index lists **key blocks** (logical ids: key block j is positions
 [j*block_k, (j+1)*block_k) of that sequence), ascending and padded with -1, plus a count. On top of them every query
@@ -41,13 +44,18 @@ class QueryBlocks:
         return len(self.seq)
 
     @classmethod
-    def build(cls, query_lens: list[int], context_lens: list[int], block_q: int) -> "QueryBlocks":
+    def build(cls, query_lens: list[int], context_lens: list[int], block_q: int, last_rows: int = 0,
+              ends: list[bool] | None = None) -> "QueryBlocks":
         seq, start, length, pos = [], [], [], []
         row = 0
         for i, (n, c) in enumerate(zip(query_lens, context_lens)):
             p, end = c, c + n
+            own = last_rows > 0 and (ends is None or ends[i])
+            tail = end - min(last_rows, n) if own else end  # the own block of the last rows starts here
             while p < end:
                 stop = min(end, (p // block_q + 1) * block_q)
+                if p < tail < stop:
+                    stop = tail
                 seq.append(i)
                 start.append(row + p - c)
                 length.append(stop - p)

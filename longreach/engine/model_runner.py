@@ -74,6 +74,7 @@ class ModelRunner:
             slot_mapping=torch.from_numpy(np.concatenate(slots)).to(dev, non_blocking=True),
             max_seq_len=max(seq_lens),
             max_query_len=max(batch.num_tokens),
+            prompt_ends=[s.num_computed + n == s.num_tokens for s, n in zip(batch.seqs, batch.num_tokens)],
         )
         input_ids = torch.tensor(ids, dtype=torch.long).to(dev, non_blocking=True)
         positions = torch.from_numpy(np.concatenate(pos)).to(dev, non_blocking=True)

@@ -186,7 +186,7 @@ if triton is not None:
         last = b - 1
         best = _probe(q, K, bt_base, kv, first, valid, row_ok, stride_kp, stride_ko, stride_kh, inv, remap, from_end,
                       de_group, PAGE, HEAD_DIM, DOT_PRECISION, ROPE, 0)
-        for _ in tl.static_range(N_ITER):
+        for _ in range(N_ITER):  # a loop, not unrolled: unrolling multiplied compile time (kernel-notes v6)
             span = last - first + 1
             active = valid & (span > 1)
             mid = first + span // 2
@@ -263,7 +263,7 @@ if triton is not None:
                 r1 = tl.arange(0, BQ_PAD)
                 row_ok = r1 < length
                 best = tl.full([BLOCK_C], float("-inf"), tl.float32)
-                for i in tl.static_range(HPP):
+                for i in range(HPP):  # a loop, not unrolled (kernel-notes v6)
                     q = _load_q(Q, start + r1, r1 * 0 + pair * HPP + i, row_ok, stride_qt, stride_qh, r1, length,
                                 blk_end, inv, remap, n_window, de_group, HEAD_DIM, ROPE)
                     hs = _select_rep(q, K, BlockTable, kv, a, b, valid, row_ok, stride_kp, stride_ko, stride_kh,
