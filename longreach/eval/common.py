@@ -12,7 +12,8 @@ from typing import NamedTuple
 
 
 def add_method_args(p: argparse.ArgumentParser, default_methods: tuple[str, ...] = ("dense", "infinitehip")) -> None:
-    """--model, --attention METHOD[:PRESET]..., --preset, --attention-config, --device, --dtype, --out, --plot."""
+    """--model, --attention METHOD[:PRESET]..., --preset, --attention-config, --device, --dtype,
+    --kv-cache-memory-gb, --out, --plot."""
     p.add_argument("--model", default="smollm2", help="model (default: smollm2)")
     p.add_argument("--attention", nargs="+", default=list(default_methods), metavar="METHOD[:PRESET]",
                    help=f"methods to run side by side (default: {' '.join(default_methods)}); e.g. dense "
@@ -23,6 +24,9 @@ def add_method_args(p: argparse.ArgumentParser, default_methods: tuple[str, ...]
                         "or method:preset, e.g. '{\"infinitehip\": {\"attend_rope\": \"none\"}}'")
     p.add_argument("--device", default="auto", help="device (default: auto)")
     p.add_argument("--dtype", default="auto", help="dtype (default: auto = bfloat16 on CUDA, float32 on CPU)")
+    p.add_argument("--kv-cache-memory-gb", type=float, default=None, metavar="GB",
+                   help="KV cache size per engine (default: the engine's, most of the free GPU memory); set it to run "
+                        "several evals on one GPU")
     p.add_argument("--out", default=None, metavar="PATH", help="also write the JSON report here")
     p.add_argument("--plot", default=None, metavar="PNG", help="draw the figure here (default: next to --out, or none)")
 
