@@ -96,8 +96,9 @@ def block_sparse_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
         rows = (start[:, None] + r[None, :]).clamp(max=T - 1)  # (n, BQ)
         qq = q[rows].float().reshape(n, BQ, P, hpp, D).permute(0, 2, 3, 1, 4)  # (n, P, hpp, BQ, D)
         s = torch.einsum("npiqd,npkd->npiqk", qq, kk) * scale
-        if rope is not None and rope.mode != "none":  # far keys and the queries facing them move; the window stays
-            remap = (pos0 + length - 1 >= rope.rope_from)[:, None, None]  # (n, 1, 1)
+        remap = (pos0 + length - 1 >= rope.rope_from)[:, None, None] if rope is not None else None  # (n, 1, 1)
+        if rope is not None and rope.mode != "none" and bool(remap.any()):
+            # far keys and the queries facing them move; the window stays. Skipped when no block of the slice moves
             slot = torch.arange(NK, device=dev)
             far = ~is_win
             new_k = attend_key_pos(rope.mode, kp, is_sink.expand_as(kp), (slot - S - n_win).expand_as(kp), S,

@@ -72,6 +72,8 @@ def chunk_scores_reference(qs: torch.Tensor, row_ok: torch.Tensor, keys: torch.T
     a, b, valid = a[:, pair_group], b[:, pair_group], valid[:, pair_group]  # (nb, P, C)
     q32 = qs.float()
     mode = rope.mode if rope is not None else "none"
+    if mode != "none" and not bool((cand_end + rope.n_window - 1 >= rope.rope_from).any()):
+        mode = "none"  # no block is remapped: skip the rotations (the CPU path's cost at or below the trained length)
     if mode != "none":
         end = cand_end + rope.n_window
         remap = (end - 1 >= rope.rope_from)[:, None, None]  # (nb, 1, 1)
