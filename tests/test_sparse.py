@@ -39,8 +39,8 @@ def test_query_blocks_last_rows_get_their_own_block_only_where_the_prompt_ends()
         (1, 21, 2, 30), (1, 23, 8, 32)]  # no prompt end: blocks stay aligned
     plain = QueryBlocks.build([21, 10], [5, 30], 8)
     assert plain.length == [3, 8, 8, 2, 2, 8]
-    three = QueryBlocks.build([20], [0], 8, last_rows=3)
-    assert list(zip(three.length, three.pos)) == [(8, 0), (8, 8), (1, 16), (3, 17)]
+    three = QueryBlocks.build([20], [0], 8, last_rows=3)  # each of the last three rows alone
+    assert list(zip(three.length, three.pos)) == [(8, 0), (8, 8), (1, 16), (1, 17), (1, 18), (1, 19)]
 
 
 @pytest.mark.parametrize("S, W, BQ, BK, G", [(0, 0, 8, 4, 1), (3, 5, 8, 4, 2), (4, 16, 16, 2, 6), (2, 1, 1, 8, 2)])

@@ -3,10 +3,10 @@
 A step's queries are cut into **query blocks**: runs of at most `block_q` consecutive query rows of one sequence,
 aligned to absolute positions (block m of a sequence holds positions [m*block_q, (m+1)*block_q) that are in this
 step), so a prefill split into chunks that are multiples of `block_q` sees the same blocks as an unchunked one. A
-decode step has one block of one row per sequence. With `last_rows` > 0 the last `last_rows` rows of each sequence
-whose prompt ends in the step (`ends`; default all) form a block of their own: the row that predicts the first output
-token then selects its keys by itself (`SparseConfig.last_block_q`). The blocks before them keep the alignment, and a
-chunked prefill still sees the blocks of an unchunked one.
+decode step has one block of one row per sequence. With `last_rows` > 0 each of the last `last_rows` rows of a
+sequence whose prompt ends in the step (`ends`; default all) is a block of one row: the row that predicts the first
+output token, and the question's rows before it, then select their keys by themselves (`SparseConfig.last_rows`).
+The blocks before them keep the alignment, and a chunked prefill still sees the blocks of an unchunked one.
 
 For every query block and selection group, the index lists **key blocks** (logical ids: key block j is positions
 [j*block_k, (j+1)*block_k) of that sequence), ascending and padded with -1, plus a count. On top of them every query
@@ -51,9 +51,9 @@ class QueryBlocks:
         for i, (n, c) in enumerate(zip(query_lens, context_lens)):
             p, end = c, c + n
             own = last_rows > 0 and (ends is None or ends[i])
-            tail = end - min(last_rows, n) if own else end  # the own block of the last rows starts here
+            tail = end - min(last_rows, n) if own else end  # rows from here on are blocks of one row
             while p < end:
-                stop = min(end, (p // block_q + 1) * block_q)
+                stop = p + 1 if p >= tail else min(end, (p // block_q + 1) * block_q)
                 if p < tail < stop:
                     stop = tail
                 seq.append(i)

@@ -106,10 +106,10 @@ class SparseConfig:
     n_sink: int = 256  # first tokens every query reads
     n_window: int = 1024  # last tokens every query reads (the streaming window)
     block_q: int = 64  # query rows per block in prefill (decode blocks have one row)
-    # prefill: a prompt's last rows form a query block of at most this many rows (0: none, the paper), so the row
-    # that predicts the first output token picks its own keys instead of sharing a max over block_q rows (a
-    # 64-row block's max dropped the pass key in the retrieval heads of SmolLM2's layers 18 and 20, docs/quality.md)
-    last_block_q: int = 1
+    # prefill: each of a prompt's last `last_rows` rows is a query block of one row (0: none, the paper), so the row
+    # that predicts the first output token picks its own keys instead of sharing a max over block_q rows (a 64-row
+    # block's max dropped the pass key in the retrieval heads of SmolLM2's layers 18 and 20, docs/quality.md)
+    last_rows: int = 1
     granularity: str = "kv_head"  # one selection per layer, per KV-head group, or per head (see index.py)
     dense_layers: tuple[int, ...] = ()  # layers that always attend densely
     dense_below: int | None = None  # sequences this short attend densely; None: the method's token budget
@@ -125,8 +125,8 @@ class SparseConfig:
                 raise ValueError(f"{name} must be >= 0, got {getattr(self, name)}")
         if self.block_q < 1:
             raise ValueError(f"block_q must be >= 1, got {self.block_q}")
-        if not 0 <= self.last_block_q <= self.block_q:
-            raise ValueError(f"last_block_q must be in [0, block_q={self.block_q}], got {self.last_block_q}")
+        if not isinstance(self.last_rows, int) or not 0 <= self.last_rows <= 4096:
+            raise ValueError(f"last_rows must be an integer in [0, 4096], got {self.last_rows!r}")
         if self.granularity not in GRANULARITIES:
             raise ValueError(f"granularity must be one of {', '.join(GRANULARITIES)}, got {self.granularity!r}")
         if any(layer < 0 for layer in self.dense_layers):
@@ -358,7 +358,7 @@ class SparseBackend(AttentionBackend):
         if self._step_layout is not None and self._step_layout[0] is meta:
             return self._step_layout[1]
         block_q = self.config.block_q if meta.is_prefill else 1
-        last = self.config.last_block_q if meta.is_prefill else 0
+        last = self.config.last_rows if meta.is_prefill else 0
         qb = QueryBlocks.build(meta.query_lens, meta.context_lens, block_q, last, meta.prompt_ends)
         per_seq = []
         row0 = 0
