@@ -168,6 +168,10 @@ def _bench_parser(sub) -> None:
     lg.add_argument("--attention", nargs="+", default=["dense", "infinitehip:3k-fast"], metavar="METHOD[:PRESET]")
     lg.add_argument("--new-tokens", type=int, default=64, help="tokens to generate (default: 64)")
     lg.add_argument("--device", default="auto")
+    lg.add_argument("--attention-config", default=None, metavar="JSON",
+                    help="config overrides for every sparse method, e.g. '{\"prune_rope\": \"none\"}'")
+    lg.add_argument("--eager-too", action="store_true",
+                    help="also run each method without CUDA graphs (enforce_eager) and compare speed and tokens")
     lg.add_argument("--out", default="bench-long.json", help="JSON output path")
     lg.set_defaults(func=_cmd_bench_long)
 
@@ -295,7 +299,8 @@ def _cmd_bench_long(args) -> int:
     else:
         text = paul_graham_text()
     methods = [(a.partition(":")[0], a.partition(":")[2] or None) for a in args.attention]
-    run_long(args.model, text, sorted(args.lengths), methods, args.new_tokens, args.device, args.out)
+    run_long(args.model, text, sorted(args.lengths), methods, args.new_tokens, args.device, args.out, args.eager_too,
+             args.attention_config)
     return 0
 
 

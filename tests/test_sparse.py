@@ -31,9 +31,9 @@ def _index(qb, sels, BQ, BK, S, W, G):
     return SparseIndex(BQ, BK, S, W, G, qb, blocks, counts)
 
 
-def test_query_blocks_last_rows_get_their_own_block_only_where_the_prompt_ends():
-    # two sequences: 21 rows from position 5 (its prompt ends), 10 rows from position 30 (a chunk in the middle)
-    qb = QueryBlocks.build([21, 10], [5, 30], 8, last_rows=1, ends=[True, False])
+def test_query_blocks_last_rows_get_their_own_block_only_at_the_prompts_end():
+    # two sequences: 21 rows from position 5 (its prompt ends), 10 rows from position 30 (a chunk of a 60-token prompt)
+    qb = QueryBlocks.build([21, 10], [5, 30], 8, last_rows=1, prompt_lens=[26, 60])
     assert list(zip(qb.seq, qb.start, qb.length, qb.pos)) == [
         (0, 0, 3, 5), (0, 3, 8, 8), (0, 11, 8, 16), (0, 19, 1, 24), (0, 20, 1, 25),  # position 25 alone
         (1, 21, 2, 30), (1, 23, 8, 32)]  # no prompt end: blocks stay aligned
@@ -41,6 +41,12 @@ def test_query_blocks_last_rows_get_their_own_block_only_where_the_prompt_ends()
     assert plain.length == [3, 8, 8, 2, 2, 8]
     three = QueryBlocks.build([20], [0], 8, last_rows=3)  # each of the last three rows alone
     assert list(zip(three.length, three.pos)) == [(8, 0), (8, 8), (1, 16), (1, 17), (1, 18), (1, 19)]
+    # the last 6 rows of a 20-token prompt span two chunks (0-16, 16-20): the chunks see the unchunked blocks
+    whole = QueryBlocks.build([20], [0], 8, last_rows=6)
+    first = QueryBlocks.build([16], [0], 8, last_rows=6, prompt_lens=[20])
+    second = QueryBlocks.build([4], [16], 8, last_rows=6, prompt_lens=[20])
+    assert list(zip(whole.length, whole.pos)) == list(zip(first.length + second.length, first.pos + second.pos))
+    assert whole.length == [8, 6] + [1] * 6
 
 
 @pytest.mark.parametrize("S, W, BQ, BK, G", [(0, 0, 8, 4, 1), (3, 5, 8, 4, 2), (4, 16, 16, 2, 6), (2, 1, 1, 8, 2)])
@@ -288,3 +294,53 @@ def test_sparse_differs_from_dense_and_unknown_preset_is_rejected(tiny):
         LLM(tiny, device="cpu", attention="infinitehip", attention_config='{"sinks": 3}', kv_cache_memory_gb=0.01)
     with pytest.raises(ValueError, match="dense attention takes no --preset"):
         LLM(tiny, device="cpu", preset="3k", kv_cache_memory_gb=0.01)
+
+
+GRAPH_CFG = {  # refresh intervals that leave some steps with no stage recomputed, and a dense_below limit (100)
+    "infinitehip": '{"n_sink": 8, "n_window": 16, "block_q": 8, "chunk_sizes": [32, 8, 2], "budgets": [128, 32, 8], '
+                   '"early_layers": 1, "early_last_budget": 16, "refresh": [6, 3, 2], "dense_below": 100}',
+    "streaming": '{"n_sink": 8, "n_window": 24, "block_q": 8, "dense_below": 100}',
+}
+
+
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.skipif(
+    not torch.cuda.is_available(), reason="needs a GPU"))])
+@pytest.mark.parametrize("method", sorted(GRAPH_CFG))
+def test_graph_decode_path_equals_eager_decode_with_staggered_sequences(tiny, method, device):
+    """The static-buffer decode path that CUDA graphs capture (on CPU run eagerly: `capture_graphs(emulate=True)`;
+    on a GPU really captured and replayed) gives every sequence the tokens of an eager run, while sequences join
+    mid-way (so their refresh schedules are out of phase), one grows past dense_below (100) during decode, and the
+    batch size changes."""
+    from longreach import SamplingParams
+    from longreach.engine.llm import LLM
+
+    g = torch.Generator().manual_seed(5)
+    prompts = [torch.randint(3, 256, (n,), generator=g).tolist() for n in (150, 90, 120)]
+    params = SamplingParams(temperature=0, max_tokens=16, ignore_eos=True)
+
+    def make(eager):
+        return LLM(tiny, device=device, dtype="float32", kv_cache_memory_gb=0.01, attention=method,
+                   attention_config=GRAPH_CFG[method], enforce_eager=eager)
+
+    eager = make(True)
+    expected = [eager.generate({"prompt_token_ids": p}, params, use_tqdm=False)[0].token_ids for p in prompts]
+    llm = make(False)
+    engine = llm.engine
+    if device == "cpu":
+        engine.runner.capture_graphs(emulate=True)
+    assert engine.runner._graph_sizes
+    out: dict[str, list[int]] = {}
+    joins = {0: 0, 3: 1, 8: 2}
+    for step in range(80):
+        if step in joins:
+            engine.add_request(str(joins[step]), prompts[joins[step]], params)
+        for o in engine.step():
+            if o.finished:
+                out[o.request_id] = o.token_ids
+        if len(out) == 3:
+            break
+    assert [out[str(i)] for i in range(3)] == expected
+    keys = {key for _, key in engine.runner._graphs}
+    levels = {key[1] for key in keys}
+    assert len(levels) >= 2 if method == "infinitehip" else levels == {0}, keys  # several refresh variants ran
+    assert not engine.backend._slot and not engine.backend._cached  # finished sequences gave their state back

@@ -9,11 +9,17 @@ Life cycle, per engine step (prefill steps and decode steps are separate, see en
   2. `begin_step(meta)` runs once (shared per-step work: e.g. which sequences need a mask refresh);
   3. for each layer the model stores the new k/v in the cache and calls `forward(layer, q, k, v, cache, meta)`;
   4. when a sequence finishes or is preempted, `free_sequence(seq_id)` drops any state the backend kept for it.
-Decode steps may be captured in a CUDA graph when `supports_cuda_graph` is true: `forward` must then read only the
-device tensors of `meta` (their contents change between replays, their shapes do not) and never sync with the host.
+Decode steps may be captured in a CUDA graph when `supports_cuda_graph` is true (and `graph_unsupported()` finds no
+reason in the config): `forward` must then read only the device tensors of `meta` (their contents change between
+replays, their shapes do not) and never sync with the host. A backend whose decode step needs per-step host decisions
+(sparse mask refreshes) names **variants** instead: each graph-decoded step, the runner calls `graph_step`, which
+does the host work, returns the variant's key (a graph is captured per key and batch size) and a `load` function
+that writes the step's inputs into the backend's own static buffers just before replay (engine/model_runner.py).
 """
 from __future__ import annotations
 
+import contextlib
+import typing
 from abc import ABC, abstractmethod
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, ClassVar
@@ -41,8 +47,9 @@ class AttentionMetadata:
     slot_mapping: torch.Tensor  # (T,) int64: cache slot (page * block_size + offset) of each new token
     max_seq_len: int
     max_query_len: int
-    # prefill: whether each sequence's prompt ends in this step (its last row predicts a sampled token); None: all do
-    prompt_ends: list[bool] | None = None
+    # prefill: each sequence's prompt length (tokens the whole prefill covers; a chunk may end before it); None: the
+    # prompts end in this step
+    prompt_lens: list[int] | None = None
 
     @property
     def num_seqs(self) -> int:
@@ -79,6 +86,28 @@ class AttentionBackend(ABC):
         meta: AttentionMetadata,
     ) -> torch.Tensor:  # (T, H_q, D)
         ...
+
+    # ---- graph decode (see the module docstring) -------------------------------------------------------------------
+    def graph_unsupported(self) -> str | None:
+        """Why decode cannot be captured with this backend and config, or None."""
+        return None if self.supports_cuda_graph else f"attention backend {self.name!r} is not graph-capturable"
+
+    def graph_keys_upfront(self) -> list:
+        """The variants to capture when the engine starts (the others are captured on first use)."""
+        return [()]
+
+    def graph_step(self, seq_ids: list[int], seq_lens: list[int]) -> tuple[tuple, "typing.Callable[[int], None] | None"]:
+        """Host side of one graph-decoded step (once per step, in place of `begin_step`): (variant key, load(rows)
+        or None)."""
+        return (), None
+
+    def graph_scratch(self) -> None:
+        """Point the backend's static buffers at scratch state, so warm-up and capture write nothing real."""
+
+    @contextlib.contextmanager
+    def graph_variant(self, key: tuple):
+        """While active, `forward` runs decode as variant `key` from the static buffers (captured or emulated)."""
+        yield
 
     def free_sequence(self, seq_id: int) -> None:
         """Drop per-sequence state (mask caches, counters) of a finished or preempted sequence."""

@@ -3,10 +3,11 @@
 A step's queries are cut into **query blocks**: runs of at most `block_q` consecutive query rows of one sequence,
 aligned to absolute positions (block m of a sequence holds positions [m*block_q, (m+1)*block_q) that are in this
 step), so a prefill split into chunks that are multiples of `block_q` sees the same blocks as an unchunked one. A
-decode step has one block of one row per sequence. With `last_rows` > 0 each of the last `last_rows` rows of a
-sequence whose prompt ends in the step (`ends`; default all) is a block of one row: the row that predicts the first
-output token, and the question's rows before it, then select their keys by themselves (`SparseConfig.last_rows`).
-The blocks before them keep the alignment, and a chunked prefill still sees the blocks of an unchunked one.
+decode step has one block of one row per sequence. With `last_rows` > 0 each of a prompt's last `last_rows` rows
+(positions [prompt_len - last_rows, prompt_len), `prompt_lens`; default: the prompt ends in this step) is a block of
+one row: the row that predicts the first output token, and the question's rows before it, then select their keys by
+themselves (`SparseConfig.last_rows`). The blocks before them keep the alignment. Both rules depend on positions
+only, so a chunked prefill sees exactly the blocks of an unchunked one, even when the last rows span two chunks.
 
 For every query block and selection group, the index lists **key blocks** (logical ids: key block j is positions
 [j*block_k, (j+1)*block_k) of that sequence), ascending and padded with -1, plus a count. On top of them every query
@@ -45,13 +46,13 @@ class QueryBlocks:
 
     @classmethod
     def build(cls, query_lens: list[int], context_lens: list[int], block_q: int, last_rows: int = 0,
-              ends: list[bool] | None = None) -> "QueryBlocks":
+              prompt_lens: list[int] | None = None) -> "QueryBlocks":
         seq, start, length, pos = [], [], [], []
         row = 0
         for i, (n, c) in enumerate(zip(query_lens, context_lens)):
             p, end = c, c + n
-            own = last_rows > 0 and (ends is None or ends[i])
-            tail = end - min(last_rows, n) if own else end  # rows from here on are blocks of one row
+            prompt_len = end if prompt_lens is None else prompt_lens[i]
+            tail = max(c, prompt_len - last_rows) if last_rows > 0 else end  # rows from here on: blocks of one row
             while p < end:
                 stop = p + 1 if p >= tail else min(end, (p // block_q + 1) * block_q)
                 if p < tail < stop:

@@ -114,9 +114,7 @@ class InfiniteHiP(SelectionMethod):
         if state is None:  # prefill: every stage, for every block
             return torch.cat([stages[-1] for stages in self._sliced_stages(layer, q, blocks, keys)])
         cached = state.get("stages")
-        first = 0
-        if cached is not None:
-            first = next((i for i, r in enumerate(self.cfg.refresh) if step % r == 0), len(self.cfg.refresh))
+        first = 0 if cached is None else self.refresh_from(step)
         prev = cached[first - 1] if first > 0 else None
         fresh = self.run_stages(layer, q, blocks, keys, first, prev) if first < len(self.cfg.refresh) else []
         state["stages"] = (cached[:first] if cached is not None else []) + fresh
@@ -152,12 +150,25 @@ class InfiniteHiP(SelectionMethod):
             out.append((width, width > budgets[i] // l))
         return out
 
+    def graph_stage_widths(self, layer: int) -> tuple[int, ...]:
+        return tuple(k // l for k, l in zip(self.stage_budgets(layer), self.cfg.chunk_sizes))
+
+    def refresh_from(self, step: int) -> int:
+        return next((i for i, r in enumerate(self.cfg.refresh) if step % r == 0), len(self.cfg.refresh))
+
+    def graph_select(self, layer, q, blocks, keys, cached, row_first, level):
+        prev = cached[level - 1] if level else None
+        return self.run_stages(layer, q, blocks, keys, level, prev, keep=(cached, row_first))
+
     def run_stages(self, layer, q, blocks, keys, first: int = 0, prev: torch.Tensor | None = None,
-                   return_counts: bool = False):
+                   return_counts: bool = False, keep: tuple[list[torch.Tensor], torch.Tensor] | None = None):
         """Outputs of stages first..N-1, each (nb, G, C_i) ascending chunk ids at that stage's granularity, -1 padded
         (and, with `return_counts`, the last stage's (nb, G) counts: the attention index without any repacking).
 
         `prev` is the output of stage first-1 (required when first > 0). No device-to-host sync.
+        `keep` = (cached outputs of every stage, (nb,) first stage each block recomputes): a block whose first stage
+        is past i keeps its cached output of stage i, and the next stage builds on whichever output the block kept
+        (a captured decode step recomputes from the batch's earliest stage; see sparse.py, graph decode).
         """
         cfg = self.cfg
         dev = q.device
@@ -187,6 +198,9 @@ class InfiniteHiP(SelectionMethod):
             else:  # every candidate fits the budget
                 score = torch.where(valid, 0.0, float("-inf"))
             prev, counts = self.top_k(torch.where(valid, ids, -1), score, budgets[i] // l)
+            if keep is not None:
+                prev = torch.where((keep[1] > i)[:, None, None], keep[0][i], prev)
+                counts = (prev >= 0).sum(-1).to(torch.int32)
             outs.append(prev)
         return (outs, counts) if return_counts else outs
 
@@ -196,3 +210,4 @@ class InfiniteHiPBackend(SparseBackend):
 
     name = "infinitehip"
     method_cls = InfiniteHiP
+    supports_cuda_graph = True

@@ -31,9 +31,16 @@ class Streaming(SelectionMethod):
     def _select(self, layer, q, blocks, keys, state, step):
         return torch.empty(blocks.num_blocks, self.groups, 0, dtype=torch.long, device=q.device)
 
+    def graph_stage_widths(self, layer: int) -> tuple[int, ...]:
+        return ()  # nothing selected, nothing cached
+
+    def graph_select(self, layer, q, blocks, keys, cached, row_first, level):
+        return []
+
 
 class StreamingBackend(SparseBackend):
     """StreamingLLM: sink + sliding window, no selection."""
 
     name = "streaming"
     method_cls = Streaming
+    supports_cuda_graph = True

@@ -155,7 +155,7 @@ def run(model: str, hf_dir: str, hf_file: str | None, device: str, batch_sizes=(
         "model": llm.engine.model_config.name,
         "dtype": str(llm.engine.dtype).replace("torch.", ""),
         "settings": {"new_tokens": new_tokens, "prompt_len": prompt_len, "prefill_len": prefill_len,
-                     "repeats": repeats, "cuda_graphs": bool(llm.engine.runner._graphs)},
+                     "repeats": repeats, "cuda_graphs": bool(llm.engine.runner._graph_sizes)},
         "longreach": asdict(ours),
         "transformers": asdict(base),
         "greedy_agreement": agreement,
@@ -194,8 +194,12 @@ def format_table(r: dict) -> str:
 
 
 def run_long(model: str, text: str, lengths: list[int], methods: list[tuple[str, str | None]], new_tokens: int,
-             device: str, out_path: str | None) -> dict:
-    """Prefill time and decode tokens/s through the engine for each (method, preset) at each prompt length."""
+             device: str, out_path: str | None, eager_too: bool = False, attention_config: str | None = None) -> dict:
+    """Prefill time and decode tokens/s through the engine for each (method, preset) at each prompt length.
+
+    `eager_too`: also run each one with `enforce_eager` (no CUDA graphs) and report whether its tokens equal the
+    graph run's, so the decode speed of graph capture and its exactness are measured in the same run.
+    `attention_config`: JSON overrides for every method but dense."""
     import gc
 
     import torch
@@ -207,31 +211,44 @@ def run_long(model: str, text: str, lengths: list[int], methods: list[tuple[str,
     ids = None
     for n in lengths:
         for name, preset in methods:
-            llm = LLM(model, attention=name, preset=preset, device=device, max_model_len=n + new_tokens + 1,
-                      max_num_seqs=1, gpu_memory_utilization=0.5)
-            if ids is None:
-                ids = llm.get_tokenizer().encode(text)
-                report["gpu"] = torch.cuda.get_device_name() if llm.engine.device.type == "cuda" else "cpu"
-                report["model"] = llm.engine.model_config.name
-            if len(ids) < n:
-                raise ValueError(f"the text has {len(ids)} tokens, fewer than the prompt length {n}")
-            prompt = {"prompt_token_ids": ids[:n]}
-            params = SamplingParams(temperature=0, max_tokens=new_tokens, ignore_eos=True)
-            llm.generate(prompt, SamplingParams(temperature=0, max_tokens=2), use_tqdm=False)  # warm-up (compiles)
-            out = llm.generate(prompt, params, use_tqdm=False)[0]
-            m = out.metrics
-            row = {"length": n, "attention": f"{name}:{preset}" if preset else name, "prefill_s": m.prefill_seconds,
-                   "prefill_tok_s": m.prefill_tokens_per_s, "decode_tok_s": m.decode_tokens_per_s,
-                   "cuda_graphs": bool(llm.engine.runner._graphs), "text": out.text, "token_ids": out.token_ids}
-            report["runs"].append(row)
-            print(f"{n:>8} {row['attention']:<22} prefill {row['prefill_s']:8.2f} s ({row['prefill_tok_s']:>9,.0f} tok/s)"
-                  f"  decode {row['decode_tok_s'] or 0:8.1f} tok/s  graphs={row['cuda_graphs']}  {out.text[:60]!r}",
-                  flush=True)
-            del llm
-            gc.collect()
-            if torch.cuda.is_available():
-                torch.cuda.empty_cache()
-            if out_path:
-                with open(out_path, "w") as f:
-                    json.dump(report, f, indent=1)
+            graph_tokens = None
+            for eager in (False, True) if eager_too else (False,):
+                llm = LLM(model, attention=name, preset=preset, device=device, max_model_len=n + new_tokens + 1,
+                          max_num_seqs=1, gpu_memory_utilization=0.5, enforce_eager=eager,
+                          attention_config=None if name == "dense" else attention_config)
+                if ids is None:
+                    ids = llm.get_tokenizer().encode(text)
+                    report["gpu"] = torch.cuda.get_device_name() if llm.engine.device.type == "cuda" else "cpu"
+                    report["model"] = llm.engine.model_config.name
+                if len(ids) < n:
+                    raise ValueError(f"the text has {len(ids)} tokens, fewer than the prompt length {n}")
+                prompt = {"prompt_token_ids": ids[:n]}
+                params = SamplingParams(temperature=0, max_tokens=new_tokens, ignore_eos=True)
+                # warm-up: compiles, and captures the graph variants a decode meets
+                llm.generate(prompt, SamplingParams(temperature=0, max_tokens=new_tokens, ignore_eos=True),
+                             use_tqdm=False)
+                out = llm.generate(prompt, params, use_tqdm=False)[0]
+                m = out.metrics
+                graphs = bool(llm.engine.runner._graph_sizes)
+                row = {"length": n, "attention": f"{name}:{preset}" if preset else name,
+                       "attention_config": None if name == "dense" else attention_config, "prefill_s": m.prefill_seconds,
+                       "prefill_tok_s": m.prefill_tokens_per_s, "decode_tok_s": m.decode_tokens_per_s,
+                       "cuda_graphs": graphs, "graph_variants": len(llm.engine.runner._graphs), "text": out.text,
+                       "token_ids": out.token_ids}
+                if eager and graph_tokens is not None:
+                    row["same_tokens_as_graphs"] = out.token_ids == graph_tokens
+                if graphs:
+                    graph_tokens = out.token_ids
+                report["runs"].append(row)
+                same = f"  same tokens as graphs: {row['same_tokens_as_graphs']}" if "same_tokens_as_graphs" in row else ""
+                print(f"{n:>8} {row['attention']:<22} prefill {row['prefill_s']:8.2f} s "
+                      f"({row['prefill_tok_s']:>9,.0f} tok/s)  decode {row['decode_tok_s'] or 0:8.1f} tok/s  "
+                      f"graphs={graphs}{same}  {out.text[:60]!r}", flush=True)
+                del llm
+                gc.collect()
+                if torch.cuda.is_available():
+                    torch.cuda.empty_cache()
+                if out_path:
+                    with open(out_path, "w") as f:
+                        json.dump(report, f, indent=1)
     return report

@@ -8,6 +8,7 @@ from __future__ import annotations
 import bisect
 import logging
 import time
+import typing
 
 import numpy as np
 import torch
@@ -42,7 +43,7 @@ class ModelRunner:
         self.device = device
         self.block_size = blocks.block_size
         self.scratch_page = blocks.num_blocks  # the cache has one page more than the block manager hands out
-        self._graphs: dict[int, tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}
+        self._graphs: dict[tuple, typing.Callable[[], torch.Tensor]] = {}  # (rows, backend variant) -> step
         self._graph_sizes: list[int] = []
 
     # ---- batch tensors -------------------------------------------------------------------------------------------
@@ -74,7 +75,7 @@ class ModelRunner:
             slot_mapping=torch.from_numpy(np.concatenate(slots)).to(dev, non_blocking=True),
             max_seq_len=max(seq_lens),
             max_query_len=max(batch.num_tokens),
-            prompt_ends=[s.num_computed + n == s.num_tokens for s, n in zip(batch.seqs, batch.num_tokens)],
+            prompt_lens=[s.num_tokens for s in batch.seqs],
         )
         input_ids = torch.tensor(ids, dtype=torch.long).to(dev, non_blocking=True)
         positions = torch.from_numpy(np.concatenate(pos)).to(dev, non_blocking=True)
@@ -93,7 +94,7 @@ class ModelRunner:
             self.backend.begin_step(meta)
             hidden = self.model(input_ids, positions, StepContext(self.kv_cache, self.backend, meta, meta.max_seq_len - 1))
             return self.model.logits(hidden), sample_idx
-        if not batch.is_prefill and self._graphs and len(batch.seqs) <= self._graph_sizes[-1]:
+        if not batch.is_prefill and self._graph_sizes and len(batch.seqs) <= self._graph_sizes[-1]:
             return self._replay(batch), sample_idx
         input_ids, positions, meta, qsl = self._metadata(batch)
         self.backend.begin_step(meta)
@@ -108,16 +109,24 @@ class ModelRunner:
             return False, "not on CUDA"
         if self.config.enforce_eager:
             return False, "enforce_eager is set"
-        if not self.backend.supports_cuda_graph:
-            return False, f"attention backend {self.backend.name!r} is not graph-capturable"
+        why = self.backend.graph_unsupported()
+        if why:
+            return False, why
         if self.model.rotary.dynamic:
             return False, "dynamic NTK RoPE changes its frequencies with the sequence length"
         return True, ""
 
     @torch.inference_mode()
-    def capture_graphs(self) -> None:
+    def capture_graphs(self, emulate: bool = False) -> None:
+        """Set up graph decode: static input buffers, and a graph per batch-size bucket for each variant the backend
+        lists up front (dense: its only one). Variants the backend names later (sparse: per context bucket and mask
+        refresh level, see attention/sparse.py) are captured the first time a step needs them.
+
+        `emulate` (tests, any device): run the same static-buffer decode path eagerly instead of capturing, so the
+        graph path's logic is checked on a CPU.
+        """
         ok, why = self.graphs_supported()
-        if not ok:
+        if not ok and not emulate:
             logger.info("decode runs eagerly (no CUDA graphs): %s", why)
             return
         t0 = time.perf_counter()
@@ -131,26 +140,56 @@ class ModelRunner:
         self._g_lens = torch.ones(max_bs, dtype=torch.int32, device=dev)
         self._g_tables = torch.full((max_bs, max_pages), self.scratch_page, dtype=torch.int32, device=dev)
         self._g_qsl = torch.arange(max_bs + 1, dtype=torch.int32, device=dev)
-        pool = None
-        for n in reversed(sizes):  # largest first, so smaller graphs reuse its memory pool
-            meta = AttentionMetadata(False, [-1] * n, [1] * n, [0] * n, self._g_qsl[: n + 1], self._g_lens[:n],
-                                     self._g_tables[:n], self._g_slots[:n], self.config.max_model_len, 1)
-            ctx = StepContext(self.kv_cache, self.backend, meta, None)
-            run = lambda: self.model.logits(self.model(self._g_ids[:n], self._g_pos[:n], ctx))  # noqa: E731
+        self._emulate = emulate
+        self._pool = None if emulate else torch.cuda.graph_pool_handle()
+        self._graph_sizes = sizes
+        keys = self.backend.graph_keys_upfront()
+        for key in keys:
+            for n in reversed(sizes):  # largest first, so smaller graphs reuse its memory
+                self._capture(n, key)
+        if not emulate:
+            torch.cuda.synchronize()
+        logger.info("decode through CUDA graphs: batch sizes %s; %d captured up front in %.1f s%s", sizes,
+                    len(self._graphs), time.perf_counter() - t0,
+                    "" if keys else f"; {self.backend.name} captures its variants on first use")
+
+    def _capture(self, n: int, key) -> None:
+        """Capture (or, emulating, wrap) the decode step of `n` rows in the backend's variant `key`. Inputs are the
+        scratch page and the backend's scratch state while warming up and capturing, so nothing real is written.
+        All graphs share one memory pool: only one replays at a time and its logits are consumed before the next."""
+        t0 = time.perf_counter()
+        bs = self.block_size
+        self._g_slots[:n].fill_(self.scratch_page * bs)
+        self._g_lens[:n].fill_(1)
+        self._g_tables[:n].fill_(self.scratch_page)
+        self.backend.graph_scratch()
+        meta = AttentionMetadata(False, [-1] * n, [1] * n, [0] * n, self._g_qsl[: n + 1], self._g_lens[:n],
+                                 self._g_tables[:n], self._g_slots[:n], self.config.max_model_len, 1)
+        ctx = StepContext(self.kv_cache, self.backend, meta, None)
+        run = lambda: self.model.logits(self.model(self._g_ids[:n], self._g_pos[:n], ctx))  # noqa: E731
+        if self._emulate:
+            def emulated():
+                with self.backend.graph_variant(key):
+                    return run()
+            self._graphs[(n, key)] = emulated
+            return
+        with self.backend.graph_variant(key):
             stream = torch.cuda.Stream()
             stream.wait_stream(torch.cuda.current_stream())
             with torch.cuda.stream(stream):
                 run()  # warm-up: Triton compilation and cuBLAS handles outside the capture
             torch.cuda.current_stream().wait_stream(stream)
             graph = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(graph, pool=pool):
+            with torch.cuda.graph(graph, pool=self._pool):
                 out = run()
-            pool = graph.pool()
-            self._graphs[n] = (graph, out)
-        self._graph_sizes = sizes
-        torch.cuda.synchronize()
-        logger.info("captured %d decode CUDA graphs (batch sizes %s) in %.1f s", len(sizes), sizes,
-                    time.perf_counter() - t0)
+
+        def replay():
+            graph.replay()
+            return out
+        self._graphs[(n, key)] = replay
+        if key != ():
+            logger.info("captured the decode graph for %d rows, variant %s, in %.2f s", n, key,
+                        time.perf_counter() - t0)
 
     def _replay(self, batch: ScheduledBatch) -> torch.Tensor:
         n = len(batch.seqs)
@@ -158,6 +197,9 @@ class ModelRunner:
         bs = self.block_size
         ids = [s.output_token_ids[-1] if s.output_token_ids else s.prompt_token_ids[-1] for s in batch.seqs]
         pos = [s.num_tokens - 1 for s in batch.seqs]
+        key, load = self.backend.graph_step([s.seq_id for s in batch.seqs], [p + 1 for p in pos])
+        if (size, key) not in self._graphs:
+            self._capture(size, key)
         tables = [self.blocks.table(s.seq_id) for s in batch.seqs]
         width = max(len(t) for t in tables)
         bt = np.full((size, width), self.scratch_page, dtype=np.int32)
@@ -173,6 +215,6 @@ class ModelRunner:
         self._g_slots[:size].copy_(torch.from_numpy(slots), non_blocking=True)
         self._g_lens[:size].copy_(torch.from_numpy(lens), non_blocking=True)
         self._g_tables[:size, :width].copy_(torch.from_numpy(bt).to(dev, non_blocking=True))
-        graph, out = self._graphs[size]
-        graph.replay()
-        return out[:n]
+        if load is not None:
+            load(size)
+        return self._graphs[(size, key)]()[:n]

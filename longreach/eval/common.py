@@ -13,7 +13,7 @@ from typing import NamedTuple
 
 def add_method_args(p: argparse.ArgumentParser, default_methods: tuple[str, ...] = ("dense", "infinitehip")) -> None:
     """--model, --attention METHOD[:PRESET]..., --preset, --attention-config, --device, --dtype,
-    --kv-cache-memory-gb, --out, --plot."""
+    --kv-cache-memory-gb, --enforce-eager, --out, --plot."""
     p.add_argument("--model", default="smollm2", help="model (default: smollm2)")
     p.add_argument("--attention", nargs="+", default=list(default_methods), metavar="METHOD[:PRESET]",
                    help=f"methods to run side by side (default: {' '.join(default_methods)}); e.g. dense "
@@ -27,6 +27,7 @@ def add_method_args(p: argparse.ArgumentParser, default_methods: tuple[str, ...]
     p.add_argument("--kv-cache-memory-gb", type=float, default=None, metavar="GB",
                    help="KV cache size per engine (default: the engine's, most of the free GPU memory); set it to run "
                         "several evals on one GPU")
+    p.add_argument("--enforce-eager", action="store_true", help="decode without CUDA graphs")
     p.add_argument("--out", default=None, metavar="PATH", help="also write the JSON report here")
     p.add_argument("--plot", default=None, metavar="PNG", help="draw the figure here (default: next to --out, or none)")
 

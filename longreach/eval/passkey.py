@@ -164,7 +164,7 @@ def main(args: argparse.Namespace) -> int:
         note(f"passkey: loading {args.model} with {spec.label} attention")
         llm = make_llm(args.model, spec, args.attention_config, args.device, args.dtype,
                        max(lengths) + args.new_tokens, max_num_seqs=BATCH,
-                       kv_cache_memory_gb=args.kv_cache_memory_gb)
+                       kv_cache_memory_gb=args.kv_cache_memory_gb, enforce_eager=args.enforce_eager)
         engine = llm.engine
         if not prompts:  # built once, with the first engine's tokenizer: every method answers the same prompts
             if engine.tokenizer is None:

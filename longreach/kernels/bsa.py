@@ -169,6 +169,20 @@ def query_block_tensors(qb: QueryBlocks, device) -> tuple[torch.Tensor, ...]:
     return t[0], t[1], t[2], t[3]
 
 
+_PAIRS: dict[tuple, tuple[torch.Tensor, torch.Tensor, int]] = {}
+
+
+def _pair_tensors(num_heads: int, num_kv_heads: int, groups: int, device) -> tuple[torch.Tensor, torch.Tensor, int]:
+    """(selection group, KV head) of every pair as int32 device tensors and heads per pair, made once per shape:
+    a host-to-device copy is not allowed while a CUDA graph is being captured."""
+    key = (num_heads, num_kv_heads, groups, str(torch.device(device)))
+    if key not in _PAIRS:
+        pairs, hpp = head_pairs(num_heads, num_kv_heads, groups)
+        t = torch.tensor(pairs, dtype=torch.int32).reshape(-1, 2).to(device)
+        _PAIRS[key] = (t[:, 0].contiguous(), t[:, 1].contiguous(), hpp)
+    return _PAIRS[key]
+
+
 class BSAPlan:
     """The device-side tensors of a SparseIndex (built once per index, reused by every launch).
 
@@ -178,12 +192,9 @@ class BSAPlan:
 
     def __init__(self, index: SparseIndex, num_heads: int, num_kv_heads: int, device,
                  queries: tuple[torch.Tensor, ...] | None = None):
-        as_t = lambda xs: torch.tensor(xs, dtype=torch.int32, device=device)  # noqa: E731
         self.seq, self.start, self.len, self.pos = queries or query_block_tensors(index.queries, device)
-        pairs, self.hpp = head_pairs(num_heads, num_kv_heads, index.groups)
-        self.pair_group = as_t([g for g, _ in pairs])
-        self.pair_kv = as_t([kv for _, kv in pairs])
-        self.num_pairs = len(pairs)
+        self.pair_group, self.pair_kv, self.hpp = _pair_tensors(num_heads, num_kv_heads, index.groups, device)
+        self.num_pairs = self.pair_group.shape[0]
         self.blocks = index.blocks.to(device=device, dtype=torch.int32).contiguous()
         self.counts = index.counts.to(device=device, dtype=torch.int32).contiguous()
         self.index = index
