@@ -6,13 +6,21 @@ layout needs no register shuffles: out = x * cos + sign * x_swapped * sin, sign 
 """
 from __future__ import annotations
 
+import os
+
 try:
     import triton
     import triton.language as tl
+    from triton.language.extra import libdevice
 except ImportError:  # pragma: no cover
     triton = None
 
 if triton is not None:
+    # The GPU's approximate sin/cos (one special-function instruction each; abs. error ~5e-7 on [-pi, pi], where the
+    # angle is reduced first) instead of libdevice's accurate ones (dozens of instructions each): a probe of the
+    # pruning kernel rotates every key it reads, and the accurate functions made RoPE-remapped prefill 3.6-3.8x slower
+    # than prefill at true positions (kernel-notes v7). The CPU interpreter has no fast variants: it keeps tl.sin/cos.
+    FAST_TRIG: tl.constexpr = tl.constexpr(os.environ.get("TRITON_INTERPRET", "0") != "1")
 
     @triton.jit
     def swap_halves(d, HEAD_DIM: tl.constexpr):
@@ -26,4 +34,8 @@ if triton is not None:
         ang = delta.to(tl.float32)[:, None] * inv_freq[None, :]
         ang = ang - 6.283185307179586 * tl.floor(ang * 0.15915494309189535 + 0.5)
         sign = tl.where(d < HEAD_DIM // 2, -1.0, 1.0)
-        return x.to(tl.float32) * tl.cos(ang) + sign[None, :] * x_sw.to(tl.float32) * tl.sin(ang)
+        if FAST_TRIG:
+            cos, sin = libdevice.fast_cosf(ang), libdevice.fast_sinf(ang)
+        else:
+            cos, sin = tl.cos(ang), tl.sin(ang)
+        return x.to(tl.float32) * cos + sign[None, :] * x_sw.to(tl.float32) * sin
