@@ -28,10 +28,15 @@ def head_pairs(num_heads: int, num_kv_heads: int, groups: int) -> tuple[list[tup
 
 def block_sparse_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                            block_tables: torch.Tensor, index: SparseIndex, scale: float,
-                           max_bytes: int = 256 << 20, rope: RopeArgs | None = None
-                           ) -> tuple[torch.Tensor, torch.Tensor]:
+                           max_bytes: int = 256 << 20, rope: RopeArgs | None = None, need_lse: bool = True
+                           ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """`rope`: remap the positions of far keys (rope/strategies.py, attention strategies) for query blocks ending
-    at or past rope.rope_from; None or mode "none" keeps true positions."""
+    at or past rope.rope_from; None or mode "none" keeps true positions.
+
+    `need_lse=False` (the engine on CPU): the softmax runs as one fused SDPA call per slice over the same keys and
+    mask, and lse comes back None. With remapped positions the far and near scores are two dot products; they become
+    one by concatenating [q_far, q] against [k_far, 0] for far keys and [0, k] for near ones. Tested against the
+    explicit softmax (tests/test_sparse.py)."""
     T, Hq, D = q.shape
     page, Hkv = k_cache.shape[1], k_cache.shape[2]
     dev = q.device
@@ -95,22 +100,29 @@ def block_sparse_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
 
         rows = (start[:, None] + r[None, :]).clamp(max=T - 1)  # (n, BQ)
         qq = q[rows].float().reshape(n, BQ, P, hpp, D).permute(0, 2, 3, 1, 4)  # (n, P, hpp, BQ, D)
-        s = torch.einsum("npiqd,npkd->npiqk", qq, kk) * scale
         remap = (pos0 + length - 1 >= rope.rope_from)[:, None, None] if rope is not None else None  # (n, 1, 1)
-        if rope is not None and rope.mode != "none" and bool(remap.any()):
-            # far keys and the queries facing them move; the window stays. Skipped when no block of the slice moves
-            slot = torch.arange(NK, device=dev)
-            far = ~is_win
-            new_k = attend_key_pos(rope.mode, kp, is_sink.expand_as(kp), (slot - S - n_win).expand_as(kp), S,
-                                   rope.group)
-            dk = torch.where(remap & far, new_k - kp, 0)
-            sel_tokens = (index.counts[sl].long() * BK)[:, pair_group][..., None]  # (n, P, 1)
-            new_q = attend_query_pos(rope.mode, row_pos[:, None, :], S, sel_tokens, W, rope.group)  # (n, P, BQ)
-            dq = torch.where(remap, new_q - row_pos[:, None, :], 0)
-            s_far = torch.einsum("npiqd,npkd->npiqk", rotate(qq, dq[:, :, None, :], rope.inv_freq),
-                                 rotate(kk, dk, rope.inv_freq)) * scale
-            s = torch.where(far, s_far, s)
+        moved = rope is not None and rope.mode != "none" and bool(remap.any())
         mask = allowed[:, pair_group][:, :, None]  # (n, P, 1, BQ, NK)
+        if not need_lse:
+            if moved:
+                q_far, k_far, far = _moved(rope, qq, kk, kp, row_pos, is_sink, is_win, remap, index, sl, pair_group,
+                                           S, n_win, W)
+                qq = torch.cat([q_far, qq], dim=-1)
+                kk = torch.cat([k_far * far[:, None], kk * (~far)[:, None]], dim=-1)
+                vv = torch.nn.functional.pad(vv, (0, D))  # the fused kernel wants one head size for q, k and v
+            o = torch.nn.functional.scaled_dot_product_attention(  # 4-D: the fused CPU kernel takes no 3-D input
+                qq.reshape(n * P, 1, hpp * BQ, -1), kk.reshape(n * P, 1, NK, -1), vv.reshape(n * P, 1, NK, -1),
+                attn_mask=mask.expand(n, P, hpp, BQ, NK).reshape(n * P, 1, hpp * BQ, NK), scale=scale)
+            o = torch.nan_to_num(o[..., :D].reshape(n, P, hpp, BQ, D), nan=0.0)  # a row with no key: 0, as below
+            o = o.permute(0, 3, 1, 2, 4).reshape(n, BQ, Hq, D)
+            flat_rows = rows[row_ok]
+            out[flat_rows] = o[row_ok].to(q.dtype)
+            continue
+        s = torch.einsum("npiqd,npkd->npiqk", qq, kk) * scale
+        if moved:  # far keys and the queries facing them move; the window stays (skipped when no block moves)
+            q_far, k_far, far = _moved(rope, qq, kk, kp, row_pos, is_sink, is_win, remap, index, sl, pair_group,
+                                       S, n_win, W)
+            s = torch.where(far, torch.einsum("npiqd,npkd->npiqk", q_far, k_far) * scale, s)
         s = s.masked_fill(~mask, float("-inf"))
         m = s.amax(dim=-1, keepdim=True)
         m = torch.where(torch.isfinite(m), m, torch.zeros_like(m))
@@ -123,4 +135,17 @@ def block_sparse_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
         flat_rows = rows[row_ok]
         out[flat_rows] = o[row_ok].to(q.dtype)
         lse[flat_rows] = l[row_ok]
-    return out, lse
+    return out, (lse if need_lse else None)
+
+
+def _moved(rope, qq, kk, kp, row_pos, is_sink, is_win, remap, index, sl, pair_group, S, n_win, W):
+    """Queries and keys rotated to the strategy's positions for the far (sink + selected) keys, and the far mask."""
+    NK = kk.shape[2]
+    slot = torch.arange(NK, device=kk.device)
+    far = ~is_win
+    new_k = attend_key_pos(rope.mode, kp, is_sink.expand_as(kp), (slot - S - n_win).expand_as(kp), S, rope.group)
+    dk = torch.where(remap & far, new_k - kp, 0)
+    sel_tokens = (index.counts[sl].long() * index.block_k)[:, pair_group][..., None]  # (n, P, 1)
+    new_q = attend_query_pos(rope.mode, row_pos[:, None, :], S, sel_tokens, W, rope.group)  # (n, P, BQ)
+    dq = torch.where(remap, new_q - row_pos[:, None, :], 0)
+    return rotate(qq, dq[:, :, None, :], rope.inv_freq), rotate(kk, dk, rope.inv_freq), far

@@ -66,6 +66,18 @@ class HiP(SelectionMethod):
             state["blocks"] = out
         return out
 
+    def graph_stage_widths(self, layer: int) -> tuple[int, ...]:
+        return (self.cfg.budget // self.cfg.block_k,)  # one "stage": the selection, reused for `refresh` steps
+
+    def refresh_from(self, step: int) -> int:
+        return 0 if step % self.cfg.refresh == 0 else 1
+
+    def graph_select(self, layer, q, blocks, keys, cached, row_first, level):
+        if level > 0:
+            return []
+        fresh = self._search(layer, q, blocks, keys)
+        return [torch.where((row_first > 0)[:, None, None], cached[0], fresh)]
+
     def _search(self, layer, q, blocks, keys) -> torch.Tensor:
         cfg, bk = self.cfg, self.cfg.block_k
         K = cfg.budget // bk
@@ -103,3 +115,4 @@ class HiPBackend(SparseBackend):
 
     name = "hip"
     method_cls = HiP
+    supports_cuda_graph = True

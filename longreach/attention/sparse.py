@@ -382,7 +382,8 @@ class SparseBackend(AttentionBackend):
             out, _ = block_sparse_attention_triton(q, k_cache, v_cache, meta.block_tables, index, self.scale,
                                                    num_splits=splits, plan=plan, rope=rope)
         else:
-            out, _ = block_sparse_attention(q, k_cache, v_cache, meta.block_tables, index, self.scale, rope=rope)
+            out, _ = block_sparse_attention(q, k_cache, v_cache, meta.block_tables, index, self.scale, rope=rope,
+                                            need_lse=False)
         return out
 
     # ---- graph decode -------------------------------------------------------------------------------------------
@@ -399,7 +400,7 @@ class SparseBackend(AttentionBackend):
     # slot: a slot per running sequence, plus a scratch slot that the graph's padding rows (and capture) write to.
     # Host-side bookkeeping mirrors the eager path: a sequence no longer than a layer's limit reads every key block
     # there and starts its cache afresh once it is longer. Not capturable: methods without `graph_stage_widths`
-    # (hip, quest) and SelfExtend positions, whose group size follows the exact context length.
+    # (quest) and SelfExtend positions, whose group size follows the exact context length.
 
     def graph_unsupported(self) -> str | None:
         m = self.method

@@ -83,8 +83,10 @@ def chunk_scores_reference(qs: torch.Tensor, row_ok: torch.Tensor, keys: torch.T
         q32 = rotate(q32, dq[:, :, None], rope.inv_freq)
         n_chunk = (ids >= 0).sum(-1, keepdim=True)[:, pair_group]  # (nb, P, 1)
         from_end = torch.arange(ids.shape[-1], device=dev) - (n_chunk - 1)  # (nb, P, C)
-    q32 = q32.reshape(nb, R, P, hpp, -1)  # heads of a pair are contiguous
-    row_mask = ~row_ok[:, None, None, :]
+    # rows past a block's length repeat its first row (every block has one): the max over rows is then the max over
+    # its real rows, with no mask to apply to every probe's scores
+    q32 = torch.where(row_ok[:, :, None, None], q32, q32[:, :1])
+    q32 = q32.reshape(nb, R, P, hpp, -1).permute(0, 2, 3, 1, 4).contiguous()  # (nb, P, hpp, R, D)
     kf = keys.float()
     kvs = pair_kv[None, :, None]
     tables = {}  # strategies whose key positions depend only on the key: every key moved once, probes just gather
@@ -105,9 +107,8 @@ def chunk_scores_reference(qs: torch.Tensor, row_ok: torch.Tensor, keys: torch.T
             fe = from_end[:, :, None] if per_head else from_end
             new = prune_key_pos(mode, pos, right, fe, rope.group)
             k = rotate(k, torch.where(remap[..., None] if per_head else remap, new - pos, 0), rope.inv_freq)
-        eq = "nrpid,npicd->npicr" if per_head else "nrpid,npcd->npicr"
-        s = torch.einsum(eq, q32, k)  # (nb, P, hpp, C, R)
-        return s.masked_fill(row_mask[..., None, :], float("-inf")).amax(-1)  # (nb, P, hpp, C)
+        eq = "npird,npicd->npirc" if per_head else "npird,npcd->npirc"
+        return torch.einsum(eq, q32, k).amax(3)  # (nb, P, hpp, R, C) -> (nb, P, hpp, C)
 
     if exact:
         s = torch.full(a.shape, float("-inf"), device=dev)
