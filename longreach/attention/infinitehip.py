@@ -29,10 +29,13 @@ Settled ambiguities (digest §8):
   * `rep_per_head` (longreach option; True = the paper): False runs SelectRep once per KV head, comparing halves by
     the max over all the query heads that read that KV head, so one key gather per probe serves all of them;
   * `exact_below` (longreach option; 0 = the paper's SelectRep everywhere): chunks of at most this many tokens are
-    scored by their best key exactly instead of by SelectRep's approximation. Default 8, i.e. the last stage of the
-    3k presets: it reads 8 keys per chunk instead of 4 and lifts mean attention-mass recall on SmolLM2 (Paul Graham
-    essays, 8K tokens, last 256 queries) from 0.962 to 0.982; SelectRep's first-key representatives miss the
-    isolated high-scoring tokens that layers 3-10 of that model attend to (docs/sparse.md).
+    scored by their best key exactly instead of by SelectRep's approximation. Default 32, i.e. the last two stages
+    of the 3k presets. At 8 (the last stage only), mean attention-mass recall on SmolLM2 (Paul Graham essays, 8K
+    tokens, last 256 queries) rose from 0.962 to 0.982: SelectRep's first-key representatives miss the isolated
+    high-scoring tokens that layers 3-10 of that model attend to (docs/sparse.md). At 32, passkey over 15 prompts
+    per length went from 60/67/53% to 60/80/100% at 8K/16K/32K, and from 0/11% to 33/33% at 64K/128K (9 prompts
+    each). The cost on an H200 is +36% end-to-end prefill at 128K (2.48 -> 3.38 s) and -5% decode tok/s
+    (docs/quality.md, docs/benchmarks.md).
 RoPE (§1.5): the paper's strategies by default — chunk-indexed positions while pruning in layers 0-2, relative in the
 rest, rolling (StreamingLLM) positions in the attention — applied to query blocks past the model's trained length
 (`rope_from`); inside it true positions are exact and score better (rope/strategies.py).
@@ -61,7 +64,7 @@ class InfiniteHiPConfig(SparseConfig):
     early_layers: int = 3  # the first layers use early_last_budget as the last stage's k
     early_last_budget: int | None = 4096
     refresh: tuple[int, ...] = (16, 8, 4)  # decode steps between recomputations of each stage
-    exact_below: int = 8  # chunks this small are scored by their best key; 0 = SelectRep everywhere (the paper)
+    exact_below: int = 32  # chunks this small are scored by their best key; 0 = SelectRep everywhere (the paper)
     rep_per_head: bool = True  # SelectRep per query head (the paper); False: once per KV head, for all its heads
     prune_rope: str = "ci:0-2,rt"  # the paper's: chunk-indexed in the first 3 layers, relative in the rest
     attend_rope: str = "st"  # the paper's: StreamingLLM-style rolling positions over the attended keys
