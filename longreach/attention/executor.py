@@ -103,38 +103,30 @@ def block_sparse_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
         remap = (pos0 + length - 1 >= rope.rope_from)[:, None, None] if rope is not None else None  # (n, 1, 1)
         moved = rope is not None and rope.mode != "none" and bool(remap.any())
         mask = allowed[:, pair_group][:, :, None]  # (n, P, 1, BQ, NK)
-        if not need_lse:
+        if moved:  # far keys and the queries facing them move; the window stays (skipped when no block moves)
+            q_far, k_far, far = _moved(rope, qq, kk, kp, row_pos, is_sink, is_win, remap, index, sl, pair_group,
+                                       S, n_win, W)
+        if need_lse:  # the reference: explicit softmax
+            s = torch.einsum("npiqd,npkd->npiqk", qq, kk) * scale
             if moved:
-                q_far, k_far, far = _moved(rope, qq, kk, kp, row_pos, is_sink, is_win, remap, index, sl, pair_group,
-                                           S, n_win, W)
+                s = torch.where(far, torch.einsum("npiqd,npkd->npiqk", q_far, k_far) * scale, s)
+            s = s.masked_fill(~mask, float("-inf"))
+            m = s.amax(dim=-1, keepdim=True)
+            m = torch.where(torch.isfinite(m), m, torch.zeros_like(m))
+            e = torch.exp(s - m)
+            denom = e.sum(dim=-1, keepdim=True)
+            o = torch.einsum("npiqk,npkd->npiqd", e, vv) / denom.clamp(min=1e-30)
+            lse[rows[row_ok]] = (m + denom.log()).squeeze(-1).permute(0, 3, 1, 2).reshape(n, BQ, Hq)[row_ok]
+        else:  # the engine on CPU: one fused SDPA call, same keys and mask
+            if moved:
                 qq = torch.cat([q_far, qq], dim=-1)
                 kk = torch.cat([k_far * far[:, None], kk * (~far)[:, None]], dim=-1)
                 vv = torch.nn.functional.pad(vv, (0, D))  # the fused kernel wants one head size for q, k and v
             o = torch.nn.functional.scaled_dot_product_attention(  # 4-D: the fused CPU kernel takes no 3-D input
                 qq.reshape(n * P, 1, hpp * BQ, -1), kk.reshape(n * P, 1, NK, -1), vv.reshape(n * P, 1, NK, -1),
                 attn_mask=mask.expand(n, P, hpp, BQ, NK).reshape(n * P, 1, hpp * BQ, NK), scale=scale)
-            o = torch.nan_to_num(o[..., :D].reshape(n, P, hpp, BQ, D), nan=0.0)  # a row with no key: 0, as below
-            o = o.permute(0, 3, 1, 2, 4).reshape(n, BQ, Hq, D)
-            flat_rows = rows[row_ok]
-            out[flat_rows] = o[row_ok].to(q.dtype)
-            continue
-        s = torch.einsum("npiqd,npkd->npiqk", qq, kk) * scale
-        if moved:  # far keys and the queries facing them move; the window stays (skipped when no block moves)
-            q_far, k_far, far = _moved(rope, qq, kk, kp, row_pos, is_sink, is_win, remap, index, sl, pair_group,
-                                       S, n_win, W)
-            s = torch.where(far, torch.einsum("npiqd,npkd->npiqk", q_far, k_far) * scale, s)
-        s = s.masked_fill(~mask, float("-inf"))
-        m = s.amax(dim=-1, keepdim=True)
-        m = torch.where(torch.isfinite(m), m, torch.zeros_like(m))
-        e = torch.exp(s - m)
-        denom = e.sum(dim=-1, keepdim=True)
-        o = torch.einsum("npiqk,npkd->npiqd", e, vv) / denom.clamp(min=1e-30)
-        l = (m + denom.log()).squeeze(-1)  # (n, P, hpp, BQ)
-        o = o.permute(0, 3, 1, 2, 4).reshape(n, BQ, Hq, D)
-        l = l.permute(0, 3, 1, 2).reshape(n, BQ, Hq)
-        flat_rows = rows[row_ok]
-        out[flat_rows] = o[row_ok].to(q.dtype)
-        lse[flat_rows] = l[row_ok]
+            o = torch.nan_to_num(o[..., :D].reshape(n, P, hpp, BQ, D), nan=0.0)  # a row with no key: 0, as explicit
+        out[rows[row_ok]] = o.permute(0, 3, 1, 2, 4).reshape(n, BQ, Hq, D)[row_ok].to(q.dtype)
     return out, (lse if need_lse else None)
 
 

@@ -460,9 +460,9 @@ class SparseBackend(AttentionBackend):
                 self._slot[seq_id] = self._free_slots.pop()
             slots.append(self._slot[seq_id])
             for layer in sparse_layers:
-                if length <= self.dense_below(layer):  # every key block; the cache starts once it is longer
-                    first[layer, row] = 0
-                elif (seq_id, layer) not in self._cached:
+                if length <= self.dense_below(layer):  # reads every key block: its stages are not needed (stay N)
+                    continue
+                if (seq_id, layer) not in self._cached:  # the cache starts once the sequence is past the limit
                     first[layer, row] = 0
                     self._cached.add((seq_id, layer))
                 else:
