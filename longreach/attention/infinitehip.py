@@ -171,7 +171,7 @@ class InfiniteHiP(SelectionMethod):
         `prev` is the output of stage first-1 (required when first > 0). No device-to-host sync.
         `keep` = (cached outputs of every stage, (nb,) first stage each block recomputes): a block whose first stage
         is past i keeps its cached output of stage i, and the next stage builds on whichever output the block kept
-        (a captured decode step recomputes from the batch's earliest stage; see sparse.py, graph decode).
+        (a captured decode step recomputes from the batch's earliest stage; see graph_decode.py).
         """
         cfg = self.cfg
         dev = q.device

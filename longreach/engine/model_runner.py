@@ -120,7 +120,7 @@ class ModelRunner:
     def capture_graphs(self, emulate: bool = False) -> None:
         """Set up graph decode: static input buffers, and a graph per batch-size bucket for each variant the backend
         lists up front (dense: its only one). Variants the backend names later (sparse: per context bucket and mask
-        refresh level, see attention/sparse.py) are captured the first time a step needs them.
+        refresh level, see attention/graph_decode.py) are captured the first time a step needs them.
 
         `emulate` (tests, any device): run the same static-buffer decode path eagerly instead of capturing, so the
         graph path's logic is checked on a CPU.

@@ -1,0 +1,162 @@
+"""Graph decode for the sparse backends: the decode step as CUDA-graph variants (a mixin of `SparseBackend`).
+
+A captured decode step replays the same kernels every time, yet each sequence's mask cache recomputes stage i
+only every refresh[i] steps, and a short context attends densely. So the step comes in variants, keyed by
+  bucket  a power of two >= the batch's longest sequence (capped at max_model_len): the stages' candidate
+          widths are sized by it, so one variant serves every length up to it (extra candidates are -1);
+  level   the earliest stage any sequence of the batch recomputes this step (len(stages): none does);
+  dense   for each distinct `dense_below` limit, whether the longest sequence is within it (those layers
+          attend densely, as in an eager step).
+A variant recomputes stages level..N-1 for every row, and each row keeps its cached output of a stage its own
+schedule does not refresh (`SelectionMethod.graph_select`), so every sequence gets exactly the selections of an
+eager run, whatever else is in the batch. The stage outputs live in static per-layer buffers with one row per
+slot: a slot per running sequence, plus a scratch slot that the graph's padding rows (and capture) write to.
+Host-side bookkeeping mirrors the eager path: a sequence no longer than a layer's limit reads every key block
+there and starts its cache afresh once it is longer. Not capturable: methods without `graph_stage_widths`
+(quest) and SelfExtend positions, whose group size follows the exact context length.
+"""
+from __future__ import annotations
+
+import contextlib
+
+import numpy as np
+import torch
+
+from .backend import AttentionMetadata
+from .index import QueryBlocks
+
+
+class GraphDecode:
+    """The graph-decode half of `SparseBackend` (attention/sparse.py): host bookkeeping, static buffers, variants."""
+
+    def _init_graph_decode(self) -> None:
+        self._g = None  # static buffers (slots, refresh levels, stage caches), made on first use
+        self._variant = None  # the graph variant forward() is running, see graph_step
+        self._slot: dict[int, int] = {}  # seq_id -> row of the stage caches
+        self._cached: set[tuple[int, int]] = set()  # (seq_id, layer) whose stage cache is filled
+
+    def _free_graph_state(self, seq_id: int) -> None:
+        if seq_id in self._slot:
+            self._free_slots.append(self._slot.pop(seq_id))
+        self._cached = {key for key in self._cached if key[0] != seq_id}
+
+    def graph_unsupported(self) -> str | None:
+        m = self.method
+        if not self.supports_cuda_graph or any(m.graph_stage_widths(layer) is None
+                                               for layer in range(self.model_config.num_layers)):
+            return f"{m.name}'s decode selection is not graph-capturable"
+        if any(name == "de" for spec in (m.prune_spec, m.attend_spec) for name, _, _ in spec):
+            return "SelfExtend (de) positions change their group size with the context length"
+        return None
+
+    def graph_keys_upfront(self) -> list:
+        return []
+
+    def _graph_buffers(self):
+        if self._g is None:
+            m, slots, dev = self.method, self.engine_config.max_num_seqs, self.device
+            L = self.model_config.num_layers
+            self._g = {
+                "slot": torch.full((slots,), slots, dtype=torch.long, device=dev),
+                "first": torch.zeros(L, slots, dtype=torch.long, device=dev),
+                "cache": [[torch.full((slots + 1, m.groups, w), -1, dtype=torch.int32, device=dev)
+                           for w in m.graph_stage_widths(layer)] for layer in range(L)],
+            }
+            self._free_slots = list(range(slots))[::-1]
+        return self._g
+
+    def _num_stages(self) -> int:
+        return len(self.method.graph_stage_widths(0))
+
+    def graph_scratch(self) -> None:
+        g = self._graph_buffers()
+        g["slot"].fill_(self.engine_config.max_num_seqs)
+        g["first"].fill_(self._num_stages())
+
+    @contextlib.contextmanager
+    def graph_variant(self, key: tuple):
+        self._variant = key
+        try:
+            yield
+        finally:
+            self._variant = None
+
+    def graph_step(self, seq_ids, seq_lens):
+        g = self._graph_buffers()
+        m, L, N = self.method, self.model_config.num_layers, self._num_stages()
+        longest = max(seq_lens)
+        bucket = min(1 << (longest - 1).bit_length(), max(longest, self.engine_config.max_model_len))
+        limits = self._limits()
+        dense = tuple(longest <= lim for lim in limits)
+        sparse_layers = [layer for layer in range(L) if layer not in self.config.dense_layers
+                         and longest > self.dense_below(layer)]
+        first = np.full((L, len(seq_ids)), N, dtype=np.int64)
+        slots = []
+        for row, (seq_id, length) in enumerate(zip(seq_ids, seq_lens)):
+            step = self._decode_step[seq_id] = self._decode_step.get(seq_id, -1) + 1
+            if seq_id not in self._slot:
+                self._slot[seq_id] = self._free_slots.pop()
+            slots.append(self._slot[seq_id])
+            for layer in sparse_layers:
+                if length <= self.dense_below(layer):  # reads every key block: its stages are not needed (stay N)
+                    continue
+                if (seq_id, layer) not in self._cached:  # the cache starts once the sequence is past the limit
+                    first[layer, row] = 0
+                    self._cached.add((seq_id, layer))
+                else:
+                    first[layer, row] = m.refresh_from(step)
+        level = int(first[sparse_layers].min()) if sparse_layers else N
+
+        def load(rows: int) -> None:
+            n = len(slots)
+            g["slot"][:n].copy_(torch.tensor(slots, dtype=torch.long), non_blocking=True)
+            g["slot"][n:rows].fill_(self.engine_config.max_num_seqs)
+            g["first"][:, :n].copy_(torch.from_numpy(first), non_blocking=True)
+            g["first"][:, n:rows].fill_(N)
+        return (bucket, level, dense), load
+
+    def _limits(self) -> list[int]:
+        return sorted({self.dense_below(layer) for layer in range(self.model_config.num_layers)})
+
+    def _graph_forward(self, layer, q, k, v, k_cache, v_cache, meta: AttentionMetadata):
+        from .sparse import BlockQueries, SequenceKeys, use_kernels  # sparse.py imports this module
+
+        bucket, level, dense = self._variant
+        limit = self.dense_below(layer)
+        if layer in self.config.dense_layers or dense[self._limits().index(limit)]:
+            return self.dense.forward(layer, q, k, v, k_cache, v_cache, meta)
+        m, g, n, dev = self.method, self._g, q.shape[0], q.device
+        caches = g["cache"][layer]
+        slot = g["slot"][:n]
+        cached = [c[slot] for c in caches]  # (n, G, w_i)
+        first = g["first"][layer, :n]
+        ends = meta.seq_lens[:n].long()
+        zero, one = torch.zeros(1, dtype=torch.long, device=dev), torch.ones(1, dtype=torch.long, device=dev)
+        fresh: list[list[torch.Tensor]] = [[] for _ in caches[level:]]
+        for i in range(n):
+            blocks = BlockQueries(zero, one, ends[i:i + 1], 1, bucket)
+            keys = SequenceKeys(k_cache, meta.block_tables[i], bucket)
+            outs = m.graph_select(layer, q[i:i + 1], blocks, keys, [c[i:i + 1] for c in cached], first[i:i + 1],
+                                  level)
+            for j, o in enumerate(outs):
+                fresh[j].append(o)
+        stages = cached[:level] + [torch.cat(f) for f in fresh]
+        for c, st in zip(caches[level:], stages[level:]):
+            c.index_copy_(0, slot, st)
+        blocks = stages[-1] if stages else torch.empty(n, m.groups, 0, dtype=torch.int32, device=dev)
+        if limit > 0:  # a row no longer than the limit reads every key block, as in an eager step
+            width = max(blocks.shape[2], -(-limit // m.block_k))
+            blocks = torch.nn.functional.pad(blocks, (0, width - blocks.shape[2]), value=-1)
+            ids = torch.arange(width, dtype=torch.int32, device=dev)
+            every = torch.where(ids[None, :] < torch.div(ends + m.block_k - 1, m.block_k, rounding_mode="floor")[:, None],
+                                ids[None, :], -1)
+            blocks = torch.where((ends <= limit)[:, None, None], every[:, None, :], blocks)
+        counts = (blocks >= 0).sum(-1).to(torch.int32)
+        if use_kernels(q):
+            rows = torch.arange(n, dtype=torch.int32, device=dev)
+            plan_queries = (rows, rows, torch.ones_like(rows), meta.seq_lens[:n] - 1)
+            qb = QueryBlocks(list(range(n)), list(range(n)), [1] * n, [0] * n)  # host mirror: only its size is read
+        else:  # the reference executor reads host positions (no graph to break off CUDA)
+            plan_queries = None
+            qb = QueryBlocks(list(range(n)), list(range(n)), [1] * n, [int(x) - 1 for x in meta.seq_lens[:n].tolist()])
+        return self._attend(layer, q, k_cache, v_cache, meta, qb, plan_queries, blocks, counts, bucket)
