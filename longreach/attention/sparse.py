@@ -210,7 +210,7 @@ class SelectionMethod(ABC):
                 step: int | None) -> torch.Tensor:
         """`select` with normalised arguments."""
 
-    # ---- captured decode (CUDA graphs; see graph_decode.py) -----------------------------------------------------------
+    # ---- captured decode (CUDA graphs; see graph_decode.py) ----------------------------------------------------------
     def graph_stage_widths(self, layer: int) -> tuple[int, ...] | None:
         """Widths of the per-stage outputs one decode step caches for a sequence in `layer`: () when the selection
         keeps no state, None when the method's decode step cannot be captured (the default)."""
