@@ -9,6 +9,7 @@ from typing import Any
 
 DTYPES = ("auto", "bfloat16", "float16", "float32")
 DEVICES = ("auto", "cpu", "cuda")
+KV_DTYPES = ("auto", "bfloat16", "float16", "fp8")
 
 
 def _f(default: Any, help: str):
@@ -33,6 +34,11 @@ class EngineConfig:
     gpu_memory_utilization: float = _f(0.90, "share of GPU memory for weights, activations and the KV cache")
     kv_cache_memory_gb: float | None = _f(None, "KV cache size in GiB; default: what gpu_memory_utilization leaves "
                                                 "on CUDA, up to 4 GiB on CPU")
+    kv_cache_dtype: str = _f("auto", "KV cache element type: auto (the run dtype), bfloat16, float16, or fp8 (e4m3 "
+                                     "with one fp32 scale per token and KV head; dequantised on load)")
+    kv_offloading_size: float | None = _f(None, "host-memory tier of the KV cache in GiB (pinned): every page lives "
+                                                "there and --kv-cache-memory-gb becomes the GPU page cache; "
+                                                "0 or absent: no offloading (sparse attention only)")
     enforce_eager: bool = _f(False, "run decode eagerly (no CUDA graphs)")
     seed: int = _f(0, "random seed for requests that give none")
 
@@ -58,6 +64,11 @@ class EngineConfig:
             bad(f"gpu_memory_utilization must be in [0.05, 1.0], got {self.gpu_memory_utilization}")
         if self.kv_cache_memory_gb is not None and self.kv_cache_memory_gb <= 0:
             bad(f"kv_cache_memory_gb must be > 0, got {self.kv_cache_memory_gb}")
+        if self.kv_cache_dtype not in KV_DTYPES:
+            bad(f"kv_cache_dtype must be one of {', '.join(KV_DTYPES)}, got {self.kv_cache_dtype!r}")
+        if self.kv_offloading_size is not None and (isinstance(self.kv_offloading_size, bool) or not isinstance(
+                self.kv_offloading_size, (int, float)) or self.kv_offloading_size < 0):
+            bad(f"kv_offloading_size must be a number of GiB >= 0 (0: no offloading), got {self.kv_offloading_size!r}")
         from .attention.registry import check_backend_name
 
         check_backend_name(self.attention)
@@ -70,6 +81,11 @@ class EngineConfig:
                 bad(f"attention_config must be a JSON object, got {self.attention_config!r} ({e.msg})")
             if not isinstance(parsed, dict):
                 bad(f"attention_config must be a JSON object, got {self.attention_config!r}")
+
+    @property
+    def offload(self) -> bool:
+        """Is the KV cache offloaded to host memory (a host tier of > 0 GiB)?"""
+        return bool(self.kv_offloading_size)
 
     @classmethod
     def field_names(cls) -> tuple[str, ...]:

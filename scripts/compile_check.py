@@ -19,7 +19,7 @@ import tempfile  # noqa: E402
 import triton  # noqa: E402
 from triton.backends.compiler import GPUTarget  # noqa: E402
 
-from longreach.kernels import bsa, combine, paged_decode, prune_stage, topk  # noqa: E402
+from longreach.kernels import bsa, combine, offload_copy, paged_decode, prune_stage, topk  # noqa: E402
 
 
 def compile_one(fn, pointer_types: dict[str, str], constexprs: dict, floats=(), num_warps: int = 4):
@@ -55,17 +55,27 @@ def _resources(ptxas: str, ptx: str) -> tuple[str, str]:
 
 def main() -> int:
     cases = []
-    bf, f32, i32 = "*bf16", "*fp32", "*i32"
-    cases.append(("paged_decode d128 g4", paged_decode._paged_decode_kernel,
-                  dict(Q=bf, K=bf, V=bf, BlockTables=i32, SeqLens=i32, OutPartial=f32, LsePartial=f32),
-                  dict(GROUP=4, GROUP_PAD=16, HEAD_DIM=128, PAGE=16, BLOCK_N=64, DOT_PRECISION="tf32"), ["qk_scale"]))
-    for name, bq, bm, split in (("bsa prefill bq64", 64, 128, False), ("bsa decode", 1, 16, True)):
-        cases.append((name, bsa._bsa_kernel,
-                      dict(Q=bf, K=bf, V=bf, BlockTables=i32, QbSeq=i32, QbStart=i32, QbLen=i32, QbPos=i32,
-                           Blocks=i32, Counts=i32, PairGroup=i32, PairKv=i32, Out=bf, Lse=f32, OutP=f32, LseP=f32),
-                      dict(HPP=4, HEADS_PER_PROG=max(1, bm // bq), N_HSUB=max(1, 4 // max(1, bm // bq)), BQ_PAD=bq,
-                           BLOCK_M=bm, BLOCK_N=64, HEAD_DIM=128, BK=8, PAGE=16, SPLIT=split, DOT_PRECISION="tf32"),
-                      ["qk_scale"]))
+    bf, f32, i32, f8 = "*bf16", "*fp32", "*i32", "*fp8e4nv"
+    # each attention kernel as a one-tier cache, through the offloading page table (decode only: prefill reads a
+    # staging area), and with fp8 KV (rows with scales), without and with key re-rotation (RoPE strategies)
+    variants = ((" ", bf, False), (" tiered", bf, True), (" fp8", f8, False), (" tiered fp8", f8, True))
+    for suffix, kv, tiered in variants:
+        cases.append(("paged_decode d128 g4" + suffix, paged_decode._paged_decode_kernel,
+                      dict(Q=bf, K=kv, V=kv, KH=kv, VH=kv, Slots=i32, BlockTables=i32, SeqLens=i32, OutPartial=f32,
+                           LsePartial=f32),
+                      dict(GROUP=4, GROUP_PAD=16, HEAD_DIM=128, PAGE=16, BLOCK_N=64, DOT_PRECISION="tf32",
+                           TIERED=tiered, FP8=kv == f8), ["qk_scale"]))
+        for name, bq, bm, split in (("bsa prefill bq64", 64, 128, False), ("bsa decode", 1, 16, True)):
+            if tiered and split is False:
+                continue
+            for rope in (0, 1):
+                cases.append((name + suffix + (" rope st" if rope else ""), bsa._bsa_kernel,
+                              dict(Q=bf, K=kv, V=kv, KH=kv, VH=kv, Slots=i32, BlockTables=i32, QbSeq=i32, QbStart=i32,
+                                   QbLen=i32, QbPos=i32, Blocks=i32, Counts=i32, PairGroup=i32, PairKv=i32,
+                                   InvFreq=f32, Out=bf, Lse=f32, OutP=f32, LseP=f32),
+                              dict(HPP=4, HEADS_PER_PROG=max(1, bm // bq), N_HSUB=max(1, 4 // max(1, bm // bq)),
+                                   BQ_PAD=bq, BLOCK_M=bm, BLOCK_N=64, HEAD_DIM=128, BK=8, PAGE=16, SPLIT=split,
+                                   ROPE=rope, DOT_PRECISION="tf32", TIERED=tiered, FP8=kv == f8), ["qk_scale"]))
     cases.append(("combine", combine._combine_kernel, dict(OutP=f32, LseP=f32, Out=bf, Lse=f32),
                   dict(S_PAD=32, HEAD_DIM=128), []))
     for label, chunk, exact, per_head, bq_pad, hpp_pad, block_c, tiles in (
@@ -74,15 +84,26 @@ def main() -> int:
             ("prune stage3 exact bq64", 8, True, False, 64, 4, 16, 4),
             ("prune decode selectrep/kv", 256, False, False, 4, 4, 64, 1),
             ("prune decode exact", 8, True, False, 4, 4, 16, 1)):
-        cases.append((label, prune_stage._chunk_score_kernel,
-                      dict(Q=bf, K=bf, BlockTable=i32, QbStart=i32, QbLen=i32, CandEnd=i32, Ids=i32, Scores=f32),
-                      dict(HPP=4, PAIRS_PER_GROUP=1, PAIR_KV_DIV=1, CHUNK=chunk, EXACT=exact, PER_HEAD=per_head,
-                           N_ITER=max(0, (chunk - 1).bit_length()), BQ_PAD=bq_pad, HPP_PAD=hpp_pad,
-                           BLOCK_C=block_c, TILES=tiles, TILE_FIRST=False, HEAD_DIM=128, PAGE=16, DOT_PRECISION="tf32"), []))
+        for suffix, kv, tiered in variants:
+            if tiered and "decode" not in label:
+                continue
+            for rope in (0, 2):
+                cases.append((label + suffix + (" rope ci" if rope else ""), prune_stage._chunk_score_kernel,
+                              dict(Q=bf, K=kv, KH=kv, Slots=i32, BlockTable=i32, QbStart=i32, QbLen=i32, CandEnd=i32,
+                                   Ids=i32, Scores=f32, InvFreq=f32, NChunk=i32),
+                              dict(HPP=4, PAIRS_PER_GROUP=1, PAIR_KV_DIV=1, CHUNK=chunk, EXACT=exact,
+                                   PER_HEAD=per_head, N_ITER=max(0, (chunk - 1).bit_length()), BQ_PAD=bq_pad,
+                                   HPP_PAD=hpp_pad, BLOCK_C=block_c, TILES=tiles, TILE_FIRST=False, HEAD_DIM=128,
+                                   PAGE=16, ROPE=rope, DOT_PRECISION="tf32", TIERED=tiered, FP8=kv == f8), []))
     cases.append(("topk single tile", topk._topk_kernel, dict(Ids=i32, Scores=f32, Out=i32, Counts=i32),
                   dict(BLOCK=4096, SINGLE=True), []))
     cases.append(("topk tiled", topk._topk_kernel, dict(Ids=i32, Scores=f32, Out=i32, Counts=i32),
                   dict(BLOCK=4096, SINGLE=False), []))
+    for kv in (bf, f8):
+        cases.append((f"offload copy_chunks {kv}", offload_copy._copy_chunks_kernel,
+                      dict(Src=kv, SrcIdx="*i64", Dst=kv, DstIdx="*i64"), dict(BLOCK=4096), []))
+        cases.append((f"offload scatter_rows {kv}", offload_copy._scatter_rows_kernel,
+                      dict(Src=kv, Rows="*i64", Dst=kv), dict(BLOCK=1024), []))
     failed = 0
     ptxas = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "ptxas")
     print(f"{'kernel':<36} {'regs':>5} {'spill B':>8} {'shared':>8}")

@@ -23,10 +23,13 @@ from longreach.kernels.paged_decode import paged_decode, paged_decode_reference 
 from longreach.rope.strategies import RopeArgs  # noqa: E402
 
 RESULTS: list[dict] = []
+ONLY: list[str] | None = None  # --only: run just the checks whose names contain one of these
 
 
 def check(name):
     def wrap(fn):
+        if ONLY and not any(o in name for o in ONLY):
+            return fn
         t0 = time.perf_counter()
         try:
             detail = fn()
@@ -264,16 +267,181 @@ def fp32_parity(model: str):
     return f"fp32 on GPU, {len(ids)} tokens: max |logit diff| vs transformers {diff:.2e}"
 
 
+def _tier(kc, vc, share, g):
+    """A two-tier copy of one-tier caches kc/vc (P, page, H_kv, D): host pinned, `share` of the pages resident in a
+    pool at random slots (the rest read over PCIe)."""
+    from longreach.kvcache.offload import TierView
+
+    P = kc.shape[0]
+    res = torch.randperm(P, device=kc.device, generator=g)[: int(P * share)]
+    S = res.numel() + 3
+    slot = torch.randperm(S, device=kc.device, generator=g)[: res.numel()]
+    slots = torch.full((P,), -1, dtype=torch.int32, device=kc.device)
+    slots[res] = slot.int()
+    views = []
+    for c in (kc, vc):
+        pool = torch.randn(S + 1, *c.shape[1:], device=c.device, generator=g).to(c.dtype)  # other slots: junk
+        pool[slot] = c[res]
+        views.append(TierView(pool, c.cpu().pin_memory(), slots))
+    return views
+
+
+def offload_kernels():
+    """Every kernel reading through the page table (resident slots + pinned host pages over UVA) gives bit-identical
+    results to the same kernel on the one-tier cache; the copy kernels are bit-exact; a captured graph reads the
+    page table's current contents at replay."""
+    from longreach.attention.index import QueryBlocks, SparseIndex
+    from longreach.kernels.bsa import BSAPlan, block_sparse_attention_triton
+    from longreach.kernels.offload_copy import copy_chunks, scatter_rows
+    from longreach.kernels.prune_stage import chunk_scores_triton
+
+    dev = "cuda"
+    rows = []
+    for dtype in (torch.bfloat16, torch.float8_e4m3fn):
+        g = torch.Generator(device=dev).manual_seed(3)
+        Hq, Hkv, D, page = 32, 8, 128, 16
+        L = [131072 + 5, 40000]
+        need = [-(-x // page) for x in L]
+        P = sum(need) + 2
+        kc = torch.randn(P, page, Hkv, D, device=dev, generator=g).to(dtype)
+        vc = torch.randn(P, page, Hkv, D, device=dev, generator=g).to(dtype)
+        perm = torch.randperm(P, device=dev, generator=g).int()
+        tables = torch.zeros(2, max(need), dtype=torch.int32, device=dev)
+        tables[0, :need[0]], tables[1, :need[1]] = perm[:need[0]], perm[need[0]:need[0] + need[1]]
+        kt, vt = _tier(kc, vc, 0.3, g)
+        for decode in (True, False):
+            lens_q = [1, 1] if decode else [64, 200]
+            ctx = [x - q for x, q in zip(L, lens_q)]
+            q = torch.randn(sum(lens_q), Hq, D, device=dev, generator=g, dtype=torch.bfloat16)
+            qb = QueryBlocks.build(lens_q, ctx, 1 if decode else 64)
+            sels = [torch.stack([torch.randperm(-(-L[qb.seq[b]] // 64), device=dev, generator=g)[:48]
+                                 for _ in range(Hkv)]) for b in range(qb.num_blocks)]
+            blocks, counts = SparseIndex.pack(sels, dev)
+            idx = SparseIndex(1 if decode else 64, 64, 256, 1024, Hkv, qb, blocks, counts)
+            for splits in ((1, 8) if decode else (1,)):
+                a, _ = block_sparse_attention_triton(q, kc, vc, tables, idx, D ** -0.5, num_splits=splits)
+                b, _ = block_sparse_attention_triton(q, kt, vt, tables, idx, D ** -0.5, num_splits=splits)
+                if not torch.equal(a, b):
+                    raise AssertionError(f"bsa {dtype} decode={decode} splits={splits}: tiered != one-tier")
+        if dtype == torch.bfloat16:
+            from longreach.kernels.paged_decode import paged_decode
+
+            q = torch.randn(2, Hq, D, device=dev, generator=g, dtype=dtype)
+            sl = torch.tensor(L, dtype=torch.int32, device=dev)
+            a, _ = paged_decode(q, kc, vc, tables, sl, D ** -0.5, num_splits=16)
+            b, _ = paged_decode(q, kt, vt, tables, sl, D ** -0.5, num_splits=16)
+            if not torch.equal(a, b):
+                raise AssertionError("paged decode: tiered != one-tier")
+            ids = torch.arange(0, L[0] // 64, device=dev, dtype=torch.int32)[None, None].expand(1, Hkv, -1)
+            qs = torch.randn(1, Hq, D, device=dev, generator=g, dtype=dtype)
+            one = torch.zeros(1, dtype=torch.long, device=dev)
+            for exact, chunk in ((False, 64), (True, 32)):
+                i2 = ids if not exact else torch.arange(0, L[0] // 32, device=dev, dtype=torch.int32)[None, None].expand(
+                    1, Hkv, -1)
+                a = chunk_scores_triton(qs, kc, tables[0], one, one + 1, torch.tensor([L[0] - 1024], device=dev), i2,
+                                        chunk, exact, 256, Hkv, max_rows=1)
+                b = chunk_scores_triton(qs, kt, tables[0], one, one + 1, torch.tensor([L[0] - 1024], device=dev), i2,
+                                        chunk, exact, 256, Hkv, max_rows=1)
+                if not torch.equal(a, b):
+                    raise AssertionError(f"chunk scores exact={exact}: tiered != one-tier")
+        # copy kernels: host pages -> GPU, GPU rows -> host
+        src = kc.cpu().pin_memory()
+        si = torch.randperm(P, device=dev, generator=g)[:4096]
+        di = torch.randperm(P, device=dev, generator=g)[:4096]
+        dst = torch.zeros_like(kc)
+        copy_chunks(src, si, dst, di, page * Hkv * D)
+        if not torch.equal(dst[di].view(torch.uint8), kc[si].view(torch.uint8)):
+            raise AssertionError(f"copy_chunks {dtype} not bit-exact")
+        host = torch.zeros(P * page, Hkv, D, dtype=dtype).pin_memory()
+        r = torch.randperm(P * page, device=dev, generator=g)[:5000]
+        new = torch.randn(5000, Hkv, D, device=dev, generator=g).to(dtype)
+        scatter_rows(host, r, new)
+        torch.cuda.synchronize()
+        if not torch.equal(host[r.cpu()].view(torch.uint8), new.cpu().view(torch.uint8)):
+            raise AssertionError(f"scatter_rows {dtype} not bit-exact")
+        rows.append(str(dtype).replace("torch.", ""))
+    # graph capture: the page table is read at replay
+    g = torch.Generator(device=dev).manual_seed(4)
+    kc = torch.randn(4000, 16, 8, 128, device=dev, generator=g, dtype=torch.bfloat16)
+    vc = torch.randn_like(kc)
+    kt, vt = _tier(kc, vc, 0.5, g)
+    tables = torch.randperm(4000, device=dev, generator=g).int()[None]
+    qb = QueryBlocks.build([1], [64000 - 1], 1)
+    sel = [torch.stack([torch.randperm(1000, device=dev, generator=g)[:48] for _ in range(8)])]
+    blocks, counts = SparseIndex.pack(sel, dev)
+    idx = SparseIndex(1, 64, 256, 1024, 8, qb, blocks, counts)
+    q = torch.randn(1, 32, 128, device=dev, generator=g, dtype=torch.bfloat16)
+    plan = BSAPlan(idx, 32, 8, dev)  # host-to-device copies are not allowed while capturing
+    ref, _ = block_sparse_attention_triton(q, kc, vc, tables, idx, 128 ** -0.5, num_splits=8, plan=plan)
+    out, _ = block_sparse_attention_triton(q, kt, vt, tables, idx, 128 ** -0.5, num_splits=8, plan=plan)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out, _ = block_sparse_attention_triton(q, kt, vt, tables, idx, 128 ** -0.5, num_splits=8, plan=plan)
+    kt.slots[: 2000] = -1  # evict half the table: those pages now come from the host
+    graph.replay()
+    torch.cuda.synchronize()
+    if not torch.equal(out, ref):
+        raise AssertionError("captured tiered bsa differs after the page table changed")
+    return f"bsa (prefill, decode), paged decode, chunk scores: tiered == one-tier bit for bit ({', '.join(rows)}); " \
+           "copy kernels exact; graph replay follows the page table"
+
+
+def offload_engine(model: str, length: int = 131072):
+    """SmolLM2 at `length` with infinitehip: offloaded (GPU pool = 1/8 of the KV) == not offloaded, greedy tokens and
+    prompt logits bit for bit; hit ratio and decode tok/s of both."""
+    from longreach import LLM, SamplingParams
+    from longreach.eval.data import paul_graham_text
+
+    text = open(".carry/b/pg.txt").read() if os.path.exists(".carry/b/pg.txt") else paul_graham_text()
+    res = {}
+    kv_gb = length * 30 * 3 * 64 * 2 * 2 / 2**30
+    for name, kw in (("gpu", {"kv_cache_memory_gb": kv_gb * 1.1 + 0.2}),
+                     ("offload", {"kv_cache_memory_gb": kv_gb / 8, "kv_offloading_size": kv_gb * 1.1 + 0.2})):
+        gc.collect()
+        torch.cuda.empty_cache()
+        llm = LLM(model, attention="infinitehip", max_model_len=length + 256, max_num_seqs=2,
+                  max_num_batched_tokens=16384, **kw)
+        tok = llm.get_tokenizer()
+        ids = tok.encode(text)
+        ids = (ids * (length // len(ids) + 1))[: length - 64] + tok.encode("\nSummarise the text above.")
+        p = SamplingParams(temperature=0, max_tokens=64, ignore_eos=True)
+        t0 = time.perf_counter()
+        out = llm.generate({"prompt_token_ids": ids}, p, use_tqdm=False)[0]
+        wall = time.perf_counter() - t0
+        m = out.metrics
+        logits = llm.engine.prompt_logits(ids[:20000])[-8:]
+        res[name] = dict(tokens=out.token_ids, prefill_s=m.prefill_seconds, tok_s=m.decode_tokens_per_s,
+                         wall=wall, hit=m.kv_pages_hit, miss=m.kv_pages_missed, logits=logits.cpu(),
+                         stats=llm.engine.kv_cache_stats())
+        if name == "offload":
+            llm.engine.kv_cache.check_integrity()
+        del llm
+    a, b = res["gpu"], res["offload"]
+    same = sum(x == y for x, y in zip(a["tokens"], b["tokens"]))
+    if same != len(a["tokens"]) or not torch.equal(a["logits"], b["logits"]):
+        raise AssertionError(f"offload differs: {same}/{len(a['tokens'])} tokens equal, logits equal "
+                             f"{torch.equal(a['logits'], b['logits'])}")
+    hit = b["hit"] / max(1, b["hit"] + b["miss"])
+    return (f"{length} tokens, pool 1/8 of the KV: tokens {same}/{len(a['tokens'])} and logits equal; prefill "
+            f"{a['prefill_s']:.2f} s -> {b['prefill_s']:.2f} s, decode {a['tok_s']:.1f} -> {b['tok_s']:.1f} tok/s, "
+            f"hit ratio {hit:.3f}, installed {b['stats']['pages_installed']} pages")
+
+
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--model", default=None, help="a model for the engine checks (skipped without one)")
     ap.add_argument("--out", default=os.environ.get("OUT", "."))
+    ap.add_argument("--only", nargs="*", default=None, help="run only the checks whose names contain one of these")
     args = ap.parse_args()
+    global ONLY
+    ONLY = args.only
     print(f"GPU: {torch.cuda.get_device_name()}, torch {torch.__version__}", flush=True)
     check("paged decode kernel vs reference (bf16 matrix)")(kernel_matrix)
     check("block-sparse attention kernel vs reference (bf16)")(bsa_matrix)
     check("chunk-scoring kernel vs reference (bf16)")(prune_matrix)
+    check("offload: kernels through the page table, copy kernels")(offload_kernels)
     if args.model:
+        check("engine: offloaded KV == GPU KV (SmolLM2, 128K)")(lambda: offload_engine(args.model))
         check("engine: CUDA graphs, eager, chunked prefill")(lambda: engine_checks(args.model))
         check("fp32 logits parity on GPU")(lambda: fp32_parity(args.model))
         check("engine: sparse backends through the kernels")(lambda: sparse_engine(args.model))

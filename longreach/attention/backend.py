@@ -50,6 +50,9 @@ class AttentionMetadata:
     # prefill: each sequence's prompt length (tokens the whole prefill covers; a chunk may end before it); None: the
     # prompts end in this step
     prompt_lens: list[int] | None = None
+    # decode with KV offloading: the two-tier store (kvcache/offload.py), told which pages the sparse attention reads
+    # (`note_reads`) so that it can install them after the step; None otherwise
+    kv_store: object | None = None
 
     @property
     def num_seqs(self) -> int:

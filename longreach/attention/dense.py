@@ -61,8 +61,8 @@ class DenseBackend(AttentionBackend):
             if ctx == 0:
                 ki, vi = k[rows], v[rows]
             else:  # chunked prefill: the prefix lives in the paged cache (this chunk was stored there too)
-                ki = gather_tokens(k_cache, meta.block_tables[i], ctx + n)
-                vi = gather_tokens(v_cache, meta.block_tables[i], ctx + n)
+                ki = gather_tokens(k_cache, meta.block_tables[i], ctx + n).to(q.dtype)
+                vi = gather_tokens(v_cache, meta.block_tables[i], ctx + n).to(q.dtype)
             out[rows] = causal_attention(q[rows], ki, vi, self.scale)
             start += n
         return out

@@ -37,6 +37,10 @@ def block_sparse_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
     mask, and lse comes back None. With remapped positions the far and near scores are two dot products; they become
     one by concatenating [q_far, q] against [k_far, 0] for far keys and [0, k] for near ones. Tested against the
     explicit softmax (tests/test_sparse.py)."""
+    from ..kvcache.offload import as_tensor
+
+    # two tiers (offloading) resolved, fp8 rows dequantised: plain values for the reference
+    k_cache, v_cache = as_tensor(k_cache, q.dtype), as_tensor(v_cache, q.dtype)
     T, Hq, D = q.shape
     page, Hkv = k_cache.shape[1], k_cache.shape[2]
     dev = q.device

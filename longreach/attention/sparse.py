@@ -369,6 +369,13 @@ class SparseBackend(GraphDecode, AttentionBackend):
         block_q = self.config.block_q if meta.is_prefill else 1
         index = SparseIndex(block_q, m.block_k, self.config.n_sink, self.config.n_window, m.groups, qb, blocks, counts)
         rope = m.rope_args(layer, "attend", context_len)
+        if meta.kv_store is not None:  # offloaded decode: the store installs what this step reads
+            if plan_queries is not None:
+                seq, _, qlen, pos = plan_queries
+            else:
+                seq, qlen, pos = (torch.tensor(x, device=q.device) for x in (qb.seq, qb.length, qb.pos))
+            meta.kv_store.note_reads(layer, meta.block_tables, seq, pos, pos + qlen - 1, block_q, blocks, m.block_k,
+                                     self.config.n_sink, self.config.n_window)
         if use_kernels(q):
             from ..kernels.bsa import BSAPlan, block_sparse_attention_triton
 

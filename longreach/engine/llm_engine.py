@@ -19,6 +19,7 @@ import torch
 from ..attention.registry import get_backend_class
 from ..config import EngineConfig
 from ..kvcache.block_manager import BlockManager
+from ..kvcache.offload import OffloadedKVCache
 from ..kvcache.paged import PagedKVCache
 from ..models.loader import load_model
 from ..sampling_params import SamplingParams
@@ -41,6 +42,19 @@ def resolve_device(name: str) -> torch.device:
     if name.startswith("cuda") and not torch.cuda.is_available():
         raise ValueError(f"device {name!r} was asked for but CUDA is not available here; use --device cpu")
     return torch.device(name)
+
+
+def dtype_name(dtype: torch.dtype) -> str:
+    return str(dtype).replace("torch.", "")
+
+
+def resolve_kv_dtype(name: str, run_dtype: torch.dtype) -> torch.dtype:
+    """--kv-cache-dtype: auto = the run dtype; fp8 = e4m3 (kernels dequantise on load)."""
+    if name == "auto":
+        return run_dtype
+    if name == "fp8":
+        return torch.float8_e4m3fn
+    return _DTYPES[name]
 
 
 def resolve_dtype(name: str, device: torch.device) -> torch.dtype:
@@ -89,17 +103,22 @@ class LLMEngine:
             raise ValueError(f"attention backend {config.attention!r} cannot run this model: {'; '.join(reasons)}")
         self.backend = backend_cls(mc, config, self.device)
 
-        num_blocks = self._num_kv_blocks()
-        self.blocks = BlockManager(num_blocks, config.block_size)
-        # One extra page: the scratch page that padded CUDA-graph rows write to.
-        self.kv_cache = PagedKVCache(mc.num_layers, num_blocks + 1, config.block_size, mc.num_kv_heads,
-                                     mc.head_dim, self.dtype, self.device)
-        logger.info("KV cache: %d pages x %d tokens = %d tokens (%.2f GiB, %s)", num_blocks, config.block_size,
-                    num_blocks * config.block_size, self.kv_cache.nbytes / GiB, str(self.dtype).replace("torch.", ""))
+        self.kv_dtype = resolve_kv_dtype(config.kv_cache_dtype, self.dtype)
+        if config.offload:
+            self._init_offloaded_cache()
+        else:
+            num_blocks = self._num_kv_blocks()
+            self.blocks = BlockManager(num_blocks, config.block_size)
+            # One extra page: the scratch page that padded CUDA-graph rows write to.
+            self.kv_cache = PagedKVCache(mc.num_layers, num_blocks + 1, config.block_size, mc.num_kv_heads,
+                                         mc.head_dim, self.kv_dtype, self.device)
+            logger.info("KV cache: %d pages x %d tokens = %d tokens (%.2f GiB, %s)", num_blocks, config.block_size,
+                        num_blocks * config.block_size, self.kv_cache.nbytes / GiB, dtype_name(self.kv_dtype))
         self.runner = ModelRunner(self.model, config, self.kv_cache, self.blocks, self.backend, self.device)
         self.runner.capture_graphs()
         self.scheduler = Scheduler(self.blocks, config.max_num_seqs, config.max_num_batched_tokens,
-                                   on_release=lambda seq: self.backend.free_sequence(seq.seq_id))
+                                   on_release=lambda seq: self.backend.free_sequence(seq.seq_id),
+                                   max_prefill_pages=self.kv_cache.staging_pages if config.offload else None)
         self.sampler = Sampler(self.device, config.seed)
         self._requests: dict[str, _Request] = {}
         self._seq_ids = itertools.count()
@@ -108,9 +127,66 @@ class LLMEngine:
         self.last_step: StepStats | None = None
 
     # ---- KV sizing -----------------------------------------------------------------------------------------------
+    def _init_offloaded_cache(self) -> None:
+        """Two tiers (kvcache/offload.py): `kv_offloading_size` GiB of pinned host pages hold every token, a GPU pool
+        of `kv_cache_memory_gb` (default: what the GPU has left after the staging area) caches the hot pages."""
+        cfg, mc = self.config, self.model_config
+        bs, L, H, D = cfg.block_size, mc.num_layers, mc.num_kv_heads, mc.head_dim
+        if cfg.attention == "dense":
+            logger.warning("dense attention with KV offloading reads every page of every layer from host memory at "
+                           "each decode step (PCIe-bound, slow); the sparse methods (infinitehip, hip, streaming) read "
+                           "a few thousand tokens per step and cache them on the GPU")
+        per_page = OffloadedKVCache.bytes_per_page(L, bs, H, D, self.kv_dtype)
+        host_pages = int(cfg.kv_offloading_size * GiB // per_page)
+        longest = -(-cfg.max_model_len // bs)
+        if host_pages < longest:
+            raise ValueError(
+                f"kv_offloading_size={cfg.kv_offloading_size} GiB holds {host_pages * bs} tokens, fewer than "
+                f"max_model_len={cfg.max_model_len} ({longest * per_page / GiB:.2f} GiB at {per_page // bs} bytes per "
+                "token); raise --kv-offloading-size or lower --max-model-len")
+        staging = longest + -(-cfg.max_num_batched_tokens // bs) + 1
+        per_slot = OffloadedKVCache.bytes_per_slot(bs, H, D, self.kv_dtype)
+        staging_bytes = staging * per_slot
+        if cfg.kv_cache_memory_gb is not None:
+            budget = cfg.kv_cache_memory_gb * GiB
+        elif self.device.type == "cuda":
+            budget = self._profile_free_gpu_memory() - staging_bytes
+        else:
+            budget = min(_CPU_KV_DEFAULT_GB * GiB, host_pages * per_page)
+        slots = int(budget // (per_slot + 32))  # + the page table's share per slot (int32 entry, owner, stamp)
+        if slots < 1:
+            raise ValueError(f"the GPU page cache gets {budget / GiB:.2f} GiB, less than one page; raise "
+                             "--kv-cache-memory-gb or --gpu-memory-utilization")
+        self.blocks = BlockManager(host_pages, bs)
+        self.kv_cache = OffloadedKVCache(L, host_pages + 1, slots, bs, H, D, self.kv_dtype, self.device,
+                                         staging_pages=staging)
+        self.blocks.on_free = self.kv_cache.free_pages
+        kv = dtype_name(self.kv_dtype)
+        logger.info("KV cache, host tier: %d pages x %d tokens = %d tokens (%.2f GiB pinned, %s)", host_pages, bs,
+                    host_pages * bs, self.kv_cache.host_nbytes / GiB, kv)
+        logger.info("KV cache, GPU tier: %d slots of one layer's page = %d tokens per layer on average (%.2f GiB, "
+                    "shared by all %d layers); prefill staging %.2f GiB (%d pages)", slots, slots * bs // L,
+                    self.kv_cache.nbytes / GiB, L, self.kv_cache.staging_nbytes / GiB, staging)
+
+    def kv_cache_stats(self) -> dict:
+        """KV-cache occupancy and, with offloading, the cumulative page counters (kvcache/offload.py)."""
+        b = self.blocks
+        out = {"offload": self.config.offload, "host_pages_total": 0, "host_pages_used": 0, "pages_hit": 0,
+               "pages_missed": 0, "pages_evicted": 0, "pages_installed": 0, "bytes_h2d": 0}
+        if self.config.offload:
+            st = self.kv_cache.stats()
+            out.update({k: st[k] for k in ("pages_hit", "pages_missed", "pages_evicted", "pages_installed",
+                                           "bytes_h2d")})
+            out.update(gpu_pages_total=st["gpu_slots_total"], gpu_pages_used=st["gpu_slots_used"],
+                       host_pages_total=b.num_blocks, host_pages_used=b.num_blocks - b.num_free_blocks)
+        else:
+            out.update(gpu_pages_total=b.num_blocks, gpu_pages_used=b.num_blocks - b.num_free_blocks)
+        return out
+
     def _num_kv_blocks(self) -> int:
         cfg, mc = self.config, self.model_config
-        per_block = PagedKVCache.bytes_per_block(mc.num_layers, cfg.block_size, mc.num_kv_heads, mc.head_dim, self.dtype)
+        per_block = PagedKVCache.bytes_per_block(mc.num_layers, cfg.block_size, mc.num_kv_heads, mc.head_dim,
+                                                 self.kv_dtype)
         if cfg.kv_cache_memory_gb is not None:
             budget = cfg.kv_cache_memory_gb * GiB
         elif self.device.type == "cuda":
@@ -132,7 +208,7 @@ class LLMEngine:
         n = min(cfg.max_num_batched_tokens, cfg.max_model_len)
         blocks = BlockManager(-(-n // cfg.block_size), cfg.block_size)
         cache = PagedKVCache(mc.num_layers, blocks.num_blocks + 1, cfg.block_size, mc.num_kv_heads, mc.head_dim,
-                             self.dtype, self.device)
+                             self.kv_dtype, self.device)
         runner = ModelRunner(self.model, cfg, cache, blocks, self.backend, self.device)
         probe = Sequence(-1, "profile", 0, [0] * n, SamplingParams(max_tokens=1), frozenset(), 1)
         blocks.ensure(probe.seq_id, n)
@@ -197,6 +273,51 @@ class LLMEngine:
     def has_unfinished_requests(self) -> bool:
         return self.scheduler.has_unfinished()
 
+    # ---- serving hooks (longreach/server): streaming progress and prompt scoring ------------------------------------
+    def request_progress(self, request_id: str) -> list[CompletionOutput] | None:
+        """The samples of an unfinished request as they stand after the last step; None once it has finished (its
+        RequestOutput came out of `step`) or was aborted. A sample that already stopped has its finish_reason set.
+
+        For streaming: call between steps. `token_ids` is the engine's own live list, not a copy: read it (e.g. the
+        tail past what was already sent) before the next step, never keep or mutate it.
+        """
+        req = self._requests.get(request_id)
+        if req is None:
+            return None
+        return [CompletionOutput(s.index, s.text, s.output_token_ids, s.finish_reason, s.stop_reason) for s in req.seqs]
+
+    @torch.inference_mode()
+    def prompt_logprobs(self, token_ids: list[int], num_top: int = 0, start: int = 1
+                        ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """Score `token_ids` as one prompt: for each position t in [start, T), log p(token t | tokens < t) and the
+        `num_top` most likely tokens at t (the OpenAI API's `logprobs` / `echo`).
+
+        Returns fp32 / int64 CPU tensors: logprobs (T - start,), top_ids (T - start, num_top), top_logprobs
+        (T - start, num_top). The same chunked prefill as `prompt_nll`: needs an idle engine, and holds one chunk's
+        (n, V) logits at a time, never the whole (T, V).
+        """
+        T = len(token_ids)
+        if not 1 <= start < T:
+            raise ValueError(f"start must be in [1, {T}) for {T} tokens, got {start}")
+        targets = torch.tensor(token_ids, dtype=torch.long, device=self.device)
+        lps, top_ids, top_lps, row0 = [], [], [], 0
+        with contextlib.closing(self._prefill_chunks(token_ids, True)) as chunks:
+            for logits in chunks:  # (n, V); row i predicts token row0 + i + 1
+                n = logits.shape[0]
+                lo, hi = max(start - 1 - row0, 0), min(n, T - 1 - row0)  # rows whose target is in [start, T)
+                if lo < hi:
+                    lp = torch.log_softmax(logits[lo:hi], dim=-1)
+                    lps.append(lp.gather(1, targets[row0 + lo + 1: row0 + hi + 1, None])[:, 0])
+                    if num_top:
+                        v, i = lp.topk(num_top, dim=-1)
+                        top_lps.append(v)
+                        top_ids.append(i)
+                row0 += n
+        out = torch.cat(lps).cpu()
+        if not num_top:
+            return out, torch.empty(len(out), 0, dtype=torch.long), torch.empty(len(out), 0)
+        return out, torch.cat(top_ids).cpu(), torch.cat(top_lps).cpu()
+
     @torch.inference_mode()
     def prompt_logits(self, token_ids: list[int], return_logits: bool = True) -> torch.Tensor | None:
         """fp32 logits (T, V) of every position of `token_ids`, via chunked prefill through the engine's backend.
@@ -256,6 +377,11 @@ class LLMEngine:
             if seq.times.first_scheduled is None:
                 seq.times.first_scheduled = t0
         logits, sample_idx = self.runner.execute(batch)
+        kv_counts = self.runner.last_kv_counts
+        if kv_counts is not None:
+            for seq in batch.seqs:
+                for key, n in kv_counts.items():
+                    seq.kv_counts[key] = seq.kv_counts.get(key, 0) + n
         sampling = [batch.seqs[i] for i in sample_idx]
         tokens = self.sampler(logits, sampling) if sampling else []
         now = time.perf_counter()
@@ -275,10 +401,17 @@ class LLMEngine:
         self.last_step = StepStats(batch.is_prefill, len(batch.seqs), batch.total_tokens, now - t0)
         if logger.isEnabledFor(logging.DEBUG):
             kind = "Prefill" if batch.is_prefill else "Decode"
-            logger.debug("%s batch: %d seqs, %d tokens, %.1f ms, %.0f tok/s, KV pages used %d/%d, queued %d", kind,
+            kv = ""
+            if kv_counts is not None:
+                mb = kv_counts["installed"] * self.kv_cache.bytes_per_slot(
+                    self.config.block_size, self.model_config.num_kv_heads, self.model_config.head_dim,
+                    self.kv_dtype) / 1e6
+                kv = (f", KV pages hit {kv_counts['hit']} missed {kv_counts['missed']} evicted "
+                      f"{kv_counts['evicted']} installed {kv_counts['installed']} ({mb:.1f} MB host->GPU)")
+            logger.debug("%s batch: %d seqs, %d tokens, %.1f ms, %.0f tok/s, KV pages used %d/%d, queued %d%s", kind,
                          len(batch.seqs), batch.total_tokens, 1e3 * (now - t0), batch.total_tokens / (now - t0),
                          self.blocks.num_blocks - self.blocks.num_free_blocks, self.blocks.num_blocks,
-                         len(self.scheduler.waiting))
+                         len(self.scheduler.waiting), kv)
         return finished
 
     def _append_token(self, seq: Sequence, tok: int) -> None:
@@ -330,6 +463,10 @@ class LLMEngine:
             num_prompt_tokens=len(req.prompt_token_ids),
             num_generated_tokens=sum(len(s.output_token_ids) for s in req.seqs),
             num_preemptions=sum(s.num_preemptions for s in req.seqs),
+            kv_pages_hit=sum(s.kv_counts.get("hit", 0) for s in req.seqs),
+            kv_pages_missed=sum(s.kv_counts.get("missed", 0) for s in req.seqs),
+            kv_pages_evicted=sum(s.kv_counts.get("evicted", 0) for s in req.seqs),
+            kv_pages_installed=sum(s.kv_counts.get("installed", 0) for s in req.seqs),
         )
         outs = [CompletionOutput(s.index, s.text, list(s.output_token_ids), s.finish_reason, s.stop_reason)
                 for s in req.seqs]

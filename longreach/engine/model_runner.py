@@ -16,6 +16,7 @@ import torch
 from ..attention.backend import AttentionBackend, AttentionMetadata
 from ..config import EngineConfig
 from ..kvcache.block_manager import BlockManager
+from ..kvcache.offload import OffloadedKVCache, StagedPrefill
 from ..kvcache.paged import PagedKVCache
 from ..models.llama import LlamaForCausalLM
 from .scheduler import ScheduledBatch
@@ -24,13 +25,19 @@ logger = logging.getLogger("longreach")
 
 
 class StepContext:
-    """The model's view of the engine for one forward pass (models/llama.py: ForwardContext)."""
+    """The model's view of the engine for one forward pass (models/llama.py: ForwardContext).
 
-    def __init__(self, kv_cache: PagedKVCache, backend: AttentionBackend, meta: AttentionMetadata,
-                 max_position: int | None):
+    `staged`: a prefill step over an offloaded cache (kvcache/offload.py: StagedPrefill) runs attention on the
+    staging area it fills per layer."""
+
+    def __init__(self, kv_cache: "PagedKVCache | OffloadedKVCache", backend: AttentionBackend, meta: AttentionMetadata,
+                 max_position: int | None, staged: "StagedPrefill | None" = None):
         self.kv_cache, self.backend, self.meta, self.max_position = kv_cache, backend, meta, max_position
+        self.staged = staged
 
     def attention(self, layer, q, k, v):
+        if self.staged is not None:
+            return self.staged.attention(layer, q, k, v, self.backend)
         self.kv_cache.store(layer, k, v, self.meta.slot_mapping)
         k_cache, v_cache = self.kv_cache.layer(layer)
         return self.backend.forward(layer, q, k, v, k_cache, v_cache, self.meta)
@@ -45,6 +52,8 @@ class ModelRunner:
         self.scratch_page = blocks.num_blocks  # the cache has one page more than the block manager hands out
         self._graphs: dict[tuple, typing.Callable[[], torch.Tensor]] = {}  # (rows, backend variant) -> step
         self._graph_sizes: list[int] = []
+        self.offload = isinstance(kv_cache, OffloadedKVCache)
+        self.last_kv_counts: dict | None = None  # offloading: the last decode step's page counts (end_step)
 
     # ---- batch tensors -------------------------------------------------------------------------------------------
     def _metadata(self, batch: ScheduledBatch):
@@ -76,6 +85,7 @@ class ModelRunner:
             max_seq_len=max(seq_lens),
             max_query_len=max(batch.num_tokens),
             prompt_lens=[s.num_tokens for s in batch.seqs],
+            kv_store=self.kv_cache if self.offload and not batch.is_prefill else None,
         )
         input_ids = torch.tensor(ids, dtype=torch.long).to(dev, non_blocking=True)
         positions = torch.from_numpy(np.concatenate(pos)).to(dev, non_blocking=True)
@@ -89,19 +99,29 @@ class ModelRunner:
         With `all_logits`, the logits of every fed token (T, V) come back instead (scoring a prompt).
         """
         sample_idx = [i for i, (s, n) in enumerate(zip(batch.seqs, batch.num_tokens)) if s.num_computed + n == s.num_tokens]
-        if all_logits:
-            input_ids, positions, meta, _ = self._metadata(batch)
-            self.backend.begin_step(meta)
-            hidden = self.model(input_ids, positions, StepContext(self.kv_cache, self.backend, meta, meta.max_seq_len - 1))
-            return self.model.logits(hidden), sample_idx
-        if not batch.is_prefill and self._graph_sizes and len(batch.seqs) <= self._graph_sizes[-1]:
-            return self._replay(batch), sample_idx
+        self.last_kv_counts = None
+        if not all_logits and not batch.is_prefill and self._graph_sizes and len(batch.seqs) <= self._graph_sizes[-1]:
+            logits = self._replay(batch)
+            self._end_step()
+            return logits, sample_idx
         input_ids, positions, meta, qsl = self._metadata(batch)
         self.backend.begin_step(meta)
-        ctx = StepContext(self.kv_cache, self.backend, meta, meta.max_seq_len - 1)
+        staged = None
+        if self.offload and batch.is_prefill:
+            staged = self.kv_cache.prefill_step(meta, [self.blocks.table(s.seq_id) for s in batch.seqs])
+        ctx = StepContext(self.kv_cache, self.backend, meta, meta.max_seq_len - 1, staged)
         hidden = self.model(input_ids, positions, ctx)
+        if not batch.is_prefill:
+            self._end_step()
+        if all_logits:
+            return self.model.logits(hidden), sample_idx
         rows = torch.tensor([qsl[i + 1] - 1 for i in sample_idx], dtype=torch.long, device=self.device)
         return self.model.logits(hidden.index_select(0, rows)), sample_idx
+
+    def _end_step(self) -> None:
+        """Offloading: install the pages this decode step missed (kvcache/offload.py)."""
+        if self.offload:
+            self.last_kv_counts = self.kv_cache.end_step()
 
     # ---- CUDA graphs for decode ----------------------------------------------------------------------------------
     def graphs_supported(self) -> tuple[bool, str]:
@@ -164,7 +184,8 @@ class ModelRunner:
         self._g_tables[:n].fill_(self.scratch_page)
         self.backend.graph_scratch()
         meta = AttentionMetadata(False, [-1] * n, [1] * n, [0] * n, self._g_qsl[: n + 1], self._g_lens[:n],
-                                 self._g_tables[:n], self._g_slots[:n], self.config.max_model_len, 1)
+                                 self._g_tables[:n], self._g_slots[:n], self.config.max_model_len, 1,
+                                 kv_store=self.kv_cache if self.offload else None)
         ctx = StepContext(self.kv_cache, self.backend, meta, None)
         run = lambda: self.model.logits(self.model(self._g_ids[:n], self._g_pos[:n], ctx))  # noqa: E731
         if self._emulate:

@@ -22,6 +22,12 @@ class RequestMetrics:
     num_prompt_tokens: int
     num_generated_tokens: int
     num_preemptions: int = 0
+    # KV offloading: pages of the decode steps this request took part in (a batch shares its steps' counts): read from
+    # the GPU page cache, read from host memory, evicted, and installed (copied host -> GPU) after the step
+    kv_pages_hit: int = 0
+    kv_pages_missed: int = 0
+    kv_pages_evicted: int = 0
+    kv_pages_installed: int = 0
 
     @property
     def time_to_first_token(self) -> float | None:

@@ -33,11 +33,14 @@ class ScheduledBatch:
 
 class Scheduler:
     def __init__(self, blocks: BlockManager, max_num_seqs: int, max_num_batched_tokens: int,
-                 on_release: Callable[[Sequence], None] = lambda seq: None):
+                 on_release: Callable[[Sequence], None] = lambda seq: None, max_prefill_pages: int | None = None):
         self.blocks = blocks
         self.max_num_seqs = max_num_seqs
         self.max_num_batched_tokens = max_num_batched_tokens
         self.on_release = on_release  # called when a sequence loses its pages (finish or preemption)
+        # KV offloading: most pages a prefill step may cover (its sequences' whole contexts sit in the GPU staging
+        # area, kvcache/offload.py); a step always takes its first sequence
+        self.max_prefill_pages = max_prefill_pages
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []
         self.num_preemptions = 0
@@ -52,21 +55,28 @@ class Scheduler:
         budget = self.max_num_batched_tokens
         seqs: list[Sequence] = []
         counts: list[int] = []
+        pages = 0
         for seq in list(self.running):  # continue chunked prefills, oldest first
             if budget == 0:
                 break
             if seq.status is not SequenceStatus.RUNNING or not seq.is_prefilling:
                 continue
             n = min(seq.num_uncomputed, budget)
+            if seqs and not self._stages(pages, seq.num_computed + n):
+                break
             if self._reserve(seq, seq.num_computed + n):
+                pages += self.blocks.blocks_for(seq.num_computed + n)
                 seqs.append(seq)
                 counts.append(n)
                 budget -= n
         while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:
             seq = self.waiting[0]
             n = min(seq.num_uncomputed, budget)
+            if seqs and not self._stages(pages, seq.num_computed + n):
+                break
             if not self.blocks.ensure(seq.seq_id, seq.num_computed + n):
                 break
+            pages += self.blocks.blocks_for(seq.num_computed + n)
             self.waiting.popleft()
             seq.status = SequenceStatus.RUNNING
             self.running.append(seq)
@@ -77,6 +87,10 @@ class Scheduler:
             return ScheduledBatch(True, seqs, counts)
         decodes = [s for s in list(self.running) if s.status is SequenceStatus.RUNNING and self._reserve(s, s.num_tokens)]
         return ScheduledBatch(False, decodes, [1] * len(decodes)) if decodes else None
+
+    def _stages(self, pages: int, num_tokens: int) -> bool:
+        """Does a sequence of `num_tokens` fit the prefill step's staging pages beside `pages` already taken?"""
+        return self.max_prefill_pages is None or pages + self.blocks.blocks_for(num_tokens) <= self.max_prefill_pages
 
     def _reserve(self, seq: Sequence, num_tokens: int) -> bool:
         """Pages for `num_tokens` tokens of `seq`, preempting later-admitted sequences if needed."""

@@ -46,6 +46,7 @@ class Sequence:
     generator: object | None = None  # torch.Generator for seeded sampling (created by the model runner)
     decoder: object | None = None  # IncrementalDecoder
     num_preemptions: int = 0
+    kv_counts: dict = field(default_factory=dict)  # offloading: page counts summed over this sequence's decode steps
 
     @property
     def num_tokens(self) -> int:

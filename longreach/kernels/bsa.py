@@ -27,7 +27,7 @@ from ..attention.executor import head_pairs
 from ..attention.index import QueryBlocks, SparseIndex
 from ..rope.strategies import ATTEND_CODES, RopeArgs
 from .combine import combine_splits_triton
-from .paged import load_rows
+from .paged import kv_format, load_kv, page_slots, row_base, tier_args
 from .rope import rotate_rows, swap_halves
 from .softmax import online_softmax_finish, online_softmax_step
 
@@ -42,11 +42,12 @@ if triton is not None:
 
     @triton.jit
     def _bsa_kernel(
-        Q, K, V, BlockTables, QbSeq, QbStart, QbLen, QbPos, Blocks, Counts, PairGroup, PairKv, InvFreq,
+        Q, K, V, KH, VH, Slots, BlockTables, QbSeq, QbStart, QbLen, QbPos, Blocks, Counts, PairGroup, PairKv, InvFreq,
         Out, Lse, OutP, LseP,
         stride_qt, stride_qh,
         stride_kp, stride_ko, stride_kh,
         stride_vp, stride_vo, stride_vh,
+        stride_khp, stride_vhp,
         stride_btb,
         stride_bb, stride_bg,
         stride_cb,
@@ -58,6 +59,7 @@ if triton is not None:
         ROPE: tl.constexpr, HPP: tl.constexpr, HEADS_PER_PROG: tl.constexpr, N_HSUB: tl.constexpr,
         BQ_PAD: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, HEAD_DIM: tl.constexpr,
         BK: tl.constexpr, PAGE: tl.constexpr, SPLIT: tl.constexpr, DOT_PRECISION: tl.constexpr,
+        TIERED: tl.constexpr, FP8: tl.constexpr,
     ):
         qb = tl.program_id(0)
         pair = tl.program_id(1) // N_HSUB
@@ -126,8 +128,11 @@ if triton is not None:
             safe = tl.minimum(tl.maximum(kpos, 0), last_pos)
             page = tl.load(bt_base + safe // PAGE).to(tl.int64)
             off = safe % PAGE
-            k = load_rows(K, page, off, kvh, stride_kp, stride_ko, stride_kh, d, k_ok)
-            v = load_rows(V, page, off, kvh, stride_vp, stride_vo, stride_vh, d, k_ok)
+            slot = page_slots(Slots, page, TIERED)
+            kb = row_base(K, KH, page, slot, stride_kp, stride_khp, TIERED)
+            k = load_kv(kb, off, kvh, stride_ko, stride_kh, d, k_ok, HEAD_DIM, FP8).to(q.dtype)
+            v = load_kv(row_base(V, VH, page, slot, stride_vp, stride_vhp, TIERED), off, kvh, stride_vo, stride_vh, d,
+                        k_ok, HEAD_DIM, FP8).to(q.dtype)
             if ROPE != 0:
                 far = (is_sink | is_sel) & remap
                 if ROPE == 1:
@@ -136,8 +141,8 @@ if triton is not None:
                     new_k = tl.where(is_sink, j_sink, n_sink)
                 else:
                     new_k = kpos // de_group
-                k_sw = load_rows(K, page, off, kvh, stride_kp, stride_ko, stride_kh, swap_halves(d, HEAD_DIM),
-                                 k_ok & far)
+                k_sw = load_kv(kb, off, kvh, stride_ko, stride_kh, swap_halves(d, HEAD_DIM), k_ok & far,
+                               HEAD_DIM, FP8).to(q.dtype)
                 k = rotate_rows(k, k_sw, tl.where(far, new_k - kpos, 0), inv, d, HEAD_DIM).to(q.dtype)
                 qq = tl.where(far, q_far, q)
             else:
@@ -214,7 +219,11 @@ def block_sparse_attention_triton(q, k_cache, v_cache, block_tables, index: Spar
         raise RuntimeError("block_sparse_attention_triton needs Triton")
     T, Hq, D = q.shape
     _, page, Hkv, Dk = k_cache.shape
-    if Dk != D or v_cache.shape != k_cache.shape:
+    K, KH, slots, stride_khp, tiered = tier_args(k_cache)
+    V, VH, _, stride_vhp, _ = tier_args(v_cache)
+    k_cache, v_cache = K, V
+    fp8 = kv_format(k_cache, D)
+    if v_cache.shape[1:] != k_cache.shape[1:] or v_cache.dtype != k_cache.dtype:
         raise ValueError(f"cache shapes {tuple(k_cache.shape)} / {tuple(v_cache.shape)} do not match q {tuple(q.shape)}")
     if D & (D - 1) or not 16 <= D <= 256:
         raise ValueError(f"head_dim must be a power of two in [16, 256], got {D}")
@@ -245,11 +254,12 @@ def block_sparse_attention_triton(q, k_cache, v_cache, block_tables, index: Spar
     inv_freq = rope.inv_freq.to(device=q.device, dtype=torch.float32) if mode else plan.counts  # unused when mode 0
     grid = (nqb, plan.num_pairs * n_hsub, num_splits)
     _bsa_kernel[grid](
-        q, k_cache, v_cache, block_tables, plan.seq, plan.start, plan.len, plan.pos, plan.blocks, plan.counts,
-        plan.pair_group, plan.pair_kv, inv_freq, out, lse, out_p, lse_p,
+        q, k_cache, v_cache, KH, VH, slots, block_tables, plan.seq, plan.start, plan.len, plan.pos, plan.blocks,
+        plan.counts, plan.pair_group, plan.pair_kv, inv_freq, out, lse, out_p, lse_p,
         q.stride(0), q.stride(1),
         k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
         v_cache.stride(0), v_cache.stride(1), v_cache.stride(2),
+        stride_khp, stride_vhp,
         block_tables.stride(0),
         plan.blocks.stride(0), plan.blocks.stride(1),
         plan.counts.stride(0),
@@ -261,7 +271,7 @@ def block_sparse_attention_triton(q, k_cache, v_cache, block_tables, index: Spar
         rope.rope_from if mode else 0, rope.group if mode else 1,
         ROPE=mode, HPP=plan.hpp, HEADS_PER_PROG=heads_per_prog, N_HSUB=n_hsub, BQ_PAD=bq_pad, BLOCK_M=block_m,
         BLOCK_N=block_n, HEAD_DIM=D, BK=index.block_k, PAGE=page, SPLIT=split,
-        DOT_PRECISION="ieee" if q.dtype == torch.float32 else "tf32",
+        DOT_PRECISION="ieee" if q.dtype == torch.float32 else "tf32", TIERED=tiered, FP8=fp8,
         num_warps=num_warps or (8 if block_m >= 128 else 4), num_stages=2,
     )
     if split:

@@ -1,4 +1,13 @@
-"""Reading rows of the paged KV cache inside a kernel: token position -> page (block table) -> row."""
+"""Reading rows of the paged KV cache inside a kernel: token position -> page (block table) -> row.
+
+Two tiers (KV offloading, kvcache/offload.py): a layer's pages have their home in pinned host memory, and a GPU pool
+of slots holds copies of some of them. A kernel then gets three extra things per cache: `XH`, the host tier of that
+layer (its pointer is a host address, valid on the GPU through unified virtual addressing), `Slots`, the layer's page
+table (page -> slot, -1 when not resident), and `stride_hp`, the host tier's page stride. A resident page is read
+from its slot, a missing one straight from host memory (zero-copy, over PCIe). The two tiers share the inner layout
+(offset, head, dim), so only the page's base address differs. With `TIERED` false, `X` is the one-tier cache and the
+extra arguments are unused.
+"""
 from __future__ import annotations
 
 try:
@@ -10,7 +19,61 @@ except ImportError:  # pragma: no cover
 if triton is not None:
 
     @triton.jit
-    def load_rows(X, page, off, head, stride_p, stride_o, stride_h, d, mask):
-        """X[page, off, head, d] for vectors page/off (N,) and d (D,) -> (N, D); rows outside `mask` read as 0."""
-        return tl.load(X + page[:, None] * stride_p + off[:, None] * stride_o + head * stride_h + d[None, :],
-                       mask=mask[:, None], other=0.0)
+    def page_slots(Slots, page, TIERED: tl.constexpr):
+        """GPU slot of each page (N,) int64: -1 when not resident. One-tier caches: the page itself."""
+        if TIERED:
+            return tl.load(Slots + page).to(tl.int64)
+        else:
+            return page
+
+    @triton.jit
+    def row_base(X, XH, page, slot, stride_p, stride_hp, TIERED: tl.constexpr):
+        """Base pointer of each token's page (N,): its GPU slot in X, or (not resident) its home in the host tier."""
+        if TIERED:
+            return tl.where(slot >= 0, X + slot * stride_p, XH + page * stride_hp)
+        else:
+            return X + page * stride_p
+
+    @triton.jit
+    def load_at(base, off, head, stride_o, stride_h, d, mask):
+        """rows base[n] + off[n] of `head` for dims d -> (N, D); rows outside `mask` read as 0."""
+        return tl.load(base[:, None] + off[:, None] * stride_o + head * stride_h + d[None, :], mask=mask[:, None],
+                       other=0.0)
+
+    @triton.jit
+    def load_kv(base, off, head, stride_o, stride_h, d, mask, HEAD_DIM: tl.constexpr, FP8: tl.constexpr):
+        """`load_at` for K/V rows. FP8 caches (kvcache/fp8.py) keep each row's fp32 scale in the 4 bytes after its
+        HEAD_DIM values: the row comes back dequantised (value * scale, fp32); callers cast to the query dtype."""
+        x = load_at(base, off, head, stride_o, stride_h, d, mask)
+        if FP8:
+            sp = (base + off * stride_o + head * stride_h + HEAD_DIM).to(tl.pointer_type(tl.float32))
+            sc = tl.load(sp, mask=mask, other=0.0)
+            return x.to(tl.float32) * sc[:, None]
+        else:
+            return x
+
+
+def kv_format(cache, head_dim: int) -> bool:
+    """Is `cache` (pages, block_size, H_kv, row) fp8 with scales (row = head_dim + 16, kvcache/fp8.py)? Raises
+    ValueError for a row that fits neither format."""
+    from ..kvcache.fp8 import FP8, row_width
+
+    row = cache.shape[-1]
+    if cache.dtype == FP8:
+        if row != row_width(head_dim):
+            raise ValueError(f"fp8 cache rows must hold {row_width(head_dim)} bytes for head_dim {head_dim}, got {row}")
+        return True
+    if row != head_dim:
+        raise ValueError(f"cache rows of {row} values do not match head_dim {head_dim}")
+    return False
+
+
+def tier_args(cache) -> tuple:
+    """(X, XH, Slots, stride_hp, TIERED) for a launcher: a `TierView` (kvcache/offload.py) gives its pool, host tier
+    and page table; a plain (pages, block_size, H_kv, D) tensor is the one tier (the other entries are unused)."""
+    from ..kvcache.offload import TierView
+    from .offload_copy import kernel_arg
+
+    if isinstance(cache, TierView):
+        return cache.pool, kernel_arg(cache.host), cache.slots, cache.host.stride(0), True
+    return cache, cache, cache, 0, False

@@ -25,7 +25,7 @@ try:
     import triton
     import triton.language as tl
 
-    from .paged import load_rows
+    from .paged import kv_format, load_kv, page_slots, row_base, tier_args
     from .softmax import online_softmax_finish, online_softmax_step
 except ImportError:  # the CPU path never needs Triton
     triton = None
@@ -33,6 +33,9 @@ except ImportError:  # the CPU path never needs Triton
 
 def paged_decode_reference(q, k_cache, v_cache, block_tables, seq_lens, scale):
     """Plain PyTorch (fp32 math) equivalent of `paged_decode`: gathers every sequence's pages and masks the tail."""
+    from ..kvcache.offload import as_tensor
+
+    k_cache, v_cache = as_tensor(k_cache, q.dtype), as_tensor(v_cache, q.dtype)
     B, Hq, D = q.shape
     _, page, Hkv, _ = k_cache.shape
     G = Hq // Hkv
@@ -54,17 +57,19 @@ if triton is not None:
 
     @triton.jit
     def _paged_decode_kernel(
-        Q, K, V, BlockTables, SeqLens, OutPartial, LsePartial,
+        Q, K, V, KH, VH, Slots, BlockTables, SeqLens, OutPartial, LsePartial,
         stride_qb, stride_qh,
         stride_kp, stride_ko, stride_kh,
         stride_vp, stride_vo, stride_vh,
+        stride_khp, stride_vhp,
         stride_btb,
         stride_ob, stride_oh, stride_os,
         stride_lb, stride_lh,
         qk_scale,  # softmax scale * log2(e): exponentials are taken in base 2
         num_splits,  # a runtime value: one compiled kernel serves every batch size
         GROUP: tl.constexpr, GROUP_PAD: tl.constexpr, HEAD_DIM: tl.constexpr,
-        PAGE: tl.constexpr, BLOCK_N: tl.constexpr, DOT_PRECISION: tl.constexpr,
+        PAGE: tl.constexpr, BLOCK_N: tl.constexpr, DOT_PRECISION: tl.constexpr, TIERED: tl.constexpr,
+        FP8: tl.constexpr,
     ):
         b = tl.program_id(0)
         kvh = tl.program_id(1)
@@ -89,8 +94,11 @@ if triton is not None:
             nmask = n < seq_len
             page = tl.load(BlockTables + b * stride_btb + n // PAGE, mask=nmask, other=0).to(tl.int64)
             off = n % PAGE
-            k = load_rows(K, page, off, kvh, stride_kp, stride_ko, stride_kh, d, nmask)
-            v = load_rows(V, page, off, kvh, stride_vp, stride_vo, stride_vh, d, nmask)
+            slot = page_slots(Slots, page, TIERED)
+            k = load_kv(row_base(K, KH, page, slot, stride_kp, stride_khp, TIERED), off, kvh, stride_ko, stride_kh, d,
+                        nmask, HEAD_DIM, FP8).to(q.dtype)
+            v = load_kv(row_base(V, VH, page, slot, stride_vp, stride_vhp, TIERED), off, kvh, stride_vo, stride_vh, d,
+                        nmask, HEAD_DIM, FP8).to(q.dtype)
             s = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * qk_scale  # (GROUP_PAD, BLOCK_N), log2 units
             s = tl.where(nmask[None, :], s, float("-inf"))
             m_i, l_i, acc = online_softmax_step(s, v, m_i, l_i, acc, DOT_PRECISION)
@@ -114,7 +122,11 @@ def paged_decode(q, k_cache, v_cache, block_tables, seq_lens, scale: float, num_
         raise RuntimeError("paged_decode needs Triton; use paged_decode_reference on CPU")
     B, Hq, D = q.shape
     num_pages, page, Hkv, Dk = k_cache.shape
-    if Dk != D or v_cache.shape != k_cache.shape:
+    K, KH, slots, stride_khp, tiered = tier_args(k_cache)
+    V, VH, _, stride_vhp, _ = tier_args(v_cache)
+    k_cache, v_cache = K, V
+    fp8 = kv_format(k_cache, D)
+    if v_cache.shape[1:] != k_cache.shape[1:] or v_cache.dtype != k_cache.dtype:
         raise ValueError(f"cache shapes {tuple(k_cache.shape)} / {tuple(v_cache.shape)} do not match q {tuple(q.shape)}")
     if Hq % Hkv:
         raise ValueError(f"query heads ({Hq}) must be a multiple of KV heads ({Hkv})")
@@ -134,10 +146,11 @@ def paged_decode(q, k_cache, v_cache, block_tables, seq_lens, scale: float, num_
         out_p, lse_p = workspace
     grid = (B, Hkv, num_splits)
     _paged_decode_kernel[grid](
-        q, k_cache, v_cache, block_tables, seq_lens, out_p, lse_p,
+        q, k_cache, v_cache, KH, VH, slots, block_tables, seq_lens, out_p, lse_p,
         q.stride(0), q.stride(1),
         k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
         v_cache.stride(0), v_cache.stride(1), v_cache.stride(2),
+        stride_khp, stride_vhp,
         block_tables.stride(0),
         out_p.stride(0), out_p.stride(1), out_p.stride(2),
         lse_p.stride(0), lse_p.stride(1),
@@ -145,7 +158,7 @@ def paged_decode(q, k_cache, v_cache, block_tables, seq_lens, scale: float, num_
         num_splits,
         GROUP=G, GROUP_PAD=max(16, triton.next_power_of_2(G)), HEAD_DIM=D,
         PAGE=page, BLOCK_N=block_n,
-        DOT_PRECISION="ieee" if q.dtype == torch.float32 else "tf32",
+        DOT_PRECISION="ieee" if q.dtype == torch.float32 else "tf32", TIERED=tiered, FP8=fp8,
         num_warps=4, num_stages=2,
     )
     out = torch.empty_like(q)

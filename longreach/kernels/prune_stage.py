@@ -36,7 +36,7 @@ try:
     import triton
     import triton.language as tl
 
-    from .paged import load_rows
+    from .paged import kv_format, load_kv, page_slots, row_base, tier_args
     from .rope import rotate_rows, swap_halves
 except ImportError:  # pragma: no cover
     triton = None
@@ -160,18 +160,19 @@ if triton is not None:
             return pos // de_group
 
     @triton.jit
-    def _probe(q, K, bt_base, kv, pos, ok, row_ok, stride_kp, stride_ko, stride_kh, inv, remap, from_end, de_group,
-               PAGE: tl.constexpr, HEAD_DIM: tl.constexpr, DOT_PRECISION: tl.constexpr, ROPE: tl.constexpr,
-               RIGHT: tl.constexpr):
+    def _probe(q, K, KH, Slots, bt_base, kv, pos, ok, row_ok, stride_kp, stride_ko, stride_kh, stride_khp, inv, remap,
+               from_end, de_group, PAGE: tl.constexpr, HEAD_DIM: tl.constexpr, DOT_PRECISION: tl.constexpr,
+               ROPE: tl.constexpr, RIGHT: tl.constexpr, TIERED: tl.constexpr, FP8: tl.constexpr):
         """max over the valid rows of q of <q_row, k[pos]>, for a vector of key positions: (BLOCK_C,), -inf if not ok.
         With a pruning strategy (ROPE > 0) each key is first moved to its strategy position."""
         d = tl.arange(0, HEAD_DIM)
         safe = tl.maximum(pos, 0)
         page = tl.load(bt_base + safe // PAGE, mask=ok, other=0).to(tl.int64)
-        k = load_rows(K, page, safe % PAGE, kv, stride_kp, stride_ko, stride_kh, d, ok)
+        base = row_base(K, KH, page, page_slots(Slots, page, TIERED), stride_kp, stride_khp, TIERED)
+        k = load_kv(base, safe % PAGE, kv, stride_ko, stride_kh, d, ok, HEAD_DIM, FP8).to(q.dtype)
         if ROPE != 0:
-            k_sw = load_rows(K, page, safe % PAGE, kv, stride_kp, stride_ko, stride_kh, swap_halves(d, HEAD_DIM),
-                             ok & remap)
+            k_sw = load_kv(base, safe % PAGE, kv, stride_ko, stride_kh, swap_halves(d, HEAD_DIM), ok & remap,
+                           HEAD_DIM, FP8).to(q.dtype)
             dk = tl.where(remap, _new_key_pos(pos, from_end, de_group, ROPE, RIGHT) - pos, 0)
             k = rotate_rows(k, k_sw, dk, inv, d, HEAD_DIM).to(q.dtype)
         s = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION)  # (rows, BLOCK_C)
@@ -179,22 +180,23 @@ if triton is not None:
         return tl.where(ok, tl.max(s, axis=0), float("-inf"))
 
     @triton.jit
-    def _select_rep(q, K, bt_base, kv, a, b, valid, row_ok, stride_kp, stride_ko, stride_kh, inv, remap, from_end,
-                    de_group, N_ITER: tl.constexpr, PAGE: tl.constexpr, HEAD_DIM: tl.constexpr,
-                    DOT_PRECISION: tl.constexpr, ROPE: tl.constexpr):
+    def _select_rep(q, K, KH, Slots, bt_base, kv, a, b, valid, row_ok, stride_kp, stride_ko, stride_kh, stride_khp, inv,
+                    remap, from_end, de_group, N_ITER: tl.constexpr, PAGE: tl.constexpr, HEAD_DIM: tl.constexpr,
+                    DOT_PRECISION: tl.constexpr, ROPE: tl.constexpr, TIERED: tl.constexpr, FP8: tl.constexpr):
         """SelectRep over chunks [a, b) for the rows of q: halve N_ITER times, each half represented by its first key,
         keep the higher-scoring half. Returns the score of the representative found: (BLOCK_C,).
         The first probe is the left branch's representative, every later one a right branch's (rt positions)."""
         first = a
         last = b - 1
-        best = _probe(q, K, bt_base, kv, first, valid, row_ok, stride_kp, stride_ko, stride_kh, inv, remap, from_end,
-                      de_group, PAGE, HEAD_DIM, DOT_PRECISION, ROPE, 0)
+        best = _probe(q, K, KH, Slots, bt_base, kv, first, valid, row_ok, stride_kp, stride_ko, stride_kh, stride_khp,
+                      inv, remap, from_end, de_group, PAGE, HEAD_DIM, DOT_PRECISION, ROPE, 0, TIERED, FP8)
         for _ in range(N_ITER):  # a loop, not unrolled: unrolling multiplied compile time (kernel-notes v6)
             span = last - first + 1
             active = valid & (span > 1)
             mid = first + span // 2
-            s_mid = _probe(q, K, bt_base, kv, mid, active, row_ok, stride_kp, stride_ko, stride_kh, inv, remap,
-                           from_end, de_group, PAGE, HEAD_DIM, DOT_PRECISION, ROPE, 1)
+            s_mid = _probe(q, K, KH, Slots, bt_base, kv, mid, active, row_ok, stride_kp, stride_ko, stride_kh,
+                           stride_khp, inv, remap, from_end, de_group, PAGE, HEAD_DIM, DOT_PRECISION, ROPE, 1, TIERED,
+                           FP8)
             right = active & (s_mid > best)
             first = tl.where(right, mid, first)
             last = tl.where(active & (s_mid <= best), mid - 1, last)
@@ -224,14 +226,15 @@ if triton is not None:
 
     @triton.jit
     def _chunk_score_kernel(
-        Q, K, BlockTable, QbStart, QbLen, CandEnd, Ids, Scores, InvFreq, NChunk,
-        stride_qt, stride_qh, stride_kp, stride_ko, stride_kh,
+        Q, K, KH, Slots, BlockTable, QbStart, QbLen, CandEnd, Ids, Scores, InvFreq, NChunk,
+        stride_qt, stride_qh, stride_kp, stride_ko, stride_kh, stride_khp,
         stride_ib, stride_ig, stride_sb, stride_sp, stride_nb,
         num_chunks, n_sink, n_window, rope_from, de_group,
         ROPE: tl.constexpr, HPP: tl.constexpr, PAIRS_PER_GROUP: tl.constexpr, PAIR_KV_DIV: tl.constexpr,
         CHUNK: tl.constexpr, EXACT: tl.constexpr, PER_HEAD: tl.constexpr, N_ITER: tl.constexpr,
         BQ_PAD: tl.constexpr, HPP_PAD: tl.constexpr, BLOCK_C: tl.constexpr, TILES: tl.constexpr,
         TILE_FIRST: tl.constexpr, HEAD_DIM: tl.constexpr, PAGE: tl.constexpr, DOT_PRECISION: tl.constexpr,
+        TIERED: tl.constexpr, FP8: tl.constexpr,
     ):
         # TILE_FIRST: consecutive programs take consecutive chunk tiles of one query block (its queries stay in L2);
         # otherwise consecutive programs take the same chunk tile of consecutive query blocks (keys stay in L2)
@@ -269,22 +272,24 @@ if triton is not None:
                 for i in range(HPP):  # a loop, not unrolled (kernel-notes v6)
                     q = _load_q(Q, start + r1, r1 * 0 + pair * HPP + i, row_ok, stride_qt, stride_qh, r1, length,
                                 blk_end, inv, remap, n_window, de_group, HEAD_DIM, ROPE)
-                    hs = _select_rep(q, K, BlockTable, kv, a, b, valid, row_ok, stride_kp, stride_ko, stride_kh,
-                                     inv, remap, from_end, de_group, N_ITER, PAGE, HEAD_DIM, DOT_PRECISION, ROPE)
+                    hs = _select_rep(q, K, KH, Slots, BlockTable, kv, a, b, valid, row_ok, stride_kp, stride_ko,
+                                     stride_kh, stride_khp, inv, remap, from_end, de_group, N_ITER, PAGE, HEAD_DIM,
+                                     DOT_PRECISION, ROPE, TIERED, FP8)
                     best = tl.maximum(best, hs)
             elif EXACT:  # every key of every chunk in one gather and one dot
                 j = tl.arange(0, CHUNK)
                 pos2 = a[:, None] + j[None, :]
                 ok2 = valid[:, None] & (pos2 < b[:, None])
                 fe2 = from_end[:, None] + j[None, :] * 0
-                s = _probe(q_all, K, BlockTable, kv, tl.reshape(pos2, [BLOCK_C * CHUNK]),
-                           tl.reshape(ok2, [BLOCK_C * CHUNK]), rows_ok, stride_kp, stride_ko, stride_kh,
+                s = _probe(q_all, K, KH, Slots, BlockTable, kv, tl.reshape(pos2, [BLOCK_C * CHUNK]),
+                           tl.reshape(ok2, [BLOCK_C * CHUNK]), rows_ok, stride_kp, stride_ko, stride_kh, stride_khp,
                            inv, remap, tl.reshape(fe2, [BLOCK_C * CHUNK]), de_group,
-                           PAGE, HEAD_DIM, DOT_PRECISION, ROPE, 1)
+                           PAGE, HEAD_DIM, DOT_PRECISION, ROPE, 1, TIERED, FP8)
                 best = tl.max(tl.reshape(s, [BLOCK_C, CHUNK]), axis=1)
             else:  # SelectRep shared by the heads of the pair: one gather per probe
-                best = _select_rep(q_all, K, BlockTable, kv, a, b, valid, rows_ok, stride_kp, stride_ko, stride_kh,
-                                   inv, remap, from_end, de_group, N_ITER, PAGE, HEAD_DIM, DOT_PRECISION, ROPE)
+                best = _select_rep(q_all, K, KH, Slots, BlockTable, kv, a, b, valid, rows_ok, stride_kp, stride_ko,
+                                   stride_kh, stride_khp, inv, remap, from_end, de_group, N_ITER, PAGE, HEAD_DIM,
+                                   DOT_PRECISION, ROPE, TIERED, FP8)
             tl.store(Scores + qb * stride_sb + pair * stride_sp + c, tl.where(valid, best, float("-inf")),
                      mask=c < num_chunks)
 
@@ -306,6 +311,8 @@ def chunk_scores_triton(q: torch.Tensor, k_cache: torch.Tensor, block_table: tor
         raise RuntimeError("chunk_scores_triton needs Triton")
     _, Hq, D = q.shape
     _, page, Hkv, _ = k_cache.shape
+    k_cache, KH, slots, stride_khp, tiered = tier_args(k_cache)
+    fp8 = kv_format(k_cache, D)
     if D & (D - 1) or not 16 <= D <= 256:
         raise ValueError(f"head_dim must be a power of two in [16, 256], got {D}")
     if q.stride(-1) != 1 or k_cache.stride(-1) != 1:
@@ -337,15 +344,15 @@ def chunk_scores_triton(q: torch.Tensor, k_cache: torch.Tensor, block_table: tor
     inv_freq = rope.inv_freq.to(device=q.device, dtype=torch.float32) if mode else scores  # unused when mode 0
     n_chunk = (ids32 >= 0).sum(-1, dtype=torch.int32) if mode == PRUNE_CODES["ci"] else ids32
     _chunk_score_kernel[grid](
-        q, k_cache, block_table, starts.to(torch.int32), lens.to(torch.int32), cand_end.to(torch.int32), ids32,
-        scores, inv_freq, n_chunk,
-        q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
+        q, k_cache, KH, slots, block_table, starts.to(torch.int32), lens.to(torch.int32), cand_end.to(torch.int32),
+        ids32, scores, inv_freq, n_chunk,
+        q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), stride_khp,
         ids32.stride(0), ids32.stride(1), scores.stride(0), scores.stride(1), n_chunk.stride(0),
         C, n_sink, rope.n_window if mode else 0, rope.rope_from if mode else 0, rope.group if mode else 1,
         ROPE=mode, HPP=hpp, PAIRS_PER_GROUP=P // groups, PAIR_KV_DIV=(Hq // Hkv) if groups == Hq and Hq != Hkv else 1,
         CHUNK=chunk, EXACT=exact, PER_HEAD=per_head, N_ITER=max(0, math.ceil(math.log2(chunk))),
         BQ_PAD=bq_pad, HPP_PAD=hpp_pad, BLOCK_C=block_c, TILES=tiles, TILE_FIRST=tile_first, HEAD_DIM=D,
-        PAGE=page, DOT_PRECISION="ieee" if q.dtype == torch.float32 else "tf32",
+        PAGE=page, DOT_PRECISION="ieee" if q.dtype == torch.float32 else "tf32", TIERED=tiered, FP8=fp8,
         num_warps=8 if tile_rows >= 128 else 4, num_stages=2,
     )
     return scores if P == groups else scores.reshape(nb, groups, P // groups, C).amax(dim=2)

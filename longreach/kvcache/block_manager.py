@@ -6,16 +6,18 @@ A sequence's block table is the ordered list of its pages: token t lives in page
 from __future__ import annotations
 
 from collections import deque
+from typing import Callable
 
 
 class BlockManager:
-    def __init__(self, num_blocks: int, block_size: int):
+    def __init__(self, num_blocks: int, block_size: int, on_free: Callable[[list[int]], None] | None = None):
         if num_blocks < 1:
             raise ValueError(f"the KV cache needs at least one page, got {num_blocks}")
         self.num_blocks = num_blocks
         self.block_size = block_size
         self._free: deque[int] = deque(range(num_blocks))
         self._tables: dict[int, list[int]] = {}
+        self.on_free = on_free  # called with the pages a sequence returns (the offloaded store drops their slots)
 
     @property
     def num_free_blocks(self) -> int:
@@ -43,8 +45,10 @@ class BlockManager:
 
     def free(self, seq_id: int) -> None:
         """Return all pages of `seq_id` to the free list (no-op if it owns none)."""
-        for block in self._tables.pop(seq_id, ()):
-            self._free.append(block)
+        pages = self._tables.pop(seq_id, [])
+        self._free.extend(pages)
+        if pages and self.on_free is not None:
+            self.on_free(pages)
 
     def check_integrity(self) -> None:
         """Every page is either free or owned by exactly one sequence; raises AssertionError otherwise."""

@@ -11,37 +11,45 @@ from __future__ import annotations
 
 import torch
 
+from .fp8 import encode, row_bytes, row_elems, values
+
 
 class PagedKVCache:
     def __init__(self, num_layers: int, num_blocks: int, block_size: int, num_kv_heads: int, head_dim: int,
                  dtype: torch.dtype, device: torch.device):
         self.num_blocks, self.block_size = num_blocks, block_size
-        self.kv = torch.empty(num_layers, 2, num_blocks, block_size, num_kv_heads, head_dim, dtype=dtype, device=device)
+        self.kv = torch.empty(num_layers, 2, num_blocks, block_size, num_kv_heads, row_elems(head_dim, dtype),
+                              dtype=dtype, device=device)
 
     @staticmethod
     def bytes_per_block(num_layers: int, block_size: int, num_kv_heads: int, head_dim: int, dtype: torch.dtype) -> int:
-        return num_layers * 2 * block_size * num_kv_heads * head_dim * torch.empty((), dtype=dtype).element_size()
+        return num_layers * 2 * block_size * num_kv_heads * row_bytes(head_dim, dtype)
 
     @property
     def nbytes(self) -> int:
         return self.kv.numel() * self.kv.element_size()
 
     def layer(self, layer: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """(k_cache, v_cache) of one layer, each (num_blocks, block_size, H_kv, D)."""
+        """(k_cache, v_cache) of one layer, each (num_blocks, block_size, H_kv, D) (D + 16 fp8 bytes with scales:
+        kvcache/fp8.py)."""
         return self.kv[layer, 0], self.kv[layer, 1]
 
     def store(self, layer: int, k: torch.Tensor, v: torch.Tensor, slot_mapping: torch.Tensor) -> None:
-        """Write k, v (T, H_kv, D) into slots (T,) of `layer`."""
+        """Write k, v (T, H_kv, D) into slots (T,) of `layer` (quantised for an fp8 cache)."""
         kc, vc = self.layer(layer)
-        kc.view(-1, *kc.shape[2:]).index_copy_(0, slot_mapping, k)
-        vc.view(-1, *vc.shape[2:]).index_copy_(0, slot_mapping, v)
+        kc.view(-1, *kc.shape[2:]).index_copy_(0, slot_mapping, encode(k, kc.dtype))
+        vc.view(-1, *vc.shape[2:]).index_copy_(0, slot_mapping, encode(v, vc.dtype))
 
 
 def gather_tokens(cache: torch.Tensor, block_table: torch.Tensor, length: int) -> torch.Tensor:
-    """The first `length` tokens of one sequence as a contiguous (length, H_kv, D) tensor.
+    """The first `length` tokens of one sequence as a contiguous (length, H_kv, D) tensor (float32 values for an fp8
+    cache).
 
-    cache (num_blocks, block_size, H_kv, D); block_table (>= ceil(length / block_size),) page ids.
+    cache (num_blocks, block_size, H_kv, D), or a two-tier `TierView` (kvcache/offload.py: each page from its GPU
+    slot or its host home); block_table (>= ceil(length / block_size),) page ids.
     """
     bs = cache.shape[1]
     n = -(-length // bs)
-    return cache[block_table[:n].long()].reshape(n * bs, *cache.shape[2:])[:length]
+    idx = block_table[:n].long()
+    pages = cache.pages(idx) if hasattr(cache, "pages") else cache[idx]
+    return values(pages.reshape(n * bs, *cache.shape[2:])[:length], torch.float32)

@@ -1,0 +1,118 @@
+"""Moving KV between the host tier and the GPU (KV offloading, kvcache/offload.py): two copy kernels.
+
+* `copy_chunks(src, src_idx, dst, dst_idx)`: dst.view(-1, E)[dst_idx[i]] = src.view(-1, E)[src_idx[i]] for every i.
+  With src the pinned host tier and dst the GPU pool (installing missed pages) or the prefill staging area (a layer's
+  prefix), the kernel reads host memory directly (UVA zero-copy): one launch gathers any number of scattered pages,
+  where a CPU gather + copy would stage them first (../shared/facts.md: 16 vs 3 GB/s for random 256-byte rows).
+* `scatter_rows(dst, dst_rows, src)`: dst.view(-1, R)[dst_rows[t]] = src[t]: new tokens' K or V written into the
+  host tier from the GPU (write-through), graph-capturable, no host sync.
+On CPU tensors both run their PyTorch references (plain indexing), which are also what the tests compare against.
+Tested: CPU interpreter in fp16/fp32 (tests/test_offload.py); H100/H200 in bf16 and fp8 (scripts/gpu_check.py).
+"""
+from __future__ import annotations
+
+import os
+
+import torch
+
+try:
+    import triton
+    import triton.language as tl
+except ImportError:  # pragma: no cover
+    triton = None
+
+
+class HostPointer:
+    """A pinned host tensor as a kernel argument: Triton reads `data_ptr()` and `dtype`, and under unified virtual
+    addressing the host address is valid on the GPU. (Passing the CPU tensor itself trips device checks.)"""
+
+    def __init__(self, t: torch.Tensor):
+        if t.device.type != "cpu" or not t.is_pinned():
+            raise ValueError("HostPointer needs a pinned CPU tensor")
+        self.t, self.dtype = t, t.dtype
+
+    def data_ptr(self) -> int:
+        return self.t.data_ptr()
+
+
+def kernel_arg(t: torch.Tensor):
+    """`t` as a Triton argument: pinned host tensors through `HostPointer` on a GPU run, as they are otherwise (the
+    interpreter reads CPU tensors directly)."""
+    if t.device.type == "cpu" and t.is_pinned() and os.environ.get("TRITON_INTERPRET") != "1":
+        return HostPointer(t)
+    return t
+
+
+def _on_kernels(*tensors: torch.Tensor) -> bool:
+    if triton is None:
+        return False
+    return any(t.is_cuda for t in tensors) or os.environ.get("TRITON_INTERPRET") == "1"
+
+
+if triton is not None:
+
+    @triton.jit
+    def _copy_chunks_kernel(Src, SrcIdx, Dst, DstIdx, E, BLOCK: tl.constexpr):
+        i = tl.program_id(0)
+        part = tl.program_id(1)
+        s = tl.load(SrcIdx + i).to(tl.int64)
+        t = tl.load(DstIdx + i).to(tl.int64)
+        e = part * BLOCK + tl.arange(0, BLOCK)
+        ok = e < E
+        tl.store(Dst + t * E + e, tl.load(Src + s * E + e, mask=ok), mask=ok)
+
+    @triton.jit
+    def _scatter_rows_kernel(Src, Rows, Dst, R, stride_s, BLOCK: tl.constexpr):
+        t = tl.program_id(0)
+        part = tl.program_id(1)
+        row = tl.load(Rows + t).to(tl.int64)
+        e = part * BLOCK + tl.arange(0, BLOCK)
+        ok = e < R
+        tl.store(Dst + row * R + e, tl.load(Src + t * stride_s + e, mask=ok), mask=ok)
+
+
+def copy_chunks_reference(src: torch.Tensor, src_idx: torch.Tensor, dst: torch.Tensor, dst_idx: torch.Tensor,
+                          chunk: int) -> None:
+    d = dst.view(-1, chunk)
+    d[dst_idx.to(d.device).long()] = src.view(-1, chunk)[src_idx.to(src.device).long()].to(d.device)
+
+
+def copy_chunks(src: torch.Tensor, src_idx: torch.Tensor, dst: torch.Tensor, dst_idx: torch.Tensor,
+                chunk: int) -> None:
+    """Copy chunks of `chunk` elements: chunk src_idx[i] of src to chunk dst_idx[i] of dst (src, dst contiguous, same
+    dtype; the indices int on dst's device). Rows of dst_idx must be distinct."""
+    if src.dtype != dst.dtype or not (src.is_contiguous() and dst.is_contiguous()):
+        raise ValueError("copy_chunks needs contiguous tensors of one dtype")
+    if src.numel() % chunk or dst.numel() % chunk or src_idx.shape != dst_idx.shape:
+        raise ValueError(f"bad copy_chunks shapes: {src.numel()} / {dst.numel()} elements, chunk {chunk}, "
+                         f"{tuple(src_idx.shape)} / {tuple(dst_idx.shape)} indices")
+    n = src_idx.numel()
+    if n == 0:
+        return
+    if not _on_kernels(dst):
+        return copy_chunks_reference(src, src_idx, dst, dst_idx, chunk)
+    block = min(4096, triton.next_power_of_2(chunk))
+    _copy_chunks_kernel[(n, triton.cdiv(chunk, block))](kernel_arg(src), src_idx, kernel_arg(dst), dst_idx, chunk,
+                                                         BLOCK=block, num_warps=4)
+
+
+def scatter_rows_reference(dst: torch.Tensor, rows: torch.Tensor, src: torch.Tensor) -> None:
+    R = src[0].numel() if src.shape[0] else 1
+    dst.view(-1, R).index_copy_(0, rows.to(dst.device).long(), src.reshape(src.shape[0], R).to(dst.device))
+
+
+def scatter_rows(dst: torch.Tensor, rows: torch.Tensor, src: torch.Tensor) -> None:
+    """dst.view(-1, R)[rows[t]] = src[t] (src (T, ...) contiguous per row, R its elements per row; rows int on
+    src's device, distinct)."""
+    T = src.shape[0]
+    if T == 0:
+        return
+    R = src[0].numel()
+    if src.dtype != dst.dtype or not dst.is_contiguous() or dst.numel() % R:
+        raise ValueError("scatter_rows needs a contiguous dst of src's dtype and whole rows")
+    if not _on_kernels(src):
+        return scatter_rows_reference(dst, rows, src)
+    s = src.reshape(T, R)
+    block = min(4096, triton.next_power_of_2(R))
+    _scatter_rows_kernel[(T, triton.cdiv(R, block))](s, rows, kernel_arg(dst), R, s.stride(0), BLOCK=block,
+                                                      num_warps=4)

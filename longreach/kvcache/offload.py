@@ -1,0 +1,341 @@
+"""The two-tier KV cache: every page's home in (pinned) host memory, copies of the hot ones in one GPU pool.
+
+Design (docs/offload.md has the byte budgets and the measurements):
+  * **Host tier, the store of record**: (L, 2, P, block_size, H_kv, D), pinned. The block manager's page ids are
+    host pages, so a sequence's block table means the same thing with offloading on or off.
+  * **GPU pool**: (S + 1, 2, block_size, H_kv, D) slots shared by *all* layers (PSA's unified pool: a layer that reads
+    more pages holds more slots). A slot holds one layer's page (K and V). Slot S is scratch: writes to pages that
+    are not resident land there.
+  * **Page table** `slot_of` (L, P) int32 on the GPU: the slot of (layer, page), or -1. `owner` (S,) is its inverse
+    (layer * P + page, or -1 for a free slot); `stamp` (S,) the last decode step the slot was read (LRU).
+  * **Writes are write-through**: new K/V goes to the host tier (a kernel writing host memory directly) and, when the
+    page is resident, to its slot. Eviction therefore never writes back and never loses anything, and a page's one
+    home is always current. This replaces "flush when a page fills" with no dirty state at the cost of writing every
+    token over PCIe once (128 KiB per token for an 8B model in bf16: ~2.5 us of PCIe per decode token).
+  * **Reads**: kernels read a resident page from its slot and a missing page straight from host memory (UVA
+    zero-copy, kernels/paged.py), so a miss costs PCIe latency, never a host round trip, and decode stays
+    graph-capturable.
+  * **What gets installed**: the pages the block-sparse attention of a decode step reads (sink, window and selected
+    blocks: the sparse backend reports them through `note_reads`). After the step, `end_step` stamps the hits and
+    installs the misses into free or least-recently-used slots (never a slot read in this step). Pruning-stage probes
+    and dense reads pass through uncached: a stage-0 refresh touches a few keys of every chunk of the context and
+    would flush the pool for one use.
+  * **Prefill** reads the prefix from a GPU staging area: per layer, the batch's pages are gathered from the host
+    tier in one copy (model_runner.py), then the ordinary kernels run on it. No state for selection is kept on the
+    GPU besides the pool: InfiniteHiP's stage masks are cached per sequence by the backend (block ids, not keys).
+
+Counters (`stats()`): pages hit / missed / evicted / installed and bytes copied host -> GPU by installs, cumulative.
+Mutates: `store`, `note_reads`, `end_step`, `free_pages`. Not thread-safe; the engine calls it from its one loop.
+"""
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+from ..kernels.offload_copy import copy_chunks, scatter_rows
+from .fp8 import encode, row_bytes, row_elems, values
+
+
+@dataclass
+class TierView:
+    """One layer's K (or V) across both tiers, as the kernels read it (kernels/paged.py)."""
+
+    pool: torch.Tensor  # (S + 1, block_size, H_kv, D): the slots' K or V
+    host: torch.Tensor  # (P, block_size, H_kv, D): the layer's K or V in the host tier
+    slots: torch.Tensor  # (P,) int32: page -> slot, -1 when not resident
+
+    @property
+    def shape(self) -> torch.Size:
+        return self.host.shape
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return self.pool.dtype
+
+    @property
+    def device(self) -> torch.device:
+        return self.pool.device
+
+    def pages(self, idx: torch.Tensor) -> torch.Tensor:
+        """Pages idx (n,) as (n, block_size, H_kv, D) on the pool's device, each from its slot or its host home."""
+        idx = idx.to(self.slots.device).long()
+        slot = self.slots[idx].long()
+        out = self.host[idx.cpu()].to(self.pool.device)
+        res = (slot >= 0).nonzero().squeeze(1)
+        out[res] = self.pool[slot[res]]
+        return out
+
+    def resolve(self) -> torch.Tensor:
+        """The layer as one (P, block_size, H_kv, D) tensor on the pool's device: resident pages from their slots,
+        the rest from the host tier (reference paths; on a GPU this copies the whole layer)."""
+        out = self.host.to(self.pool.device, copy=True)
+        res = (self.slots >= 0).nonzero().squeeze(1)
+        out[res] = self.pool[self.slots[res].long()]
+        return out
+
+
+def as_tensor(cache, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+    """A one-tier cache of plain values for reference code: a `TierView` resolved, fp8 rows dequantised to `dtype`,
+    anything else as it is."""
+    return values(cache.resolve() if isinstance(cache, TierView) else cache, dtype)
+
+
+class OffloadedKVCache:
+    def __init__(self, num_layers: int, num_pages: int, num_slots: int, block_size: int, num_kv_heads: int,
+                 head_dim: int, dtype: torch.dtype, device: torch.device, staging_pages: int = 0):
+        if num_slots < 1:
+            raise ValueError(f"the GPU page pool needs at least one slot, got {num_slots}")
+        L, P, S = num_layers, num_pages, num_slots
+        self.num_layers, self.num_pages, self.num_slots = L, P, S
+        self.num_blocks, self.block_size = num_pages, block_size  # PagedKVCache's names
+        self.device = device
+        pin = device.type == "cuda"
+        row = row_elems(head_dim, dtype)  # fp8: values + scale (kvcache/fp8.py)
+        self.host = torch.empty(L, 2, P, block_size, num_kv_heads, row, dtype=dtype, pin_memory=pin)
+        self.pool = torch.zeros(S + 1, 2, block_size, num_kv_heads, row, dtype=dtype, device=device)
+        self.slot_of = torch.full((L, P), -1, dtype=torch.int32, device=device)
+        self.owner = torch.full((S,), -1, dtype=torch.long, device=device)
+        self.stamp = torch.full((S,), -1, dtype=torch.long, device=device)
+        # pages read by this step's attention, flat (layer * P + page), plus one trash entry for masked-out reads
+        self.wanted = torch.zeros(L * P + 1, dtype=torch.bool, device=device)
+        self.page_elems = block_size * num_kv_heads * row  # one page of one layer's K (or V)
+        self.staging_pages = staging_pages  # capacity of the prefill staging area (allocated on first use)
+        self._staging: torch.Tensor | None = None
+        self.step = 0
+        self.counters = {"pages_hit": 0, "pages_missed": 0, "pages_evicted": 0, "pages_installed": 0,
+                         "bytes_h2d": 0}
+
+    @staticmethod
+    def bytes_per_page(num_layers: int, block_size: int, num_kv_heads: int, head_dim: int, dtype: torch.dtype) -> int:
+        """Host bytes of one page of every layer (what the block manager hands out)."""
+        return num_layers * 2 * block_size * num_kv_heads * row_bytes(head_dim, dtype)
+
+    @staticmethod
+    def bytes_per_slot(block_size: int, num_kv_heads: int, head_dim: int, dtype: torch.dtype) -> int:
+        """GPU bytes of one slot: one layer's page, K and V."""
+        return 2 * block_size * num_kv_heads * row_bytes(head_dim, dtype)
+
+    @property
+    def nbytes(self) -> int:
+        """GPU bytes: the pool and the page-table arrays."""
+        return (self.pool.numel() * self.pool.element_size() + self.slot_of.numel() * 4
+                + (self.owner.numel() + self.stamp.numel()) * 8 + self.wanted.numel())
+
+    @property
+    def host_nbytes(self) -> int:
+        return self.host.numel() * self.host.element_size()
+
+    # ---- the engine's view (PagedKVCache's interface) ---------------------------------------------------------------
+    def layer(self, layer: int) -> tuple[TierView, TierView]:
+        return (TierView(self.pool[:, 0], self.host[layer, 0], self.slot_of[layer]),
+                TierView(self.pool[:, 1], self.host[layer, 1], self.slot_of[layer]))
+
+    def store(self, layer: int, k: torch.Tensor, v: torch.Tensor, slot_mapping: torch.Tensor) -> None:
+        """Write k, v (T, H_kv, D) at token slots (T,) (page * block_size + offset) of `layer`: into the host tier,
+        and into the page's GPU slot when it is resident. No host sync (graph-capturable)."""
+        P, bs = self.num_pages, self.block_size
+        t = slot_mapping.long()
+        page, off = t // bs, t % bs
+        k, v = encode(k, self.pool.dtype), encode(v, self.pool.dtype)
+        for kv, x in ((0, k), (1, v)):
+            scatter_rows(self.host, ((layer * 2 + kv) * P * bs) + t, x)
+        slot = self.slot_of[layer][page].long()
+        slot = torch.where(slot >= 0, slot, self.num_slots)  # not resident: the scratch slot
+        rows = self.pool.view(-1, *self.pool.shape[3:])  # ((S + 1) * 2 * bs, H_kv, D)
+        rows.index_copy_(0, (slot * 2) * bs + off, k)
+        rows.index_copy_(0, (slot * 2 + 1) * bs + off, v)
+
+    def gather_pages(self, layer: int, pages: torch.Tensor, dst_pos: torch.Tensor, dst: torch.Tensor) -> None:
+        """dst (2, n, block_size, H_kv, D): dst[:, dst_pos[i]] = the layer's page pages[i], from the host tier (always
+        current). One copy kernel for the whole prefix (prefill staging)."""
+        P = self.num_pages
+        p = pages.long()
+        src = torch.cat([(layer * 2) * P + p, (layer * 2 + 1) * P + p])
+        d = dst_pos.long()
+        copy_chunks(self.host, src, dst, torch.cat([d, dst.shape[1] + d]), self.page_elems)
+
+    def staging(self) -> torch.Tensor:
+        """The prefill staging area (2, staging_pages, block_size, H_kv, D) on the GPU, allocated on first use."""
+        if self._staging is None:
+            self._staging = torch.empty(2, self.staging_pages, *self.pool.shape[2:], dtype=self.pool.dtype,
+                                        device=self.device)
+        return self._staging
+
+    @property
+    def staging_nbytes(self) -> int:
+        return 2 * self.staging_pages * self.page_elems * self.pool.element_size()
+
+    def prefill_step(self, meta, tables: list[list[int]]) -> "StagedPrefill":
+        return StagedPrefill(self, meta, tables)
+
+    # ---- decode: reads reported by the attention, installs after the step ------------------------------------------
+    def note_reads(self, layer: int, block_tables: torch.Tensor, seq: torch.Tensor, first: torch.Tensor,
+                   last: torch.Tensor, max_rows: int, blocks: torch.Tensor, block_k: int, n_sink: int,
+                   n_window: int) -> None:
+        """Record the pages that block-sparse attention reads in `layer` (device ops, no host sync: graph-capturable).
+
+        Per query block: seq (nb,) its row of block_tables (B, W); first / last (nb,) the positions of its first and
+        last query (last - first < max_rows); blocks (nb, G, K) the selected key blocks of block_k tokens (-1
+        padded). The block also reads keys [0, n_sink) and its window [first - n_window + 1, last]."""
+        bs, dev = self.block_size, self.wanted.device
+        nb = seq.shape[0]
+        if nb == 0:
+            return
+        seq, first, last = seq.long().to(dev), first.long().to(dev), last.long().to(dev)
+        last_page = last // bs
+        sink = torch.arange(-(-n_sink // bs), device=dev).expand(nb, -1)
+        parts, oks = [sink], [sink <= last_page[:, None]]
+        if n_window > 0:
+            span = torch.arange(-(-(n_window + max_rows - 1) // bs) + 1, device=dev)
+            win = (torch.clamp(first - n_window + 1, min=0) // bs)[:, None] + span
+            parts.append(win)
+            oks.append(win <= last_page[:, None])
+        per = max(1, block_k // bs)  # pages per key block (block_k and bs are powers of two)
+        b = blocks.long().to(dev).reshape(nb, -1)
+        sel = ((b * block_k) // bs)[:, :, None] + torch.arange(per, device=dev)
+        parts.append(sel.reshape(nb, -1))
+        oks.append(((b >= 0)[:, :, None] & (sel <= last_page[:, None, None])).reshape(nb, -1))
+        ok = torch.cat(oks, dim=1)
+        tables = block_tables.to(dev)
+        logical = torch.cat(parts, dim=1).clamp(0, tables.shape[1] - 1)
+        phys = tables[seq[:, None], logical].long()
+        ok = ok & (phys != self.num_pages - 1)  # the last page is the scratch page of padded graph rows
+        trash = self.num_layers * self.num_pages  # the last entry of `wanted` takes the masked-out reads
+        self.wanted.index_fill_(0, torch.where(ok, layer * self.num_pages + phys, trash).reshape(-1), True)
+
+    def end_step(self) -> dict:
+        """After a decode step: stamp the hits, install the misses (LRU victims). Returns this step's counts."""
+        self.wanted[-1] = False
+        ids = self.wanted.nonzero().squeeze(1)  # a host sync: the step's logits are read right after anyway
+        if ids.numel() == 0:
+            self.step += 1
+            return {"hit": 0, "missed": 0, "evicted": 0, "installed": 0}
+        self.wanted[ids] = False
+        slots = self.slot_of.view(-1)[ids]
+        hit = slots >= 0
+        self.stamp[slots[hit].long()] = self.step
+        miss = ids[~hit]
+        n_hit, n_miss = ids.numel() - miss.numel(), miss.numel()
+        evicted, installed = self._install(miss) if n_miss else (0, 0)
+        c = self.counters
+        c["pages_hit"] += n_hit
+        c["pages_missed"] += n_miss
+        c["pages_evicted"] += evicted
+        c["pages_installed"] += installed
+        c["bytes_h2d"] += installed * 2 * self.page_elems * self.pool.element_size()
+        self.step += 1
+        return {"hit": n_hit, "missed": n_miss, "evicted": evicted, "installed": installed}
+
+    def _install(self, miss: torch.Tensor) -> tuple[int, int]:
+        """Copy the missed (layer * P + page) ids into free or least-recently-used slots, never a slot read in this
+        step (if the step's own pages fill the pool, the rest stay on the host and are read from there)."""
+        key = torch.where(self.stamp == self.step, torch.iinfo(torch.long).max, self.stamp)
+        room = int((self.stamp != self.step).sum())
+        k = min(miss.numel(), room)
+        if k == 0:
+            return 0, 0
+        victims = torch.topk(key, k, largest=False).indices  # free slots (stamp -1) first, then the oldest
+        miss = miss[:k]
+        old = self.owner[victims]
+        gone = old[old >= 0]
+        self.slot_of.view(-1)[gone] = -1
+        P = self.num_pages
+        layer, page = miss // P, miss % P
+        src = torch.cat([(layer * 2) * P + page, (layer * 2 + 1) * P + page])
+        copy_chunks(self.host, src, self.pool, torch.cat([victims * 2, victims * 2 + 1]), self.page_elems)
+        self.slot_of.view(-1)[miss] = victims.to(torch.int32)
+        self.owner[victims] = miss
+        self.stamp[victims] = self.step
+        return gone.numel(), k
+
+    def free_pages(self, pages: list[int]) -> None:
+        """Pages returned to the block manager (a finished or preempted sequence): drop their slots."""
+        if not pages:
+            return
+        p = torch.tensor(pages, dtype=torch.long, device=self.slot_of.device)
+        ids = (torch.arange(self.num_layers, device=p.device)[:, None] * self.num_pages + p[None, :]).reshape(-1)
+        slots = self.slot_of.view(-1)[ids].long()
+        slots = slots[slots >= 0]
+        self.owner[slots] = -1
+        self.stamp[slots] = -1
+        self.slot_of.view(-1)[ids] = -1
+
+    # ---- introspection ---------------------------------------------------------------------------------------------
+    def stats(self) -> dict:
+        used = int((self.owner >= 0).sum())
+        return {"gpu_slots_total": self.num_slots, "gpu_slots_used": used, **self.counters}
+
+    def check_integrity(self) -> None:
+        """The page table and its inverse agree, every resident page's slot holds exactly its host bytes (nothing
+        was lost or mixed up), and nothing is marked read between steps. Raises AssertionError."""
+        owner = self.owner.cpu()
+        table = self.slot_of.view(-1).cpu()
+        res = (table >= 0).nonzero().squeeze(1)
+        slots = table[res].long()
+        if slots.numel() != slots.unique().numel():
+            raise AssertionError("two pages point at one GPU slot")
+        if not bool((owner[slots] == res).all()):
+            bad = res[owner[slots] != res][:4].tolist()
+            raise AssertionError(f"page-table entries {bad} point at slots owned by other pages")
+        held = (owner >= 0).nonzero().squeeze(1)
+        if not bool((table[owner[held]] == held.to(torch.int32)).all()):
+            raise AssertionError("a slot claims a page whose table entry points elsewhere")
+        if bool(self.wanted.any()):
+            raise AssertionError("reads are marked outside a step")
+        P = self.num_pages
+        pool = self.pool.cpu()
+        for s, i in zip(held.tolist(), owner[held].tolist()):
+            home = self.host[i // P, :, i % P]
+            if not torch.equal(pool[s].view(torch.uint8), home.view(torch.uint8)):
+                raise AssertionError(f"slot {s} differs from the host copy of layer {i // P} page {i % P}")
+
+
+class StagedPrefill:
+    """One prefill step over an offloaded cache: the batch's pages get consecutive places in the staging area, each
+    layer's prefix is gathered there from the host tier before its attention, and the attention backends run on the
+    staging area as on a one-tier cache (remapped block tables and slots). New K/V goes to the staging area and,
+    through `store`, to the host tier (and the pool where resident).
+
+    Bytes moved per layer: the batch's prefix (context before this chunk), K and V. For a 1M-token prompt in C-token
+    chunks that is sum over chunks of the prefix, ~ 1M^2 / (2 C) tokens per layer (docs/offload.md)."""
+
+    def __init__(self, store: OffloadedKVCache, meta, tables: list[list[int]]):
+        bs = store.block_size
+        self.store, self.meta_in = store, meta
+        local_tables, src, dst, n = [], [], [], 0
+        for table, ctx, q in zip(tables, meta.context_lens, meta.query_lens):
+            need = -(-(ctx + q) // bs)
+            local = list(range(n, n + need))
+            prefix = -(-ctx // bs)  # pages holding earlier tokens: gathered; the rest get only this chunk's rows
+            src += table[:prefix]
+            dst += local[:prefix]
+            local_tables.append(local)
+            n += need
+        if n > store.staging_pages:
+            raise RuntimeError(f"a prefill step needs {n} staging pages, the staging area has {store.staging_pages}")
+        dev = store.device
+        bt = np.zeros((len(local_tables), max(len(t) for t in local_tables)), dtype=np.int32)
+        slots = []
+        for i, (t, ctx, q) in enumerate(zip(local_tables, meta.context_lens, meta.query_lens)):
+            bt[i, :len(t)] = t
+            pos = np.arange(ctx, ctx + q)
+            slots.append(np.asarray(t, dtype=np.int64)[pos // bs] * bs + pos % bs)
+        self.src = torch.tensor(src, dtype=torch.long).to(dev)
+        self.dst = torch.tensor(dst, dtype=torch.long).to(dev)
+        self.slots = torch.from_numpy(np.concatenate(slots)).to(dev)
+        self.meta = dataclasses.replace(meta, block_tables=torch.from_numpy(bt).to(dev), slot_mapping=self.slots,
+                                        kv_store=None)
+        self.buf = store.staging()
+
+    def attention(self, layer: int, q, k, v, backend):
+        st, buf = self.store, self.buf
+        if self.src.numel():
+            st.gather_pages(layer, self.src, self.dst, buf)
+        rows = buf.view(2, -1, *buf.shape[3:])  # (2, pages * block_size, H_kv, D)
+        rows[0].index_copy_(0, self.slots, encode(k, buf.dtype))
+        rows[1].index_copy_(0, self.slots, encode(v, buf.dtype))
+        st.store(layer, k, v, self.meta_in.slot_mapping)
+        return backend.forward(layer, q, k, v, buf[0], buf[1], self.meta)
