@@ -97,8 +97,11 @@ def copy_chunks(src: torch.Tensor, src_idx: torch.Tensor, dst: torch.Tensor, dst
 
 
 def scatter_rows_reference(dst: torch.Tensor, rows: torch.Tensor, src: torch.Tensor) -> None:
+    from ..kvcache.fp8 import as_bytes
+
     R = src[0].numel() if src.shape[0] else 1
-    dst.view(-1, R).index_copy_(0, rows.to(dst.device).long(), src.reshape(src.shape[0], R).to(dst.device))
+    as_bytes(dst).view(-1, R).index_copy_(0, rows.to(dst.device).long(),
+                                          as_bytes(src).reshape(src.shape[0], R).to(dst.device))
 
 
 def scatter_rows(dst: torch.Tensor, rows: torch.Tensor, src: torch.Tensor) -> None:

@@ -64,3 +64,8 @@ def row_bytes(head_dim: int, dtype: torch.dtype) -> int:
 def encode(x: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     """New K or V (..., D) as the cache stores it: fp8 rows with scales, or cast to the cache dtype."""
     return quantize(x) if dtype == FP8 else x.to(dtype)
+
+
+def as_bytes(t: torch.Tensor) -> torch.Tensor:
+    """fp8 tensors as uint8 for plain copies (index_copy_ has no fp8 kernel on CPU); others unchanged."""
+    return t.view(torch.uint8) if t.dtype == FP8 else t

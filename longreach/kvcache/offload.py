@@ -36,7 +36,7 @@ import numpy as np
 import torch
 
 from ..kernels.offload_copy import copy_chunks, scatter_rows
-from .fp8 import encode, row_bytes, row_elems, values
+from .fp8 import as_bytes, encode, row_bytes, row_elems, values
 
 
 @dataclass
@@ -144,9 +144,9 @@ class OffloadedKVCache:
             scatter_rows(self.host, ((layer * 2 + kv) * P * bs) + t, x)
         slot = self.slot_of[layer][page].long()
         slot = torch.where(slot >= 0, slot, self.num_slots)  # not resident: the scratch slot
-        rows = self.pool.view(-1, *self.pool.shape[3:])  # ((S + 1) * 2 * bs, H_kv, D)
-        rows.index_copy_(0, (slot * 2) * bs + off, k)
-        rows.index_copy_(0, (slot * 2 + 1) * bs + off, v)
+        rows = as_bytes(self.pool).view(-1, *self.pool.shape[3:])  # ((S + 1) * 2 * bs, H_kv, row)
+        rows.index_copy_(0, (slot * 2) * bs + off, as_bytes(k))
+        rows.index_copy_(0, (slot * 2 + 1) * bs + off, as_bytes(v))
 
     def gather_pages(self, layer: int, pages: torch.Tensor, dst_pos: torch.Tensor, dst: torch.Tensor) -> None:
         """dst (2, n, block_size, H_kv, D): dst[:, dst_pos[i]] = the layer's page pages[i], from the host tier (always
@@ -334,8 +334,8 @@ class StagedPrefill:
         st, buf = self.store, self.buf
         if self.src.numel():
             st.gather_pages(layer, self.src, self.dst, buf)
-        rows = buf.view(2, -1, *buf.shape[3:])  # (2, pages * block_size, H_kv, D)
-        rows[0].index_copy_(0, self.slots, encode(k, buf.dtype))
-        rows[1].index_copy_(0, self.slots, encode(v, buf.dtype))
+        rows = as_bytes(buf).view(2, -1, *buf.shape[3:])  # (2, pages * block_size, H_kv, row)
+        rows[0].index_copy_(0, self.slots, as_bytes(encode(k, buf.dtype)))
+        rows[1].index_copy_(0, self.slots, as_bytes(encode(v, buf.dtype)))
         st.store(layer, k, v, self.meta_in.slot_mapping)
         return backend.forward(layer, q, k, v, buf[0], buf[1], self.meta)

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import torch
 
-from .fp8 import encode, row_bytes, row_elems, values
+from .fp8 import as_bytes, encode, row_bytes, row_elems, values
 
 
 class PagedKVCache:
@@ -37,8 +37,8 @@ class PagedKVCache:
     def store(self, layer: int, k: torch.Tensor, v: torch.Tensor, slot_mapping: torch.Tensor) -> None:
         """Write k, v (T, H_kv, D) into slots (T,) of `layer` (quantised for an fp8 cache)."""
         kc, vc = self.layer(layer)
-        kc.view(-1, *kc.shape[2:]).index_copy_(0, slot_mapping, encode(k, kc.dtype))
-        vc.view(-1, *vc.shape[2:]).index_copy_(0, slot_mapping, encode(v, vc.dtype))
+        for c, x in ((kc, k), (vc, v)):
+            as_bytes(c).view(-1, *c.shape[2:]).index_copy_(0, slot_mapping, as_bytes(encode(x, c.dtype)))
 
 
 def gather_tokens(cache: torch.Tensor, block_table: torch.Tensor, length: int) -> torch.Tensor:

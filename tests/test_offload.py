@@ -1,0 +1,362 @@
+"""KV offloading (kvcache/offload.py) and the fp8 KV format (kvcache/fp8.py), on CPU.
+
+The GPU pool is a small CPU tensor here, so every path of the store runs: misses read from the host tier, installs,
+LRU eviction, write-through, prefill staging, preemption and freed sequences. The Triton kernels run in the
+interpreter (fp16/fp32, and fp8 rows), reading through a page table whose "host" tier is another CPU tensor; real
+UVA reads of pinned memory and bf16 are covered by scripts/gpu_check.py on a GPU.
+"""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from longreach.kvcache.block_manager import BlockManager
+from longreach.kvcache.fp8 import FP8, dequantize, quantize
+from longreach.kvcache.offload import OffloadedKVCache, TierView
+
+
+# ---- fp8 rows -------------------------------------------------------------------------------------------------------
+def test_fp8_rows_keep_a_per_row_scale_and_three_mantissa_bits():
+    g = torch.Generator().manual_seed(0)
+    x = torch.randn(7, 3, 64, generator=g) * torch.logspace(-3, 3, 7)[:, None, None]  # rows over six decades
+    q = quantize(x)
+    assert q.dtype == FP8 and q.shape == (7, 3, 80)
+    back = dequantize(q)
+    rel = (back - x).abs() / x.abs().amax(-1, keepdim=True)
+    assert rel.max() <= 2 ** -4 + 1e-6  # half an e4m3 step of the row's largest value, at every magnitude
+    assert torch.equal(dequantize(quantize(torch.zeros(2, 64))), torch.zeros(2, 64))  # an all-zero row stays zero
+
+
+# ---- the copy kernels (interpreter) vs their references -------------------------------------------------------------
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16, FP8])
+def test_copy_kernels_equal_their_references(dtype, monkeypatch):
+    from longreach.kernels import offload_copy as oc
+
+    g = torch.Generator().manual_seed(1)
+    src = torch.randn(40, 3, 4, 8, generator=g).to(dtype)
+    si, di = torch.randperm(40, generator=g)[:13], torch.randperm(30, generator=g)[:13]
+    monkeypatch.setenv("TRITON_INTERPRET", "1")
+    got = torch.zeros(30, 3, 4, 8).to(dtype)
+    oc.copy_chunks(src, si, got, di, 96)
+    ref = torch.zeros(30, 3, 4, 8).to(dtype)
+    oc.copy_chunks_reference(src, si, ref, di, 96)
+    assert torch.equal(got.view(torch.uint8), ref.view(torch.uint8))
+    rows = torch.randperm(120, generator=g)[:17]
+    new = torch.randn(17, 4, 8, generator=g).to(dtype)
+    got = torch.zeros(120, 4, 8).to(dtype)
+    oc.scatter_rows(got, rows, new)
+    ref = torch.zeros(120, 4, 8).to(dtype)
+    oc.scatter_rows_reference(ref, rows, new)
+    assert torch.equal(got.view(torch.uint8), ref.view(torch.uint8))
+    assert torch.equal(got[rows].view(torch.uint8), new.view(torch.uint8))
+
+
+# ---- kernels reading through the page table (interpreter) ---------------------------------------------------------
+def _tiers(kc, vc, share, g):
+    """Two-tier copies of kc/vc (P, page, H, D): `share` of the pages resident at random slots of a pool whose other
+    slots hold junk; the rest only in the host tier."""
+    P = kc.shape[0]
+    res = torch.randperm(P, generator=g)[: int(P * share)]
+    S = res.numel() + 3
+    slot = torch.randperm(S, generator=g)[: res.numel()]
+    slots = torch.full((P,), -1, dtype=torch.int32)
+    slots[res] = slot.int()
+    out = []
+    for c in (kc, vc):
+        pool = (torch.randn(S + 1, *c.shape[1:], generator=g) * 100).to(c.dtype)
+        pool[slot] = c[res]
+        host = c.clone()
+        host[res] = (torch.randn(res.numel(), *c.shape[1:], generator=g) * 100).to(c.dtype)  # stale: must not be read
+        out.append(TierView(pool, host, slots))
+    return out
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16, FP8])
+def test_kernels_read_resident_pages_from_the_pool_and_the_rest_from_the_host(dtype):
+    """bsa (decode, split-K), paged decode and chunk scoring give the same bits through the page table as on one
+    tier; the host copies of resident pages are poisoned, so reading the wrong tier shows."""
+    from longreach.attention.index import QueryBlocks, SparseIndex
+    from longreach.kernels.bsa import block_sparse_attention_triton
+    from longreach.kernels.paged_decode import paged_decode
+    from longreach.kernels.prune_stage import chunk_scores_triton
+
+    g = torch.Generator().manual_seed(2)
+    Hq, Hkv, D, page = 4, 2, 16, 4
+    L = [70, 45]
+    need = [-(-x // page) for x in L]
+    P = sum(need) + 2
+    qdt = torch.float16 if dtype == torch.float16 else torch.float32
+    mk = (lambda: quantize(torch.randn(P, page, Hkv, D, generator=g))) if dtype == FP8 else (
+        lambda: torch.randn(P, page, Hkv, D, generator=g).to(dtype))
+    kc, vc = mk(), mk()
+    perm = torch.randperm(P, generator=g).int()
+    tables = torch.zeros(2, max(need), dtype=torch.int32)
+    tables[0, :need[0]], tables[1, :need[1]] = perm[:need[0]], perm[need[0]:need[0] + need[1]]
+    kt, vt = _tiers(kc, vc, 0.5, g)
+
+    q = torch.randn(2, Hq, D, generator=g).to(qdt)
+    qb = QueryBlocks.build([1, 1], [L[0] - 1, L[1] - 1], 1)
+    sels = [torch.stack([torch.randperm(-(-L[i] // 8), generator=g)[:3] for _ in range(Hkv)]) for i in range(2)]
+    blocks, counts = SparseIndex.pack(sels, "cpu")
+    idx = SparseIndex(1, 8, 4, 8, Hkv, qb, blocks, counts)
+    for splits in (1, 3):
+        a, _ = block_sparse_attention_triton(q, kc, vc, tables, idx, D ** -0.5, num_splits=splits)
+        b, _ = block_sparse_attention_triton(q, kt, vt, tables, idx, D ** -0.5, num_splits=splits)
+        assert torch.equal(a, b), splits
+    sl = torch.tensor(L, dtype=torch.int32)
+    a, _ = paged_decode(q, kc, vc, tables, sl, D ** -0.5, num_splits=2)
+    b, _ = paged_decode(q, kt, vt, tables, sl, D ** -0.5, num_splits=2)
+    assert torch.equal(a, b)
+    one = torch.zeros(1, dtype=torch.long)
+    for exact, chunk in ((False, 8), (True, 4)):
+        ids = torch.arange(L[0] // chunk, dtype=torch.int32)[None, None].expand(1, Hkv, -1)
+        end = torch.tensor([L[0] - 8])
+        a = chunk_scores_triton(q[:1], kc, tables[0], one, one + 1, end, ids, chunk, exact, 4, Hkv, max_rows=1)
+        b = chunk_scores_triton(q[:1], kt, tables[0], one, one + 1, end, ids, chunk, exact, 4, Hkv, max_rows=1)
+        assert torch.equal(a, b), exact
+
+
+def test_fp8_kernels_match_the_dequantising_references():
+    """The kernels dequantise fp8 rows on load exactly as the references do (interpreter, fp32 queries)."""
+    from longreach.attention.executor import block_sparse_attention
+    from longreach.attention.index import QueryBlocks, SparseIndex
+    from longreach.kernels.bsa import block_sparse_attention_triton
+    from longreach.kernels.paged_decode import paged_decode, paged_decode_reference
+
+    g = torch.Generator().manual_seed(3)
+    Hq, Hkv, D, page, P = 4, 2, 16, 4, 30
+    kc, vc = quantize(torch.randn(P, page, Hkv, D, generator=g)), quantize(torch.randn(P, page, Hkv, D, generator=g))
+    tables = torch.randperm(P, generator=g).int()[:28].view(2, 14)
+    q = torch.randn(2, Hq, D, generator=g)
+    sl = torch.tensor([53, 40], dtype=torch.int32)
+    a, _ = paged_decode(q, kc, vc, tables, sl, D ** -0.5, num_splits=2)
+    r, _ = paged_decode_reference(q, kc, vc, tables, sl, D ** -0.5)
+    assert (a - r).abs().max() < 1e-5
+    qb = QueryBlocks.build([1, 1], [52, 39], 1)
+    sels = [torch.stack([torch.randperm(6, generator=g)[:2] for _ in range(Hkv)]) for _ in range(2)]
+    blocks, counts = SparseIndex.pack(sels, "cpu")
+    idx = SparseIndex(1, 8, 4, 8, Hkv, qb, blocks, counts)
+    a, _ = block_sparse_attention_triton(q, kc, vc, tables, idx, D ** -0.5, num_splits=2)
+    r, _ = block_sparse_attention(q, kc, vc, tables, idx, D ** -0.5)
+    assert (a - r).abs().max() < 1e-5
+
+
+# ---- the store's bookkeeping ---------------------------------------------------------------------------------------
+def _store(pages=24, slots=5, layers=2, bs=4, dtype=torch.float32):
+    return OffloadedKVCache(layers, pages + 1, slots, bs, 2, 8, dtype, torch.device("cpu"), staging_pages=pages + 4)
+
+
+def test_reads_are_installed_lru_evicts_and_nothing_is_lost():
+    st = _store()
+    blocks = BlockManager(24, 4, on_free=st.free_pages)
+    assert blocks.ensure(7, 40)  # 10 pages
+    table = torch.tensor([blocks.table(7)], dtype=torch.int32)
+    g = torch.Generator().manual_seed(4)
+    for layer in range(2):
+        k, v = torch.randn(40, 2, 8, generator=g), torch.randn(40, 2, 8, generator=g)
+        st.store(layer, k, v, table[0].long().repeat_interleave(4) * 4 + torch.arange(40) % 4)
+    seq, pos = torch.zeros(1, dtype=torch.long), torch.tensor([39])
+    sel = torch.tensor([[[1, 3]]])  # key blocks of 4 tokens: pages 1 and 3
+    st.note_reads(0, table, seq, pos, pos, 1, sel, 4, 4, 8)  # + sink page 0, window [32, 39]: pages 8 and 9
+    c = st.end_step()
+    assert c == {"hit": 0, "missed": 5, "evicted": 0, "installed": 5}
+    st.check_integrity()
+    st.note_reads(0, table, seq, pos, pos, 1, sel, 4, 4, 8)
+    assert st.end_step() == {"hit": 5, "missed": 0, "evicted": 0, "installed": 0}
+    st.note_reads(1, table, seq, pos, pos, 1, torch.tensor([[[5]]]), 4, 0, 0)  # layer 1, page 5: evicts the LRU slot
+    assert st.end_step() == {"hit": 0, "missed": 1, "evicted": 1, "installed": 1}
+    st.check_integrity()
+    pages = list(blocks.table(7))
+    blocks.free(7)  # the freed pages give their slots back
+    assert not bool((st.slot_of.view(-1)[torch.tensor([pages[1], 24 + 1 + pages[5]])] >= 0).any())
+    assert st.stats()["gpu_slots_used"] == 0
+    st.check_integrity()
+
+
+def test_a_step_never_evicts_what_it_reads_itself():
+    st = _store(slots=3)
+    table = torch.arange(12, dtype=torch.int32)[None]
+    seq, pos = torch.zeros(1, dtype=torch.long), torch.tensor([47])
+    st.note_reads(0, table, seq, pos, pos, 1, torch.tensor([[[0, 2, 4, 6, 8]]]), 4, 0, 0)
+    c = st.end_step()
+    assert c["missed"] == 5 and c["installed"] == 3 and c["evicted"] == 0  # the other two stay on the host
+    st.check_integrity()
+
+
+def test_integrity_check_catches_a_corrupted_table_and_a_stale_slot():
+    st = _store()
+    table = torch.arange(12, dtype=torch.int32)[None]
+    st.store(0, torch.randn(4, 2, 8), torch.randn(4, 2, 8), torch.arange(4))
+    st.note_reads(0, table, torch.zeros(1, dtype=torch.long), torch.tensor([3]), torch.tensor([3]), 1,
+                  torch.tensor([[[0]]]), 4, 0, 0)
+    st.end_step()
+    st.check_integrity()
+    st.pool[st.slot_of[0, 0].long(), 0, 0, 0, 0] += 1  # a slot that no longer equals its page's home
+    with pytest.raises(AssertionError, match="differs from the host copy"):
+        st.check_integrity()
+    st.pool[st.slot_of[0, 0].long(), 0, 0, 0, 0] -= 1
+    st.slot_of[1, 3] = st.slot_of[0, 0]  # two pages on one slot
+    with pytest.raises(AssertionError, match="one GPU slot"):
+        st.check_integrity()
+
+
+def test_page_table_under_random_operations():
+    """Random alloc / write / read / free sequences over several sequences and both layers: after every step the
+    table and its inverse agree and every resident slot equals its host page (check_integrity)."""
+    hypothesis = pytest.importorskip("hypothesis")
+    from hypothesis import strategies as st_
+
+    ops = st_.lists(st_.tuples(st_.sampled_from(["grow", "read", "free"]), st_.integers(0, 3), st_.integers(1, 30),
+                               st_.integers(0, 1)), min_size=1, max_size=40)
+
+    @hypothesis.settings(max_examples=60, deadline=None)
+    @hypothesis.given(ops)
+    def run(seq_ops):
+        st = _store(pages=20, slots=4, bs=2)
+        blocks = BlockManager(20, 2, on_free=st.free_pages)
+        lens: dict[int, int] = {}
+        g = torch.Generator().manual_seed(5)
+        for op, sid, n, layer in seq_ops:
+            if op == "grow":
+                new = lens.get(sid, 0) + n
+                if blocks.ensure(sid, new):
+                    t = torch.arange(lens.get(sid, 0), new)
+                    tab = torch.tensor(blocks.table(sid))
+                    for lay in range(2):
+                        st.store(lay, torch.randn(len(t), 2, 8, generator=g), torch.randn(len(t), 2, 8, generator=g),
+                                 tab[t // 2] * 2 + t % 2)
+                    lens[sid] = new
+            elif op == "read" and lens.get(sid):
+                L = lens[sid]
+                tab = torch.tensor([blocks.table(sid)], dtype=torch.int32)
+                nblk = -(-L // 2)
+                sel = torch.randperm(nblk, generator=g)[: min(3, nblk)].sort().values[None, None]
+                pos = torch.tensor([L - 1])
+                st.note_reads(layer, tab, torch.zeros(1, dtype=torch.long), pos, pos, 1, sel, 2, 2, 2)
+                c = st.end_step()
+                assert c["hit"] + c["missed"] >= 1 and c["installed"] <= c["missed"]
+            elif op == "free" and sid in lens:
+                blocks.free(sid)
+                del lens[sid]
+            st.check_integrity()
+            blocks.check_integrity()
+    run()
+
+
+# ---- the engine: offloaded == on the GPU tier alone ------------------------------------------------------------------
+SMALL = {
+    "infinitehip": '{"n_sink": 8, "n_window": 16, "block_q": 8, "chunk_sizes": [32, 8, 2], "budgets": [128, 32, 8], '
+                   '"early_layers": 1, "early_last_budget": 16, "refresh": [4, 2, 1], "dense_below": 0}',
+    "hip": '{"n_sink": 8, "n_window": 16, "block_q": 8, "budget": 16, "dense_layers": [0], "dense_below": 0, '
+           '"refresh": 2}',
+    "streaming": '{"n_sink": 8, "n_window": 24, "block_q": 8, "dense_below": 0}',
+}
+POOL_GB = 12 * 2 * 16 * 2 * 16 * 4 / 2**30  # 12 slots: a few layers' worth; most reads miss and slots churn
+
+
+@pytest.fixture(scope="module")
+def tiny(tmp_path_factory):
+    from conftest import make_tiny_hf_model
+
+    return make_tiny_hf_model(tmp_path_factory.mktemp("tiny") / "m", arch="llama", max_position_embeddings=512)[0]
+
+
+def _llm(path, method, offload, **kw):
+    from longreach.engine.llm import LLM
+
+    mem = dict(kv_cache_memory_gb=POOL_GB, kv_offloading_size=0.004) if offload else dict(kv_cache_memory_gb=0.004)
+    return LLM(path, device="cpu", dtype="float32", attention=method, attention_config=SMALL.get(method),
+               max_num_batched_tokens=48, **mem, **kw)
+
+
+def _record_logits(llm):
+    """Every step's logits, in order (the runner's execute wrapped)."""
+    seen = []
+    runner = llm.engine.runner
+    inner = runner.execute
+
+    def execute(batch, all_logits=False):
+        logits, idx = inner(batch, all_logits)
+        seen.append(logits.clone())
+        return logits, idx
+    runner.execute = execute
+    return seen
+
+
+@pytest.mark.parametrize("method", ["infinitehip", "hip", "streaming", "dense"])
+def test_offloaded_engine_gives_the_same_tokens_and_logits_bit_for_bit(tiny, method):
+    """Batch of two prompts of different lengths, chunked prefill (48-token chunks), 12 GPU slots for 3 layers x up
+    to 10 pages: every logit of every step equals the one-tier run exactly, and the store stays consistent."""
+    from longreach import SamplingParams
+
+    g = torch.Generator().manual_seed(1)
+    prompts = [{"prompt_token_ids": torch.randint(3, 256, (n,), generator=g).tolist()} for n in (150, 90)]
+    params = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
+    runs = {}
+    for offload in (False, True):
+        llm = _llm(tiny, method, offload)
+        logits = _record_logits(llm)
+        outs = llm.generate(prompts, params, use_tqdm=False)
+        runs[offload] = ([o.token_ids for o in outs], logits, outs, llm)
+    (tok0, log0, _, _), (tok1, log1, outs, llm) = runs[False], runs[True]
+    assert tok0 == tok1
+    assert len(log0) == len(log1) and all(torch.equal(a, b) for a, b in zip(log0, log1))
+    llm.engine.kv_cache.check_integrity()
+    stats = llm.engine.kv_cache_stats()
+    assert stats["offload"] and stats["host_pages_used"] == 0 and stats["gpu_pages_used"] == 0  # all given back
+    if method != "dense":  # dense reads pass through the host tier uncached
+        assert stats["pages_missed"] > 0 and stats["pages_hit"] > 0 and stats["pages_evicted"] > 0
+        assert outs[0].metrics.kv_pages_missed > 0 and stats["bytes_h2d"] > 0
+
+
+def test_offloaded_graph_decode_path_equals_eager_one_tier(tiny):
+    """The static-buffer decode path that CUDA graphs capture, with offloading (emulated on CPU)."""
+    from longreach import SamplingParams
+
+    g = torch.Generator().manual_seed(6)
+    prompts = [{"prompt_token_ids": torch.randint(3, 256, (n,), generator=g).tolist()} for n in (130, 70)]
+    params = SamplingParams(temperature=0, max_tokens=10, ignore_eos=True)
+    expected = [o.token_ids for o in _llm(tiny, "infinitehip", False, enforce_eager=True).generate(
+        prompts, params, use_tqdm=False)]
+    llm = _llm(tiny, "infinitehip", True)
+    llm.engine.runner.capture_graphs(emulate=True)
+    assert [o.token_ids for o in llm.generate(prompts, params, use_tqdm=False)] == expected
+    assert llm.engine.kv_cache_stats()["pages_installed"] > 0
+    llm.engine.kv_cache.check_integrity()
+
+
+def test_offload_with_preemption_and_fp8(tiny):
+    """A host tier too small for both requests: one is preempted and recomputed, and both still get the tokens they
+    get alone; fp8 KV runs through both tiers and agrees with fp8 on one tier."""
+    from longreach import SamplingParams
+    from longreach.engine.llm import LLM
+
+    g = torch.Generator().manual_seed(7)
+    prompts = [{"prompt_token_ids": torch.randint(3, 256, (n,), generator=g).tolist()} for n in (200, 180)]
+    params = SamplingParams(temperature=0, max_tokens=40, ignore_eos=True)
+    per_page = OffloadedKVCache.bytes_per_page(3, 16, 2, 16, torch.float32)
+    small = 28 * per_page / 2**30  # 28 pages of 16 tokens: one sequence (<= 240 tokens) fits, two do not
+    llm = LLM(tiny, device="cpu", dtype="float32", attention="streaming", attention_config=SMALL["streaming"],
+              kv_cache_memory_gb=POOL_GB, kv_offloading_size=small, max_model_len=256)
+    together = llm.generate(prompts, params, use_tqdm=False)
+    assert llm.engine.scheduler.num_preemptions > 0
+    alone = [llm.generate(p, params, use_tqdm=False)[0].token_ids for p in prompts]
+    assert [o.token_ids for o in together] == alone
+    llm.engine.kv_cache.check_integrity()
+    short = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True)
+    fp8 = {off: _llm(tiny, "infinitehip", off, kv_cache_dtype="fp8", max_model_len=256).generate(
+        prompts, short, use_tqdm=False) for off in (False, True)}
+    assert [o.token_ids for o in fp8[False]] == [o.token_ids for o in fp8[True]]
+
+
+def test_offload_sizing_errors_name_the_fix(tiny):
+    from longreach.config import EngineConfig
+    from longreach.engine.llm import LLM
+
+    with pytest.raises(ValueError, match=r"kv_offloading_size=1e-05 GiB holds .* fewer than max_model_len=512.*"
+                                         r"raise --kv-offloading-size"):
+        LLM(tiny, device="cpu", kv_offloading_size=1e-5, kv_cache_memory_gb=0.01)
+    with pytest.raises(ValueError, match="kv_offloading_size must be a number of GiB >= 0"):
+        EngineConfig(kv_offloading_size=-1)
+    with pytest.raises(ValueError, match="kv_cache_dtype must be one of auto, bfloat16, float16, fp8"):
+        EngineConfig(kv_cache_dtype="int4")
