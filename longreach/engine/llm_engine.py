@@ -162,8 +162,9 @@ class LLMEngine:
                                          staging_pages=staging)
         self.blocks.on_free = self.kv_cache.free_pages
         kv = dtype_name(self.kv_dtype)
-        logger.info("KV cache, host tier: %d pages x %d tokens = %d tokens (%.2f GiB pinned, %s)", host_pages, bs,
-                    host_pages * bs, self.kv_cache.host_nbytes / GiB, kv)
+        logger.info("KV cache, host tier: %d pages x %d tokens = %d tokens (%.2f GiB%s, %s)", host_pages, bs,
+                    host_pages * bs, self.kv_cache.host_nbytes / GiB, " pinned" if self.device.type == "cuda" else "",
+                    kv)
         logger.info("KV cache, GPU tier: %d slots of one layer's page = %d tokens per layer on average (%.2f GiB, "
                     "shared by all %d layers); prefill staging %.2f GiB (%d pages)", slots, slots * bs // L,
                     self.kv_cache.nbytes / GiB, L, self.kv_cache.staging_nbytes / GiB, staging)

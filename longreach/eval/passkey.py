@@ -32,6 +32,7 @@ from .common import (
     add_method_args,
     context_length,
     emit,
+    engine_kwargs,
     format_length,
     make_llm,
     note,
@@ -163,8 +164,7 @@ def main(args: argparse.Namespace) -> int:
     for spec in specs:
         note(f"passkey: loading {args.model} with {spec.label} attention")
         llm = make_llm(args.model, spec, args.attention_config, args.device, args.dtype,
-                       max(lengths) + args.new_tokens, max_num_seqs=BATCH,
-                       kv_cache_memory_gb=args.kv_cache_memory_gb, enforce_eager=args.enforce_eager)
+                       max(lengths) + args.new_tokens, max_num_seqs=BATCH, **engine_kwargs(args))
         engine = llm.engine
         if not prompts:  # built once, with the first engine's tokenizer: every method answers the same prompts
             if engine.tokenizer is None:

@@ -29,6 +29,7 @@ from .common import (
     add_method_args,
     context_length,
     emit,
+    engine_kwargs,
     format_length,
     make_llm,
     note,
@@ -144,7 +145,7 @@ def main(args: argparse.Namespace) -> int:
             continue
         note(f"ppl: loading {args.model} with {spec.label} attention")
         llm = make_llm(args.model, spec, args.attention_config, args.device, args.dtype, max(runs[spec.label]),
-                       max_num_seqs=1, kv_cache_memory_gb=args.kv_cache_memory_gb, enforce_eager=args.enforce_eager)
+                       max_num_seqs=1, **engine_kwargs(args))
         if not windows:
             windows, header = _windows(llm.engine, text, lengths, args.samples)
         for n in runs[spec.label]:

@@ -52,6 +52,7 @@ from .common import (
     add_method_args,
     context_length,
     emit,
+    engine_kwargs,
     format_length,
     make_llm,
     note,
@@ -399,8 +400,7 @@ def _sized_samples(task: Task, mod, tok: RulerTokenizer, length: int, budget: in
 
 # ---- the evaluation --------------------------------------------------------------------------------------------------
 def run(model: str, task_list: list[Task], lengths: list[int], num_samples: int, seed: int, methods,
-        attention_config: str | None, device: str, dtype: str, prompt_format: str,
-        kv_cache_memory_gb: float | None = None, enforce_eager: bool = False) -> dict:
+        attention_config: str | None, device: str, dtype: str, prompt_format: str, **engine_kw) -> dict:
     """Every method on every task and length; samples are generated once (with the first engine's tokenizer)."""
     from ..sampling_params import SamplingParams
 
@@ -409,8 +409,7 @@ def run(model: str, task_list: list[Task], lengths: list[int], num_samples: int,
                     "prompt_tokens": {}, "methods": {}}
     samples: dict[tuple[str, int], list[Sample]] = {}
     for spec in methods:
-        llm = make_llm(model, spec, attention_config, device, dtype, max(lengths), kv_cache_memory_gb=kv_cache_memory_gb,
-                       enforce_eager=enforce_eager)
+        llm = make_llm(model, spec, attention_config, device, dtype, max(lengths), **engine_kw)
         report.update(model=llm.engine.model_config.name, device=str(llm.engine.device),
                       dtype=str(llm.engine.dtype).replace("torch.", ""))
         cells: dict = {}
@@ -523,7 +522,7 @@ def main(args: argparse.Namespace) -> int:
     methods = parse_methods(args.attention, args.preset)
     t0 = time.perf_counter()
     report = run(args.model, task_list, lengths, args.samples, args.seed, methods, args.attention_config,
-                 args.device, args.dtype, args.prompt_format, args.kv_cache_memory_gb, args.enforce_eager)
+                 args.device, args.dtype, args.prompt_format, **engine_kwargs(args))
     from datetime import datetime
 
     report = {"model": report.pop("model"), "device": report.pop("device"), "dtype": report.pop("dtype"),
