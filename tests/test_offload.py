@@ -356,6 +356,9 @@ def test_offload_sizing_errors_name_the_fix(tiny):
     with pytest.raises(ValueError, match=r"kv_offloading_size=1e-05 GiB holds .* fewer than max_model_len=512.*"
                                          r"raise --kv-offloading-size"):
         LLM(tiny, device="cpu", kv_offloading_size=1e-5, kv_cache_memory_gb=0.01)
+    with pytest.raises(ValueError, match=r"kv_offloading_size=100000 GiB does not fit the host: .* GiB of memory is "
+                                         r"available; lower --kv-offloading-size"):
+        LLM(tiny, device="cpu", kv_offloading_size=100000, kv_cache_memory_gb=0.01)
     with pytest.raises(ValueError, match="kv_offloading_size must be a number of GiB >= 0"):
         EngineConfig(kv_offloading_size=-1)
     with pytest.raises(ValueError, match="kv_cache_dtype must be one of auto, bfloat16, float16, fp8"):

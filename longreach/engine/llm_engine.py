@@ -44,6 +44,18 @@ def resolve_device(name: str) -> torch.device:
     return torch.device(name)
 
 
+def _host_memory_available() -> int | None:
+    """MemAvailable from /proc/meminfo in bytes (None where there is no such file)."""
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        return None
+    return None
+
+
 def dtype_name(dtype: torch.dtype) -> str:
     return str(dtype).replace("torch.", "")
 
@@ -157,9 +169,21 @@ class LLMEngine:
         if slots < 1:
             raise ValueError(f"the GPU page cache gets {budget / GiB:.2f} GiB, less than one page; raise "
                              "--kv-cache-memory-gb or --gpu-memory-utilization")
+        available = _host_memory_available()
+        if available is not None and host_pages * per_page > 0.9 * available:
+            raise ValueError(f"kv_offloading_size={cfg.kv_offloading_size} GiB does not fit the host: "
+                             f"{available / GiB:.1f} GiB of memory is available; lower --kv-offloading-size (it needs "
+                             f"{longest * per_page / GiB:.2f} GiB for max_model_len={cfg.max_model_len})")
         self.blocks = BlockManager(host_pages, bs)
-        self.kv_cache = OffloadedKVCache(L, host_pages + 1, slots, bs, H, D, self.kv_dtype, self.device,
-                                         staging_pages=staging)
+        try:
+            self.kv_cache = OffloadedKVCache(L, host_pages + 1, slots, bs, H, D, self.kv_dtype, self.device,
+                                             staging_pages=staging)
+            self.kv_cache.staging()  # allocated now, so that a GPU too small for it fails here and not mid-prefill
+        except (RuntimeError, MemoryError) as e:  # pinning or GPU allocation refused
+            raise ValueError(f"could not allocate the KV tiers ({host_pages * per_page / GiB:.2f} GiB of host "
+                             f"memory, {slots * per_slot / GiB:.2f} + {staging_bytes / GiB:.2f} GiB on the "
+                             f"{self.device.type.upper()}): {str(e).splitlines()[0]}; lower --kv-offloading-size, "
+                             "--kv-cache-memory-gb or --max-model-len") from None
         self.blocks.on_free = self.kv_cache.free_pages
         kv = dtype_name(self.kv_dtype)
         logger.info("KV cache, host tier: %d pages x %d tokens = %d tokens (%.2f GiB%s, %s)", host_pages, bs,
