@@ -34,6 +34,10 @@ class EngineConfig:
     gpu_memory_utilization: float = _f(0.90, "share of GPU memory for weights, activations and the KV cache")
     kv_cache_memory_gb: float | None = _f(None, "KV cache size in GiB; default: what gpu_memory_utilization leaves "
                                                 "on CUDA, up to 4 GiB on CPU")
+    rope_scaling: str | None = _f(None, "JSON object overriding the model's RoPE scaling, as vLLM's --rope-scaling, "
+                                        "e.g. '{\"rope_type\": \"yarn\", \"factor\": 4.0}' (rope_type: linear, "
+                                        "dynamic, llama3, yarn; original_max_position_embeddings defaults to the "
+                                        "model's trained length)")
     kv_cache_dtype: str = _f("auto", "KV cache element type: auto (the run dtype), bfloat16, float16, or fp8 (e4m3 "
                                      "with one fp32 scale per token and KV head; dequantised on load)")
     kv_offloading_size: float | None = _f(None, "host-memory tier of the KV cache in GiB (pinned): every page lives "
@@ -64,6 +68,16 @@ class EngineConfig:
             bad(f"gpu_memory_utilization must be in [0.05, 1.0], got {self.gpu_memory_utilization}")
         if self.kv_cache_memory_gb is not None and self.kv_cache_memory_gb <= 0:
             bad(f"kv_cache_memory_gb must be > 0, got {self.kv_cache_memory_gb}")
+        if self.rope_scaling is not None:
+            import json
+
+            try:
+                rope = json.loads(self.rope_scaling)
+            except json.JSONDecodeError as e:
+                bad(f"rope_scaling must be a JSON object, got {self.rope_scaling!r} ({e.msg})")
+            if not isinstance(rope, dict) or not rope:
+                bad(f"rope_scaling must be a non-empty JSON object such as '{{\"rope_type\": \"yarn\", "
+                    f"\"factor\": 4.0}}', got {self.rope_scaling!r}")
         if self.kv_cache_dtype not in KV_DTYPES:
             bad(f"kv_cache_dtype must be one of {', '.join(KV_DTYPES)}, got {self.kv_cache_dtype!r}")
         if self.kv_offloading_size is not None and (isinstance(self.kv_offloading_size, bool) or not isinstance(

@@ -97,6 +97,16 @@ class InfiniteHiP(SelectionMethod):
         "5k": InfiniteHiPConfig(chunk_sizes=(64, 32, 16), budgets=(32768, 16384, 4096), early_last_budget=None),
         "3k-fast": InfiniteHiPConfig(refresh=(32, 16, 8)),
         "3k-flash": InfiniteHiPConfig(refresh=(96, 24, 8)),
+        # rungs of the retrieval ladder (docs/quality.md), for evaluation, not speed:
+        # the best selection of 3k's size: the top 2048 tokens (4096 in layers 0-2) in 8-token chunks ranked by their
+        # exact best key at true positions, recomputed every decode step; attention as 3k (rolling positions)
+        "oracle": InfiniteHiPConfig(chunk_sizes=(8,), budgets=(2048,), refresh=(1,), exact_below=8,
+                                    prune_rope="none"),
+        # every key (up to 1M tokens), only the positions remapped: rolling (st) or SelfExtend groups (de)
+        "positions-st": InfiniteHiPConfig(chunk_sizes=(64,), budgets=(1 << 20,), early_last_budget=None,
+                                          refresh=(1,), prune_rope="none", attend_rope="st"),
+        "positions-de": InfiniteHiPConfig(chunk_sizes=(64,), budgets=(1 << 20,), early_last_budget=None,
+                                          refresh=(1,), prune_rope="none", attend_rope="de"),
     }
     default_preset = "3k"
 
@@ -200,7 +210,10 @@ class InfiniteHiP(SelectionMethod):
                 score = self.chunk_scores(layer, q, blocks, keys, ids, l, l <= cfg.exact_below, cand_end)
             else:  # every candidate fits the budget
                 score = torch.where(valid, 0.0, float("-inf"))
-            prev, counts = self.top_k(torch.where(valid, ids, -1), score, budgets[i] // l)
+            k = budgets[i] // l
+            if keep is None:  # no static width to match: never wider than the candidates (a budget of 1M tokens)
+                k = min(k, max(1, width))
+            prev, counts = self.top_k(torch.where(valid, ids, -1), score, k)
             if keep is not None:
                 prev = torch.where((keep[1] > i)[:, None, None], keep[0][i], prev)
                 counts = (prev >= 0).sum(-1).to(torch.int32)

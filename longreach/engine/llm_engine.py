@@ -9,6 +9,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import itertools
+import json
 import logging
 import time
 from collections.abc import Iterator
@@ -98,6 +99,8 @@ class LLMEngine:
         torch.manual_seed(config.seed)
         loaded = load_model(config.model, self.dtype, self.device)
         self.model_config, self.model, self.tokenizer = loaded.config, loaded.model, loaded.tokenizer
+        if config.rope_scaling:
+            self._override_rope(json.loads(config.rope_scaling))
         mc = self.model_config
         trained = mc.max_position_embeddings
         if config.max_model_len is None:
@@ -138,6 +141,17 @@ class LLMEngine:
             {self.tokenizer.eos_token_id} if self.tokenizer and self.tokenizer.eos_token_id is not None else set())
         self.last_step: StepStats | None = None
 
+    def _override_rope(self, override: dict) -> None:
+        """--rope-scaling: replace the checkpoint's RoPE scaling (model config and the rotary module)."""
+        from ..models.config import rope_override
+        from ..rope.scaling import RotaryEmbedding
+
+        mc = self.model_config
+        rope = rope_override(mc.rope, mc.max_position_embeddings, override)
+        self.model_config = dataclasses.replace(mc, rope=rope)
+        self.model.rotary = RotaryEmbedding(rope, mc.head_dim).to(self.device)
+        logger.info("RoPE scaling overridden: %s (the checkpoint's: %s)", rope.rope_type, mc.rope.rope_type)
+
     # ---- KV sizing -----------------------------------------------------------------------------------------------
     def _init_offloaded_cache(self) -> None:
         """Two tiers (kvcache/offload.py): `kv_offloading_size` GiB of pinned host pages hold every token, a GPU pool
@@ -148,6 +162,11 @@ class LLMEngine:
             logger.warning("dense attention with KV offloading reads every page of every layer from host memory at "
                            "each decode step (PCIe-bound, slow); the sparse methods (infinitehip, hip, streaming) read "
                            "a few thousand tokens per step and cache them on the GPU")
+        dense_layers = getattr(getattr(self.backend, "config", None), "dense_layers", ())
+        if dense_layers:
+            logger.warning("layers %s attend densely: with KV offloading they read every page of the context from "
+                           "host memory at each decode step; --attention-config '{\"dense_layers\": []}' avoids it",
+                           list(dense_layers))
         per_page = OffloadedKVCache.bytes_per_page(L, bs, H, D, self.kv_dtype)
         host_pages = int(cfg.kv_offloading_size * GiB // per_page)
         longest = -(-cfg.max_model_len // bs)

@@ -13,8 +13,8 @@ from typing import NamedTuple
 
 def add_method_args(p: argparse.ArgumentParser, default_methods: tuple[str, ...] = ("dense", "infinitehip")) -> None:
     """--model, --attention METHOD[:PRESET]..., --preset, --attention-config, --device, --dtype,
-    --kv-cache-memory-gb, --kv-cache-dtype, --kv-offloading-size, --max-num-batched-tokens, --enforce-eager, --out,
-    --plot."""
+    --kv-cache-memory-gb, --kv-cache-dtype, --kv-offloading-size, --rope-scaling, --max-num-batched-tokens,
+    --enforce-eager, --out, --plot."""
     p.add_argument("--model", default="smollm2", help="model (default: smollm2)")
     p.add_argument("--attention", nargs="+", default=list(default_methods), metavar="METHOD[:PRESET]",
                    help=f"methods to run side by side (default: {' '.join(default_methods)}); e.g. dense "
@@ -32,6 +32,9 @@ def add_method_args(p: argparse.ArgumentParser, default_methods: tuple[str, ...]
                    help="KV cache element type (default: auto, the run dtype); fp8 = e4m3 with per-token scales")
     p.add_argument("--kv-offloading-size", type=float, default=None, metavar="GiB",
                    help="host-memory tier of the KV cache (default: none); --kv-cache-memory-gb is then the GPU tier")
+    p.add_argument("--rope-scaling", default=None, metavar="JSON",
+                   help="override the model's RoPE scaling for every method, e.g. '{\"rope_type\": \"yarn\", "
+                        "\"factor\": 4}' (dense + YaRN: what users try first past the trained length)")
     p.add_argument("--max-num-batched-tokens", type=int, default=8192, metavar="N",
                    help="prefill chunk size (default: 8192)")
     p.add_argument("--enforce-eager", action="store_true", help="decode without CUDA graphs")
@@ -95,7 +98,7 @@ def engine_kwargs(args: argparse.Namespace) -> dict:
     """The engine flags of `add_method_args`, as `LLM` keyword arguments."""
     return {"kv_cache_memory_gb": args.kv_cache_memory_gb, "kv_cache_dtype": args.kv_cache_dtype,
             "kv_offloading_size": args.kv_offloading_size, "max_num_batched_tokens": args.max_num_batched_tokens,
-            "enforce_eager": args.enforce_eager}
+            "rope_scaling": args.rope_scaling, "enforce_eager": args.enforce_eager}
 
 
 def make_llm(model: str, spec: MethodSpec, attention_config: str | None, device: str, dtype: str,

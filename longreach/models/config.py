@@ -66,6 +66,24 @@ class RopeConfig:
         return cls(theta=float(theta), rope_type=rope_type, **kwargs)
 
 
+def rope_override(model_rope: RopeConfig, trained_len: int, override: Mapping[str, Any]) -> RopeConfig:
+    """`--rope-scaling`: the model's RoPE with a scaling given in Hugging Face / vLLM form (`rope_type` or `type`,
+    `factor`, ...). The model's theta stays unless `rope_theta` is given; `original_max_position_embeddings`
+    defaults to the trained length. Unknown keys raise ValueError listing the valid ones."""
+    valid = {f for f in RopeConfig.__dataclass_fields__ if f not in ("theta", "rope_type", "freq_factors")}
+    valid |= {"rope_type", "type", "rope_theta"}
+    unknown = sorted(set(override) - valid)
+    if unknown:
+        raise ValueError(f"unknown rope_scaling key(s) {unknown}; valid: {', '.join(sorted(valid))}")
+    if "rope_type" not in override and "type" not in override:
+        raise ValueError(f"rope_scaling needs a rope_type (one of {', '.join(ROPE_TYPES)}), got {dict(override)}")
+    try:
+        return RopeConfig.from_hf({"rope_theta": model_rope.theta, "rope_scaling": dict(override),
+                                   "max_position_embeddings": trained_len})
+    except TypeError as e:
+        raise ValueError(f"bad rope_scaling {dict(override)}: {e}") from None
+
+
 @dataclass(frozen=True)
 class ModelConfig:
     architecture: str  # one of SUPPORTED_ARCHITECTURES' values

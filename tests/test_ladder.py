@@ -1,0 +1,49 @@
+"""The retrieval ladder's rungs (issue: where is the needle lost?): the oracle selection and positions-only presets."""
+import torch
+
+
+def _keys_and_queries(seed, L=300, Hq=4, Hkv=2, D=16):
+    g = torch.Generator().manual_seed(seed)
+    return torch.randn(L, Hkv, D, generator=g), torch.randn(1, Hq, D, generator=g)
+
+
+def test_oracle_picks_the_chunks_with_the_best_exact_keys():
+    """One decode query: the oracle's chunks are exactly the brute-force top-k 8-token chunks by max over the group's
+    heads of <q, k>, among the candidates [n_sink, end - n_window)."""
+    from longreach.attention.infinitehip import InfiniteHiP
+    from longreach.attention.sparse import config_from
+
+    m = InfiniteHiP.presets["oracle"]
+    cfg = config_from(type(m), m, {"n_sink": 8, "n_window": 16, "budgets": [64], "early_last_budget": 64})
+    method = InfiniteHiP(cfg, num_heads=4, num_kv_heads=2)
+    keys, q = _keys_and_queries(0)
+    L = keys.shape[0]
+    got = method.select(5, q, [(0, 1, L - 1)], keys)[0]  # (G, W)
+    end = L - 16
+    for g in range(2):
+        s = torch.einsum("hd,ld->hl", q[0, 2 * g:2 * g + 2], keys[:, g]).amax(0)  # the group's 2 heads
+        chunk_best = torch.stack([s[max(8, c * 8):min(end, c * 8 + 8)].max() for c in range(1, -(-end // 8))])
+        want = (torch.topk(chunk_best, 8).indices + 1).sort().values
+        assert got[g][got[g] >= 0].tolist() == want.tolist()
+
+
+def test_oracle_at_full_budget_and_true_positions_equals_dense(tmp_path):
+    from conftest import make_tiny_hf_model
+
+    from longreach.engine.llm import LLM
+
+    path = make_tiny_hf_model(tmp_path / "m", max_position_embeddings=512)[0]
+    ids = torch.randint(3, 256, (200,), generator=torch.Generator().manual_seed(1)).tolist()
+    kw = dict(device="cpu", dtype="float32", kv_cache_memory_gb=0.01, max_num_batched_tokens=64)
+    dense = LLM(path, **kw).engine.prompt_logits(ids)
+    full = LLM(path, attention="infinitehip", preset="oracle", attention_config='{"budgets": [512], '
+               '"early_last_budget": 512, "n_sink": 8, "n_window": 16, "attend_rope": "none", "dense_below": 0}',
+               **kw).engine.prompt_logits(ids)
+    assert (dense - full).abs().max() < 1e-4
+    every = LLM(path, attention="infinitehip", preset="positions-st", attention_config='{"n_sink": 8, '
+                '"n_window": 16, "attend_rope": "none", "dense_below": 0}', **kw).engine.prompt_logits(ids)
+    assert (dense - every).abs().max() < 1e-4
+    small = LLM(path, attention="infinitehip", preset="oracle", attention_config='{"budgets": [16], '
+                '"early_last_budget": 16, "n_sink": 8, "n_window": 16, "attend_rope": "none", "dense_below": 0}',
+                **kw).engine.prompt_logits(ids)
+    assert (dense[150:] - small[150:]).abs().max() > 1e-3  # a small budget really drops keys
