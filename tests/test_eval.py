@@ -42,3 +42,15 @@ def test_agreement_tool(text):
     rows = report["methods"]
     assert set(rows) == {"dense", "streaming:3k"}
     assert 0 <= rows["streaming:3k"]["tokens_equal"] <= 8 and rows["dense"]["text"]
+
+
+def test_wilson_interval_known_values():
+    from longreach.eval.common import wilson
+
+    lo, hi = wilson(0, 1)
+    assert lo == 0.0 and abs(hi - 0.7935) < 1e-3
+    lo, hi = wilson(10, 10)
+    assert abs(lo - 0.7225) < 1e-3 and hi == 1.0
+    lo, hi = wilson(6, 10)
+    assert abs(lo - 0.3127) < 1e-3 and abs(hi - 0.8318) < 1e-3
+    assert wilson(0, 0) == (0.0, 1.0)

@@ -109,4 +109,5 @@ def test_cli_end_to_end_on_the_real_model(tmp_path, capsys):
     assert dense["correct"] and dense["key"] in dense["output"]
     assert streaming["key"] == dense["key"]  # the same prompt
     assert png.stat().st_size > 0
-    assert re.search(r"passkey accuracy \(%\) +512 +all\ndense +100 +100\nstreaming", captured.err)
+    assert re.search(r"passkey accuracy \(%\) \[95% CI\] +512 +all\ndense +100 \[ 21-100\] +100\nstreaming +0 "
+                     r"\[  0- 79\] +0\nprompts per cell: 1", captured.err)

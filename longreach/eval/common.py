@@ -149,3 +149,16 @@ def format_length(n: int) -> str:
     if n % (1 << 20) == 0:
         return f"{n >> 20}M"
     return f"{n >> 10}K" if n % 1024 == 0 else str(n)
+
+
+def wilson(successes: float, n: int, z: float = 1.96) -> tuple[float, float]:
+    """95% Wilson score interval (fractions in [0, 1]) of `successes` out of `n` trials: unlike the normal
+    approximation it stays inside [0, 1] and is not empty at 0/n or n/n, which small eval cells often are.
+    Fractional successes (RULER's partial-credit metrics: the sum of per-sample scores / 100) are accepted."""
+    if n <= 0:
+        return 0.0, 1.0
+    p = successes / n
+    d = 1 + z * z / n
+    mid = (p + z * z / (2 * n)) / d
+    half = z * ((p * (1 - p) / n + z * z / (4 * n * n)) ** 0.5) / d
+    return max(0.0, mid - half), min(1.0, mid + half)

@@ -38,6 +38,7 @@ from .common import (
     note,
     parse_methods,
     plot_path,
+    wilson,
 )
 
 HELP = "passkey retrieval: find a 5-digit key hidden at a depth of a long filler text, methods side by side"
@@ -148,6 +149,9 @@ def summarize(cells: list[dict], lengths: list[int]) -> dict:
 
     by_length = {n: [c for c in cells if c["length"] == n] for n in lengths}
     return {"accuracy": {str(n): mean([c["correct"] for c in cs]) for n, cs in by_length.items()},
+            "n": {str(n): len(cs) for n, cs in by_length.items()},
+            "ci95": {str(n): [round(x, 3) for x in wilson(sum(c["correct"] for c in cs), len(cs))]
+                     for n, cs in by_length.items()},
             "overall": mean([c["correct"] for c in cells]),
             "prefill_seconds": {str(n): round(mean([c["prefill_seconds"] for c in cs]), 3)
                                 for n, cs in by_length.items()},
@@ -238,10 +242,16 @@ def plot(report: dict, path: str) -> None:
 def table(report: dict) -> str:
     """Accuracy (%) per method and length, plus overall."""
     lengths = report["lengths"]
-    title = "passkey accuracy (%)"
+    title = "passkey accuracy (%) [95% CI]"
     width = max(len(label) for label in [title, *report["methods"]]) + 2
-    lines = [title.ljust(width) + "".join(f"{format_length(n):>7}" for n in lengths) + "    all"]
+
+    def cell(m, n):
+        lo, hi = m["ci95"][str(n)] if "ci95" in m else (float("nan"), float("nan"))
+        return f"{100 * m['accuracy'][str(n)]:5.0f} [{100 * lo:3.0f}-{100 * hi:3.0f}]"
+    lines = [title.ljust(width) + "".join(f"{format_length(n):>15}" for n in lengths) + "    all"]
     for label, m in report["methods"].items():
-        lines.append(label.ljust(width) + "".join(f"{100 * m['accuracy'][str(n)]:7.0f}" for n in lengths)
-                     + f"{100 * m['overall']:7.0f}")
+        lines.append(label.ljust(width) + "".join(f"{cell(m, n):>15}" for n in lengths) + f"{100 * m['overall']:7.0f}")
+    counts = sorted({c for m in report["methods"].values() for c in m.get("n", {}).values()})
+    if counts:
+        lines.append(f"prompts per cell: {', '.join(map(str, counts))}")
     return "\n".join(lines)

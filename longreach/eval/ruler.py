@@ -58,6 +58,7 @@ from .common import (
     note,
     parse_methods,
     plot_path,
+    wilson,
 )
 
 if TYPE_CHECKING:
@@ -433,7 +434,9 @@ def run(model: str, task_list: list[Task], lengths: list[int], num_samples: int,
                 preds = [o.text for o in outs]
                 total, per_sample = score(task, preds, [s.outputs for s in batch])
                 cells.setdefault(task.name, {})[str(length)] = {
-                    "score": total, "n": len(batch), "seconds": round(time.perf_counter() - t0, 2),
+                    "score": total, "n": len(batch),
+                    "ci95": [round(100 * x, 1) for x in wilson(sum(per_sample) / 100, len(batch))],
+                    "seconds": round(time.perf_counter() - t0, 2),
                     "per_sample": per_sample,
                     "examples": [{"prediction": p, "answers": s.outputs} for p, s in zip(preds, batch)][:EXAMPLES]}
                 note(f"ruler: {spec.label} {task.name} at {length_label(length)}: {total:.1f} "
