@@ -396,7 +396,9 @@ def offload_engine(model: str, length: int = 131072):
     res = {}
     kv_gb = length * 30 * 3 * 64 * 2 * 2 / 2**30
     for name, kw in (("gpu", {"kv_cache_memory_gb": kv_gb * 1.1 + 0.2}),
-                     ("offload", {"kv_cache_memory_gb": kv_gb / 8, "kv_offloading_size": kv_gb * 1.1 + 0.2})):
+                     ("offload", {"kv_cache_memory_gb": kv_gb / 8, "kv_offloading_size": kv_gb * 1.1 + 0.2}),
+                     ("offload-fp8", {"kv_cache_memory_gb": kv_gb / 8, "kv_offloading_size": kv_gb * 1.1 + 0.2,
+                                      "kv_cache_dtype": "fp8"})):
         gc.collect()
         torch.cuda.empty_cache()
         llm = LLM(model, attention="infinitehip", max_model_len=length + 256, max_num_seqs=2,
@@ -413,7 +415,7 @@ def offload_engine(model: str, length: int = 131072):
         res[name] = dict(tokens=out.token_ids, prefill_s=m.prefill_seconds, tok_s=m.decode_tokens_per_s,
                          wall=wall, hit=m.kv_pages_hit, miss=m.kv_pages_missed, logits=logits.cpu(),
                          stats=llm.engine.kv_cache_stats())
-        if name == "offload":
+        if name.startswith("offload"):
             llm.engine.kv_cache.check_integrity()
         del llm
     a, b = res["gpu"], res["offload"]
@@ -422,7 +424,10 @@ def offload_engine(model: str, length: int = 131072):
         raise AssertionError(f"offload differs: {same}/{len(a['tokens'])} tokens equal, logits equal "
                              f"{torch.equal(a['logits'], b['logits'])}")
     hit = b["hit"] / max(1, b["hit"] + b["miss"])
-    return (f"{length} tokens, pool 1/8 of the KV: tokens {same}/{len(a['tokens'])} and logits equal; prefill "
+    f8 = res["offload-fp8"]
+    f8_same = sum(x == y for x, y in zip(a["tokens"], f8["tokens"]))
+    return (f"fp8 offloaded: {f8_same}/{len(a['tokens'])} greedy tokens as bf16, {f8['tok_s']:.1f} tok/s; "
+            f"{length} tokens, pool 1/8 of the KV: tokens {same}/{len(a['tokens'])} and logits equal; prefill "
             f"{a['prefill_s']:.2f} s -> {b['prefill_s']:.2f} s, decode {a['tok_s']:.1f} -> {b['tok_s']:.1f} tok/s, "
             f"hit ratio {hit:.3f}, installed {b['stats']['pages_installed']} pages")
 
