@@ -111,3 +111,23 @@ def test_cli_end_to_end_on_the_real_model(tmp_path, capsys):
     assert png.stat().st_size > 0
     assert re.search(r"passkey accuracy \(%\) \[95% CI\] +512 +all\ndense +100 \[ 21-100\] +100\nstreaming +0 "
                      r"\[  0- 79\] +0\nprompts per cell: 1", captured.err)
+
+
+@pytest.mark.parametrize("haystack", ["paul-graham", "squad"])
+def test_natural_haystacks_and_needle_phrasings(tok, haystack):
+    from longreach.eval.passkey import NEEDLES
+
+    phrasings = ("classic", "secret", "code")
+    for seed in range(3):
+        ids, key = passkey_prompt(tok, 3000, 0.4, seed, haystack, phrasings)
+        assert len(ids) == 3000
+        text = tok.decode(ids)
+        needle, question = NEEDLES[phrasings[seed]]
+        assert " " + needle.format(key=key) in text and text.endswith(" " + question)
+        assert "The grass is green." not in text  # natural text, not the filler
+        at = text.index(needle.format(key=key))
+        assert 0.3 < (at - len(INTRO)) / (len(text) - len(INTRO)) < 0.5
+    with pytest.raises(ValueError, match="unknown needle phrasing"):
+        passkey_prompt(tok, 3000, 0.4, 0, haystack, ("nope",))
+    with pytest.raises(ValueError, match="unknown haystack 'novel'"):
+        passkey_prompt(tok, 3000, 0.4, 0, "novel")

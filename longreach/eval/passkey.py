@@ -53,31 +53,73 @@ INTRO = ("There is an important info hidden inside a lot of irrelevant text. Fin
 FILLER = ("The grass is green.", "The sky is blue.", "The sun is yellow.", "Here we go.", "There and back again.")
 NEEDLE = "The pass key is {key}. Remember it. {key} is the pass key."
 QUESTION = "What is the pass key? The pass key is"
+# needle phrasings (needle, question): seed s of a cell uses phrasing s % len(--needles); "classic" is the paper's
+NEEDLES = {
+    "classic": (NEEDLE, QUESTION),
+    "secret": ("The secret number is {key}. Keep it in mind: {key}.", "What is the secret number? The secret number is"),
+    "code": ("Note for later: the access code for the archive is {key}.",
+             "What is the access code for the archive? The access code is"),
+}
+HAYSTACKS = ("filler", "paul-graham", "squad")  # the classic repeated sentences, or natural text (eval/data.py)
 BATCH = 4  # prompts per generate call (and the engine's max_num_seqs)
 OUTPUT_CHARS = 40  # generated text kept per cell in the report
 
 
-def passkey_prompt(tokenizer, length: int, depth: float, seed: int) -> tuple[list[int], str]:
+_SENTENCES: dict[tuple[int, str], list[list[int]]] = {}  # (tokenizer id, haystack) -> tokenized sentences
+
+
+def haystack_sentences(tokenizer, haystack: str) -> list[list[int]]:
+    """The haystack's sentences, each tokenized with its leading space (as in running text); natural texts are split
+    after '.', '!' or '?' followed by white space, and the list is cut at ~1.1M tokens (a longer prompt repeats it)."""
+    key = (id(tokenizer), haystack)
+    if key not in _SENTENCES:
+        if haystack == "filler":
+            text_sentences = list(FILLER)
+        elif haystack in HAYSTACKS:
+            from .data import TEXT_SOURCES
+
+            text_sentences = [x for x in re.split(r"(?<=[.!?])\s+", TEXT_SOURCES[haystack]()) if x.strip()]
+        else:
+            raise ValueError(f"unknown haystack {haystack!r}; choose from {', '.join(HAYSTACKS)}")
+        out, total = [], 0
+        for t in text_sentences:
+            ids = tokenizer.encode(" " + " ".join(t.split()), add_special_tokens=False)
+            out.append(ids)
+            total += len(ids)
+            if total > 1_100_000:
+                break
+        _SENTENCES[key] = out
+    return _SENTENCES[key]
+
+
+def passkey_prompt(tokenizer, length: int, depth: float, seed: int, haystack: str = "filler",
+                   needles: tuple[str, ...] = ("classic",)) -> tuple[list[int], str]:
     """The prompt's token ids (exactly `length` of them) and the key, for one (length, depth, seed) cell.
 
     `tokenizer` needs `encode(text, add_special_tokens=...)`; the intro gets the tokenizer's special tokens (BOS when
-    it adds one), the other parts none."""
+    it adds one), the other parts none. The needle is phrased as NEEDLES[needles[seed % len(needles)]]."""
     if not 0.0 <= depth <= 1.0:
         raise ValueError(f"depth must be a fraction of the haystack in [0, 1], got {depth}")
+    unknown = [n for n in needles if n not in NEEDLES]
+    if unknown or not needles:
+        raise ValueError(f"unknown needle phrasing(s) {unknown}; choose from {', '.join(NEEDLES)}")
+    needle_text, question = NEEDLES[needles[seed % len(needles)]]
     key = str(random.Random(f"passkey:{length}:{depth}:{seed}").randint(10000, 99999))
     head = tokenizer.encode(INTRO)
-    needle = tokenizer.encode(" " + NEEDLE.format(key=key), add_special_tokens=False)
-    tail = tokenizer.encode(" " + QUESTION, add_special_tokens=False)
+    needle = tokenizer.encode(" " + needle_text.format(key=key), add_special_tokens=False)
+    tail = tokenizer.encode(" " + question, add_special_tokens=False)
     room = length - len(head) - len(needle) - len(tail)  # haystack tokens
     if room < 0:
         raise ValueError(f"a passkey prompt of {length} tokens cannot hold the intro, needle and question "
                          f"({length - room} tokens with this tokenizer); use lengths >= {length - room}")
-    sentences = [tokenizer.encode(" " + s, add_special_tokens=False) for s in FILLER]
+    sentences = haystack_sentences(tokenizer, haystack)
     hay, bounds = [], [0]  # bounds: token offsets where a sentence starts
     while len(hay) < room:
         for s in sentences:
             hay += s
             bounds.append(len(hay))
+            if len(hay) >= room:
+                break
     hay = hay[:room]
     at = min((b for b in bounds if b <= room), key=lambda b: abs(b - depth * room))
     return head + hay[:at] + needle + hay[at:] + tail, key
@@ -96,6 +138,12 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--depths", type=float, nargs="+", default=[0.1, 0.5, 0.9], metavar="D",
                    help="where the needle goes, as a fraction of the haystack in [0, 1] (default: 0.1 0.5 0.9)")
     p.add_argument("--seeds", type=int, default=1, help="keys per (length, depth) cell (default: 1)")
+    p.add_argument("--haystack", default="filler", choices=HAYSTACKS,
+                   help="what the needle hides in: the classic repeated sentences (filler, default), Paul Graham's "
+                        "essays or SQuAD's Wikipedia paragraphs (natural text, repeated past its end)")
+    p.add_argument("--needles", nargs="+", default=["classic"], choices=list(NEEDLES), metavar="PHRASING",
+                   help=f"needle phrasings, used in turn over the seeds of a cell ({', '.join(NEEDLES)}; "
+                        "default: classic)")
     p.add_argument("--new-tokens", type=int, default=8, help="tokens to generate per answer (default: 8)")
 
 
@@ -176,7 +224,7 @@ def main(args: argparse.Namespace) -> int:
             for n in lengths:
                 for d in depths:
                     for s in range(args.seeds):
-                        ids, key = passkey_prompt(engine.tokenizer, n, d, s)
+                        ids, key = passkey_prompt(engine.tokenizer, n, d, s, args.haystack, tuple(args.needles))
                         prompts.append({"length": n, "depth": d, "seed": s, "key": key, "ids": ids})
             header = {"model": engine.model_config.name or args.model, "device": str(engine.device),
                       "dtype": str(engine.dtype).removeprefix("torch.")}
@@ -193,6 +241,7 @@ def main(args: argparse.Namespace) -> int:
     report = {**header, "date": datetime.datetime.now().astimezone().isoformat(timespec="seconds"),
               "args": {k: v for k, v in vars(args).items() if k != "func"},
               "lengths": lengths, "depths": depths, "seeds": args.seeds, "new_tokens": args.new_tokens,
+              "haystack": args.haystack, "needles": list(args.needles),
               "methods": methods}
     emit(report, args.out)
     path = plot_path(args)
