@@ -60,7 +60,7 @@ def resolve_model_path(model: str) -> str:
             return gguf_file
     raise ValueError(
         f"model {model!r} not found: expected an alias ({', '.join(ALIASES)}), a Hugging Face model directory "
-        "(config.json + *.safetensors), or a .gguf file"
+        "(config.json + *.safetensors), a .gguf file, or random:<shape> (random weights, benchmarks only)"
     )
 
 
@@ -90,6 +90,10 @@ class LoadedModel:
 
 
 def load_model(model: str, dtype: torch.dtype, device: torch.device) -> LoadedModel:
+    if model.startswith("random:"):  # a named shape with random weights, for benchmarks (random_init.py)
+        from .random_init import load_random_model
+
+        return load_random_model(model, dtype, device)
     path = resolve_model_path(model)
     t0 = time.perf_counter()
     if path.endswith(".gguf"):

@@ -1,0 +1,514 @@
+"""`longreach bench decode`: decode speed at 128K-3M tokens through the whole engine, sparse (+ KV offload) vs dense.
+
+Default model: `random:llama-3.1-8b`, random bf16 weights in the Llama-3.1-8B shape (models/random_init.py); every
+report made with a random model says so. For each context length and attention method the engine is built with
+max_model_len = context + decode tokens, `batch` prompts of random token ids of that length are prefilled and each
+decodes `decode_tokens` tokens (ignore_eos). Reported per run:
+  prefill    seconds from the first prefill step to the last (every step timed between torch.cuda.synchronize());
+             the first run of a process also pays for compiling its prefill kernels (`prefill_first_step_s`);
+  decode     tok/s = generated tokens / wall time of the decode steps, leaving out warm-up steps: those in which a
+             CUDA-graph variant was captured (sparse methods capture theirs on first use, e.g. at steps 0, 1, 8 and
+             16 for infinitehip 3k-fast) and, without graphs, the first decode step (kernel compilation). The JSON
+             also has the rate with them (`decode_tok_s_with_warmup`) and every step's seconds. Bias: a captured
+             step is often a mask-refresh step, the most expensive kind, so leaving it out flatters the rate by
+             about (t_refresh - t_step) / steps (~1% at 128 steps);
+  GPU memory weights (the model's parameters), the KV store's GPU tier (`gpu_nbytes`, else `nbytes`),
+             its prefill staging area (`staging_nbytes`) and its host tier (`host_nbytes`, else 0),
+             the peak allocated during prefill + decode, and workspace = peak - weights - GPU tier - staging;
+  host       the process RSS after decode (psutil, else /proc/self/status) and its peak (VmHWM);
+  offload    when the engine has `kv_cache_stats()` (a dict with cumulative `pages_hit`, `pages_missed`,
+             `pages_evicted`, `bytes_h2d` and the gauges `gpu_pages_*`, `host_pages_*`): hit ratio and host->GPU
+             GB/s over the steady decode steps, from counter deltas, and the same deltas over the prefill.
+Dense baseline in the same run: the same model with attention="dense", no offload, the same KV dtype, at each of
+`dense_lengths` (default: the measured lengths plus a 4K anchor below them) where it fits: the KV bytes
+2 * layers * kv_heads * head_dim * elem * tokens (+ fp8 scales), the weights, the last prefill chunk's gathered and
+head-expanded prefix 2 * tokens * head_dim * (kv_heads + q_heads) * elem, and 2 GiB of workspace are compared with
+the free GPU memory before trying; an out-of-memory error is caught and recorded as "does not fit".
+Where dense did not run, its decode step time is extrapolated ("extrapolated" in the table and JSON), linear in the
+context for the attention part, through the largest (L0) and smallest (L1) dense contexts measured:
+  t(L) = t(L0) + (L - L0) * (t(L0) - t(L1)) / (L0 - L1),   dense tok/s(L) = batch / t(L).
+KV sizes: with offloading, each run's host tier is what its context needs (+2%), at most `kv_offloading_size`, so a
+128K run does not pin the 1M run's memory; without it, on a GPU and with no `kv_cache_memory_gb`, the GPU KV is sized
+the same way (not to the free memory), so the memory split shows what the context takes.
+Each engine is freed (del, gc, torch.cuda.empty_cache) before the next; the JSON is rewritten after every run.
+"""
+from __future__ import annotations
+
+import gc
+import json
+import math
+import os
+import statistics
+import time
+import traceback
+
+GiB = 1 << 30
+WORKSPACE_MARGIN = 2 * GiB  # activations of a prefill chunk, CUDA graphs, allocator slack (dense fit estimate)
+ANCHOR = 4096  # a short dense context, so that two dense points fix the extrapolation's slope
+
+
+# ---- measurement helpers ---------------------------------------------------------------------------------------------
+def _sync(device) -> None:
+    import torch
+
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def _host_memory() -> dict:
+    """Bytes: the process RSS and its peak, and the machine's RAM."""
+    status = {}
+    try:
+        with open("/proc/self/status") as f:
+            for line in f:
+                key, _, value = line.partition(":")
+                if key in ("VmRSS", "VmHWM"):
+                    status[key] = int(value.split()[0]) * 1024
+    except OSError:
+        pass
+    rss, total = status.get("VmRSS"), None
+    try:
+        import psutil
+
+        rss, total = psutil.Process().memory_info().rss, psutil.virtual_memory().total
+    except ImportError:
+        pass
+    return {"rss_bytes": rss, "peak_rss_bytes": status.get("VmHWM"), "host_total_bytes": total}
+
+
+def _kv_store_bytes(engine) -> tuple[int, int, int]:
+    """(GPU tier, prefill staging area on the GPU, host tier) bytes of the engine's KV store."""
+    store = getattr(engine, "kv_cache", None)
+    gpu = getattr(store, "gpu_nbytes", None)
+    if gpu is None:
+        gpu = getattr(store, "nbytes", 0)
+    staging = getattr(store, "staging_nbytes", 0)  # allocated by the first prefill step, which every run has
+    return int(gpu), int(staging or 0), int(getattr(store, "host_nbytes", 0) or 0)
+
+
+def _kv_stats(engine) -> dict | None:
+    """`engine.kv_cache_stats()` as plain numbers, or None when the engine has no such method."""
+    fn = getattr(engine, "kv_cache_stats", None)
+    if not callable(fn):
+        return None
+    out = {}
+    for key, value in (fn() or {}).items():
+        out[key] = value.item() if hasattr(value, "item") else value
+    return out
+
+
+def _counter_deltas(before: dict | None, after: dict | None) -> dict | None:
+    if before is None or after is None:
+        return None
+    keys = ("pages_hit", "pages_missed", "pages_evicted", "pages_installed", "bytes_h2d")
+    return {k: after[k] - before[k] for k in keys if isinstance(after.get(k), (int, float))
+            and isinstance(before.get(k), (int, float))}
+
+
+def _offload_summary(snaps: list, steps: list[dict], prefill_before: dict | None, seconds: float) -> dict | None:
+    """Counters over the steady decode steps (`snaps[i]` is the snapshot before decode step i, `snaps[-1]` after
+    the last) and over the prefill."""
+    if not snaps or snaps[0] is None:
+        return None
+    total: dict = {}
+    for i, step in enumerate(steps):
+        if step["warmup"]:
+            continue
+        for k, v in (_counter_deltas(snaps[i], snaps[i + 1]) or {}).items():
+            total[k] = total.get(k, 0) + v
+    hit, miss = total.get("pages_hit"), total.get("pages_missed")
+    h2d = total.get("bytes_h2d")
+    return {
+        "decode": total,
+        "hit_ratio": hit / (hit + miss) if hit is not None and miss is not None and hit + miss else None,
+        "h2d_gb_s": h2d / seconds / 1e9 if h2d is not None and seconds > 0 else None,
+        "prefill": _counter_deltas(prefill_before, snaps[0]),
+        "max_gpu_pages_used": max((x.get("gpu_pages_used", 0) for x in snaps), default=None),
+        "max_host_pages_used": max((x.get("host_pages_used", 0) for x in snaps), default=None),
+        "final": snaps[-1],
+    }
+
+
+def _kv_bytes_per_token(mc, kv_cache_dtype: str, run_dtype) -> int:
+    """KV bytes per token, all layers: K and V, plus one fp32 scale per token and KV head for fp8."""
+    elem = {"fp8": 1, "bfloat16": 2, "float16": 2}.get(kv_cache_dtype, run_dtype.itemsize)
+    scale = 4 if kv_cache_dtype == "fp8" else 0
+    return 2 * mc.num_layers * mc.num_kv_heads * (mc.head_dim * elem + scale)
+
+
+def _kv_need_bytes(mc, context: int, decode_tokens: int, batch: int, kw: dict, run_dtype) -> int:
+    """KV bytes that `batch` sequences of context + decode tokens occupy, in whole pages."""
+    block = kw.get("block_size", 16)
+    pages = batch * -(-(context + decode_tokens) // block)
+    return pages * block * _kv_bytes_per_token(mc, kw.get("kv_cache_dtype", "auto"), run_dtype)
+
+
+def _kv_budget_gb(need: int) -> float:
+    """A --kv-cache-memory-gb that holds `need` bytes: 2% and 64 MiB of slack (the store's exact page layout, e.g.
+    its fp8 scales, is its own)."""
+    return (need * 1.02 + 64 * 2**20) / GiB
+
+
+def _weights_bytes(model) -> int:
+    return sum(p.numel() * p.element_size() for p in model.parameters())
+
+
+def _estimate_weights_bytes(mc, run_dtype) -> int:
+    import torch
+
+    from ..models.llama import LlamaForCausalLM
+
+    with torch.device("meta"):  # shapes only, no memory
+        return sum(p.numel() for p in LlamaForCausalLM(mc).parameters()) * run_dtype.itemsize
+
+
+def _prompts(vocab: int, context: int, batch: int, seed: int) -> list[list[int]]:
+    """The same random token ids for every method at one context (skipping the lowest ids: special tokens)."""
+    import torch
+
+    g = torch.Generator().manual_seed(seed * 1_000_003 + context)
+    low = min(100, vocab // 2)
+    return [torch.randint(low, vocab, (context,), generator=g).tolist() for _ in range(batch)]
+
+
+def _fmt_len(n: int) -> str:
+    from ..eval.common import format_length
+
+    return format_length(n)
+
+
+def _note(msg: str) -> None:
+    from ..eval.common import note
+
+    note(f"bench decode: {msg}")
+
+
+# ---- one run ---------------------------------------------------------------------------------------------------------
+def _drive(engine, prompts: list[list[int]], decode_tokens: int, label: str) -> dict:
+    """Prefill and decode every prompt through `engine`, one timed step at a time."""
+    from ..sampling_params import SamplingParams
+
+    dev, runner = engine.device, engine.runner
+    params = SamplingParams(temperature=0, max_tokens=decode_tokens, ignore_eos=True)
+    ids = [f"bench-decode-{i}" for i in range(len(prompts))]
+    for rid, p in zip(ids, prompts):
+        engine.add_request(rid, p, params)
+    total = sum(len(p) for p in prompts)
+    prefill_s, prefill_tokens, first_step = 0.0, 0, None
+    steps: list[dict] = []
+    snaps: list = []  # offload counters before decode step 0, then after each decode step
+    prefill_before = snap = _kv_stats(engine)
+    last_note = time.perf_counter()
+    try:
+        while engine.has_unfinished_requests():
+            n_graphs, prev = len(runner._graphs), engine.last_step
+            _sync(dev)
+            t0 = time.perf_counter()
+            engine.step()
+            _sync(dev)
+            dt = time.perf_counter() - t0
+            st = engine.last_step
+            if st is prev:
+                raise RuntimeError("the engine scheduled nothing: the KV cache cannot hold the batch")
+            before, snap = snap, _kv_stats(engine)
+            if st.is_prefill:
+                prefill_s += dt
+                prefill_tokens += st.num_tokens
+                first_step = dt if first_step is None else first_step
+                if time.perf_counter() - last_note > 10 or prefill_tokens >= total:
+                    last_note = time.perf_counter()
+                    rate = prefill_tokens / prefill_s
+                    _note(f"{label}: prefill {prefill_tokens:,}/{total:,} tokens in {prefill_s:.0f} s "
+                          f"({rate:,.0f} tok/s, ~{max(total - prefill_tokens, 0) / rate:.0f} s left)")
+                continue
+            if not snaps:
+                snaps.append(before)
+            # warm-up: a graph variant captured in this step, or without graphs the first decode step
+            warm = len(runner._graphs) > n_graphs or (not runner._graph_sizes and not steps)
+            steps.append({"s": dt, "tokens": st.num_tokens, "warmup": warm})
+            snaps.append(snap)
+    except BaseException:
+        for rid in ids:
+            engine.abort_request(rid)
+        raise
+    return {"prefill_s": prefill_s, "prefill_tokens": prefill_tokens, "prefill_first_step_s": first_step,
+            "steps": steps, "snaps": snaps, "prefill_before": prefill_before}
+
+
+def _measure(model: str, context: int, spec, engine_kwargs: dict, batch: int, decode_tokens: int, seed: int,
+             state: dict) -> dict:
+    """Build one engine, run it, free it; the row of the report (raises what the engine raises)."""
+    import torch
+
+    from ..engine.llm import LLM
+
+    label = f"{_fmt_len(context)} {spec.label}"
+    _note(f"{label}: building the engine")
+    llm = LLM(model, attention=spec.name, preset=spec.preset, max_model_len=context + decode_tokens,
+              max_num_seqs=batch, **engine_kwargs)
+    try:
+        engine = llm.engine
+        dev = engine.device
+        state.setdefault("model_config", engine.model_config)
+        state.setdefault("weights_bytes", _weights_bytes(engine.model))
+        prompts = _prompts(engine.model_config.vocab_size, context, batch, seed)
+        if dev.type == "cuda":
+            torch.cuda.reset_peak_memory_stats(dev)
+        run = _drive(engine, prompts, decode_tokens, label)
+        peak = torch.cuda.max_memory_allocated(dev) if dev.type == "cuda" else None
+        kv_gpu, kv_staging, kv_host = _kv_store_bytes(engine)
+        weights = _weights_bytes(engine.model)
+        steps = run["steps"]
+        steady = [s for s in steps if not s["warmup"]]
+        steady_s = sum(s["s"] for s in steady)
+        all_s = sum(s["s"] for s in steps)
+        cfg = engine.config
+        kv_dtype = getattr(cfg, "kv_cache_dtype", "auto")
+        offload = getattr(cfg, "kv_offloading_size", None)
+        row = {
+            "context": context, "attention": spec.label, "batch": batch,
+            "kv_cache_dtype": kv_dtype if kv_dtype != "auto" else str(engine.dtype).replace("torch.", ""),
+            "offload": bool(offload), "kv_offloading_size_gib": offload,
+            "kv_cache_memory_gb": cfg.kv_cache_memory_gb, "attention_config": cfg.attention_config,
+            "prefill_s": run["prefill_s"], "prefill_tok_s": run["prefill_tokens"] / run["prefill_s"],
+            "prefill_first_step_s": run["prefill_first_step_s"],
+            "decode_tok_s": sum(s["tokens"] for s in steady) / steady_s if steady_s else None,
+            "decode_tok_s_with_warmup": sum(s["tokens"] for s in steps) / all_s if all_s else None,
+            "decode_steps": len(steps), "warmup_steps": len(steps) - len(steady),
+            "step_s_mean": steady_s / len(steady) if steady else None,
+            "step_s_median": statistics.median(s["s"] for s in steady) if steady else None,
+            "step_s": [round(s["s"], 6) for s in steps],
+            "warmup_step_indices": [i for i, s in enumerate(steps) if s["warmup"]],
+            "cuda_graphs": bool(engine.runner._graph_sizes), "graph_variants": len(engine.runner._graphs),
+            "preemptions": engine.scheduler.num_preemptions,
+            "memory": {
+                "weights_bytes": weights, "kv_gpu_bytes": kv_gpu, "kv_staging_bytes": kv_staging,
+                "kv_host_bytes": kv_host, "peak_allocated_bytes": peak,
+                "workspace_bytes": None if peak is None else peak - weights - kv_gpu - kv_staging,
+                "peak_reserved_bytes": torch.cuda.max_memory_reserved(dev) if dev.type == "cuda" else None,
+                "gpu_total_bytes": torch.cuda.mem_get_info(dev)[1] if dev.type == "cuda" else None,
+            },
+            "host": _host_memory(),
+            "offload_stats": _offload_summary(run["snaps"], steps, run["prefill_before"], steady_s),
+        }
+    finally:
+        llm = engine = None  # drop the engine (KV, graphs) before the next one is built
+        _free()
+    return row
+
+
+def _free() -> None:
+    import torch
+
+    gc.collect()
+    if torch.cuda.is_available():
+        torch.cuda.empty_cache()
+
+
+def _dense_plan(context: int, batch: int, decode_tokens: int, engine_kwargs: dict, state: dict, device,
+                run_dtype) -> tuple[dict | None, str | None]:
+    """(engine kwargs for the dense run, or None and why it does not fit)."""
+    import torch
+
+    kw = {**engine_kwargs, "attention_config": None, "kv_cache_memory_gb": None}
+    if "kv_offloading_size" in kw:
+        kw["kv_offloading_size"] = None
+    mc = state.get("model_config")
+    if device.type != "cuda" or mc is None:
+        return kw, None
+    kv = _kv_need_bytes(mc, context, decode_tokens, batch, engine_kwargs, run_dtype)
+    weights = state.get("weights_bytes") or _estimate_weights_bytes(mc, run_dtype)
+    # the last prefill chunk gathers the prefix's K and V and expands them to every query head (attention/dense.py)
+    gather = 2 * context * mc.head_dim * (mc.num_kv_heads + mc.num_heads) * run_dtype.itemsize
+    _free()
+    free = torch.cuda.mem_get_info(device)[0]
+    if kv + weights + gather + WORKSPACE_MARGIN > free:
+        return None, (f"KV {kv / GiB:.1f} GiB + weights {weights / GiB:.1f} GiB + prefix gather {gather / GiB:.1f} "
+                      f"GiB + {WORKSPACE_MARGIN / GiB:.0f} GiB workspace > {free / GiB:.1f} GiB free")
+    kw["kv_cache_memory_gb"] = _kv_budget_gb(kv)
+    return kw, None
+
+
+# ---- the dense column ------------------------------------------------------------------------------------------------
+def dense_fit(dense: list[dict]) -> dict | None:
+    """The line through the largest and smallest dense contexts measured (decode step seconds vs context)."""
+    pts = sorted((d["context"], d["step_s_mean"]) for d in dense if d.get("status") == "measured"
+                 and d.get("step_s_mean"))
+    if len(pts) < 2:
+        return None
+    (l1, t1), (l0, t0) = pts[0], pts[-1]
+    slope = (t0 - t1) / (l0 - l1)
+    if slope <= 0:  # noise (e.g. toy sizes on a CPU): no line worth extending
+        return None
+    return {"formula": "t(L) = t(L0) + (L - L0) * (t(L0) - t(L1)) / (L0 - L1); dense tok/s = batch / t(L)",
+            "L0": l0, "t_L0_s": t0, "L1": l1, "t_L1_s": t1, "slope_s_per_token": slope,
+            "fixed_s": t0 - slope * l0}
+
+
+def _fill_dense_column(report: dict) -> None:
+    fit = report["dense_extrapolation"] = dense_fit(report["dense"])
+    measured = {d["context"]: d for d in report["dense"] if d.get("status") == "measured"}
+    for row in report["runs"]:
+        if "error" in row:
+            continue
+        d = measured.get(row["context"])
+        if d is not None:
+            tok_s, source = d["decode_tok_s"], "measured"
+        elif fit is not None:
+            t = fit["t_L0_s"] + (row["context"] - fit["L0"]) * fit["slope_s_per_token"]
+            tok_s, source = (row["batch"] / t if t > 0 else None), "extrapolated"
+        else:
+            tok_s, source = None, ("not measured (dense did not run here, and no two dense contexts give a line "
+                                   "to extrapolate)")
+        row["dense_tok_s"], row["dense_source"] = tok_s, source
+        row["ratio_to_dense"] = row["decode_tok_s"] / tok_s if tok_s and row["decode_tok_s"] else None
+
+
+# ---- the benchmark ---------------------------------------------------------------------------------------------------
+def run(model: str, lengths: list[int], methods: list, engine_kwargs: dict, batch: int = 1, decode_tokens: int = 128,
+        dense_lengths: list[int] | None = None, out_path: str | None = None, command: str = "") -> dict:
+    """Every (context, method) of `lengths` x `methods` (eval.common.MethodSpec), then dense at `dense_lengths`
+    (None: `lengths` plus the 4K anchor below them; []: no dense). `engine_kwargs`: EngineConfig fields other than
+    model / attention / preset / max_model_len / max_num_seqs; its `attention_config` may be keyed by method
+    (eval.common.method_config). Prints the table, writes JSON to `out_path` after every run, returns the report."""
+    import torch
+
+    from .. import __version__
+    from ..engine.llm_engine import resolve_device, resolve_dtype
+    from ..eval.common import method_config
+    from ..models.random_init import is_random_model, random_shape, weights_note
+
+    lengths = sorted(set(lengths))
+    if dense_lengths is None:
+        dense_lengths = ([ANCHOR] if ANCHOR < lengths[0] else []) + lengths
+    dense_lengths = sorted(set(dense_lengths))
+    device = resolve_device(engine_kwargs.get("device", "auto"))
+    run_dtype = resolve_dtype(engine_kwargs.get("dtype", "auto"), device)
+    state: dict = {}
+    if is_random_model(model):
+        state["model_config"] = random_shape(model).config
+    report = {
+        "benchmark": "longreach bench decode",
+        "note": weights_note(model, run_dtype) if is_random_model(model) else None,
+        "model": model, "gpu": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu",
+        "date": time.strftime("%Y-%m-%d %H:%M:%S"), "command": command, "torch": torch.__version__,
+        "longreach": __version__, "dtype": str(run_dtype).replace("torch.", ""),
+        "settings": {"batch": batch, "decode_tokens": decode_tokens, "lengths": lengths,
+                     "attention": [m.label for m in methods], "dense_lengths": dense_lengths,
+                     "engine": dict(engine_kwargs)},
+        "host": _host_memory(), "runs": [], "dense": [], "dense_extrapolation": None,
+    }
+    if report["note"]:
+        _note(report["note"])
+
+    def save() -> None:
+        _fill_dense_column(report)
+        if out_path:
+            os.makedirs(os.path.dirname(os.path.abspath(out_path)), exist_ok=True)
+            with open(out_path, "w") as f:
+                json.dump(report, f, indent=1)
+
+    for context in sorted(set(lengths) | set(dense_lengths)):
+        for spec in methods if context in lengths else ():
+            kw = {**engine_kwargs, "attention_config": method_config(spec, engine_kwargs.get("attention_config"))}
+            mc = state.get("model_config")
+            need = None if mc is None else _kv_budget_gb(_kv_need_bytes(mc, context, decode_tokens, batch, kw,
+                                                                        run_dtype))
+            if kw.get("kv_offloading_size") and need is not None:  # pin what this context needs, at most the flag
+                kw["kv_offloading_size"] = min(kw["kv_offloading_size"], need)
+            elif device.type == "cuda" and kw.get("kv_cache_memory_gb") is None and need is not None:
+                kw["kv_cache_memory_gb"] = need  # the KV sized to the context, so the memory split means something
+            try:
+                row = _measure(model, context, spec, kw, batch, decode_tokens, engine_kwargs.get("seed", 0), state)
+            except Exception as e:  # noqa: BLE001 - record it and go on with the next context / method
+                traceback.print_exc()
+                row = {"context": context, "attention": spec.label, "batch": batch, "error": _one_line(e)}
+            _free()  # what a failed run left behind
+            report["runs"].append(row)
+            _note(_summary(row))
+            save()
+        if context in dense_lengths:
+            kw, why = _dense_plan(context, batch, decode_tokens, engine_kwargs, state, device, run_dtype)
+            entry = {"context": context, "attention": "dense", "batch": batch}
+            if kw is None:
+                entry.update(status="does not fit", reason=why)
+            else:
+                from ..eval.common import MethodSpec
+
+                try:
+                    entry.update(_measure(model, context, MethodSpec("dense", None, "dense"), kw, batch,
+                                          decode_tokens, engine_kwargs.get("seed", 0), state), status="measured")
+                except torch.cuda.OutOfMemoryError as e:
+                    entry.update(status="does not fit", reason=f"out of memory: {_one_line(e)}")
+                except ValueError as e:
+                    fits = "KV cache fits" in str(e)
+                    entry.update(status="does not fit" if fits else "error", reason=_one_line(e))
+                except Exception as e:  # noqa: BLE001
+                    traceback.print_exc()
+                    entry.update(status="error", reason=_one_line(e))
+                _free()
+            report["dense"].append(entry)
+            _note(_summary(entry) if entry["status"] == "measured" else
+                  f"{_fmt_len(context)} dense: {entry['status']} ({entry['reason']})")
+            save()
+    save()
+    print(format_table(report))
+    return report
+
+
+def _one_line(e: BaseException) -> str:
+    text = str(e).strip().splitlines()
+    return f"{type(e).__name__}: {text[0] if text else ''}"
+
+
+def _summary(row: dict) -> str:
+    head = f"{_fmt_len(row['context'])} {row['attention']}"
+    if "error" in row:
+        return f"{head}: failed ({row['error']})"
+    dec = row["decode_tok_s"]
+    mem = row["memory"]
+    return (f"{head}: prefill {row['prefill_s']:.1f} s, decode {dec or 0:.1f} tok/s "
+            f"({row['warmup_steps']} warm-up steps left out), KV GPU {mem['kv_gpu_bytes'] / GiB:.2f} GiB "
+            f"+ staging {mem['kv_staging_bytes'] / GiB:.2f} GiB, host {mem['kv_host_bytes'] / GiB:.2f} GiB")
+
+
+def format_table(r: dict) -> str:
+    def num(v, spec: str) -> str:
+        return "-" if v is None or (isinstance(v, float) and math.isnan(v)) else format(v, spec)
+
+    lines = [r["note"]] if r.get("note") else []
+    s = r["settings"]
+    lines.append(f"{r['model']} on {r['gpu']} ({r['dtype']}), batch {s['batch']}, {s['decode_tokens']} decode tokens, "
+                 f"{r['date']}")
+    head = (f"{'context':>8} {'method':<22} {'kv dtype':<9} {'offload':<8} {'prefill s':>9} {'decode tok/s':>12} "
+            f"{'dense tok/s':>12} {'ratio':>6} {'KV GPU GiB':>10} {'KV host GiB':>11} {'RSS GiB':>8} "
+            f"{'hit ratio':>9} {'GB/s':>6}")
+    lines += [head, "-" * len(head)]
+    rows = sorted(r["runs"] + r["dense"], key=lambda x: (x["context"], x["attention"] == "dense"))
+    for x in rows:
+        ctx = _fmt_len(x["context"])
+        if "error" in x or x.get("status") in ("does not fit", "error"):
+            lines.append(f"{ctx:>8} {x['attention']:<22} {x.get('error') or x.get('status') + ': ' + x['reason']}")
+            continue
+        mem, off = x["memory"], x.get("offload_stats") or {}
+        offload = f"{x['kv_offloading_size_gib']:g}G" if x["offload"] else "no"
+        if x["attention"] == "dense":
+            dense_col, ratio = "", ""
+        else:
+            mark = "*" if x.get("dense_source") == "extrapolated" else ""
+            dense_col = num(x.get("dense_tok_s"), ".1f") + mark
+            ratio = num(x.get("ratio_to_dense"), ".2f") + ("x" if x.get("ratio_to_dense") else "")
+        rss = x["host"]["rss_bytes"]
+        lines.append(
+            f"{ctx:>8} {x['attention']:<22} {x['kv_cache_dtype']:<9} {offload:<8} {x['prefill_s']:>9.2f} "
+            f"{num(x['decode_tok_s'], '.1f'):>12} {dense_col:>12} {ratio:>6} "
+            f"{(mem['kv_gpu_bytes'] + mem['kv_staging_bytes']) / GiB:>10.2f} "
+            f"{mem['kv_host_bytes'] / GiB:>11.2f} {num(rss and rss / GiB, '.2f'):>8} "
+            f"{num(off.get('hit_ratio'), '.3f'):>9} {num(off.get('h2d_gb_s'), '.1f'):>6}")
+    lines.append("KV GPU = the GPU tier (pages, page table) + the prefill staging area; RSS: the process, after "
+                 "decode")
+    fit = r.get("dense_extrapolation")
+    if any(x.get("dense_source") == "extrapolated" for x in r["runs"]) and fit:
+        lines.append(f"* extrapolated, not measured: {fit['formula']}, with L0 = {_fmt_len(fit['L0'])} "
+                     f"(t = {fit['t_L0_s'] * 1e3:.2f} ms) and L1 = {_fmt_len(fit['L1'])} (t = {fit['t_L1_s'] * 1e3:.2f} ms)")
+    return "\n".join(lines)

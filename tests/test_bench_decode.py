@@ -1,0 +1,143 @@
+"""Random-weight models (`random:<shape>`) and `longreach bench decode`, on CPU at toy sizes.
+
+Timings here mean nothing; the tests guard the shapes, the code paths a GPU session relies on (per-step timing,
+the dense column and its extrapolation, offload counters, the JSON and the table) and the error messages.
+"""
+import dataclasses
+import json
+
+import pytest
+import torch
+
+from longreach import SamplingParams
+from longreach.config import EngineConfig
+from longreach.engine.llm import LLM
+from longreach.models.config import ModelConfig, RopeConfig
+from longreach.models.llama import LlamaForCausalLM
+from longreach.models.random_init import SHAPES, random_shape
+
+SMALL = json.dumps({  # budgets far below the toy contexts, so that the sparse paths really run (tests/test_sparse.py)
+    "infinitehip": {"n_sink": 8, "n_window": 16, "block_q": 8, "chunk_sizes": [32, 8, 2], "budgets": [128, 32, 8],
+                    "early_layers": 1, "early_last_budget": 16, "refresh": [4, 2, 1], "dense_below": 0},
+    "streaming": {"n_sink": 8, "n_window": 24, "block_q": 8, "dense_below": 0},
+})
+LLAMA_31_8B_CONFIG_JSON = {  # meta-llama/Llama-3.1-8B/config.json
+    "architectures": ["LlamaForCausalLM"], "attention_bias": False, "bos_token_id": 128000, "eos_token_id": 128001,
+    "hidden_act": "silu", "hidden_size": 4096, "initializer_range": 0.02, "intermediate_size": 14336,
+    "max_position_embeddings": 131072, "mlp_bias": False, "model_type": "llama", "num_attention_heads": 32,
+    "num_hidden_layers": 32, "num_key_value_heads": 8, "pretraining_tp": 1, "rms_norm_eps": 1e-05,
+    "rope_scaling": {"factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+                     "original_max_position_embeddings": 8192, "rope_type": "llama3"},
+    "rope_theta": 500000.0, "tie_word_embeddings": False, "torch_dtype": "bfloat16", "vocab_size": 128256,
+}
+
+
+def test_llama_3_1_8b_shape_is_the_checkpoints():
+    cfg = random_shape("random:llama-3.1-8b").config
+    hf = ModelConfig.from_hf(LLAMA_31_8B_CONFIG_JSON)
+    assert cfg == dataclasses.replace(hf, name="random:llama-3.1-8b", bos_token_id=None, eos_token_ids=())
+    assert cfg.rope == RopeConfig(theta=500000.0, rope_type="llama3", factor=8.0, low_freq_factor=1.0,
+                                  high_freq_factor=4.0, original_max_position_embeddings=8192)
+    with torch.device("meta"):  # shapes only
+        assert sum(p.numel() for p in LlamaForCausalLM(cfg).parameters()) == 8_030_261_248
+
+
+def test_random_tiny_loads_with_its_shapes_gives_finite_logits_and_generates_without_a_tokenizer():
+    llm = LLM("random:tiny", device="cpu", dtype="float32", max_model_len=512)
+    engine, model = llm.engine, llm.engine.model
+    cfg = SHAPES["tiny"].config
+    assert engine.model_config == cfg and engine.tokenizer is None
+    attn, mlp = model.layers[0].self_attn, model.layers[0].mlp
+    assert attn.qkv_proj.weight.shape == ((cfg.num_heads + 2 * cfg.num_kv_heads) * cfg.head_dim, cfg.hidden_size)
+    assert mlp.gate_up_proj.weight.shape == (2 * cfg.intermediate_size, cfg.hidden_size)
+    assert model.lm_head.weight.shape == (cfg.vocab_size, cfg.hidden_size) and len(model.layers) == cfg.num_layers
+    assert all(p.dtype == torch.float32 for p in model.parameters())
+    assert bool((model.norm.weight == 1).all()) and 0.015 < float(model.embed_tokens.weight.detach().std()) < 0.025
+    ids = torch.randint(100, cfg.vocab_size, (200,), generator=torch.Generator().manual_seed(0)).tolist()
+    logits = llm.engine.prompt_logits(ids)
+    assert logits.shape == (200, cfg.vocab_size) and bool(torch.isfinite(logits).all()) and float(logits.std()) > 0
+    again = LLM("random:tiny", device="cpu", dtype="float32", max_model_len=512)  # seeded: the same weights
+    assert torch.equal(again.engine.model.layers[1].mlp.down_proj.weight, model.layers[1].mlp.down_proj.weight)
+    out = llm.generate({"prompt_token_ids": ids}, SamplingParams(temperature=0, max_tokens=5), use_tqdm=False)[0]
+    assert len(out.token_ids) == 5 and out.text == "" and out.outputs[0].finish_reason == "length"
+    with pytest.raises(ValueError, match="no tokenizer"):
+        llm.generate("text needs a tokenizer", use_tqdm=False)
+
+
+def test_unknown_random_shape_is_a_clear_error(capsys):
+    from longreach.cli import main
+
+    with pytest.raises(ValueError, match=r"unknown random model shape 'llama-9b'; available: random:llama-3.1-8b, "
+                                         r"random:tiny"):
+        LLM("random:llama-9b", device="cpu")
+    assert main(["bench", "decode", "--model", "random:nope", "--device", "cpu"]) == 2
+    assert "unknown random model shape 'nope'" in capsys.readouterr().err
+
+
+def test_bench_decode_end_to_end_on_cpu(tmp_path, capsys):
+    from longreach.cli import main
+
+    out = tmp_path / "bench-decode.json"
+    rc = main(["bench", "decode", "--model", "random:tiny", "--lengths", "256", "384", "--attention", "infinitehip",
+               "streaming", "--attention-config", SMALL, "--decode-tokens", "6", "--dense-lengths", "128", "256",
+               "--device", "cpu", "--out", str(out)])
+    assert rc == 0
+    r = json.loads(out.read_text())
+    assert {"note", "model", "gpu", "date", "command", "torch", "settings", "host", "runs", "dense",
+            "dense_extrapolation"} <= set(r)
+    assert r["note"] == "random fp32 weights in the tiny Llama shape (CPU tests)" and r["gpu"] == "cpu"
+    assert r["command"].startswith("longreach bench decode --model random:tiny --lengths 256 384")
+    assert [(x["context"], x["attention"]) for x in r["runs"]] == [
+        (256, "infinitehip"), (256, "streaming"), (384, "infinitehip"), (384, "streaming")]
+    assert [(d["context"], d["status"]) for d in r["dense"]] == [(128, "measured"), (256, "measured")]
+    for x in r["runs"]:
+        assert "error" not in x, x
+        assert x["decode_steps"] == 5 and x["decode_tok_s"] > 0 and x["prefill_s"] > 0
+        assert x["kv_cache_dtype"] == "float32" and not x["offload"]
+        mem = x["memory"]
+        assert mem["weights_bytes"] == 4 * sum(p.numel() for p in LlamaForCausalLM(SHAPES["tiny"].config).parameters())
+        assert mem["kv_gpu_bytes"] > 0 and {"kv_host_bytes", "workspace_bytes", "peak_allocated_bytes"} <= set(mem)
+        assert x["host"]["rss_bytes"] > 0
+        if x["context"] == 256:
+            assert x["dense_source"] == "measured" and x["ratio_to_dense"] > 0
+        else:  # dense ran at 128 and 256 only: 384 is extrapolated (when the toy timings give a rising line)
+            assert x["dense_source"].startswith("extrapolated" if r["dense_extrapolation"] else "not measured")
+    table = capsys.readouterr().out
+    assert "random fp32 weights in the tiny Llama shape" in table and "decode tok/s" in table and "dense tok/s" in table
+
+
+@pytest.mark.skipif("kv_offloading_size" not in EngineConfig.field_names(), reason="needs the KV offload store")
+def test_bench_decode_reports_offload_counters(tmp_path):
+    from longreach.bench.decode import run
+    from longreach.eval.common import parse_methods
+
+    engine = {"device": "cpu", "dtype": "float32", "attention_config": SMALL, "kv_offloading_size": 0.01,
+              "kv_cache_memory_gb": 0.00005}  # a GPU tier of ~13 one-layer pages: most reads miss
+    r = run("random:tiny", [384], parse_methods(["infinitehip"]), engine, decode_tokens=6, dense_lengths=[],
+            out_path=str(tmp_path / "b.json"))
+    x = r["runs"][0]
+    assert "error" not in x, x
+    assert x["offload"] and x["memory"]["kv_host_bytes"] > 0 and not r["dense"]
+    off = x["offload_stats"]
+    assert off["decode"]["pages_missed"] > 0 and off["decode"]["bytes_h2d"] > 0 and 0 <= off["hit_ratio"] < 1
+    assert off["h2d_gb_s"] > 0 and set(off["prefill"]) >= {"pages_hit", "pages_missed", "bytes_h2d"}
+    assert x["dense_source"].startswith("not measured")
+
+
+def test_dense_extrapolation_is_the_line_through_the_largest_and_smallest_dense_contexts():
+    from longreach.bench.decode import _fill_dense_column, dense_fit
+
+    dense = [{"context": n, "status": "measured", "step_s_mean": t, "decode_tok_s": 1 / t}
+             for n, t in ((4096, 0.010), (131072, 0.0125), (524288, 0.020))]
+    dense.append({"context": 1 << 20, "status": "does not fit", "reason": "KV 64 GiB > free"})
+    fit = dense_fit(dense)
+    assert (fit["L0"], fit["L1"]) == (524288, 4096)
+    report = {"dense": dense, "runs": [{"context": 1 << 20, "batch": 1, "decode_tok_s": 80.0},
+                                       {"context": 131072, "batch": 1, "decode_tok_s": 90.0}]}
+    _fill_dense_column(report)
+    far, near = report["runs"]
+    t = 0.020 + ((1 << 20) - 524288) * (0.020 - 0.010) / (524288 - 4096)
+    assert far["dense_source"] == "extrapolated" and far["dense_tok_s"] == pytest.approx(1 / t)
+    assert far["ratio_to_dense"] == pytest.approx(80 * t)
+    assert near["dense_source"] == "measured" and near["dense_tok_s"] == pytest.approx(80.0)
+    assert dense_fit(dense[:1]) is None
