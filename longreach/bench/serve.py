@@ -1,0 +1,358 @@
+"""`longreach bench serve`: load an OpenAI-compatible server the way `vllm bench serve` does, and time it.
+
+N requests from a synthetic dataset go to /v1/completions (token-id prompts, exact lengths) or /v1/chat/completions
+(the same ids detokenized into a user message), all streamed with `stream_options.include_usage`, at
+`--request-rate` (Poisson arrivals; inf sends them all at once) and with at most `--max-concurrency` in flight. Lengths
+are uniform in [len * (1 - range_ratio), len * (1 + range_ratio)]; `--long-prompts K --long-input-len L` makes K of the
+N prompts L tokens long, spread evenly over the run (the mixed load: a few long prefills among short chats).
+
+Reported (ms, mean / median / p99): TTFT (request sent -> first token), TPOT ((E2EL - TTFT) / (output tokens - 1)),
+ITL (between streamed chunks, one per engine step), E2EL; request and token throughput; failures. With long prompts,
+the same for the short requests alone, the long ones alone, and the short ones whose life overlapped a long prompt's
+prefill (what a user of a shared server feels while someone else's 128K prompt is being read). Printed as a table and
+written as JSON (with one record per request).
+
+The client is asyncio streams speaking HTTP/1.1 (one connection per request, chunked SSE parsed as it arrives): no
+dependency, and the timestamps are taken when the bytes arrive.
+"""
+from __future__ import annotations
+
+import argparse
+import asyncio
+import itertools
+import json
+import math
+import os
+import random
+import ssl
+import statistics
+import time
+import urllib.parse
+from dataclasses import asdict, dataclass, field
+
+HELP = "load an OpenAI-compatible server (longreach serve, vLLM, SGLang) and report TTFT / TPOT / ITL / E2EL"
+
+
+@dataclass
+class RequestSpec:
+    prompt_ids: list[int]
+    output_len: int
+    group: str  # "short" | "long"
+
+
+@dataclass
+class RequestResult:
+    group: str
+    input_len: int
+    output_len: int = 0  # generated tokens (the usage chunk's count; else streamed chunks)
+    prompt_tokens: int = 0
+    success: bool = False
+    error: str = ""
+    start: float = 0.0  # seconds since the run started
+    ttft: float = 0.0
+    e2el: float = 0.0
+    itl: list[float] = field(default_factory=list)
+
+    @property
+    def tpot(self) -> float | None:
+        return (self.e2el - self.ttft) / (self.output_len - 1) if self.success and self.output_len > 1 else None
+
+
+# ---- dataset ---------------------------------------------------------------------------------------------------------
+def _length(rng: random.Random, mean: int, ratio: float) -> int:
+    return max(1, rng.randint(int(mean * (1 - ratio)), math.ceil(mean * (1 + ratio))))
+
+
+def random_dataset(n: int, input_len: int, output_len: int, range_ratio: float, vocab_size: int, seed: int,
+                   long_prompts: int = 0, long_input_len: int = 0) -> list[RequestSpec]:
+    """`n` requests of random token ids (from [100, vocab), clear of most special tokens); `long_prompts` of them,
+    spread evenly, `long_input_len` tokens long."""
+    rng = random.Random(seed)
+    long_at = {min(n - 1, int((j + 0.5) * n / long_prompts)) for j in range(long_prompts)} if long_prompts else set()
+    low = min(100, vocab_size - 1)
+    specs = []
+    for i in range(n):
+        long = i in long_at
+        m = long_input_len if long else _length(rng, input_len, range_ratio)
+        specs.append(RequestSpec([rng.randrange(low, vocab_size) for _ in range(m)],
+                                 _length(rng, output_len, range_ratio), "long" if long else "short"))
+    return specs
+
+
+# ---- HTTP/1.1 + SSE over asyncio streams ----------------------------------------------------------------------------
+class Endpoint:
+    def __init__(self, base_url: str, api_key: str | None):
+        u = urllib.parse.urlsplit(base_url if "://" in base_url else "http://" + base_url)
+        if u.scheme not in ("http", "https"):
+            raise ValueError(f"--base-url must be http:// or https://, got {base_url!r}")
+        self.host, self.tls = u.hostname or "127.0.0.1", u.scheme == "https"
+        self.port = u.port or (443 if self.tls else 80)
+        self.prefix = u.path.rstrip("/")
+        self.api_key = api_key
+
+    async def request(self, method: str, path: str, body: dict | None = None, on_event=None) -> tuple[int, bytes]:
+        """Send one request; with `on_event`, call it with each SSE `data:` payload as it arrives. -> (status, body
+        bytes not consumed as events)."""
+        ctx = ssl.create_default_context() if self.tls else None
+        reader, writer = await asyncio.open_connection(self.host, self.port, ssl=ctx)
+        try:
+            data = json.dumps(body).encode() if body is not None else b""
+            head = [f"{method} {self.prefix}{path} HTTP/1.1", f"Host: {self.host}:{self.port}", "Connection: close",
+                    "Content-Type: application/json", f"Content-Length: {len(data)}", "Accept: text/event-stream"]
+            if self.api_key:
+                head.append(f"Authorization: Bearer {self.api_key}")
+            writer.write(("\r\n".join(head) + "\r\n\r\n").encode() + data)
+            await writer.drain()
+            status = int((await reader.readline()).split()[1])
+            headers = {}
+            while (line := await reader.readline()) not in (b"\r\n", b"\n", b""):
+                k, _, v = line.decode("latin-1").partition(":")
+                headers[k.strip().lower()] = v.strip()
+            rest = bytearray()
+            buf = bytearray()
+
+            def feed(chunk: bytes) -> None:
+                if on_event is None or status != 200:
+                    rest.extend(chunk)
+                    return
+                buf.extend(chunk)
+                while (i := buf.find(b"\n\n")) >= 0:
+                    event, buf[:] = bytes(buf[:i]), buf[i + 2:]
+                    for line in event.split(b"\n"):
+                        if line.startswith(b"data:"):
+                            on_event(line[5:].strip())
+
+            if headers.get("transfer-encoding", "").lower() == "chunked":
+                while True:
+                    size = int((await reader.readline()).split(b";")[0].strip() or b"0", 16)
+                    if size == 0:
+                        break
+                    feed(await reader.readexactly(size))
+                    await reader.readexactly(2)
+            elif "content-length" in headers:
+                feed(await reader.readexactly(int(headers["content-length"])))
+            else:
+                while chunk := await reader.read(65536):
+                    feed(chunk)
+            return status, bytes(rest)
+        finally:
+            writer.close()
+
+    async def get_json(self, path: str) -> dict:
+        status, body = await self.request("GET", path)
+        if status != 200:
+            raise ValueError(f"GET {path} answered {status}: {body[:200]!r}")
+        return json.loads(body)
+
+
+# ---- one request -----------------------------------------------------------------------------------------------------
+async def _run_one(ep: Endpoint, chat: bool, model: str, spec: RequestSpec, prompt_text: str | None, t_run: float,
+                   ignore_eos: bool, timeout: float) -> RequestResult:
+    res = RequestResult(spec.group, len(spec.prompt_ids))
+    body = {"model": model, "max_tokens": spec.output_len, "temperature": 0.0, "stream": True,
+            "stream_options": {"include_usage": True}, "ignore_eos": ignore_eos}
+    if chat:
+        body["messages"] = [{"role": "user", "content": prompt_text}]
+    else:
+        body["prompt"] = spec.prompt_ids
+    chunks: list[float] = []
+    state = {"usage": None, "error": None}
+
+    def on_event(payload: bytes) -> None:
+        if payload == b"[DONE]":
+            return
+        now = time.perf_counter()
+        obj = json.loads(payload)
+        if "error" in obj:
+            state["error"] = obj["error"].get("message", str(obj["error"]))
+            return
+        if obj.get("usage"):
+            state["usage"] = obj["usage"]
+        for c in obj.get("choices", []):
+            piece = c.get("delta", {}).get("content") if chat else c.get("text")
+            if piece or c.get("token_ids"):
+                chunks.append(now)
+
+    t0 = time.perf_counter()
+    res.start = t0 - t_run
+    try:
+        status, rest = await asyncio.wait_for(ep.request("POST", "/v1/chat/completions" if chat else
+                                                         "/v1/completions", body, on_event), timeout)
+    except (OSError, asyncio.TimeoutError, ValueError, IndexError, asyncio.IncompleteReadError) as e:
+        res.error = f"{type(e).__name__}: {e}"
+        return res
+    end = time.perf_counter()
+    if status != 200:
+        res.error = f"HTTP {status}: {rest[:200].decode(errors='replace')}"
+    elif state["error"] or not chunks:
+        res.error = state["error"] or "no tokens streamed"
+    if res.error:
+        return res
+    res.success = True
+    res.ttft, res.e2el = chunks[0] - t0, end - t0
+    res.itl = [b - a for a, b in itertools.pairwise(chunks)]
+    usage = state["usage"] or {}
+    res.output_len = usage.get("completion_tokens", len(chunks))
+    res.prompt_tokens = usage.get("prompt_tokens", len(spec.prompt_ids))
+    return res
+
+
+# ---- the run ---------------------------------------------------------------------------------------------------------
+async def run_benchmark(base_url: str, specs: list[RequestSpec], *, chat: bool = False, model: str | None = None,
+                        request_rate: float = math.inf, max_concurrency: int | None = None, seed: int = 0,
+                        ignore_eos: bool = True, api_key: str | None = None, timeout: float = 3600.0) -> dict:
+    ep = Endpoint(base_url, api_key)
+    models = await ep.get_json("/v1/models")
+    model = model or models["data"][0]["id"]
+    try:
+        version = await ep.get_json("/version")
+    except (ValueError, OSError):
+        version = {}
+    texts: list[str | None] = [None] * len(specs)
+    if chat:  # detokenize outside the timed run
+        for i, s in enumerate(specs):
+            status, body = await ep.request("POST", "/detokenize", {"model": model, "tokens": s.prompt_ids})
+            if status != 200:
+                raise ValueError(f"POST /detokenize answered {status}: {body[:200]!r}")
+            texts[i] = json.loads(body)["prompt"]
+    probe = await _run_one(ep, chat, model, RequestSpec(specs[0].prompt_ids[:16], 2, "probe"), (texts[0] or "")[:64],
+                           time.perf_counter(), ignore_eos, 600.0)
+    if not probe.success:
+        raise ValueError(f"the first test request failed: {probe.error}")
+
+    rng = random.Random(seed)
+    limit = asyncio.Semaphore(max_concurrency) if max_concurrency else None
+    t_run = time.perf_counter()
+
+    async def one(spec, text):
+        if limit is None:
+            return await _run_one(ep, chat, model, spec, text, t_run, ignore_eos, timeout)
+        async with limit:
+            return await _run_one(ep, chat, model, spec, text, t_run, ignore_eos, timeout)
+
+    tasks = []
+    for spec, text in zip(specs, texts):
+        tasks.append(asyncio.create_task(one(spec, text)))
+        if request_rate != math.inf:
+            await asyncio.sleep(rng.expovariate(request_rate))
+    results = await asyncio.gather(*tasks)
+    duration = time.perf_counter() - t_run
+    return report(results, duration, {
+        "base_url": base_url, "endpoint": "/v1/chat/completions" if chat else "/v1/completions", "model": model,
+        "server_version": version, "num_prompts": len(specs), "request_rate": request_rate,
+        "max_concurrency": max_concurrency, "ignore_eos": ignore_eos, "seed": seed})
+
+
+def _ms_stats(values: list[float]) -> dict:
+    if not values:
+        return {"mean": None, "median": None, "p99": None}
+    v = sorted(values)
+    p99 = v[min(len(v) - 1, math.ceil(0.99 * len(v)) - 1)]
+    return {"mean": 1e3 * statistics.fmean(v), "median": 1e3 * statistics.median(v), "p99": 1e3 * p99}
+
+
+def _group_summary(rs: list[RequestResult], duration: float) -> dict:
+    ok = [r for r in rs if r.success]
+    out_tokens = sum(r.output_len for r in ok)
+    in_tokens = sum(r.prompt_tokens for r in ok)
+    return {
+        "completed": len(ok), "failed": len(rs) - len(ok),
+        "request_throughput": len(ok) / duration, "output_throughput": out_tokens / duration,
+        "total_token_throughput": (in_tokens + out_tokens) / duration,
+        "total_input_tokens": in_tokens, "total_output_tokens": out_tokens,
+        "ttft_ms": _ms_stats([r.ttft for r in ok]), "tpot_ms": _ms_stats([r.tpot for r in ok if r.tpot is not None]),
+        "itl_ms": _ms_stats([x for r in ok for x in r.itl]), "e2el_ms": _ms_stats([r.e2el for r in ok]),
+    }
+
+
+def report(results: list[RequestResult], duration: float, meta: dict) -> dict:
+    groups = {"all": results}
+    longs = [r for r in results if r.group == "long"]
+    if longs:
+        shorts = [r for r in results if r.group == "short"]
+        windows = [(r.start, r.start + r.ttft) for r in longs if r.success]  # each long prompt's prefill
+        groups.update(short=shorts, long=longs, short_during_long_prefill=[
+            r for r in shorts if any(r.start < b and r.start + r.e2el > a for a, b in windows)])
+    return {**meta, "duration_s": duration,
+            "groups": {name: _group_summary(rs, duration) for name, rs in groups.items() if rs},
+            "errors": sorted({r.error for r in results if r.error})[:20],
+            "requests": [{k: v for k, v in asdict(r).items() if k != "itl"} for r in results]}
+
+
+def format_table(rep: dict) -> str:
+    names = list(rep["groups"])
+    rows = [("successful requests", lambda g: f"{g['completed']}"), ("failed requests", lambda g: f"{g['failed']}"),
+            ("request throughput (req/s)", lambda g: f"{g['request_throughput']:.2f}"),
+            ("output token throughput (tok/s)", lambda g: f"{g['output_throughput']:.1f}"),
+            ("total token throughput (tok/s)", lambda g: f"{g['total_token_throughput']:.1f}")]
+    for metric in ("ttft", "tpot", "itl", "e2el"):
+        for stat in ("mean", "median", "p99"):
+            rows.append((f"{metric.upper()} {stat} (ms)", lambda g, m=metric, s=stat: "-" if g[f"{m}_ms"][s] is None
+                         else f"{g[f'{m}_ms'][s]:.2f}"))
+    width = max(len(r[0]) for r in rows)
+    cols = [max(12, len(n)) for n in names]
+    title = (f"{'=' * 20} longreach bench serve: {rep['endpoint']}, {rep['num_prompts']} requests, "
+             f"{rep['duration_s']:.1f} s {'=' * 20}")
+    lines = [title,
+             f"{'':<{width}}  " + "  ".join(f"{n:>{c}}" for n, c in zip(names, cols))]
+    for label, fn in rows:
+        lines.append(f"{label:<{width}}  " + "  ".join(f"{fn(rep['groups'][n]):>{c}}" for n, c in zip(names, cols)))
+    if rep["errors"]:
+        lines.append("errors: " + "; ".join(rep["errors"][:5]))
+    return "\n".join(lines)
+
+
+# ---- CLI -------------------------------------------------------------------------------------------------------------
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--base-url", default="http://127.0.0.1:8000", help="the server (default: http://127.0.0.1:8000)")
+    p.add_argument("--endpoint", choices=["completions", "chat"], default="completions",
+                   help="/v1/completions with token-id prompts (exact lengths) or /v1/chat/completions")
+    p.add_argument("--model", default=None, help="model name to send (default: the server's first)")
+    p.add_argument("--num-prompts", type=int, default=100, help="requests to send (default: 100)")
+    p.add_argument("--request-rate", type=float, default=math.inf,
+                   help="requests per second, Poisson arrivals (default: inf, all at once)")
+    p.add_argument("--max-concurrency", type=int, default=None, help="most requests in flight (default: no limit)")
+    p.add_argument("--random-input-len", type=int, default=1024, help="prompt tokens (default: 1024)")
+    p.add_argument("--random-output-len", type=int, default=128, help="tokens to generate (default: 128)")
+    p.add_argument("--random-range-ratio", type=float, default=0.0,
+                   help="lengths uniform in len * [1 - r, 1 + r] (default: 0, fixed)")
+    p.add_argument("--long-prompts", type=int, default=0, help="how many of the prompts are long (default: 0)")
+    p.add_argument("--long-input-len", type=int, default=131072, help="tokens of a long prompt (default: 131072)")
+    p.add_argument("--ignore-eos", action=argparse.BooleanOptionalAction, default=True,
+                   help="generate exactly the output length (vLLM's ignore_eos; default: on)")
+    p.add_argument("--seed", type=int, default=0, help="dataset and arrival seed (default: 0)")
+    p.add_argument("--timeout", type=float, default=3600.0, help="seconds one request may take (default: 3600)")
+    p.add_argument("--api-key", default=None, help="bearer key (default: $LONGREACH_API_KEY or $OPENAI_API_KEY)")
+    p.add_argument("--out", default="bench-serve.json", help="JSON output path (default: bench-serve.json)")
+
+
+def main(args: argparse.Namespace) -> int:
+    if args.num_prompts < 1 or args.random_input_len < 1 or args.random_output_len < 1:
+        raise ValueError("--num-prompts, --random-input-len and --random-output-len must be >= 1")
+    if not 0 <= args.random_range_ratio < 1:
+        raise ValueError(f"--random-range-ratio must be in [0, 1), got {args.random_range_ratio}")
+    if not 0 <= args.long_prompts <= args.num_prompts or args.long_input_len < 1:
+        raise ValueError("--long-prompts must be in [0, --num-prompts] and --long-input-len >= 1")
+    if args.request_rate <= 0 or (args.max_concurrency is not None and args.max_concurrency < 1):
+        raise ValueError("--request-rate must be > 0 and --max-concurrency >= 1")
+    key = args.api_key or os.environ.get("LONGREACH_API_KEY") or os.environ.get("OPENAI_API_KEY")
+    rep = asyncio.run(_main(args, key))
+    print(format_table(rep))
+    with open(args.out, "w") as f:
+        json.dump(rep, f, indent=1)
+    print(f"[longreach] wrote {args.out}")
+    return 0 if rep["groups"]["all"]["failed"] == 0 else 1
+
+
+async def _main(args: argparse.Namespace, key: str | None) -> dict:
+    ep = Endpoint(args.base_url, key)
+    try:
+        info = await ep.get_json("/tokenizer_info")
+        vocab = int(info["vocab_size"])
+    except (ValueError, OSError, KeyError) as e:
+        raise ValueError(f"cannot read the vocabulary size from {args.base_url}/tokenizer_info: {e}") from None
+    specs = random_dataset(args.num_prompts, args.random_input_len, args.random_output_len, args.random_range_ratio,
+                           vocab, args.seed, args.long_prompts, args.long_input_len)
+    return await run_benchmark(args.base_url, specs, chat=args.endpoint == "chat", model=args.model,
+                               request_rate=args.request_rate, max_concurrency=args.max_concurrency, seed=args.seed,
+                               ignore_eos=args.ignore_eos, api_key=key, timeout=args.timeout)

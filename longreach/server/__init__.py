@@ -1,0 +1,14 @@
+"""An OpenAI-compatible HTTP server over one LLMEngine (`longreach serve`); docs/serving.md describes it.
+
+  config.py       ServerConfig: the serve-only flags
+  validation.py   body -> JSON -> request model; every failure an OpenAI-shaped APIError (4xx)
+  protocol.py     the request models per endpoint (strict pydantic), and their SamplingParams
+  engine_loop.py  the one thread that steps the engine, admits and aborts requests between steps, streams deltas
+  state.py        what every handler shares: tokenize off the event loop, submit, wait or stream, abort
+  openai_api.py   /v1/completions, /v1/chat/completions
+  native_api.py   SGLang's /generate; vLLM's /tokenize, /detokenize, /tokenizer_info
+  metrics.py      Prometheus `longreach:` metrics and the periodic throughput log line
+  app.py          the FastAPI app: routes, API key, error handlers, lifespan; `serve()` runs it on uvicorn
+
+Importing this package imports FastAPI and pydantic but not torch; the engine is created by `serve()`.
+"""

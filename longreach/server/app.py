@@ -1,0 +1,208 @@
+"""`longreach serve`: the FastAPI app (routes, API key, error shapes) around one engine and its engine loop, on uvicorn.
+
+Routes: POST /v1/completions, /v1/chat/completions (openai_api.py); POST|PUT /generate, POST /tokenize, /detokenize,
+GET /tokenizer_info (native_api.py); GET /v1/models, /health, /health_generate, /metrics, /version, /get_model_info,
+/server_info; POST /flush_cache. Every error is OpenAI's `{"error": {"message", "type", "param", "code"}}`; an
+unexpected exception is logged with its traceback on the server and reaches the client as a bare 500 message.
+
+Shutdown: on SIGTERM / SIGINT uvicorn stops accepting connections and waits for the open ones, so in-flight requests
+(streams included) finish; then the engine loop stops and the process exits 0. A second signal forces the exit.
+"""
+from __future__ import annotations
+
+import hmac
+import logging
+import signal
+import time
+from contextlib import asynccontextmanager
+
+from fastapi import FastAPI, Request
+from fastapi.responses import JSONResponse, Response
+from starlette.exceptions import HTTPException as StarletteHTTPException
+
+from .. import __version__
+from ..config import EngineConfig
+from . import native_api, openai_api
+from .config import ServerConfig
+from .engine_loop import EngineLoop, PreparedPrompt
+from .metrics import ServerMetrics, kv_cache_stats
+from .state import ClientGone, ServerState
+from .validation import APIError
+
+logger = logging.getLogger("longreach")
+OPEN_PATHS = frozenset({"/health", "/metrics", "/version"})  # reachable without the API key (probes, scrapers)
+
+
+def _error(e: APIError) -> JSONResponse:
+    return JSONResponse(e.body(), status_code=e.status, headers=e.headers)
+
+
+class APIKeyMiddleware:
+    """`Authorization: Bearer <key>` on every route but OPEN_PATHS; 401 otherwise (constant-time comparison)."""
+
+    def __init__(self, app, api_key: str):
+        self.app = app
+        self.key = api_key.encode()
+
+    async def __call__(self, scope, receive, send):
+        if scope["type"] == "http" and scope["path"] not in OPEN_PATHS:
+            auth = dict(scope["headers"]).get(b"authorization", b"")
+            scheme, _, token = auth.partition(b" ")
+            if scheme.lower() != b"bearer" or not hmac.compare_digest(token.strip(), self.key):
+                msg = "missing API key: send 'Authorization: Bearer <key>'" if not auth else "incorrect API key"
+                await _error(APIError(401, msg, code="invalid_api_key",
+                                      headers={"WWW-Authenticate": "Bearer"}))(scope, receive, send)
+                return
+        await self.app(scope, receive, send)
+
+
+def build_app(state: ServerState) -> FastAPI:
+    @asynccontextmanager
+    async def lifespan(app):
+        state.loop.start()
+        yield
+        logger.info("stopping the engine loop")
+        state.loop.stop()
+
+    app = FastAPI(title="longreach", version=__version__, lifespan=lifespan, docs_url=None, redoc_url=None,
+                  openapi_url=None)
+    if state.config.api_key:
+        app.add_middleware(APIKeyMiddleware, api_key=state.config.api_key)
+
+    @app.exception_handler(APIError)
+    async def _api_error(request, e: APIError):
+        return _error(e)
+
+    @app.exception_handler(ClientGone)
+    async def _client_gone(request, e):
+        return Response(status_code=499)  # nginx's "client closed request"; nobody reads it
+
+    @app.exception_handler(StarletteHTTPException)
+    async def _http_error(request, e: StarletteHTTPException):
+        msg = {404: f"no route {request.method} {request.url.path}", 405: f"method {request.method} is not allowed "
+               f"on {request.url.path}"}.get(e.status_code, str(e.detail))
+        return _error(APIError(e.status_code, msg, headers=dict(e.headers or {})))
+
+    @app.exception_handler(Exception)
+    async def _unexpected(request, e: Exception):
+        logger.exception("unexpected error on %s %s", request.method, request.url.path)
+        return _error(APIError(500, "internal server error (the server log has the details)"))
+
+    # ---- generation ----------------------------------------------------------------------------------------------
+    @app.post("/v1/completions")
+    async def completions(request: Request):
+        return await openai_api.create_completion(state, request)
+
+    @app.post("/v1/chat/completions")
+    async def chat_completions(request: Request):
+        return await openai_api.create_chat_completion(state, request)
+
+    @app.api_route("/generate", methods=["POST", "PUT"])
+    async def generate(request: Request):
+        return await native_api.generate(state, request)
+
+    @app.post("/tokenize")
+    async def tokenize(request: Request):
+        return await native_api.tokenize(state, request)
+
+    @app.post("/detokenize")
+    async def detokenize(request: Request):
+        return await native_api.detokenize(state, request)
+
+    @app.get("/tokenizer_info")
+    async def tokenizer_info():
+        return native_api.tokenizer_info(state)
+
+    # ---- introspection -------------------------------------------------------------------------------------------
+    cfg = state.engine.config
+
+    @app.get("/health")
+    async def health():
+        if not state.loop.alive:
+            return _error(APIError(503, "the engine loop is not running", code="engine_dead"))
+        return Response(status_code=200)
+
+    @app.get("/health_generate")
+    async def health_generate(request: Request):
+        """One greedy token from a one-token prompt through the running engine (SGLang's deep health check)."""
+        from ..sampling_params import SamplingParams
+
+        sub = state.submit([PreparedPrompt([0], None, SamplingParams(temperature=0, max_tokens=1))], False)
+        await state.collect(sub, request)
+        return Response(status_code=200)
+
+    @app.get("/v1/models")
+    async def models():
+        return JSONResponse({"object": "list", "data": [_model_card(state, name) for name in state.model_names]})
+
+    @app.get("/v1/models/{name:path}")
+    async def model(name: str):
+        state.check_model(name)
+        return JSONResponse(_model_card(state, name))
+
+    @app.get("/version")
+    async def version():
+        return JSONResponse({"version": __version__, "attention": cfg.attention, "preset": cfg.preset})
+
+    @app.get("/get_model_info")
+    async def get_model_info():
+        return JSONResponse({"model_path": cfg.model, "tokenizer_path": cfg.model, "is_generation": True,
+                             "served_model_name": state.model_name})
+
+    @app.get("/server_info")
+    async def server_info():
+        engine_args = {k: getattr(cfg, k) for k in EngineConfig.field_names()}
+        server_args = {k: getattr(state.config, k) for k in ServerConfig.field_names() if k != "api_key"}
+        return JSONResponse({"version": __version__, "engine_args": engine_args, "server_args": server_args,
+                             "device": str(state.engine.device), "dtype": str(state.engine.dtype).replace("torch.", ""),
+                             **state.loop.snapshot()})
+
+    @app.post("/flush_cache")
+    async def flush_cache():
+        return JSONResponse({"message": "nothing to flush: longreach keeps no prefix cache between requests"})
+
+    @app.get("/metrics")
+    async def metrics():
+        return Response(state.metrics.render(), media_type="text/plain; version=0.0.4; charset=utf-8")
+
+    return app
+
+
+def _model_card(state: ServerState, name: str) -> dict:
+    cfg = state.engine.config
+    return {"id": name, "object": "model", "created": int(state.started), "owned_by": "longreach", "root": cfg.model,
+            "parent": None, "max_model_len": cfg.max_model_len, "attention": cfg.attention, "preset": cfg.preset}
+
+
+def make_state(engine, config: ServerConfig) -> ServerState:
+    names = config.served_model_name or (engine.config.model,)
+    metrics = ServerMetrics(names[0])
+    return ServerState(engine, EngineLoop(engine, metrics, config.max_queued_requests), config, metrics, names)
+
+
+def serve(engine_config: EngineConfig, config: ServerConfig, verbose: bool = False) -> int:
+    """Load the model, then serve until SIGTERM / SIGINT; returns the exit status."""
+    import uvicorn
+
+    from ..engine.llm_engine import LLMEngine
+
+    t0 = time.perf_counter()
+    engine = LLMEngine(engine_config)
+    state = make_state(engine, config)
+    kv = kv_cache_stats(engine)
+    logger.info("KV cache size: %d tokens", kv["gpu_pages_total"] * engine.config.block_size if not kv["offload"]
+                else kv["host_pages_total"] * engine.config.block_size)
+    logger.info("serving %s as %s with %s attention on %s (max_model_len %d), loaded in %.1f s; listening on "
+                "http://%s:%d%s", engine.config.model, ", ".join(state.model_names), engine.config.attention,
+                engine.device, engine.config.max_model_len, time.perf_counter() - t0, config.host, config.port,
+                " (API key required)" if config.api_key else "")
+    server = uvicorn.Server(uvicorn.Config(build_app(state), host=config.host, port=config.port, log_config=None,
+                                           access_log=verbose, timeout_graceful_shutdown=None))
+    # uvicorn re-raises the signal that stopped it once it has drained; for SIGTERM that is the end of a clean
+    # shutdown, so the re-raised one lands here and the process exits 0 (SIGINT keeps Python's KeyboardInterrupt).
+    previous = signal.signal(signal.SIGTERM, lambda signum, frame: logger.info("drained; exiting"))
+    try:
+        server.run()
+    finally:
+        signal.signal(signal.SIGTERM, previous)
+    return 0 if server.started else 1

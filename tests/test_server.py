@@ -1,0 +1,457 @@
+"""`longreach serve` end to end: a real server (SmolLM2, CPU) in a subprocess, the official openai client and raw HTTP.
+
+Covers completions and chat (streaming and not, usage), SGLang's /generate in RULER's request shape, tokenize and
+detokenize, echo + logprobs as lm-eval asks for them, metrics after traffic, 16 concurrent streams against the offline
+`LLM`'s greedy tokens, a disconnect freeing KV pages, keep-alive comments during a prefill, every bad input as an
+OpenAI-shaped 4xx, a hypothesis fuzz of the POST endpoints, and `longreach bench serve` against the server.
+"""
+from __future__ import annotations
+
+import concurrent.futures
+import json
+import re
+
+import httpx
+import openai
+import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+from server_harness import SMOLLM2_ARGS, RemoteServer, wait_until
+
+from longreach import SamplingParams
+from longreach.engine.llm import LLM
+
+MODEL = "smollm2"
+PROMPTS = ["The capital of France is", "def fibonacci(n):", "Once upon a time, in a small village,",
+           "The three primary colors are"]
+
+
+@pytest.fixture(scope="module")
+def server():
+    srv = RemoteServer(SMOLLM2_ARGS + ["--served-model-name", MODEL, "alias-model", "--keep-alive-interval", "0.2"])
+    yield srv
+    srv.stop()
+
+
+@pytest.fixture(scope="module")
+def client(server):
+    return server.client()
+
+
+@pytest.fixture(scope="module")
+def http(server):
+    with server.http() as c:
+        yield c
+
+
+@pytest.fixture(scope="module")
+def llm(smollm2):
+    out = LLM.__new__(LLM)  # the session engine: the same model and engine settings as the server
+    out.engine, out.config = smollm2, smollm2.config
+    return out
+
+
+def greedy(llm, prompts, max_tokens, **kw):
+    return llm.generate(prompts, SamplingParams(temperature=0, max_tokens=max_tokens, **kw), use_tqdm=False)
+
+
+def metric(text: str, name: str, **labels) -> float:
+    """Sum of the samples of `name` whose labels include `labels`."""
+    total = 0.0
+    for m in re.finditer(rf"^{re.escape(name)}(?:\{{([^}}]*)\}})? (\S+)$", text, re.MULTILINE):
+        have = dict(re.findall(r'(\w+)="([^"]*)"', m.group(1) or ""))
+        if all(have.get(k) == v for k, v in labels.items()):
+            total += float(m.group(2))
+    return total
+
+
+def assert_openai_error(r: httpx.Response, status: int, param: str | None = None, code: str | None = None):
+    assert r.status_code == status, r.text
+    err = r.json()["error"]
+    assert set(err) == {"message", "type", "param", "code"} and err["message"] and err["type"]
+    if param is not None:
+        assert err["param"] == param, err
+    if code is not None:
+        assert err["code"] == code, err
+    return err
+
+
+# ---- introspection ---------------------------------------------------------------------------------------------------
+def test_models_version_and_info(server, client, http):
+    assert [m.id for m in client.models.list().data] == [MODEL, "alias-model"]
+    card = http.get("/v1/models").json()["data"][0]
+    assert card["max_model_len"] == 2048 and card["attention"] == "dense" and card["owned_by"] == "longreach"
+    assert http.get("/version").json()["attention"] == "dense"
+    assert http.get("/health").status_code == 200
+    assert http.get("/get_model_info").json()["is_generation"] is True
+    info = http.get("/server_info").json()
+    assert info["engine_args"]["max_model_len"] == 2048 and "api_key" not in info["server_args"]
+    assert info["kv_cache"]["gpu_pages_total"] > 0 and info["kv_cache"]["gpu_pages_used"] == 0
+    assert http.get("/tokenizer_info").json()["vocab_size"] == 49152
+    assert http.get("/health_generate").status_code == 200
+
+
+# ---- completions and chat --------------------------------------------------------------------------------------------
+def test_completion_matches_offline_and_counts_usage(client, llm):
+    want = greedy(llm, PROMPTS[0], 8)[0]
+    out = client.completions.create(model=MODEL, prompt=PROMPTS[0], max_tokens=8, temperature=0)
+    assert out.object == "text_completion" and out.model == MODEL
+    assert out.choices[0].text == want.text and out.choices[0].finish_reason == "length"
+    assert (out.usage.prompt_tokens, out.usage.completion_tokens) == (len(want.prompt_token_ids), 8)
+    assert out.usage.total_tokens == out.usage.prompt_tokens + 8
+    alias = client.completions.create(model="alias-model", prompt=PROMPTS[0], max_tokens=8, temperature=0)
+    assert alias.choices[0].text == want.text
+
+
+def test_completion_batch_n_and_token_id_prompts(client, llm):
+    out = client.completions.create(model=MODEL, prompt=PROMPTS[:2], max_tokens=4, temperature=0, n=2)
+    assert [c.index for c in out.choices] == [0, 1, 2, 3]
+    want = greedy(llm, PROMPTS[:2], 4)
+    assert [c.text for c in out.choices] == [want[0].text] * 2 + [want[1].text] * 2
+    ids = want[1].prompt_token_ids
+    by_ids = client.completions.create(model=MODEL, prompt=ids, max_tokens=4, temperature=0,
+                                       extra_body={"return_token_ids": True})
+    assert by_ids.choices[0].text == want[1].text
+    assert by_ids.choices[0].model_extra["token_ids"] == want[1].token_ids
+    two = client.completions.create(model=MODEL, prompt=[ids, want[0].prompt_token_ids], max_tokens=4, temperature=0)
+    assert [c.text for c in two.choices] == [want[1].text, want[0].text]
+
+
+def test_completion_stream_equals_non_stream_with_usage(client):
+    kw = {"model": MODEL, "prompt": PROMPTS[2], "max_tokens": 12, "temperature": 0}
+    full = client.completions.create(**kw)
+    chunks = list(client.completions.create(stream=True, stream_options={"include_usage": True}, **kw))
+    assert "".join(c.choices[0].text for c in chunks if c.choices) == full.choices[0].text
+    assert [c.choices[0].finish_reason for c in chunks if c.choices][-1] == "length"
+    assert chunks[-1].choices == [] and chunks[-1].usage.completion_tokens == 12
+    assert chunks[-1].usage.prompt_tokens == full.usage.prompt_tokens
+
+
+def test_stop_strings_stream_like_non_stream(client, llm):
+    """A stop string cuts the text; streaming holds back what a stop string could still cut, so both agree."""
+    base = greedy(llm, PROMPTS[2], 12)[0].text
+    stop = base[8:11]  # a 3-character stop string that occurs in the greedy continuation
+    kw = {"model": MODEL, "prompt": PROMPTS[2], "max_tokens": 12, "temperature": 0, "stop": [stop]}
+    full = client.completions.create(**kw)
+    assert full.choices[0].text == base[:base.index(stop)] and full.choices[0].finish_reason == "stop"
+    assert full.choices[0].model_extra["stop_reason"] == stop
+    streamed = "".join(c.choices[0].text for c in client.completions.create(stream=True, **kw) if c.choices)
+    assert streamed == full.choices[0].text
+
+
+def test_chat_stream_and_non_stream(client, llm):
+    messages = [{"role": "user", "content": "What is the capital of France?"}]
+    want = llm.chat(messages, SamplingParams(temperature=0, max_tokens=20), use_tqdm=False)[0]
+    out = client.chat.completions.create(model=MODEL, messages=messages, max_tokens=20, temperature=0)
+    assert out.object == "chat.completion" and out.choices[0].message.role == "assistant"
+    assert out.choices[0].message.content == want.text == "The capital of France is Paris."
+    assert out.choices[0].finish_reason == "stop"
+    assert (out.usage.prompt_tokens, out.usage.completion_tokens) == (len(want.prompt_token_ids), len(want.token_ids))
+    chunks = list(client.chat.completions.create(model=MODEL, messages=messages, max_tokens=20, temperature=0,
+                                                 stream=True, stream_options={"include_usage": True}))
+    assert chunks[0].object == "chat.completion.chunk" and chunks[0].choices[0].delta.role == "assistant"
+    assert "".join(c.choices[0].delta.content or "" for c in chunks if c.choices) == want.text
+    assert [c.choices[0].finish_reason for c in chunks if c.choices][-1] == "stop"
+    assert chunks[-1].usage.total_tokens == out.usage.total_tokens
+    parts = client.chat.completions.create(model=MODEL, max_tokens=20, temperature=0, messages=[
+        {"role": "user", "content": [{"type": "text", "text": "What is the capital "}, {"type": "text",
+                                                                                       "text": "of France?"}]}])
+    assert parts.choices[0].message.content == want.text
+
+
+def test_generate_in_rulers_request_shape(http, llm):
+    """RULER's `--server_type sglang` client: PUT /generate {"text", "sampling_params": {...}} -> {"text", ...}."""
+    want = greedy(llm, PROMPTS[0], 8)[0]
+    body = {"text": PROMPTS[0], "sampling_params": {"max_new_tokens": 8, "temperature": 0.0, "top_k": 32,
+                                                     "top_p": 1.0, "stop": []}}
+    r = http.put("/generate", json=body)
+    assert r.status_code == 200, r.text
+    out = r.json()
+    assert out["text"] == want.text and out["output_ids"] == want.token_ids
+    meta = out["meta_info"]
+    assert meta["prompt_tokens"] == len(want.prompt_token_ids) and meta["completion_tokens"] == 8
+    assert meta["finish_reason"] == {"type": "length", "length": 8}
+    batch = http.post("/generate", json={"text": PROMPTS[:2], "sampling_params": {"max_new_tokens": 3,
+                                                                                  "temperature": 0}}).json()
+    assert isinstance(batch, list) and [b["text"] for b in batch] == [o.text for o in greedy(llm, PROMPTS[:2], 3)]
+    with http.stream("POST", "/generate", json={**body, "stream": True}) as s:
+        events = [line[6:] for line in s.iter_lines() if line.startswith("data: ")]
+    assert events[-1] == "[DONE]"
+    texts = [json.loads(e)["text"] for e in events[:-1]]
+    assert texts[-1] == want.text and all(want.text.startswith(t) for t in texts)  # SGLang streams the text so far
+    # the RULER that the quick start installs (nvidia-long-context-eval 26.3): --server_type generic_oai_server
+    generic = {"prompt": PROMPTS[0], "temperature": 0.0, "top_p": 1.0, "stop": [], "max_tokens": 8, "seed": 0,
+               "model": MODEL}
+    r = http.post("/v1/completions", json=generic, headers={"Authorization": ""})
+    assert r.status_code == 200 and r.json()["choices"][0]["text"] == want.text
+
+
+def test_tokenize_detokenize(http, client):
+    tok = http.post("/tokenize", json={"prompt": PROMPTS[0], "return_token_strs": True}).json()
+    assert tok["count"] == len(tok["tokens"]) == len(tok["token_strs"]) and tok["max_model_len"] == 2048
+    assert http.post("/detokenize", json={"tokens": tok["tokens"]}).json()["prompt"] == PROMPTS[0]
+    messages = [{"role": "user", "content": "Hello!"}]
+    chat = http.post("/tokenize", json={"messages": messages}).json()
+    usage = client.chat.completions.create(model=MODEL, messages=messages, max_tokens=1).usage
+    assert chat["count"] == usage.prompt_tokens
+
+
+def test_echo_logprobs_as_lm_eval_asks(http, llm):
+    """lm-eval's local-completions loglikelihood request: echo + logprobs=1 + max_tokens=1 over context+continuation;
+    it sums token_logprobs[ctxlen:-1] and compares each with max(top_logprobs)."""
+    ids = llm.engine.tokenizer.encode("The capital of France is Paris")
+    body = {"model": MODEL, "prompt": ids, "max_tokens": 1, "temperature": 0, "logprobs": 1, "echo": True, "seed": 1}
+    r = http.post("/v1/completions", json=body)
+    assert r.status_code == 200, r.text
+    lp = r.json()["choices"][0]["logprobs"]
+    assert len(lp["tokens"]) == len(lp["token_logprobs"]) == len(lp["top_logprobs"]) == len(ids) + 1
+    assert lp["token_logprobs"][0] is None and lp["top_logprobs"][0] is None
+    nll = llm.engine.prompt_nll(ids)  # -log p(token t | < t), t >= 1
+    assert lp["token_logprobs"][1:len(ids)] == pytest.approx((-nll).tolist(), abs=2e-3)
+    for tok_lp, top in zip(lp["token_logprobs"][1:], lp["top_logprobs"][1:]):
+        assert max(top.values()) >= tok_lp - 1e-6
+    assert lp["text_offset"][0] == 0 and r.json()["choices"][0]["text"].startswith("The capital")
+    chat = http.post("/v1/chat/completions", json={"messages": [{"role": "user", "content": "Hi"}], "max_tokens": 3,
+                                                   "temperature": 0, "logprobs": True, "top_logprobs": 2}).json()
+    content = chat["choices"][0]["logprobs"]["content"]
+    assert len(content) == chat["usage"]["completion_tokens"] and all(len(c["top_logprobs"]) == 2 for c in content)
+    assert all(c["logprob"] == pytest.approx(c["top_logprobs"][0]["logprob"]) for c in content)  # greedy
+
+
+# ---- concurrency, metrics, disconnects -------------------------------------------------------------------------------
+def test_16_concurrent_streams_equal_offline_greedy_tokens(server, llm):
+    prompts = [f"{PROMPTS[i % 4]} {'and ' * (i % 5)}" .strip() for i in range(16)]
+    want = [o.token_ids for o in greedy(llm, prompts, 8, ignore_eos=True)]
+
+    def stream(prompt):
+        client = server.client()
+        tokens = []
+        for chunk in client.completions.create(model=MODEL, prompt=prompt, max_tokens=8, temperature=0, stream=True,
+                                               extra_body={"ignore_eos": True, "return_token_ids": True}):
+            if chunk.choices:  # vLLM's return_token_ids rides along on the choice
+                tokens += chunk.choices[0].model_extra.get("token_ids") or []
+        return tokens
+
+    with concurrent.futures.ThreadPoolExecutor(16) as pool:
+        got = list(pool.map(stream, prompts))
+    assert got == want
+
+
+def test_metrics_move_after_traffic(http, client):
+    before = http.get("/metrics").text
+    client.completions.create(model=MODEL, prompt=PROMPTS[3], max_tokens=5, temperature=0)
+    after = http.get("/metrics").text
+    for name in ("longreach:prompt_tokens_total", "longreach:generation_tokens_total",
+                 "longreach:time_to_first_token_seconds_count", "longreach:e2e_request_latency_seconds_count",
+                 "longreach:time_per_output_token_seconds_count"):
+        assert metric(after, name, model_name=MODEL) > metric(before, name, model_name=MODEL), name
+    assert metric(after, "longreach:generation_tokens_total") - metric(before, "longreach:generation_tokens_total") == 5
+    assert metric(after, "longreach:request_success_total", finished_reason="length") > 0
+    assert metric(after, "longreach:kv_cache_pages_total", tier="gpu") > 0
+    assert metric(after, "longreach:num_requests_running", model_name=MODEL) == 0
+    assert "longreach:kv_cache_usage_perc" in after and "longreach:num_requests_waiting" in after
+
+
+def _server_idle(http):
+    info = http.get("/server_info").json()
+    return info["running"] == 0 and info["waiting"] == 0 and info["kv_cache"]["gpu_pages_used"] == 0
+
+
+def test_client_disconnect_aborts_and_frees_kv_pages(server, http):
+    aborted = metric(http.get("/metrics").text, "longreach:request_success_total", finished_reason="abort")
+    with httpx.Client(base_url=server.url, timeout=60) as c:
+        body = {"prompt": PROMPTS[1], "max_tokens": 1500, "ignore_eos": True, "stream": True}
+        with c.stream("POST", "/v1/completions", json=body) as r:
+            lines = r.iter_lines()
+            assert sum(line.startswith("data: {") for line in (next(lines) for _ in range(8))) >= 3
+            assert http.get("/server_info").json()["kv_cache"]["gpu_pages_used"] > 0
+        # leaving the block closes the connection mid-stream
+    assert wait_until(lambda: _server_idle(http), timeout=20), http.get("/server_info").json()
+    after = metric(http.get("/metrics").text, "longreach:request_success_total", finished_reason="abort")
+    assert after == aborted + 1
+
+
+def test_keep_alive_comments_while_a_prompt_prefills(server, http):
+    """--keep-alive-interval 0.2: SSE comments flow while a ~1900-token prompt prefills (seconds on a CPU)."""
+    body = {"prompt": [300 + i % 1000 for i in range(1900)], "max_tokens": 2, "stream": True}
+    seen = []
+    with http.stream("POST", "/v1/completions", json=body) as r:
+        for line in r.iter_lines():
+            if line:
+                seen.append(line)
+    first_data = next(i for i, line in enumerate(seen) if line.startswith("data: {"))
+    assert ": keep-alive" in seen[:first_data], seen[:3]
+    assert seen[-1] == "data: [DONE]"
+
+
+# ---- bad input -------------------------------------------------------------------------------------------------------
+BAD = [
+    # (path, body (dict, or bytes sent as is), status, param, code)
+    ("/v1/completions", b'{"prompt": "hi", ', 400, None, "invalid_json"),
+    ("/v1/completions", b"", 400, None, None),
+    ("/v1/completions", b"[1, 2]", 400, None, None),
+    ("/v1/completions", b'{"prompt": "\xff\xfe"}', 400, None, "invalid_encoding"),
+    ("/v1/completions", b'{"prompt": "\\ud800 lone surrogate"}', 400, "prompt[0]", "invalid_encoding"),
+    ("/v1/completions", {"max_tokens": 3}, 400, "prompt", None),
+    ("/v1/completions", {"prompt": "hi", "temperature": "hot"}, 400, "temperature", None),
+    ("/v1/completions", {"prompt": "hi", "max_tokens": 1.5}, 400, "max_tokens", None),
+    ("/v1/completions", {"prompt": "hi", "n": True}, 400, "n", None),
+    ("/v1/completions", {"prompt": "hi", "stream": "yes"}, 400, "stream", None),
+    ("/v1/completions", {"prompt": "hi", "frobnicate": 1}, 400, "frobnicate", None),
+    ("/v1/completions", {"prompt": 42}, 400, "prompt", None),
+    ("/v1/completions", {"prompt": "hi", "max_tokens": 0}, 400, "max_tokens", None),
+    ("/v1/completions", {"prompt": "hi", "max_tokens": -5}, 400, "max_tokens", None),
+    ("/v1/completions", {"prompt": "hi", "max_tokens": 5000}, 400, "max_tokens", "context_length_exceeded"),
+    ("/v1/completions", {"prompt": [7] * 2048}, 400, "prompt", "context_length_exceeded"),
+    ("/v1/completions", {"prompt": [1, 10 ** 6]}, 400, "prompt", None),
+    ("/v1/completions", {"prompt": "hi", "temperature": -0.1}, 400, "temperature", None),
+    ("/v1/completions", {"prompt": "hi", "temperature": 2.5}, 400, "temperature", None),
+    ("/v1/completions", {"prompt": "hi", "top_p": 0}, 400, "top_p", None),
+    ("/v1/completions", {"prompt": "hi", "top_p": 1.5}, 400, "top_p", None),
+    ("/v1/completions", {"prompt": "hi", "model": "gpt-4"}, 404, "model", "model_not_found"),
+    ("/v1/completions", {"prompt": "hi", "presence_penalty": 0.5}, 400, "presence_penalty", "unsupported_parameter"),
+    ("/v1/completions", {"prompt": "hi", "suffix": "!"}, 400, "suffix", "unsupported_parameter"),
+    ("/v1/completions", {"prompt": "hi", "stream_options": {"include_usage": True}}, 400, "stream_options", None),
+    ("/v1/completions", {"prompt": "hi", "stop": ["ok", 3]}, 400, "stop", None),
+    ("/v1/completions", {"prompt": "hi", "min_tokens": 20, "max_tokens": 5}, 400, None, None),
+    ("/v1/chat/completions", {"model": MODEL}, 400, "messages", None),
+    ("/v1/chat/completions", {"messages": []}, 400, "messages", None),
+    ("/v1/chat/completions", {"messages": "hi"}, 400, "messages", None),
+    ("/v1/chat/completions", {"messages": [{"role": "wizard", "content": "hi"}]}, 400, "messages[0].role", None),
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": [{"type": "image_url", "image_url": {}}]}]},
+     400, "messages[0].content[0]", "unsupported_parameter"),
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}], "tools": [{"type": "function"}]},
+     400, "tools", "unsupported_parameter"),
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 3000}, 400,
+     "max_tokens", "context_length_exceeded"),
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}], "model": "nope"}, 404, "model",
+     "model_not_found"),
+    ("/generate", {"sampling_params": {"max_new_tokens": 2}}, 400, "text", None),
+    ("/generate", {"text": "hi", "sampling_params": {"max_new_tokens": 0}}, 400, "sampling_params.max_new_tokens",
+     None),
+    ("/generate", {"text": "hi", "sampling_params": {"max_new_tokenz": 2}}, 400, "sampling_params.max_new_tokenz",
+     None),
+    ("/generate", {"text": "hi", "sampling_params": [{}, {}]}, 400, "sampling_params", None),
+    ("/tokenize", {"prompt": "hi", "messages": [{"role": "user", "content": "hi"}]}, 400, "prompt", None),
+    ("/detokenize", {"tokens": [-1]}, 400, "tokens", None),
+    ("/detokenize", {"tokens": "abc"}, 400, "tokens", None),
+]
+
+
+@pytest.mark.parametrize("path, body, status, param, code", BAD,
+                         ids=[f"{p}:{i}" for i, (p, *_rest) in enumerate(BAD)])
+def test_bad_input_is_an_openai_shaped_4xx(http, path, body, status, param, code):
+    kw = {"content": body, "headers": {"Content-Type": "application/json"}} if isinstance(body, bytes) else \
+        {"json": body}
+    assert_openai_error(http.post(path, **kw), status, param, code)
+
+
+def test_bad_routes_and_methods_and_openai_client_errors(http, client):
+    assert_openai_error(http.get("/v1/nope"), 404)
+    assert_openai_error(http.get("/v1/completions"), 405)
+    with pytest.raises(openai.NotFoundError, match="model_not_found|does not exist"):
+        client.completions.create(model="gpt-4", prompt="hi", max_tokens=1)
+    with pytest.raises(openai.BadRequestError, match="context length"):
+        client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "hi " * 3000}], max_tokens=2)
+    with pytest.raises(openai.BadRequestError, match="temperature"):
+        client.completions.create(model=MODEL, prompt="hi", temperature=7)
+
+
+# ---- fuzz ------------------------------------------------------------------------------------------------------------
+BASES = {
+    "/v1/completions": {"prompt": "Hi", "max_tokens": 2, "temperature": 0},
+    "/v1/chat/completions": {"messages": [{"role": "user", "content": "Hi"}], "max_tokens": 2},
+    "/generate": {"text": "Hi", "sampling_params": {"max_new_tokens": 2}},
+    "/tokenize": {"prompt": "Hi"},
+    "/detokenize": {"tokens": [1, 2]},
+}
+FIELDS = ["prompt", "messages", "max_tokens", "n", "temperature", "top_p", "top_k", "stop", "stream", "echo",
+          "logprobs", "top_logprobs", "seed", "stream_options", "min_tokens", "stop_token_ids", "ignore_eos", "model",
+          "text", "input_ids", "sampling_params", "tokens", "add_special_tokens", "return_token_ids", "best_of",
+          "max_completion_tokens", "min_p", "chat_template_kwargs", "add_generation_prompt", "rid"]
+_json = st.recursive(
+    st.none() | st.booleans() | st.integers(-2 ** 70, 2 ** 70) | st.floats() | st.text(max_size=12),
+    lambda inner: st.lists(inner, max_size=4) | st.dictionaries(st.text(max_size=8), inner, max_size=4),
+    max_leaves=10)
+
+
+def _cheap(body):
+    """Keep valid requests cheap: at most a few tokens and samples each (invalid values are left alone)."""
+    if not isinstance(body, dict):
+        return body
+    for key in ("max_tokens", "max_completion_tokens", "n", "best_of"):
+        v = body.get(key)
+        if isinstance(v, int) and not isinstance(v, bool) and 3 < v <= 4096:
+            body[key] = 2
+    if "messages" in body and body.get("max_tokens") is None and body.get("max_completion_tokens") is None:
+        body["max_tokens"] = 2
+    sp = body.get("sampling_params")
+    for d in sp if isinstance(sp, list) else [sp]:
+        if isinstance(d, dict):
+            v = d.get("max_new_tokens")
+            if v is None or (isinstance(v, int) and 3 < v <= 4096):
+                d["max_new_tokens"] = 2
+            if isinstance(d.get("n"), int) and d["n"] > 3:
+                d["n"] = 2
+    if "text" in body and sp is None:
+        body["sampling_params"] = {"max_new_tokens": 2}
+    return body
+
+
+@st.composite
+def garbled(draw, path):
+    kind = draw(st.sampled_from(["set", "set", "drop", "replace", "bytes", "truncate"]))
+    body = json.loads(json.dumps(BASES[path]))
+    if kind == "set":
+        for _ in range(draw(st.integers(1, 3))):
+            body[draw(st.sampled_from(FIELDS) | st.text(max_size=6))] = draw(_json)
+    elif kind == "drop":
+        body.pop(draw(st.sampled_from(sorted(body))))
+    elif kind == "replace":
+        body = draw(_json)
+    elif kind == "bytes":
+        return draw(st.binary(max_size=64))
+    raw = json.dumps(_cheap(body)).encode()
+    if kind == "truncate":
+        raw = raw[: draw(st.integers(0, max(len(raw) - 1, 0)))]
+    return raw
+
+
+@pytest.mark.parametrize("path", list(BASES))
+def test_fuzzed_bodies_never_give_5xx(server, http, path):
+    @settings(max_examples=60, deadline=None, derandomize=True, database=None,
+              suppress_health_check=list(HealthCheck))
+    @given(garbled(path))
+    def check(raw):
+        with http.stream("POST", path, content=raw, headers={"Content-Type": "application/json"}) as r:
+            r.read()
+            assert r.status_code < 500, (raw, r.status_code, r.text[:300])
+            if r.status_code >= 400:
+                assert set(r.json()["error"]) == {"message", "type", "param", "code"}
+
+    check()
+    assert http.get("/health").status_code == 200
+    assert server.client().completions.create(model=MODEL, prompt="Hi", max_tokens=2).usage.completion_tokens == 2
+    assert wait_until(lambda: _server_idle(http), timeout=20)
+
+
+# ---- longreach bench serve -------------------------------------------------------------------------------------------
+def test_bench_serve_against_the_server(server, tmp_path):
+    from longreach.cli import main
+
+    out = tmp_path / "bench.json"
+    assert main(["bench", "serve", "--base-url", server.url, "--num-prompts", "6", "--random-input-len", "24",
+                 "--random-output-len", "4", "--long-prompts", "1", "--long-input-len", "300",
+                 "--max-concurrency", "4", "--out", str(out)]) == 0
+    rep = json.loads(out.read_text())
+    assert set(rep["groups"]) >= {"all", "short", "long"}
+    g = rep["groups"]["all"]
+    assert g["completed"] == 6 and g["failed"] == 0 and g["total_output_tokens"] == 24
+    assert all(g[k]["p99"] is not None and g[k]["p99"] >= g[k]["median"] > 0 for k in ("ttft_ms", "tpot_ms",
+                                                                                      "itl_ms", "e2el_ms"))
+    assert rep["groups"]["long"]["total_input_tokens"] == 300
+    chat = tmp_path / "chat.json"
+    assert main(["bench", "serve", "--base-url", server.url, "--endpoint", "chat", "--num-prompts", "3",
+                 "--random-input-len", "8", "--random-output-len", "3", "--request-rate", "50", "--out",
+                 str(chat)]) == 0
+    assert json.loads(chat.read_text())["groups"]["all"]["completed"] == 3
