@@ -74,6 +74,10 @@ class Scheduler:
             n = min(seq.num_uncomputed, budget)
             if seqs and not self._stages(pages, seq.num_computed + n):
                 break
+            # Admit only when the whole (re-)prefill fits the free pages: one admitted for its first chunk alone could
+            # fill the cache, preempt itself and be re-admitted at once, forever (a livelock under KV pressure).
+            if self.blocks.extra_blocks_needed(seq.seq_id, seq.num_tokens) > self.blocks.num_free_blocks:
+                break
             if not self.blocks.ensure(seq.seq_id, seq.num_computed + n):
                 break
             pages += self.blocks.blocks_for(seq.num_computed + n)
