@@ -24,6 +24,11 @@ class EngineConfig:
                                   "infinitehip; default: the method's own")
     attention_config: str | None = _f(None, "JSON object overriding fields of the method's config, e.g. "
                                             "'{\"n_sink\": 128, \"dense_layers\": [0, 1]}'")
+    decode_attention: str | None = _f(None, "a different attention method for decode steps, METHOD[:PRESET] (e.g. "
+                                            "--attention minference --decode-attention infinitehip:3k-fast); "
+                                            "default: --attention's own decode (dense for minference)")
+    decode_attention_config: str | None = _f(None, "JSON object overriding fields of the decode method's config "
+                                                   "(with --decode-attention)")
     dtype: str = _f("auto", "weights, activations and KV cache dtype; auto = bfloat16 on CUDA, float32 on CPU")
     device: str = _f("auto", "auto (CUDA when available), cpu, cuda or cuda:N")
     max_model_len: int | None = _f(None, "longest sequence (prompt + output) in tokens; default: the model's "
@@ -86,6 +91,21 @@ class EngineConfig:
         from .attention.registry import check_backend_name
 
         check_backend_name(self.attention)
+        if self.decode_attention is not None:
+            if not isinstance(self.decode_attention, str) or not self.decode_attention:
+                bad(f"decode_attention must be METHOD[:PRESET], got {self.decode_attention!r}")
+            check_backend_name(self.decode_attention.partition(":")[0])
+        if self.decode_attention_config is not None:
+            import json
+
+            if self.decode_attention is None:
+                bad("decode_attention_config needs decode_attention (the method it configures)")
+            try:
+                parsed = json.loads(self.decode_attention_config)
+            except json.JSONDecodeError as e:
+                bad(f"decode_attention_config must be a JSON object, got {self.decode_attention_config!r} ({e.msg})")
+            if not isinstance(parsed, dict):
+                bad(f"decode_attention_config must be a JSON object, got {self.decode_attention_config!r}")
         if self.attention_config is not None:
             import json
 

@@ -34,7 +34,7 @@ def test_bad_sampling_params(kwargs, message):
 
 
 @pytest.mark.parametrize("kwargs, message", [
-    (dict(attention="nope"), r"unknown attention backend 'nope'; available: dense, hip, infinitehip, quest, streaming"),
+    (dict(attention="nope"), r"unknown attention backend 'nope'; available: dense, hip, infinitehip, minference, quest, streaming"),
     (dict(attention="hip", attention_config="{bad"), "attention_config must be a JSON object"),
     (dict(dtype="int8"), "dtype must be one of auto, bfloat16, float16, float32"),
     (dict(device="tpu"), "device must be one of auto, cpu, cuda"),
@@ -88,11 +88,11 @@ def test_help_is_complete():
                  "--top-p", "--top-k", "--min-p", "--seed", "--stop", "--stop-token-ids", "--ignore-eos",
                  "--attention", "--max-model-len", "--max-num-batched-tokens", "--block-size", "--dtype", "--device",
                  "--enforce-eager", "--kv-cache-memory-gb", "--gpu-memory-utilization", "--preset",
-                 "--attention-config"]:
+                 "--attention-config", "--decode-attention", "--decode-attention-config"]:
         assert flag in gen.stdout, flag
     names = [line.split()[0] for line in _cli("backends").stdout.splitlines()[1:]]
-    assert names == ["dense", "hip", "infinitehip", "quest", "streaming"]
-    for sub in (["eval", "recall"], ["eval", "agreement"], ["bench", "engine"]):
+    assert names == ["dense", "hip", "infinitehip", "minference", "quest", "streaming"]
+    for sub in (["eval", "recall"], ["eval", "agreement"], ["bench", "engine"], ["calibrate"]):
         r = _cli(*sub, "--help")
         assert r.returncode == 0 and "--model" in r.stdout, sub
 

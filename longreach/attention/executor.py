@@ -145,3 +145,75 @@ def _moved(rope, qq, kk, kp, row_pos, is_sink, is_win, remap, index, sl, pair_gr
     new_q = attend_query_pos(rope.mode, row_pos[:, None, :], S, sel_tokens, W, rope.group)  # (n, P, BQ)
     dq = torch.where(remap, new_q - row_pos[:, None, :], 0)
     return rotate(qq, dq[:, :, None, :], rope.inv_freq), rotate(kk, dk, rope.inv_freq), far
+
+
+def range_attention(q: torch.Tensor, k_cache, v_cache, block_tables: torch.Tensor, index, scale: float,
+                    max_bytes: int = 256 << 20, need_lse: bool = True) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """Attention over a `RangeIndex` (index.py: key tiles + key columns per query block, causal per row), in plain
+    PyTorch: the reference of kernels/vertical_slash.py. Same conventions as `block_sparse_attention`: out (T, H_q, D)
+    in q's dtype and lse (T, H_q) fp32 (natural log, -inf for a row with no key); `need_lse=False` runs one fused SDPA
+    call per slice over the same keys and mask. Caches may be two-tier or fp8 (resolved to plain values here)."""
+    from ..kvcache.offload import as_tensor
+
+    k_cache, v_cache = as_tensor(k_cache, q.dtype), as_tensor(v_cache, q.dtype)
+    T, Hq, D = q.shape
+    page, Hkv = k_cache.shape[1], k_cache.shape[2]
+    dev = q.device
+    qb = index.queries
+    BQ, TW, G = index.block_q, index.tile, index.groups
+    pairs, hpp = head_pairs(Hq, Hkv, G)
+    P = len(pairs)
+    pair_group = torch.tensor([g for g, _ in pairs], device=dev)
+    pair_kv = torch.tensor([kv for _, kv in pairs], device=dev)
+    NK = index.max_tiles * TW + index.max_columns
+    out = torch.zeros(T, Hq, D, dtype=q.dtype, device=dev)
+    lse = torch.full((T, Hq), float("-inf"), dtype=torch.float32, device=dev)
+    if NK == 0:  # nothing listed anywhere: every row reads no key
+        return out, (lse if need_lse else None)
+    per_block = Hq * BQ * max(NK, 1) * 4 * 3 + P * max(NK, 1) * D * 4 * 2
+    step = max(1, int(max_bytes // per_block))
+    k_flat, v_flat = k_cache.reshape(-1, Hkv, D), v_cache.reshape(-1, Hkv, D)
+    r = torch.arange(BQ, device=dev)
+    for lo in range(0, qb.num_blocks, step):
+        sl = slice(lo, min(lo + step, qb.num_blocks))
+        n = sl.stop - sl.start
+        seq = torch.tensor(qb.seq[sl], device=dev)
+        start = torch.tensor(qb.start[sl], device=dev)
+        length = torch.tensor(qb.length[sl], device=dev)
+        pos0 = torch.tensor(qb.pos[sl], device=dev)
+        row_ok = r[None, :] < length[:, None]  # (n, BQ)
+        row_pos = pos0[:, None] + r[None, :]
+        # key positions (n, G, NK): every tile as TW slots, then the columns
+        t = index.tiles[sl].long()  # (n, G, MAXT, 2)
+        tpos = t[..., :1] + torch.arange(TW, device=dev)  # (n, G, MAXT, TW)
+        t_ok = (t[..., :1] >= 0) & (tpos < t[..., 1:])
+        cols = index.columns[sl].long()
+        kpos = torch.cat([tpos.reshape(n, G, -1), cols], dim=2)
+        k_ok = torch.cat([t_ok.reshape(n, G, -1), cols >= 0], dim=2)
+        allowed = k_ok[:, :, None, :] & (kpos[:, :, None, :] <= row_pos[:, None, :, None]) \
+            & row_ok[:, None, :, None]  # (n, G, BQ, NK)
+        kp = kpos[:, pair_group]  # (n, P, NK)
+        last = (pos0 + length - 1)[:, None, None]
+        safe = torch.minimum(kp.clamp(min=0), last)
+        slots = block_tables[seq].long().gather(1, (safe // page).reshape(n, -1)).reshape(kp.shape) * page + safe % page
+        kv_idx = pair_kv[None, :, None].expand_as(slots)
+        kk, vv = k_flat[slots, kv_idx].float(), v_flat[slots, kv_idx].float()  # (n, P, NK, D)
+        rows = (start[:, None] + r[None, :]).clamp(max=T - 1)
+        qq = q[rows].float().reshape(n, BQ, P, hpp, D).permute(0, 2, 3, 1, 4)  # (n, P, hpp, BQ, D)
+        mask = allowed[:, pair_group][:, :, None]  # (n, P, 1, BQ, NK)
+        if need_lse:
+            s = torch.einsum("npiqd,npkd->npiqk", qq, kk) * scale
+            s = s.masked_fill(~mask, float("-inf"))
+            m = s.amax(dim=-1, keepdim=True)
+            m = torch.where(torch.isfinite(m), m, torch.zeros_like(m))
+            e = torch.exp(s - m)
+            denom = e.sum(dim=-1, keepdim=True)
+            o = torch.einsum("npiqk,npkd->npiqd", e, vv) / denom.clamp(min=1e-30)
+            lse[rows[row_ok]] = (m + denom.log()).squeeze(-1).permute(0, 3, 1, 2).reshape(n, BQ, Hq)[row_ok]
+        else:
+            o = torch.nn.functional.scaled_dot_product_attention(
+                qq.reshape(n * P, 1, hpp * BQ, D), kk.reshape(n * P, 1, NK, D), vv.reshape(n * P, 1, NK, D),
+                attn_mask=mask.expand(n, P, hpp, BQ, NK).reshape(n * P, 1, hpp * BQ, NK), scale=scale)
+            o = torch.nan_to_num(o.reshape(n, P, hpp, BQ, D), nan=0.0)
+        out[rows[row_ok]] = o.permute(0, 3, 1, 2, 4).reshape(n, BQ, Hq, D)[row_ok].to(q.dtype)
+    return out, (lse if need_lse else None)

@@ -114,3 +114,56 @@ class SparseIndex:
         sel = (ids[:, None] * self.block_k + torch.arange(self.block_k)[None, :]).flatten()
         sel = sel[(sel >= self.n_sink) & (sel <= row_pos - self.n_window)]
         return torch.cat([sink, sel, win])
+
+
+@dataclass
+class RangeIndex:
+    """The sibling of `SparseIndex` for methods that read key *ranges* and single key *columns* (MInference).
+
+    Per query block and selection group (`groups`, as in `SparseIndex`; query head h uses group h // (H_q // groups)):
+      tiles    (NQB, G, MAXT, 2) int32 [start, end) key ranges of at most `tile` keys each, ascending, disjoint,
+               -1 padded; tile_counts (NQB, G). A vertical-slash head's slash ranges, a block-sparse head's blocks
+               and a Λ-shape head's sink and local window all become tiles.
+      columns  (NQB, G, MAXC) int32 key positions, ascending, none inside a tile of the same block and group, -1
+               padded; col_counts (NQB, G). A vertical-slash head's vertical lines.
+    A query row at position p reads key k iff k <= p and k lies in one of its block's tiles or columns: causality is
+    applied per row at execution, so an index may list keys past a block's first row. Nothing is read twice (tiles
+    are disjoint, columns avoid tiles). There is no implicit sink or window: a method lists everything it reads.
+    A tile list covering [0, end of the block) reproduces dense causal attention exactly (tested).
+    """
+
+    block_q: int
+    tile: int
+    groups: int
+    queries: QueryBlocks
+    tiles: torch.Tensor  # (NQB, G, MAXT, 2) int32
+    tile_counts: torch.Tensor  # (NQB, G) int32
+    columns: torch.Tensor  # (NQB, G, MAXC) int32
+    col_counts: torch.Tensor  # (NQB, G) int32
+
+    def __post_init__(self) -> None:
+        nqb, g = self.queries.num_blocks, self.groups
+        if self.tiles.dim() != 4 or self.tiles.shape[:2] != (nqb, g) or self.tiles.shape[3] != 2:
+            raise ValueError(f"tiles must be (num_query_blocks={nqb}, groups={g}, max_tiles, 2), "
+                             f"got {tuple(self.tiles.shape)}")
+        if self.columns.dim() != 3 or self.columns.shape[:2] != (nqb, g):
+            raise ValueError(f"columns must be (num_query_blocks={nqb}, groups={g}, max_columns), "
+                             f"got {tuple(self.columns.shape)}")
+        for name in ("tile_counts", "col_counts"):
+            if getattr(self, name).shape != (nqb, g):
+                raise ValueError(f"{name} must be ({nqb}, {g}), got {tuple(getattr(self, name).shape)}")
+
+    @property
+    def max_tiles(self) -> int:
+        return self.tiles.shape[2]
+
+    @property
+    def max_columns(self) -> int:
+        return self.columns.shape[2]
+
+    def attended_positions(self, b: int, group: int, row_pos: int) -> torch.Tensor:
+        """All key positions query row at `row_pos` of block b attends to, ascending (reference / tests; slow)."""
+        t = self.tiles[b, group, : int(self.tile_counts[b, group])].long().cpu()
+        c = self.columns[b, group, : int(self.col_counts[b, group])].long().cpu()
+        keys = torch.cat([torch.arange(int(s), int(e)) for s, e in t.tolist()] + [c])
+        return keys[keys <= row_pos].sort().values

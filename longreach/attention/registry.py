@@ -17,6 +17,7 @@ _BUILTIN = {
     "hip": "longreach.attention.hip:HiPBackend",
     "quest": "longreach.attention.quest:QuestBackend",
     "streaming": "longreach.attention.streaming:StreamingBackend",
+    "minference": "longreach.attention.minference:MInferenceBackend",
 }
 _registry: dict[str, "str | type[AttentionBackend]"] = dict(_BUILTIN)
 

@@ -17,7 +17,7 @@ from dataclasses import dataclass
 
 import torch
 
-from ..attention.registry import get_backend_class
+from ..attention.compose import make_backend
 from ..config import EngineConfig
 from ..kvcache.block_manager import BlockManager
 from ..kvcache.offload import OffloadedKVCache
@@ -112,11 +112,7 @@ class LLMEngine:
             logger.warning("the model was trained with a %d-token sliding window; longreach attends over the full "
                            "context", mc.sliding_window)
         self.config = config
-        backend_cls = get_backend_class(config.attention)
-        reasons = backend_cls.unsupported_reasons(mc, config)
-        if reasons:
-            raise ValueError(f"attention backend {config.attention!r} cannot run this model: {'; '.join(reasons)}")
-        self.backend = backend_cls(mc, config, self.device)
+        self.backend = make_backend(mc, config, self.device)  # one backend, or prefill + decode (attention/compose.py)
 
         self.kv_dtype = resolve_kv_dtype(config.kv_cache_dtype, self.dtype)
         if config.offload:
@@ -158,7 +154,7 @@ class LLMEngine:
         of `kv_cache_memory_gb` (default: what the GPU has left after the staging area) caches the hot pages."""
         cfg, mc = self.config, self.model_config
         bs, L, H, D = cfg.block_size, mc.num_layers, mc.num_kv_heads, mc.head_dim
-        if cfg.attention == "dense":
+        if cfg.attention == "dense" and cfg.decode_attention is None:
             logger.warning("dense attention with KV offloading reads every page of every layer from host memory at "
                            "each decode step (PCIe-bound, slow); the sparse methods (infinitehip, hip, streaming) read "
                            "a few thousand tokens per step and cache them on the GPU")

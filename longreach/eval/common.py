@@ -44,12 +44,14 @@ def add_method_args(p: argparse.ArgumentParser, default_methods: tuple[str, ...]
 
 class MethodSpec(NamedTuple):
     """One method an eval runs: backend name, preset (None = the method's default) and the label it is reported
-    under. The label is `name[:preset][@variant]`; a variant is a named entry of --attention-config, so one method
-    can run several times with different settings."""
+    under. The label is `name[:preset][+decode][@variant]`; a variant is a named entry of --attention-config, so one
+    method can run several times with different settings. `decode`: another method for the decode steps,
+    METHOD[:PRESET] (`minference+infinitehip:3k`: minference prefill, infinitehip decode; attention/compose.py)."""
 
     name: str
     preset: str | None
     label: str
+    decode: str | None = None
 
 
 def parse_methods(items: list[str], default_preset: str | None = None) -> list[MethodSpec]:
@@ -60,11 +62,15 @@ def parse_methods(items: list[str], default_preset: str | None = None) -> list[M
     out = []
     for item in items:
         base, _, variant = item.partition("@")
+        base, _, decode = base.partition("+")
         name, _, preset = base.partition(":")
         check_backend_name(name)
+        if decode:
+            check_backend_name(decode.partition(":")[0])
         preset = preset or (default_preset if name != "dense" else None)
-        label = (f"{name}:{preset}" if preset else name) + (f"@{variant}" if variant else "")
-        out.append(MethodSpec(name, preset, label))
+        label = (f"{name}:{preset}" if preset else name) + (f"+{decode}" if decode else "") + \
+            (f"@{variant}" if variant else "")
+        out.append(MethodSpec(name, preset, label, decode or None))
     labels = [m.label for m in out]
     if len(set(labels)) != len(labels):
         raise ValueError(f"--attention lists a method twice: {labels}; give repeats a variant, e.g. infinitehip@v2")
@@ -106,6 +112,10 @@ def make_llm(model: str, spec: MethodSpec, attention_config: str | None, device:
     """An `LLM` running one method (`attention_config`: the eval-wide option, see `method_config`)."""
     from ..engine.llm import LLM
 
+    if spec.decode:  # prefill and decode methods composed; the decode method's overrides are keyed by its name
+        name, _, preset = spec.decode.partition(":")
+        engine_kwargs = {**engine_kwargs, "decode_attention": spec.decode, "decode_attention_config": method_config(
+            MethodSpec(name, preset or None, spec.decode), attention_config)}
     return LLM(model, attention=spec.name, preset=spec.preset, attention_config=method_config(spec, attention_config),
                device=device, dtype=dtype, max_model_len=max_model_len, **engine_kwargs)
 
