@@ -19,7 +19,7 @@ import tempfile  # noqa: E402
 import triton  # noqa: E402
 from triton.backends.compiler import GPUTarget  # noqa: E402
 
-from longreach.kernels import bsa, combine, offload_copy, paged_decode, prune_stage, topk  # noqa: E402
+from longreach.kernels import bsa, combine, offload_copy, paged_decode, prune_stage, topk, vertical_slash  # noqa: E402
 
 
 def compile_one(fn, pointer_types: dict[str, str], constexprs: dict, floats=(), num_warps: int = 4):
@@ -76,6 +76,16 @@ def main() -> int:
                               dict(HPP=4, HEADS_PER_PROG=max(1, bm // bq), N_HSUB=max(1, 4 // max(1, bm // bq)),
                                    BQ_PAD=bq, BLOCK_M=bm, BLOCK_N=64, HEAD_DIM=128, BK=8, PAGE=16, SPLIT=split,
                                    ROPE=rope, DOT_PRECISION="tf32", TIERED=tiered, FP8=kv == f8), ["qk_scale"]))
+    # minference: key ranges + gathered columns, per head (64 rows) and per KV group (2 heads x 64 rows)
+    for suffix, kv, tiered in variants:
+        for label, hpp, bm in (("minference range per-head bq64", 1, 64), ("minference range kv-group bq64", 4, 128)):
+            cases.append((label + suffix, vertical_slash._range_attention_kernel,
+                          dict(Q=bf, K=kv, V=kv, KH=kv, VH=kv, Slots=i32, BlockTables=i32, QbSeq=i32, QbStart=i32,
+                               QbLen=i32, QbPos=i32, Tiles=i32, TileCounts=i32, Cols=i32, ColCounts=i32,
+                               PairGroup=i32, PairKv=i32, Out=bf, Lse=f32),
+                          dict(HPP=hpp, HEADS_PER_PROG=bm // 64, N_HSUB=max(1, hpp // (bm // 64)), BQ_PAD=64,
+                               BLOCK_M=bm, BLOCK_N=64, HEAD_DIM=128, PAGE=16, DOT_PRECISION="tf32", TIERED=tiered,
+                               FP8=kv == f8), ["qk_scale"]))
     cases.append(("combine", combine._combine_kernel, dict(OutP=f32, LseP=f32, Out=bf, Lse=f32),
                   dict(S_PAD=32, HEAD_DIM=128), []))
     for label, chunk, exact, per_head, bq_pad, hpp_pad, block_c, tiles in (

@@ -191,6 +191,91 @@ def prune_matrix():
             f"top-k overlap >= {worst_set:.3f}")
 
 
+def minference_matrix():
+    """MInference: the range/column kernel vs the PyTorch executor (fp32 math on the same bf16 inputs) at real sizes,
+    per head and per KV group, every pattern kind mixed in one layer, a chunk after a long prefix + a whole prompt."""
+    from longreach.attention.executor import range_attention
+    from longreach.attention.index import QueryBlocks
+    from longreach.attention.minference import MInference, MInferenceConfig, index_cost
+    from longreach.kernels.vertical_slash import range_attention_triton
+
+    dev = "cuda"
+    worst, n, costs = 0.0, 0, []
+    for (Hq, Hkv, D) in [(32, 8, 128), (9, 3, 64)]:
+        for gran in ("head", "kv_head"):
+            G = Hq if gran == "head" else Hkv
+            mix = [("vertical_slash", 500, 1500), ("a_shape", 1024, 4096), ("block_sparse", 100),
+                   ("vertical_slash", 3000, 200)]
+            pats = [mix[i % len(mix)] for i in range(G)]
+            g = torch.Generator(device=dev).manual_seed(Hq + G)
+            lens_ctx, lens_q = [40000, 0], [2048 + 37, 9000]
+            L = [c + q for c, q in zip(lens_ctx, lens_q)]
+            page = 16
+            need = [-(-x // page) for x in L]
+            kc = torch.randn(sum(need) + 4, page, Hkv, D, device=dev, dtype=torch.bfloat16, generator=g)
+            vc = torch.randn_like(kc)
+            perm = torch.randperm(kc.shape[0], device=dev, generator=g).int()
+            tables = torch.zeros(2, max(need), dtype=torch.int32, device=dev)
+            tables[0, : need[0]], tables[1, : need[1]] = perm[: need[0]], perm[need[0]: need[0] + need[1]]
+            q = torch.randn(sum(lens_q), Hq, D, device=dev, dtype=torch.bfloat16, generator=g)
+            m = MInference(MInferenceConfig(granularity=gran), Hq, Hkv)
+            qb = QueryBlocks.build(lens_q, lens_ctx, 64)
+            tiles, cols, row0 = [], [], 0
+            for i, nq in enumerate(lens_q):
+                blocks = [(qb.start[b] - row0, qb.length[b], qb.pos[b]) for b in qb.of_sequence(i)]
+                t, c = m.build(0, q[row0:row0 + nq], blocks, (kc, tables[i]), L[i], D ** -0.5, patterns=pats)
+                tiles.append(t)
+                cols.append(c)
+                row0 += nq
+            idx = m.index(qb, tiles, cols)
+            ref, _ = range_attention(q, kc, vc, tables, idx, D ** -0.5)
+            out = torch.full_like(q, float("nan"))
+            range_attention_triton(q, kc, vc, tables, idx, D ** -0.5, out=out)
+            err = _rel(out, ref)
+            n += 1
+            costs.append(index_cost(idx))
+            if torch.isnan(out).any() or err > 1e-2:
+                raise AssertionError(f"H={Hq}/{Hkv} D={D} granularity={gran}: rel err {err:.2e}")
+            worst = max(worst, err)
+    return (f"{n} cases (per head / per KV group, Λ + vertical-slash + block-sparse in one layer), worst relative "
+            f"error {worst:.2e} vs fp32 reference; kernel keys/row {min(costs):.0f}-{max(costs):.0f}")
+
+
+def minference_engine(model: str):
+    """minference end to end: kernels vs the CPU reference (greedy tokens), and minference prefill + infinitehip
+    decode with CUDA graphs == eager."""
+    from longreach import LLM, SamplingParams
+    from longreach.eval.data import paul_graham_text
+
+    text = open(".carry/b/pg.txt").read() if os.path.exists(".carry/b/pg.txt") else paul_graham_text()
+    conf = '{"pattern": ["vertical_slash", 64, 512], "dense_below": 0}'
+    params = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)
+    outs = []
+    for device, dtype in (("cuda", "float32"), ("cpu", "float32")):
+        gc.collect()
+        torch.cuda.empty_cache()
+        llm = LLM(model, attention="minference", attention_config=conf, device=device, dtype=dtype,
+                  max_model_len=4096, kv_cache_memory_gb=1, max_num_seqs=1)
+        ids = llm.get_tokenizer().encode(text)[:3000]
+        outs.append(llm.generate({"prompt_token_ids": ids}, params, use_tqdm=False)[0].token_ids)
+        del llm
+    same = sum(a == b for a, b in zip(*outs))
+    if same < 20:
+        raise AssertionError(f"minference: GPU kernels and CPU reference agree on only {same}/24 greedy tokens")
+    composed = []
+    for eager in (False, True):
+        gc.collect()
+        torch.cuda.empty_cache()
+        llm = LLM(model, attention="minference", attention_config=conf, decode_attention="infinitehip",
+                  max_model_len=16384, kv_cache_memory_gb=2, max_num_seqs=4, enforce_eager=eager)
+        ids = llm.get_tokenizer().encode(text)[:12000]
+        composed.append(llm.generate({"prompt_token_ids": ids}, params, use_tqdm=False)[0].token_ids)
+        del llm
+    if composed[0] != composed[1]:
+        raise AssertionError("minference + infinitehip decode: CUDA-graph tokens differ from eager")
+    return f"kernels vs CPU reference {same}/24 tokens; minference + infinitehip decode at 12K: graph == eager"
+
+
 def engine_checks(model: str):
     from longreach import LLM, SamplingParams
 
@@ -445,11 +530,13 @@ def main():
     check("block-sparse attention kernel vs reference (bf16)")(bsa_matrix)
     check("chunk-scoring kernel vs reference (bf16)")(prune_matrix)
     check("offload: kernels through the page table, copy kernels")(offload_kernels)
+    check("minference range/column kernel vs reference (bf16)")(minference_matrix)
     if args.model:
         check("engine: offloaded KV == GPU KV (SmolLM2, 128K)")(lambda: offload_engine(args.model))
         check("engine: CUDA graphs, eager, chunked prefill")(lambda: engine_checks(args.model))
         check("fp32 logits parity on GPU")(lambda: fp32_parity(args.model))
         check("engine: sparse backends through the kernels")(lambda: sparse_engine(args.model))
+        check("engine: minference kernels, + infinitehip decode")(lambda: minference_engine(args.model))
     with open(os.path.join(args.out, "gpu_check.json"), "w") as f:
         json.dump({"gpu": torch.cuda.get_device_name(), "results": RESULTS}, f, indent=2)
     print("\n=== gpu_check summary ===")

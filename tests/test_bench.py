@@ -20,13 +20,22 @@ def test_bench_attention_runs_on_cpu(tmp_path, monkeypatch):
     monkeypatch.setattr(A, "CONFIG_OVERRIDES", {
         "infinitehip": dict(n_sink=16, n_window=32, chunk_sizes=(32, 8, 2), budgets=(256, 64, 16),
                             early_last_budget=None),
-        "hip": dict(n_sink=16, n_window=32, budget=16, block_q=32)})
+        "hip": dict(n_sink=16, n_window=32, budget=16, block_q=32),
+        "minference": dict(block=32, last_q=32)})
+    monkeypatch.setattr(A, "MINFERENCE_METHODS", (  # the mix covers the three patterns, kv-group the GQA variant
+        ("minference vs kv-group", ("vertical_slash", 8, 40), "kv_head"), ("minference mix", None, None)))
+    patterns = tmp_path / "p.json"
+    patterns.write_text(json.dumps({"format": "longreach-minference-patterns/1", "granularity": "head", "block": 32,
+                                    "layers": [{"choice": [["a_shape", 32, 96], ["vertical_slash", 8, 40],
+                                                           ["block_sparse", 3], ["vertical_slash", 4, 60]]}]}))
     out = tmp_path / "bench.json"
-    report = A.run([512], repeats=1, out_path=str(out), flex=True, decode_repeats=1)
+    report = A.run([512], repeats=1, out_path=str(out), flex=True, decode_repeats=1,
+                   minference_patterns=str(patterns))
     saved = json.loads(out.read_text())
     entry = saved["contexts"]["512"]
     assert {"dense cuDNN", "infinitehip 3k", "infinitehip 3k kv-rep", "infinitehip 5k", "hip 2k",
-            "flex (ih 3k mask)"} <= set(entry["prefill"])
+            "flex (ih 3k mask)", "minference vs kv-group", "minference mix"} <= set(entry["prefill"])
+    assert entry["prefill"]["minference mix"]["mix"] == {"a_shape": 1, "block_sparse": 1, "vertical_slash": 2}
     errors = {k: v["error"] for phase in ("prefill", "decode") for k, v in entry[phase].items() if "error" in v}
     assert not errors, errors
     assert {"infinitehip 3k-fast amortised", "infinitehip kv-rep 3k-flash amortised", "hip 2k"} <= set(entry["decode"])

@@ -9,7 +9,11 @@ InfiniteHiP's protocol):
     chunk's own keys with a causal mask (two calls: exactly the dense work; the merge is not counted);
   * FlexAttention (compiled) with a block mask assembled from infinitehip's own 3k selection: 128x128 blocks covering
     the selected 8-token blocks, the sink and the window, causal mask_mod (a superset of the keys longreach reads);
-  * infinitehip 3k / 5k and hip 2k: selection (all stages) + block-sparse attention, reported separately.
+  * infinitehip 3k / 5k and hip 2k: selection (all stages) + block-sparse attention, reported separately;
+  * minference (prefill only): every head vertical-slash (500, 1500), Λ-shape (1024, 4096) or block-sparse (100),
+    vertical-slash with one index per KV group, and, with `minference_patterns` (a `longreach calibrate` file for
+    this shape: 32 heads, 8 KV heads), the calibrated mix of one layer; index building (estimation from the chunk's
+    last 64 queries against all N keys, merge) + the range/column kernel, reported separately.
 Decode is one query at position N-1, each variant captured in a CUDA graph and replayed:
   * dense cuDNN SDPA (enable_gqa);
   * infinitehip with the mask fully cached (attention only), refreshed from stage 3, from stage 2, fully refreshed,
@@ -129,6 +133,13 @@ PREFILL_METHODS = (("infinitehip 3k", "infinitehip", "3k", {}),
                    ("infinitehip 5k", "infinitehip", "5k", {}),
                    ("hip 2k", "hip", "2k", {}))
 DECODE_VARIANTS = (("infinitehip", {}), ("infinitehip kv-rep", {"rep_per_head": False}))
+# (label, pattern of every head or None = the calibration file's layer, granularity)
+MINFERENCE_METHODS = (("minference vs", ("vertical_slash", 500, 1500), "head"),
+                      ("minference vs kv-group", ("vertical_slash", 500, 1500), "kv_head"),
+                      ("minference a-shape", ("a_shape", 1024, 4096), "head"),
+                      ("minference bs", ("block_sparse", 100), "head"),
+                      ("minference mix", None, None))
+MINFERENCE_LAYER = 16  # the layer of a calibration file the mix is taken from (a middle layer)
 
 
 def _index(method, blocks_host, selection):
@@ -165,7 +176,46 @@ def _dense_prefill(ctx: Context, q: torch.Tensor, repeats: int) -> dict:
     return res
 
 
-def prefill(ctx: Context, methods, repeats: int, flex: bool) -> dict:
+def _minference_prefill(ctx: Context, q, pattern, granularity, patterns_file, repeats: int) -> dict:
+    """MInference on the last chunk: index building (estimation + merge) and the range kernel, timed separately."""
+    import dataclasses
+
+    from ..attention.index import QueryBlocks
+    from ..attention.minference import MInference, MInferenceConfig, index_cost
+    from ..kernels.vertical_slash import RangePlan, range_attention_triton
+
+    n, c = ctx.n, q.shape[0]
+    base = dataclasses.replace(MInferenceConfig(), **CONFIG_OVERRIDES.get("minference", {}))
+    if pattern is None:  # the calibrated mix of one layer
+        cfg = dataclasses.replace(base, patterns=patterns_file)
+        m = MInference(cfg, HQ, HKV)
+        layer = min(MINFERENCE_LAYER, len(m.table) - 1)
+        pats = m.layer_patterns(layer)
+    else:
+        m = MInference(dataclasses.replace(base, pattern=pattern, granularity=granularity), HQ, HKV)
+        pats = None
+    B = m.cfg.block
+    qb = QueryBlocks.build([c], [n - c], B)
+    blocks = list(zip(qb.start, qb.length, qb.pos))
+
+    def build():
+        return m.build(0, q, blocks, (ctx.k_cache, ctx.table), n, D ** -0.5, patterns=pats)
+
+    sel_s = _time(build, repeats)
+    tiles, cols = build()
+    index = m.index(qb, [tiles], [cols])
+    plan = RangePlan(index, HQ, HKV, DEVICE)
+    att_s = _time(lambda: range_attention_triton(q, ctx.k_cache, ctx.v_cache, ctx.table[None], index, D ** -0.5,
+                                                 plan=plan, block_n=B), repeats)
+    out = {"total_s": sel_s + att_s, "selection_s": sel_s, "attention_s": att_s,
+           "keys_per_query_approx": index_cost(index)}
+    if pats is not None:
+        kinds = [p[0] for p in pats]
+        out["mix"] = {k: kinds.count(k) for k in sorted(set(kinds))}
+    return out
+
+
+def prefill(ctx: Context, methods, repeats: int, flex: bool, minference_patterns: str | None = None) -> dict:
     from ..kernels.bsa import BSAPlan, block_sparse_attention_triton
 
     n, c = ctx.n, min(CHUNK, ctx.n)
@@ -196,6 +246,14 @@ def prefill(ctx: Context, methods, repeats: int, flex: bool) -> dict:
                           "keys_per_query_approx": keys_per_q}
             if label == "infinitehip 3k":
                 ih_selection = (m, sel)
+        except Exception as e:  # noqa: BLE001
+            traceback.print_exc()
+            res[label] = {"error": f"{type(e).__name__}: {e}"}
+    for label, pattern, gran in MINFERENCE_METHODS:
+        if pattern is None and not minference_patterns:
+            continue
+        try:
+            res[label] = _minference_prefill(ctx, q, pattern, gran, minference_patterns, repeats)
         except Exception as e:  # noqa: BLE001
             traceback.print_exc()
             res[label] = {"error": f"{type(e).__name__}: {e}"}
@@ -332,16 +390,18 @@ def decode(ctx: Context, repeats: int) -> dict:
 
 
 def run(contexts: list[int], repeats: int = 5, out_path: str | None = None, flex: bool = True,
-        prefill_methods=PREFILL_METHODS, decode_repeats: int = 20) -> dict:
+        prefill_methods=PREFILL_METHODS, decode_repeats: int = 20, minference_patterns: str | None = None) -> dict:
     if DEVICE == "cuda" and not torch.cuda.is_available():
         raise ValueError("bench attention needs a CUDA GPU")
     report = {"gpu": torch.cuda.get_device_name() if DEVICE == "cuda" else "cpu", "date": time.strftime("%Y-%m-%d"), "torch": torch.__version__,
+              "minference_patterns": minference_patterns,
               "shape": {"q_heads": HQ, "kv_heads": HKV, "head_dim": D, "dtype": "bfloat16", "page": PAGE,
                         "prefill_chunk": CHUNK}, "contexts": {}}
     for n in contexts:
         t0 = time.perf_counter()
         ctx = Context(n)
-        entry = {"prefill": prefill(ctx, list(prefill_methods), repeats, flex), "decode": decode(ctx, decode_repeats)}
+        entry = {"prefill": prefill(ctx, list(prefill_methods), repeats, flex, minference_patterns),
+                 "decode": decode(ctx, decode_repeats)}
         entry["seconds"] = round(time.perf_counter() - t0, 1)
         report["contexts"][str(n)] = entry
         del ctx
