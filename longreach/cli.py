@@ -1,6 +1,7 @@
 """The `longreach` command line.
 
   longreach generate   complete a prompt (or answer a chat message) with a model
+  longreach serve      an OpenAI-compatible HTTP server over the engine
   longreach backends   list the attention backends
 
 Bad input exits with status 2 and a one-line message on stderr, never a traceback.
@@ -19,13 +20,17 @@ from .config import EngineConfig
 from .sampling_params import SamplingParams
 
 _EVAL_COMMANDS = ("passkey", "ruler", "ppl")  # modules under longreach/eval/
-_ENGINE_TYPES = {"max_model_len": int, "kv_cache_memory_gb": float, "preset": str, "attention_config": str}
+_ENGINE_TYPES = {"max_model_len": int, "kv_cache_memory_gb": float, "kv_offloading_size": float, "rope_scaling": str,
+                 "preset": str, "attention_config": str, "decode_attention": str, "decode_attention_config": str}
 
 
-def add_engine_args(p: argparse.ArgumentParser) -> None:
-    """One flag per EngineConfig field (the dataclass is the single source of names, defaults and help)."""
+def add_engine_args(p: argparse.ArgumentParser, skip: tuple[str, ...] = ()) -> None:
+    """One flag per EngineConfig field (the dataclass is the single source of names, defaults and help), except the
+    fields in `skip`, which the command sets itself."""
     g = p.add_argument_group("engine")
     for f in dataclasses.fields(EngineConfig):
+        if f.name in skip:
+            continue
         flag = "--" + f.name.replace("_", "-")
         default = f.default
         if isinstance(default, bool):
@@ -62,6 +67,35 @@ def _generate_parser(sub) -> None:
     p.add_argument("--no-progress", action="store_true", help="hide progress bars")
     add_engine_args(p)
     p.set_defaults(func=_cmd_generate)
+
+
+def _serve_parser(sub) -> None:
+    from .server.config import add_server_args
+
+    p = sub.add_parser(
+        "serve", help="an OpenAI-compatible HTTP server (continuous batching, streaming, metrics)",
+        description="Serve a model over HTTP: OpenAI's /v1/completions and /v1/chat/completions, SGLang's /generate, "
+                    "/tokenize, /metrics and more (docs/serving.md). Engine flags mean what they mean for "
+                    "`longreach generate`. SIGTERM drains the requests in flight, then exits.")
+    p.add_argument("model_arg", nargs="?", default=None, metavar="MODEL",
+                   help="model: an alias (smollm2), a HF model directory or a .gguf file (same as --model)")
+    add_server_args(p)
+    add_engine_args(p)
+    p.set_defaults(func=_cmd_serve)
+
+
+def _cmd_serve(args) -> int:
+    from .server.config import server_config_from_args
+
+    if args.model_arg is not None:
+        if args.model != EngineConfig.model and args.model != args.model_arg:
+            raise ValueError(f"two models given: {args.model_arg!r} and --model {args.model!r}; give one")
+        args.model = args.model_arg
+    server_config = server_config_from_args(args)
+    engine_config = engine_config_from_args(args)
+    from .server.app import serve
+
+    return serve(engine_config, server_config, verbose=args.verbose)
 
 
 def _read_prompt(args) -> str:
@@ -152,11 +186,14 @@ def _bench_parser(sub) -> None:
     a = bsub.add_parser("attention", help="one layer at 32K-1M tokens: sparse kernels vs cuDNN/flash SDPA (GPU)",
                         description="One Llama-3.1-8B-shaped attention layer (32/8 heads, d=128, bf16, batch 1): "
                                     "the last 32K-query prefill chunk and one decode step at each context length, "
-                                    "infinitehip / hip kernels against dense cuDNN and flash SDPA and FlexAttention.")
+                                    "infinitehip / hip / minference kernels against dense cuDNN and flash SDPA and "
+                                    "FlexAttention.")
     a.add_argument("--contexts", type=int, nargs="+", default=[32768, 131072, 524288, 1048576], metavar="N",
                    help="context lengths in tokens (default: 32K 128K 512K 1M)")
     a.add_argument("--repeats", type=int, default=5, help="timed repeats per measurement, median (default: 5)")
     a.add_argument("--no-flex", action="store_true", help="skip FlexAttention (it compiles for a while)")
+    a.add_argument("--minference-patterns", default=None, metavar="P.json",
+                   help="also run minference with the pattern mix of a calibration file for this shape (32/8 heads)")
     a.add_argument("--out", default="bench-attention.json", help="JSON output path")
     a.set_defaults(func=_cmd_bench_attention)
     lg = bsub.add_parser("long", help="end to end at long context: a sparse backend vs dense through the engine",
@@ -174,6 +211,33 @@ def _bench_parser(sub) -> None:
                     help="also run each method without CUDA graphs (enforce_eager) and compare speed and tokens")
     lg.add_argument("--out", default="bench-long.json", help="JSON output path")
     lg.set_defaults(func=_cmd_bench_long)
+    sv = importlib.import_module(".bench.serve", __package__)
+    s = bsub.add_parser("serve", help=sv.HELP, description=sv.__doc__.split("\n\n")[0] + " " +
+                        sv.__doc__.split("\n\n")[1])
+    sv.add_arguments(s)
+    s.set_defaults(func=sv.main)
+    from .eval.common import context_length
+
+    dc = bsub.add_parser(
+        "decode", help="decode tok/s at 128K-3M tokens, 8B-shaped random model: sparse (+ KV offload) vs dense",
+        description="Prefill random-token prompts of each length and decode through the whole engine with each "
+                    "method: prefill seconds, decode tok/s, GPU memory split, host memory and KV offload counters, "
+                    "with dense attention measured in the same run where its KV fits and extrapolated beyond. "
+                    "The default model has random weights in the Llama-3.1-8B shape (no 8B checkpoint offline).")
+    dc.add_argument("--model", default="random:llama-3.1-8b",
+                    help="model (default: random:llama-3.1-8b; random:tiny for a CPU check)")
+    dc.add_argument("--lengths", type=context_length, nargs="+", default=[131072, 524288, 1048576], metavar="N",
+                    help="context lengths in tokens, e.g. 128k 1M (default: 131072 524288 1048576)")
+    dc.add_argument("--attention", nargs="+", default=["infinitehip:3k-fast", "infinitehip:3k-flash"],
+                    metavar="METHOD[:PRESET]", help="methods (default: infinitehip:3k-fast infinitehip:3k-flash)")
+    dc.add_argument("--batch", type=int, default=1, help="sequences decoding together (default: 1)")
+    dc.add_argument("--decode-tokens", type=int, default=128, help="tokens generated per sequence (default: 128)")
+    dc.add_argument("--dense-lengths", type=context_length, nargs="*", default=None, metavar="N",
+                    help="contexts for the dense baseline, each tried where its KV fits on the GPU (default: "
+                         "--lengths plus 4096 below them; give none to skip dense)")
+    dc.add_argument("--out", default="bench-decode.json", help="JSON output path (default: bench-decode.json)")
+    add_engine_args(dc, skip=_DECODE_SETS)
+    dc.set_defaults(func=_cmd_bench_decode)
 
 
 def _cmd_bench_engine(args) -> int:
@@ -282,7 +346,8 @@ def _cmd_bench_attention(args) -> int:
 
     if any(n < 1 for n in args.contexts) or args.repeats < 1:
         raise ValueError("--contexts and --repeats must be positive")
-    run(sorted(args.contexts), repeats=args.repeats, out_path=args.out, flex=not args.no_flex)
+    run(sorted(args.contexts), repeats=args.repeats, out_path=args.out, flex=not args.no_flex,
+        minference_patterns=args.minference_patterns)
     return 0
 
 
@@ -304,6 +369,35 @@ def _cmd_bench_long(args) -> int:
     return 0
 
 
+_DECODE_SETS = ("model", "attention", "preset", "max_model_len", "max_num_seqs")  # bench decode sets these itself
+
+
+def _cmd_bench_decode(args) -> int:
+    import shlex
+
+    from .attention.registry import get_backend_class
+    from .bench.decode import run
+    from .eval.common import method_config, parse_methods
+    from .models.random_init import is_random_model, random_shape
+
+    if args.batch < 1 or args.decode_tokens < 2:
+        raise ValueError("--batch must be >= 1 and --decode-tokens >= 2")
+    if is_random_model(args.model):
+        random_shape(args.model)  # an unknown shape fails here, before any engine is built
+    methods = parse_methods(args.attention)
+    engine = {name: getattr(args, name) for name in EngineConfig.field_names() if name not in _DECODE_SETS}
+    for m in methods:  # a bad preset or --attention-config fails now, not after an hour of other runs
+        cfg = EngineConfig(model=args.model, attention=m.name, preset=m.preset,
+                           **{**engine, "attention_config": method_config(m, args.attention_config)})
+        resolve = getattr(get_backend_class(m.name), "resolve_config", None)
+        if resolve is not None:
+            resolve(cfg)
+    report = run(args.model, args.lengths, methods, engine, batch=args.batch, decode_tokens=args.decode_tokens,
+                 dense_lengths=args.dense_lengths, out_path=args.out,
+                 command=shlex.join(["longreach", *getattr(args, "argv", [])]))
+    return 1 if any("error" in r for r in report["runs"]) else 0
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="longreach",
@@ -313,12 +407,17 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("-v", "--verbose", action="store_true", help="debug log (one line per engine step)")
     sub = parser.add_subparsers(dest="command", metavar="COMMAND", required=True)
     _generate_parser(sub)
+    _serve_parser(sub)
     _bench_parser(sub)
     _eval_parser(sub)
     d = sub.add_parser("demo", help="a pass key hidden past the trained context: sparse attention vs dense",
                        description=importlib.import_module(".demo", __package__).__doc__.split("\n\n")[1])
     importlib.import_module(".demo", __package__).add_arguments(d)
     d.set_defaults(func=lambda args: importlib.import_module(".demo", __package__).main(args))
+    cal = importlib.import_module(".calibrate", __package__)
+    c = sub.add_parser("calibrate", help=cal.HELP, description=cal.DESCRIPTION)
+    cal.add_arguments(c)
+    c.set_defaults(func=cal.main)
     b = sub.add_parser("backends", help="list the attention backends", description="List the attention backends.")
     b.set_defaults(func=_cmd_backends)
     return parser
@@ -327,6 +426,7 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
+    args.argv = list(sys.argv[1:] if argv is None else argv)  # the command line, for reports
     level = logging.WARNING if args.quiet else logging.DEBUG if args.verbose else logging.INFO
     logging.basicConfig(level=level, format="[longreach] %(message)s", stream=sys.stderr)
     try:
