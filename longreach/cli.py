@@ -236,6 +236,11 @@ def _bench_parser(sub) -> None:
                     help="contexts for the dense baseline, each tried where its KV fits on the GPU (default: "
                          "--lengths plus 4096 below them; give none to skip dense)")
     dc.add_argument("--out", default="bench-decode.json", help="JSON output path (default: bench-decode.json)")
+    src = dc.add_mutually_exclusive_group()
+    src.add_argument("--text-file", metavar="PATH", help="prompt: this text repeated to each length (default: random "
+                     "token ids; a text needs a model with a tokenizer)")
+    src.add_argument("--text-source", choices=["paul-graham", "squad"], help="prompt: a built-in text repeated to "
+                     "each length (RULER's package)")
     add_engine_args(dc, skip=_DECODE_SETS)
     dc.set_defaults(func=_cmd_bench_decode)
 
@@ -392,9 +397,18 @@ def _cmd_bench_decode(args) -> int:
         resolve = getattr(get_backend_class(m.name), "resolve_config", None)
         if resolve is not None:
             resolve(cfg)
+    text, label = None, None
+    if args.text_file:
+        with open(args.text_file, encoding="utf-8") as f:
+            text, label = f.read(), f"text file {args.text_file}"
+    elif args.text_source:
+        from .eval.data import paul_graham_text, squad_text
+
+        text = paul_graham_text() if args.text_source == "paul-graham" else squad_text()
+        label = f"text source {args.text_source}"
     report = run(args.model, args.lengths, methods, engine, batch=args.batch, decode_tokens=args.decode_tokens,
                  dense_lengths=args.dense_lengths, out_path=args.out,
-                 command=shlex.join(["longreach", *getattr(args, "argv", [])]))
+                 command=shlex.join(["longreach", *getattr(args, "argv", [])]), text=text, text_label=label)
     return 1 if any("error" in r for r in report["runs"]) else 0
 
 

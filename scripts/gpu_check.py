@@ -379,6 +379,7 @@ def offload_kernels():
     from longreach.kernels.bsa import BSAPlan, block_sparse_attention_triton
     from longreach.kernels.offload_copy import copy_chunks, scatter_rows
     from longreach.kernels.prune_stage import chunk_scores_triton
+    from longreach.kvcache.fp8 import encode
 
     dev = "cuda"
     rows = []
@@ -388,8 +389,9 @@ def offload_kernels():
         L = [131072 + 5, 40000]
         need = [-(-x // page) for x in L]
         P = sum(need) + 2
-        kc = torch.randn(P, page, Hkv, D, device=dev, generator=g).to(dtype)
-        vc = torch.randn(P, page, Hkv, D, device=dev, generator=g).to(dtype)
+        # fp8 caches hold rows of D values + their scale (kvcache/fp8.py): encode() writes that format
+        kc = encode(torch.randn(P, page, Hkv, D, device=dev, generator=g), dtype)
+        vc = encode(torch.randn(P, page, Hkv, D, device=dev, generator=g), dtype)
         perm = torch.randperm(P, device=dev, generator=g).int()
         tables = torch.zeros(2, max(need), dtype=torch.int32, device=dev)
         tables[0, :need[0]], tables[1, :need[1]] = perm[:need[0]], perm[need[0]:need[0] + need[1]]
@@ -434,7 +436,7 @@ def offload_kernels():
         si = torch.randperm(P, device=dev, generator=g)[:4096]
         di = torch.randperm(P, device=dev, generator=g)[:4096]
         dst = torch.zeros_like(kc)
-        copy_chunks(src, si, dst, di, page * Hkv * D)
+        copy_chunks(src, si, dst, di, kc[0].numel())
         if not torch.equal(dst[di].view(torch.uint8), kc[si].view(torch.uint8)):
             raise AssertionError(f"copy_chunks {dtype} not bit-exact")
         host = torch.zeros(P * page, Hkv, D, dtype=dtype).pin_memory()

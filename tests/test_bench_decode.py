@@ -141,3 +141,19 @@ def test_dense_extrapolation_is_the_line_through_the_largest_and_smallest_dense_
     assert far["ratio_to_dense"] == pytest.approx(80 * t)
     assert near["dense_source"] == "measured" and near["dense_tok_s"] == pytest.approx(80.0)
     assert dense_fit(dense[:1]) is None
+
+
+@pytest.mark.parametrize("kv_dtype", ["fp8", "bfloat16", "auto"])
+def test_bench_kv_bytes_per_token_match_the_stores(kv_dtype):
+    """bench decode sizes each run's host tier (and the dense GPU KV) from its own per-token bytes: they must be the
+    stores' (an fp8 row is 128 values + a 16-byte scale area, not + 4: the first GPU run refused its own tier)."""
+    from longreach.bench.decode import _kv_bytes_per_token
+    from longreach.engine.llm_engine import resolve_kv_dtype
+    from longreach.kvcache.offload import OffloadedKVCache
+    from longreach.kvcache.paged import PagedKVCache
+
+    mc = random_shape("random:llama-3.1-8b").config
+    dt = resolve_kv_dtype(kv_dtype, torch.bfloat16)
+    args = (mc.num_layers, 16, mc.num_kv_heads, mc.head_dim, dt)
+    assert _kv_bytes_per_token(mc, kv_dtype, torch.bfloat16) * 16 == OffloadedKVCache.bytes_per_page(*args)
+    assert _kv_bytes_per_token(mc, kv_dtype, torch.bfloat16) * 16 == PagedKVCache.bytes_per_block(*args)

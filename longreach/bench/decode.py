@@ -130,10 +130,12 @@ def _offload_summary(snaps: list, steps: list[dict], prefill_before: dict | None
 
 
 def _kv_bytes_per_token(mc, kv_cache_dtype: str, run_dtype) -> int:
-    """KV bytes per token, all layers: K and V, plus one fp32 scale per token and KV head for fp8."""
-    elem = {"fp8": 1, "bfloat16": 2, "float16": 2}.get(kv_cache_dtype, run_dtype.itemsize)
-    scale = 4 if kv_cache_dtype == "fp8" else 0
-    return 2 * mc.num_layers * mc.num_kv_heads * (mc.head_dim * elem + scale)
+    """KV bytes per token, all layers, as the engine stores them: K and V rows (fp8 rows carry their scale in 16
+    bytes after the values, kvcache/fp8.py)."""
+    from ..engine.llm_engine import resolve_kv_dtype
+    from ..kvcache.fp8 import row_bytes
+
+    return 2 * mc.num_layers * mc.num_kv_heads * row_bytes(mc.head_dim, resolve_kv_dtype(kv_cache_dtype, run_dtype))
 
 
 def _kv_need_bytes(mc, context: int, decode_tokens: int, batch: int, kw: dict, run_dtype) -> int:
@@ -162,13 +164,31 @@ def _estimate_weights_bytes(mc, run_dtype) -> int:
         return sum(p.numel() for p in LlamaForCausalLM(mc).parameters()) * run_dtype.itemsize
 
 
-def _prompts(vocab: int, context: int, batch: int, seed: int) -> list[list[int]]:
-    """The same random token ids for every method at one context (skipping the lowest ids: special tokens)."""
+def _prompts(vocab: int, context: int, batch: int, seed: int, text_ids: list[int] | None = None) -> list[list[int]]:
+    """The same prompts for every method at one context: random token ids (skipping the lowest ids: special tokens),
+    or with `text_ids` (a tokenized text) that text repeated to `context` tokens, sequence i starting i * 997 tokens
+    into it."""
     import torch
 
+    if text_ids:
+        reps = -(-(context + batch * 997) // len(text_ids))
+        ids = text_ids * reps
+        return [ids[i * 997: i * 997 + context] for i in range(batch)]
     g = torch.Generator().manual_seed(seed * 1_000_003 + context)
     low = min(100, vocab // 2)
     return [torch.randint(low, vocab, (context,), generator=g).tolist() for _ in range(batch)]
+
+
+def _text_ids(engine, text: str | None) -> list[int] | None:
+    if text is None:
+        return None
+    if engine.tokenizer is None:
+        raise ValueError(f"{engine.config.model} has no tokenizer: a text prompt needs a real checkpoint "
+                         "(random models take random token ids; drop --text-file / --text-source)")
+    ids = engine.tokenizer.encode(text)
+    if not ids:
+        raise ValueError("the prompt text is empty")
+    return ids
 
 
 def _fmt_len(n: int) -> str:
@@ -251,7 +271,9 @@ def _measure(model: str, context: int, spec, engine_kwargs: dict, batch: int, de
         dev = engine.device
         state.setdefault("model_config", engine.model_config)
         state.setdefault("weights_bytes", _weights_bytes(engine.model))
-        prompts = _prompts(engine.model_config.vocab_size, context, batch, seed)
+        if "text_ids" not in state:
+            state["text_ids"] = _text_ids(engine, state.get("text"))
+        prompts = _prompts(engine.model_config.vocab_size, context, batch, seed, state["text_ids"])
         if dev.type == "cuda":
             torch.cuda.reset_peak_memory_stats(dev)
         run = _drive(engine, prompts, decode_tokens, label)
@@ -366,7 +388,8 @@ def _fill_dense_column(report: dict) -> None:
 
 # ---- the benchmark ---------------------------------------------------------------------------------------------------
 def run(model: str, lengths: list[int], methods: list, engine_kwargs: dict, batch: int = 1, decode_tokens: int = 128,
-        dense_lengths: list[int] | None = None, out_path: str | None = None, command: str = "") -> dict:
+        dense_lengths: list[int] | None = None, out_path: str | None = None, command: str = "",
+        text: str | None = None, text_label: str | None = None) -> dict:
     """Every (context, method) of `lengths` x `methods` (eval.common.MethodSpec), then dense at `dense_lengths`
     (None: `lengths` plus the 4K anchor below them; []: no dense). `engine_kwargs`: EngineConfig fields other than
     model / attention / preset / max_model_len / max_num_seqs; its `attention_config` may be keyed by method
@@ -384,7 +407,7 @@ def run(model: str, lengths: list[int], methods: list, engine_kwargs: dict, batc
     dense_lengths = sorted(set(dense_lengths))
     device = resolve_device(engine_kwargs.get("device", "auto"))
     run_dtype = resolve_dtype(engine_kwargs.get("dtype", "auto"), device)
-    state: dict = {}
+    state: dict = {"text": text}
     if is_random_model(model):
         state["model_config"] = random_shape(model).config
     report = {
@@ -395,6 +418,7 @@ def run(model: str, lengths: list[int], methods: list, engine_kwargs: dict, batc
         "longreach": __version__, "dtype": str(run_dtype).replace("torch.", ""),
         "settings": {"batch": batch, "decode_tokens": decode_tokens, "lengths": lengths,
                      "attention": [m.label for m in methods], "dense_lengths": dense_lengths,
+                     "prompt": text_label or "random token ids",
                      "engine": dict(engine_kwargs)},
         "host": _host_memory(), "runs": [], "dense": [], "dense_extrapolation": None,
     }
@@ -491,7 +515,7 @@ def format_table(r: dict) -> str:
             lines.append(f"{ctx:>8} {x['attention']:<22} {x.get('error') or x.get('status') + ': ' + x['reason']}")
             continue
         mem, off = x["memory"], x.get("offload_stats") or {}
-        offload = f"{x['kv_offloading_size_gib']:g}G" if x["offload"] else "no"
+        offload = f"{x['kv_offloading_size_gib']:.1f}G" if x["offload"] else "no"
         if x["attention"] == "dense":
             dense_col, ratio = "", ""
         else:

@@ -39,6 +39,29 @@ from ..kernels.offload_copy import copy_chunks, scatter_rows
 from .fp8 import as_bytes, encode, row_bytes, row_elems, values
 
 
+def pinned_empty(shape: tuple, dtype: torch.dtype, owner: object) -> torch.Tensor:
+    """A page-locked host tensor of exactly `shape`, registered with CUDA (cudaHostRegister, mapped and portable)
+    and unregistered when `owner` is collected.
+
+    Not `torch.empty(..., pin_memory=True)`: PyTorch's caching host allocator rounds every pinned block up to a power
+    of two, so a 72 GiB host tier would pin 128 GiB and fail on a 128 GiB host. The pages are touched first (a
+    multi-threaded fill), which makes the registration itself a quick pin of resident memory. Raises RuntimeError
+    when CUDA refuses (too little lockable memory)."""
+    import weakref
+
+    t = torch.empty(shape, dtype=dtype)
+    as_bytes(t).view(-1).zero_()
+    nbytes = t.numel() * t.element_size()
+    if nbytes == 0:
+        return t
+    cudart = torch.cuda.cudart()
+    err = cudart.cudaHostRegister(t.data_ptr(), nbytes, 3)  # cudaHostRegisterPortable | cudaHostRegisterMapped
+    if int(err) != 0:
+        raise RuntimeError(f"cudaHostRegister of {nbytes / 2**30:.2f} GiB failed with CUDA error {int(err)}")
+    weakref.finalize(owner, cudart.cudaHostUnregister, t.data_ptr())
+    return t
+
+
 @dataclass
 class TierView:
     """One layer's K (or V) across both tiers, as the kernels read it (kernels/paged.py)."""
@@ -94,7 +117,8 @@ class OffloadedKVCache:
         self.device = device
         pin = device.type == "cuda"
         row = row_elems(head_dim, dtype)  # fp8: values + scale (kvcache/fp8.py)
-        self.host = torch.empty(L, 2, P, block_size, num_kv_heads, row, dtype=dtype, pin_memory=pin)
+        shape = (L, 2, P, block_size, num_kv_heads, row)
+        self.host = pinned_empty(shape, dtype, self) if pin else torch.empty(shape, dtype=dtype)
         self.pool = torch.zeros(S + 1, 2, block_size, num_kv_heads, row, dtype=dtype, device=device)
         self.slot_of = torch.full((L, P), -1, dtype=torch.int32, device=device)
         self.owner = torch.full((S,), -1, dtype=torch.long, device=device)
