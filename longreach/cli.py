@@ -236,6 +236,10 @@ def _bench_parser(sub) -> None:
                     help="contexts for the dense baseline, each tried where its KV fits on the GPU (default: "
                          "--lengths plus 4096 below them; give none to skip dense)")
     dc.add_argument("--out", default="bench-decode.json", help="JSON output path (default: bench-decode.json)")
+    dc.add_argument("--warmup-tokens", type=lambda v: 0 if v.strip() == "0" else context_length(v), default=None,
+                    metavar="N",
+                    help="an untimed prompt of N tokens run on each engine first, so that kernel compilation stays "
+                         "out of the numbers (default: one prefill chunk + 4096, at most half the context; 0: none)")
     src = dc.add_mutually_exclusive_group()
     src.add_argument("--text-file", metavar="PATH", help="prompt: this text repeated to each length (default: random "
                      "token ids; a text needs a model with a tokenizer)")
@@ -408,7 +412,8 @@ def _cmd_bench_decode(args) -> int:
         label = f"text source {args.text_source}"
     report = run(args.model, args.lengths, methods, engine, batch=args.batch, decode_tokens=args.decode_tokens,
                  dense_lengths=args.dense_lengths, out_path=args.out,
-                 command=shlex.join(["longreach", *getattr(args, "argv", [])]), text=text, text_label=label)
+                 command=shlex.join(["longreach", *getattr(args, "argv", [])]), text=text, text_label=label,
+                 warmup_tokens=args.warmup_tokens)
     return 1 if any("error" in r for r in report["runs"]) else 0
 
 

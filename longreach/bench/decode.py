@@ -179,6 +179,16 @@ def _prompts(vocab: int, context: int, batch: int, seed: int, text_ids: list[int
     return [torch.randint(low, vocab, (context,), generator=g).tolist() for _ in range(batch)]
 
 
+def _warmup_len(context: int, chunk: int, asked: int | None) -> int:
+    """Tokens of the untimed warm-up prompt run on each engine before its measured prompt: `asked`, or by default
+    one prefill chunk plus 4096 tokens (so that both the first-chunk and the chunk-with-prefix kernels compile), at
+    most half the context. Kernel variants keyed by a longer context's bucket may still compile in the timed run:
+    `prefill_first_step_s` shows it."""
+    if asked is not None:
+        return max(0, min(asked, context))
+    return min(context // 2, chunk + 4096)
+
+
 def _text_ids(engine, text: str | None) -> list[int] | None:
     if text is None:
         return None
@@ -274,6 +284,15 @@ def _measure(model: str, context: int, spec, engine_kwargs: dict, batch: int, de
         if "text_ids" not in state:
             state["text_ids"] = _text_ids(engine, state.get("text"))
         prompts = _prompts(engine.model_config.vocab_size, context, batch, seed, state["text_ids"])
+        warm = _warmup_len(context, engine.config.max_num_batched_tokens, state.get("warmup_tokens"))
+        warmup_s = None
+        if warm:  # compile this engine's kernels outside the timed run (a fresh process JIT-compiles for ~30-50 s)
+            _sync(dev)
+            t0 = time.perf_counter()
+            _drive(engine, _prompts(engine.model_config.vocab_size, warm, 1, seed + 1, state["text_ids"]), 4,
+                   f"{label} warm-up")
+            _sync(dev)
+            warmup_s = time.perf_counter() - t0
         if dev.type == "cuda":
             torch.cuda.reset_peak_memory_stats(dev)
         run = _drive(engine, prompts, decode_tokens, label)
@@ -294,6 +313,7 @@ def _measure(model: str, context: int, spec, engine_kwargs: dict, batch: int, de
             "kv_cache_memory_gb": cfg.kv_cache_memory_gb, "attention_config": cfg.attention_config,
             "prefill_s": run["prefill_s"], "prefill_tok_s": run["prefill_tokens"] / run["prefill_s"],
             "prefill_first_step_s": run["prefill_first_step_s"],
+            "warmup_tokens": warm, "warmup_s": warmup_s,
             "decode_tok_s": sum(s["tokens"] for s in steady) / steady_s if steady_s else None,
             "decode_tok_s_with_warmup": sum(s["tokens"] for s in steps) / all_s if all_s else None,
             "decode_steps": len(steps), "warmup_steps": len(steps) - len(steady),
@@ -389,7 +409,7 @@ def _fill_dense_column(report: dict) -> None:
 # ---- the benchmark ---------------------------------------------------------------------------------------------------
 def run(model: str, lengths: list[int], methods: list, engine_kwargs: dict, batch: int = 1, decode_tokens: int = 128,
         dense_lengths: list[int] | None = None, out_path: str | None = None, command: str = "",
-        text: str | None = None, text_label: str | None = None) -> dict:
+        text: str | None = None, text_label: str | None = None, warmup_tokens: int | None = None) -> dict:
     """Every (context, method) of `lengths` x `methods` (eval.common.MethodSpec), then dense at `dense_lengths`
     (None: `lengths` plus the 4K anchor below them; []: no dense). `engine_kwargs`: EngineConfig fields other than
     model / attention / preset / max_model_len / max_num_seqs; its `attention_config` may be keyed by method
@@ -407,7 +427,7 @@ def run(model: str, lengths: list[int], methods: list, engine_kwargs: dict, batc
     dense_lengths = sorted(set(dense_lengths))
     device = resolve_device(engine_kwargs.get("device", "auto"))
     run_dtype = resolve_dtype(engine_kwargs.get("dtype", "auto"), device)
-    state: dict = {"text": text}
+    state: dict = {"text": text, "warmup_tokens": warmup_tokens}
     if is_random_model(model):
         state["model_config"] = random_shape(model).config
     report = {
@@ -418,7 +438,7 @@ def run(model: str, lengths: list[int], methods: list, engine_kwargs: dict, batc
         "longreach": __version__, "dtype": str(run_dtype).replace("torch.", ""),
         "settings": {"batch": batch, "decode_tokens": decode_tokens, "lengths": lengths,
                      "attention": [m.label for m in methods], "dense_lengths": dense_lengths,
-                     "prompt": text_label or "random token ids",
+                     "prompt": text_label or "random token ids", "warmup_tokens": warmup_tokens,
                      "engine": dict(engine_kwargs)},
         "host": _host_memory(), "runs": [], "dense": [], "dense_extrapolation": None,
     }
