@@ -214,9 +214,11 @@ def _note(msg: str) -> None:
 
 
 # ---- one run ---------------------------------------------------------------------------------------------------------
-def _drive(engine, prompts: list[list[int]], decode_tokens: int, label: str) -> dict:
-    """Prefill and decode every prompt through `engine`, one timed step at a time."""
+def _drive(engine, prompts: list[list[int]], decode_tokens: int, label: str, profile_steps: int = 0) -> dict:
+    """Prefill and decode every prompt through `engine`, one timed step at a time; the last `profile_steps` decode
+    steps run under the profiler (bench/profile.py) and are left out of the rate."""
     from ..sampling_params import SamplingParams
+    from .profile import StepProfiler
 
     dev, runner = engine.device, engine.runner
     params = SamplingParams(temperature=0, max_tokens=decode_tokens, ignore_eos=True)
@@ -229,9 +231,14 @@ def _drive(engine, prompts: list[list[int]], decode_tokens: int, label: str) -> 
     snaps: list = []  # offload counters before decode step 0, then after each decode step
     prefill_before = snap = _kv_stats(engine)
     last_note = time.perf_counter()
+    prof = StepProfiler(dev)
     try:
         while engine.has_unfinished_requests():
             n_graphs, prev = len(runner._graphs), engine.last_step
+            profiled = profile_steps > 0 and engine.last_step is not None and not engine.last_step.is_prefill \
+                and len(steps) >= decode_tokens - 1 - profile_steps  # the prefill samples the first token
+            if profiled:
+                prof.start()
             _sync(dev)
             t0 = time.perf_counter()
             engine.step()
@@ -255,14 +262,18 @@ def _drive(engine, prompts: list[list[int]], decode_tokens: int, label: str) -> 
                 snaps.append(before)
             # warm-up: a graph variant captured in this step, or without graphs the first decode step
             warm = len(runner._graphs) > n_graphs or (not runner._graph_sizes and not steps)
-            steps.append({"s": dt, "tokens": st.num_tokens, "warmup": warm})
+            if profiled:
+                prof.record(dt)
+            steps.append({"s": dt, "tokens": st.num_tokens, "warmup": warm or profiled, "profiled": profiled})
             snaps.append(snap)
     except BaseException:
         for rid in ids:
             engine.abort_request(rid)
         raise
+    finally:
+        profile = prof.report()
     return {"prefill_s": prefill_s, "prefill_tokens": prefill_tokens, "prefill_first_step_s": first_step,
-            "steps": steps, "snaps": snaps, "prefill_before": prefill_before}
+            "steps": steps, "snaps": snaps, "prefill_before": prefill_before, "profile": profile}
 
 
 def _measure(model: str, context: int, spec, engine_kwargs: dict, batch: int, decode_tokens: int, seed: int,
@@ -295,7 +306,11 @@ def _measure(model: str, context: int, spec, engine_kwargs: dict, batch: int, de
             warmup_s = time.perf_counter() - t0
         if dev.type == "cuda":
             torch.cuda.reset_peak_memory_stats(dev)
-        run = _drive(engine, prompts, decode_tokens, label)
+        run = _drive(engine, prompts, decode_tokens, label, state.get("profile_steps") or 0)
+        if run["profile"]:
+            from .profile import format_report
+
+            print(format_report(label, run["profile"]), flush=True)
         peak = torch.cuda.max_memory_allocated(dev) if dev.type == "cuda" else None
         kv_gpu, kv_staging, kv_host = _kv_store_bytes(engine)
         weights = _weights_bytes(engine.model)
@@ -332,6 +347,7 @@ def _measure(model: str, context: int, spec, engine_kwargs: dict, batch: int, de
             },
             "host": _host_memory(),
             "offload_stats": _offload_summary(run["snaps"], steps, run["prefill_before"], steady_s),
+            "profile": run["profile"],
         }
     finally:
         llm = engine = None  # drop the engine (KV, graphs) before the next one is built
@@ -409,7 +425,8 @@ def _fill_dense_column(report: dict) -> None:
 # ---- the benchmark ---------------------------------------------------------------------------------------------------
 def run(model: str, lengths: list[int], methods: list, engine_kwargs: dict, batch: int = 1, decode_tokens: int = 128,
         dense_lengths: list[int] | None = None, out_path: str | None = None, command: str = "",
-        text: str | None = None, text_label: str | None = None, warmup_tokens: int | None = None) -> dict:
+        text: str | None = None, text_label: str | None = None, warmup_tokens: int | None = None,
+        profile_steps: int = 0) -> dict:
     """Every (context, method) of `lengths` x `methods` (eval.common.MethodSpec), then dense at `dense_lengths`
     (None: `lengths` plus the 4K anchor below them; []: no dense). `engine_kwargs`: EngineConfig fields other than
     model / attention / preset / max_model_len / max_num_seqs; its `attention_config` may be keyed by method
@@ -427,7 +444,7 @@ def run(model: str, lengths: list[int], methods: list, engine_kwargs: dict, batc
     dense_lengths = sorted(set(dense_lengths))
     device = resolve_device(engine_kwargs.get("device", "auto"))
     run_dtype = resolve_dtype(engine_kwargs.get("dtype", "auto"), device)
-    state: dict = {"text": text, "warmup_tokens": warmup_tokens}
+    state: dict = {"text": text, "warmup_tokens": warmup_tokens, "profile_steps": profile_steps}
     if is_random_model(model):
         state["model_config"] = random_shape(model).config
     report = {
