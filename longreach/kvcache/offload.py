@@ -4,8 +4,8 @@ Design (docs/offload.md has the byte budgets and the measurements):
   * **Host tier, the store of record**: (L, 2, P, block_size, H_kv, D), pinned. The block manager's page ids are
     host pages, so a sequence's block table means the same thing with offloading on or off.
   * **GPU pool**: (S + 1, 2, block_size, H_kv, D) slots shared by *all* layers (PSA's unified pool: a layer that reads
-    more pages holds more slots). A slot holds one layer's page (K and V). Slot S is scratch: writes to pages that
-    are not resident land there.
+    more pages holds more slots). A slot holds one layer's page (K and V). Slot S is scratch: the PyTorch write path
+    sends writes to pages that are not resident there (the GPU's fused write, kernels/kv_store.py, skips them).
   * **Page table** `slot_of` (L, P) int32 on the GPU: the slot of (layer, page), or -1. `owner` (S,) is its inverse
     (layer * P + page, or -1 for a free slot); `stamp` (S,) the last decode step the slot was read (LRU).
   * **Writes are write-through**: new K/V goes to the host tier (a kernel writing host memory directly) and, when the
@@ -160,6 +160,12 @@ class OffloadedKVCache:
     def store(self, layer: int, k: torch.Tensor, v: torch.Tensor, slot_mapping: torch.Tensor) -> None:
         """Write k, v (T, H_kv, D) at token slots (T,) (page * block_size + offset) of `layer`: into the host tier,
         and into the page's GPU slot when it is resident. No host sync (graph-capturable)."""
+        if self.pool.is_cuda:  # one kernel: quantise, write through, write the resident slot (kernels/kv_store.py)
+            from ..kernels import kv_store
+
+            if kv_store.triton is not None:
+                return kv_store.store_kv(k, v, slot_mapping, self.pool[:, 0], self.pool[:, 1],
+                                         host=(self.host[layer, 0], self.host[layer, 1]), slot_of=self.slot_of[layer])
         P, bs = self.num_pages, self.block_size
         t = slot_mapping.long()
         page, off = t // bs, t % bs
