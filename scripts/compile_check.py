@@ -25,6 +25,7 @@ from longreach.kernels import (  # noqa: E402
     fused,
     kv_store,
     offload_copy,
+    page_reads,
     paged_decode,
     prune_stage,
     topk,
@@ -134,6 +135,9 @@ def main() -> int:
             cases.append((f"kv_store {kv}{' tiered' if tiered else ''}", kv_store._store_kv_kernel,
                           dict(K=bf, V=bf, Slots="*i64", KD=kv, VD=kv, KH=kv, VH=kv, SlotOf=i32),
                           dict(BS=16, H=8, ROW=row, D=128, BLOCK_D=128, FP8=fp8, TIERED=tiered), []))
+    cases.append(("page_reads mark", page_reads._mark_reads_kernel,
+                  dict(Wanted="*u8", Tables=i32, Seq="*i64", First="*i64", Last="*i64", Blocks=i32),
+                  dict(BS=16, PER=1, SINK_PAGES=4, SPAN=65, BLOCK_SEL=256, BLOCK_FIXED=128), []))
     failed = 0
     ptxas = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "ptxas")
     print(f"{'kernel':<36} {'regs':>5} {'spill B':>8} {'shared':>8}")

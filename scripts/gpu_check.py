@@ -537,9 +537,23 @@ def fused_kernels():
             raise AssertionError(f"two-tier KV write {cdt}: host bytes differ")
         if not torch.equal(off.pool[:S].cpu().view(torch.uint8), ref.pool[:S].view(torch.uint8)):
             raise AssertionError(f"two-tier KV write {cdt}: resident slots differ")
+    # marking the pages a decode step reads: the GPU kernel vs the PyTorch path on CPU copies
+    L, P, W, nb, G, K = 32, 70000, 65536, 64, 8, 256
+    tables = torch.randint(0, P - 1, (2, W), device=dev, generator=g, dtype=torch.int32)
+    seq = torch.randint(0, 2, (nb,), device=dev, generator=g)
+    last = torch.randint(0, W * 16, (nb,), device=dev, generator=g)
+    blocks = torch.randint(-1, W * 2, (nb, G, K), device=dev, generator=g, dtype=torch.int32)
+    gpu = OffloadedKVCache(L, P, 8, 16, 8, 128, bf, torch.device(dev))
+    cpu = OffloadedKVCache(L, P, 8, 16, 8, 128, bf, torch.device("cpu"))
+    for st, d in ((gpu, dev), (cpu, "cpu")):
+        st.note_reads(5, tables.to(d), seq.to(d), last.to(d), last.to(d), 1, blocks.to(d), 8, 64, 1024)
+    want = cpu.wanted.clone()
+    want[-1] = False
+    if not torch.equal(gpu.wanted.cpu(), want):
+        raise AssertionError("note_reads: the GPU kernel marks other pages than the PyTorch path")
     return (f"RoPE and residual sums bit-exact; RMSNorm / SiLU*up within one bf16 unit on "
             f"{100 * worst['rms_norm']:.2f}% / {100 * worst['silu_mul']:.2f}% of elements; KV write bf16 and fp8, "
-            "one and two tiers, byte-equal to the PyTorch path")
+            "one and two tiers, byte-equal to the PyTorch path; note_reads marks the same pages")
 
 
 def offload_engine(model: str, length: int = 131072):

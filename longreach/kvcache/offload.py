@@ -214,6 +214,13 @@ class OffloadedKVCache:
         nb = seq.shape[0]
         if nb == 0:
             return
+        if dev.type == "cuda":  # one kernel instead of ~25 small ops (kernels/page_reads.py)
+            from ..kernels import page_reads
+
+            if page_reads.triton is not None:
+                return page_reads.mark_reads(self.wanted, layer, self.num_pages, block_tables.to(dev), seq.to(dev),
+                                             first.to(dev), last.to(dev), max_rows, blocks.to(dev), block_k, bs,
+                                             n_sink, n_window)
         seq, first, last = seq.long().to(dev), first.long().to(dev), last.long().to(dev)
         last_page = last // bs
         sink = torch.arange(-(-n_sink // bs), device=dev).expand(nb, -1)
