@@ -125,7 +125,7 @@ def test_bench_decode_reports_offload_counters(tmp_path):
 
 
 def test_dense_extrapolation_is_the_line_through_the_largest_and_smallest_dense_contexts():
-    from longreach.bench.decode import _fill_dense_column, dense_fit
+    from longreach.bench.decode_report import _fill_dense_column, dense_fit
 
     dense = [{"context": n, "status": "measured", "step_s_mean": t, "decode_tok_s": 1 / t}
              for n, t in ((4096, 0.010), (131072, 0.0125), (524288, 0.020))]
