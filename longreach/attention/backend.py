@@ -71,6 +71,7 @@ class KVLayout(Protocol):
     at offset i % block_size); attention/cascading.py: CascadeLayout."""
 
     max_slots: int  # the most slots any sequence uses
+    stride: int  # prefill chunks end on multiples of this position (except at a prompt's end): the backend's unit
     side_bytes_per_token: int  # the backend's own state per slot (all layers), beside the K/V rows
 
     def slots_for(self, num_tokens: int) -> int:

@@ -18,8 +18,11 @@ How it fits the engine (docs/sparse.md, "Cascading KV cache", has the whole desi
     beta^(n-1-i) p_i (kernels/key_mass.py computes the sum from the attention's log-sum-exp). A new token starts at
     0 when it arrives. So the importance is the same whether a prompt is cut into strides or fed token by token
     (given the same attention).
-  * Strided prefill: a chunk attends over the cache plus itself (causally), then enters the cache; a chunk longer
-    than `stride` runs as consecutive strides inside one step (per layer, so equal to the scheduler cutting it there).
+  * Strided prefill: a stride of the prompt attends over the cache plus itself (causally), then enters the cache.
+    Strides cover positions [k * stride, (k + 1) * stride) (stride capped at max_num_batched_tokens); the scheduler
+    ends prefill chunks on their boundaries (`CascadeLayout.stride`) and a chunk holding several strides runs them
+    one after the other in each layer, so the result does not depend on how steps cut a prompt. Decode tokens are
+    strides of one.
 
 Not supported (refused with a reason): KV offloading, fp8 KV, composing with another method (--decode-attention),
 dynamic-NTK RoPE, CUDA-graph decode (decode runs eagerly: the insertion plan is host work every step).
@@ -98,6 +101,7 @@ class CascadeLayout:
     n_sink: int
     capacity: int
     max_step: int  # most tokens one step gives a sequence (max_num_batched_tokens)
+    stride: int  # prefill strides cover positions [k * stride, (k + 1) * stride); chunks end on their boundaries
     side_bytes_per_token: int  # importance (fp32) + position (int32) per layer and KV head, beside the K/V rows
 
     @property
@@ -169,7 +173,9 @@ class CascadingBackend(AttentionBackend):
         c = self.config
         self.sizes = [c.subcache_size] * c.num_subcaches
         L, H = model_config.num_layers, model_config.num_kv_heads
-        self.kv_layout = CascadeLayout(c.n_sink, c.capacity, engine_config.max_num_batched_tokens, L * H * 8)
+        self.stride = min(c.stride, engine_config.max_num_batched_tokens)  # a stride fits one step
+        self.kv_layout = CascadeLayout(c.n_sink, c.capacity, engine_config.max_num_batched_tokens, self.stride,
+                                       L * H * 8)
         self.inv_freq = rope_inv_freq(model_config.rope, model_config.head_dim)[0].to(device)
         self.rope = RopeArgs("cache", self.inv_freq, 0)
         self._rings: dict[int, CascadeRings] = {}
@@ -179,8 +185,8 @@ class CascadingBackend(AttentionBackend):
         self._subs: list[_SubStride] = []
         self._positions: torch.Tensor | None = None
         if c.stride > engine_config.max_num_batched_tokens:
-            logger.info("cascading: stride %d exceeds max_num_batched_tokens %d: prefill strides are the engine's "
-                        "chunks", c.stride, engine_config.max_num_batched_tokens)
+            logger.info("cascading: stride %d exceeds max_num_batched_tokens %d: prefill strides are %d tokens",
+                        c.stride, engine_config.max_num_batched_tokens, self.stride)
 
     # ---- configuration -------------------------------------------------------------------------------------------
     @classmethod
@@ -231,8 +237,8 @@ class CascadingBackend(AttentionBackend):
             to_flat = (lambda t: lambda loc: t[loc // bs] * bs + loc % bs)(table)
             stage, first_staged = lay.stage_base(c + n), max(c, S)
             subs = []
-            for s0 in range(c, c + n, cfg.stride):
-                n_r = min(cfg.stride, c + n - s0)
+            for s0 in sorted({c} | set(range(-(-c // self.stride) * self.stride, c + n, self.stride))):
+                n_r = min((s0 // self.stride + 1) * self.stride, c + n) - s0  # strides aligned to positions
                 sink = min(S, s0 + n_r)
                 cached = rings.chronological()
                 lo = max(s0, S)

@@ -133,9 +133,11 @@ class LLMEngine:
                             config.attention, per_seq, layout.max_slots, num_blocks, num_blocks // per_seq)
         self.runner = ModelRunner(self.model, config, self.kv_cache, self.blocks, self.backend, self.device)
         self.runner.capture_graphs()
+        layout = self.backend.kv_layout
         self.scheduler = Scheduler(self.blocks, config.max_num_seqs, config.max_num_batched_tokens,
                                    on_release=lambda seq: self.backend.free_sequence(seq.seq_id),
-                                   max_prefill_pages=self.kv_cache.staging_pages if config.offload else None)
+                                   max_prefill_pages=self.kv_cache.staging_pages if config.offload else None,
+                                   chunk_align=layout.stride if layout else 1)
         self.sampler = Sampler(self.device, config.seed)
         self._requests: dict[str, _Request] = {}
         self._seq_ids = itertools.count()
@@ -413,7 +415,7 @@ class LLMEngine:
         seq = Sequence(next(self._seq_ids), "score", 0, list(token_ids), SamplingParams(max_tokens=1), frozenset(), 1)
         try:
             while seq.num_computed < seq.num_tokens:
-                n = min(self.config.max_num_batched_tokens, seq.num_uncomputed)
+                n = self.scheduler.chunk(seq, self.config.max_num_batched_tokens)
                 if not self.blocks.ensure(seq.seq_id, seq.num_computed + n):
                     raise ValueError(f"the KV cache cannot hold {len(token_ids)} tokens")
                 logits, _ = self.runner.execute(ScheduledBatch(True, [seq], [n]), all_logits=all_logits)
