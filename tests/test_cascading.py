@@ -380,7 +380,8 @@ def test_bsa_kernel_with_cache_rope_equals_executor(dtype):
     S, BK, W = 3, 4, 4
     for bq, splits in ((4, 1), (1, 3)):
         qb = QueryBlocks.build(n, [V[0] - n[0], V[1] - n[1]], bq)
-        sel = [torch.arange(S // BK, max(S // BK, (p + ln - 1 - W) // BK + 1))[None] for p, ln in zip(qb.pos, qb.length)]
+        sel = [torch.arange(S // BK, max(S // BK, (p + ln - 1 - W) // BK + 1))[None]
+               for p, ln in zip(qb.pos, qb.length)]
         blocks, counts = SparseIndex.pack(sel, "cpu")
         idx = SparseIndex(bq, BK, S, W, 1, qb, blocks, counts)
         ref, lse_ref = block_sparse_attention(q, kc, vc, table, idx, D ** -0.5, rope=rope)

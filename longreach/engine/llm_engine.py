@@ -115,11 +115,11 @@ class LLMEngine:
         self.backend = make_backend(mc, config, self.device)  # one backend, or prefill + decode (attention/compose.py)
 
         self.kv_dtype = resolve_kv_dtype(config.kv_cache_dtype, self.dtype)
+        layout = self.backend.kv_layout  # a bounded cache's own slot layout (attention/backend.py), or None
         if config.offload:
             self._init_offloaded_cache()
         else:
             num_blocks = self._num_kv_blocks()
-            layout = self.backend.kv_layout
             self.blocks = BlockManager(num_blocks, config.block_size, slots_for=layout and layout.slots_for)
             # One extra page: the scratch page that padded CUDA-graph rows write to.
             self.kv_cache = PagedKVCache(mc.num_layers, num_blocks + 1, config.block_size, mc.num_kv_heads,
@@ -133,7 +133,6 @@ class LLMEngine:
                             config.attention, per_seq, layout.max_slots, num_blocks, num_blocks // per_seq)
         self.runner = ModelRunner(self.model, config, self.kv_cache, self.blocks, self.backend, self.device)
         self.runner.capture_graphs()
-        layout = self.backend.kv_layout
         self.scheduler = Scheduler(self.blocks, config.max_num_seqs, config.max_num_batched_tokens,
                                    on_release=lambda seq: self.backend.free_sequence(seq.seq_id),
                                    max_prefill_pages=self.kv_cache.staging_pages if config.offload else None,

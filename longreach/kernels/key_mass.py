@@ -4,7 +4,7 @@ The cascading cache's importance (attention/cascading.py) is an exponential movi
 cached token receives. A flash-attention kernel never holds a whole softmax row, so the mass is a second pass that
 reuses the first pass's log-sum-exp: for every sequence b, KV head g and key v < num_keys[b],
 
-    mass[b, g, v] = sum_i w[i] * mean_{h in g} exp(scale * q[i, h] . k[v, g] - lse[i, h])     over rows i with v <= pos_i
+    mass[b, g, v] = sum_i w[i] * mean_{h in g} exp(scale * q[i, h] . k[v, g] - lse[i, h])    (rows i with v <= pos_i)
 
 (rows i of the sequence, at positions pos_i = first_pos[b] + i; keys addressed like the block-sparse executor:
 key v -> page table[b, v // page] at offset v % page). With RoPE strategy "cache" each key, stored un-rotated, is

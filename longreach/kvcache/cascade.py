@@ -263,6 +263,10 @@ def batch_plans(plans: list[StridePlan], to_flat: list[Callable[[np.ndarray], np
     cur = [len(p.stage_slots) for p in plans]  # offers per sequence at the current level
     levels = []
     e = np.zeros(0, np.int64)
+
+    def cat(xs):  # host index arrays -> one device tensor
+        return torch.from_numpy(np.concatenate(xs + [e]).astype(np.int64)).to(device)
+
     for j in range(max([len(p.levels) for p in plans] + [0])):  # a sequence with fewer sub-caches drops its falls
         lvs = [p.levels[j] if j < len(p.levels) else LevelPlan(cur[i], e, e, e, e, e, e, e)
                for i, p in enumerate(plans)]
@@ -275,7 +279,7 @@ def batch_plans(plans: list[StridePlan], to_flat: list[Callable[[np.ndarray], np
         def pool_ix(ix, i):  # a sequence's pool index -> the batch pool [all old ..., all entries ...]
             ix = np.asarray(ix, dtype=np.int64)
             return np.where(ix < r[i], r0[i] + ix, R + a0[i] + ix - r[i])
-        cat = lambda xs: torch.from_numpy(np.concatenate(xs + [np.zeros(0, np.int64)]).astype(np.int64)).to(device)  # noqa: E731,E501
+
         levels.append(BatchLevel(
             pidx=cat([o[i] + lv.pidx for i, lv in enumerate(lvs)]),
             cidx=cat([np.where(lv.cidx >= 0, o[i] + lv.cidx, -1) for i, lv in enumerate(lvs)]),
