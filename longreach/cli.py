@@ -236,6 +236,13 @@ def _bench_parser(sub) -> None:
                     help="contexts for the dense baseline, each tried where its KV fits on the GPU (default: "
                          "--lengths plus 4096 below them; give none to skip dense)")
     dc.add_argument("--out", default="bench-decode.json", help="JSON output path (default: bench-decode.json)")
+    dc.add_argument("--warmup-tokens", type=lambda v: 0 if v.strip() == "0" else context_length(v), default=None,
+                    metavar="N",
+                    help="an untimed prompt of N tokens run on each engine first, so that kernel compilation stays "
+                         "out of the numbers (default: one prefill chunk + 4096, at most half the context; 0: none)")
+    dc.add_argument("--profile-steps", type=int, default=0, metavar="N",
+                    help="run the last N decode steps of each run under torch.profiler and print where a step's "
+                         "time goes (wall vs device ms, top kernels); they are left out of the rate (default: 0)")
     src = dc.add_mutually_exclusive_group()
     src.add_argument("--text-file", metavar="PATH", help="prompt: this text repeated to each length (default: random "
                      "token ids; a text needs a model with a tokenizer)")
@@ -387,6 +394,9 @@ def _cmd_bench_decode(args) -> int:
 
     if args.batch < 1 or args.decode_tokens < 2:
         raise ValueError("--batch must be >= 1 and --decode-tokens >= 2")
+    if not 0 <= args.profile_steps < args.decode_tokens - 1:
+        raise ValueError(f"--profile-steps must be in [0, --decode-tokens - 1) = [0, {args.decode_tokens - 1}) (the "
+                         f"first token comes from the prefill), got {args.profile_steps}")
     if is_random_model(args.model):
         random_shape(args.model)  # an unknown shape fails here, before any engine is built
     methods = parse_methods(args.attention)
@@ -408,7 +418,8 @@ def _cmd_bench_decode(args) -> int:
         label = f"text source {args.text_source}"
     report = run(args.model, args.lengths, methods, engine, batch=args.batch, decode_tokens=args.decode_tokens,
                  dense_lengths=args.dense_lengths, out_path=args.out,
-                 command=shlex.join(["longreach", *getattr(args, "argv", [])]), text=text, text_label=label)
+                 command=shlex.join(["longreach", *getattr(args, "argv", [])]), text=text, text_label=label,
+                 warmup_tokens=args.warmup_tokens, profile_steps=args.profile_steps)
     return 1 if any("error" in r for r in report["runs"]) else 0
 
 

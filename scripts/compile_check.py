@@ -19,7 +19,19 @@ import tempfile  # noqa: E402
 import triton  # noqa: E402
 from triton.backends.compiler import GPUTarget  # noqa: E402
 
-from longreach.kernels import bsa, combine, key_mass, offload_copy, paged_decode, prune_stage, topk, vertical_slash  # noqa: E402,E501
+from longreach.kernels import (  # noqa: E402
+    bsa,
+    combine,
+    fused,
+    key_mass,
+    kv_store,
+    offload_copy,
+    page_reads,
+    paged_decode,
+    prune_stage,
+    topk,
+    vertical_slash,
+)
 
 
 def compile_one(fn, pointer_types: dict[str, str], constexprs: dict, floats=(), num_warps: int = 4):
@@ -139,6 +151,19 @@ def main() -> int:
                       dict(Src=kv, SrcIdx="*i64", Dst=kv, DstIdx="*i64"), dict(BLOCK=4096), []))
         cases.append((f"offload scatter_rows {kv}", offload_copy._scatter_rows_kernel,
                       dict(Src=kv, Rows="*i64", Dst=kv), dict(BLOCK=1024), []))
+    # the model's fused per-layer kernels and the fused KV write (kernels/fused.py, kernels/kv_store.py)
+    cases.append(("fused add_rms_norm h4096", fused._add_rms_norm_kernel, dict(X=bf, R=bf, W=bf, Out=bf, ResOut=bf),
+                  dict(HAS_RES=True, BLOCK=4096), ["eps"]))
+    cases.append(("fused rope d128", fused._rope_kernel, dict(X=bf, Cos=bf, Sin=bf), dict(HALF=64, BLOCK=64), []))
+    cases.append(("fused silu_mul", fused._silu_mul_kernel, dict(GU=bf, Out=bf), dict(BLOCK=1024), []))
+    for kv, row, fp8 in ((bf, 128, False), (f8, 144, True)):
+        for tiered in (False, True):
+            cases.append((f"kv_store {kv}{' tiered' if tiered else ''}", kv_store._store_kv_kernel,
+                          dict(K=bf, V=bf, Slots="*i64", KD=kv, VD=kv, KH=kv, VH=kv, SlotOf=i32),
+                          dict(BS=16, H=8, ROW=row, D=128, BLOCK_D=128, FP8=fp8, TIERED=tiered), []))
+    cases.append(("page_reads mark", page_reads._mark_reads_kernel,
+                  dict(Wanted="*u8", Tables=i32, Seq="*i64", First="*i64", Last="*i64", Blocks=i32),
+                  dict(BS=16, PER=1, SINK_PAGES=4, SPAN=65, BLOCK_SEL=256, BLOCK_FIXED=128), []))
     failed = 0
     ptxas = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "ptxas")
     print(f"{'kernel':<36} {'regs':>5} {'spill B':>8} {'shared':>8}")

@@ -473,6 +473,89 @@ def offload_kernels():
            "copy kernels exact; graph replay follows the page table"
 
 
+def fused_kernels():
+    """kernels/fused.py and kernels/kv_store.py at Llama-8B sizes in bf16 against the PyTorch code they replace:
+    RoPE and the residual sums bit for bit, RMSNorm and SiLU * up within one bf16 unit on a few elements; the KV
+    write (one tier bf16 / fp8, two tiers with pinned host pages over UVA) byte for byte with the CPU path."""
+    from longreach.kernels import fused
+    from longreach.kernels.kv_store import store_kv
+    from longreach.kvcache.fp8 import FP8
+    from longreach.kvcache.offload import OffloadedKVCache
+    from longreach.kvcache.paged import PagedKVCache
+
+    dev, bf = "cuda", torch.bfloat16
+    g = torch.Generator(device=dev).manual_seed(11)
+    worst = {}
+    for T in (1, 7, 4096):
+        x = torch.randn(T, 4096, device=dev, generator=g).to(bf)
+        r = torch.randn(T, 4096, device=dev, generator=g).to(bf)
+        w = (1 + 0.1 * torch.randn(4096, device=dev, generator=g)).to(bf)
+        out, s = fused.add_rms_norm(x, r, w, 1e-5)
+        ref, s_ref = fused.add_rms_norm_reference(x, r, w, 1e-5)
+        if not torch.equal(s, s_ref):
+            raise AssertionError(f"add_rms_norm T={T}: residual sum differs")
+        gu = (torch.randn(T, 2 * 14336, device=dev, generator=g) * 3).to(bf)
+        for name, a, b in (("rms_norm", out, ref), ("silu_mul", fused.silu_mul(gu), fused.silu_mul_reference(gu))):
+            diff = (a.float() - b.float()).abs()
+            ulp = torch.finfo(bf).eps * b.float().abs()
+            if bool((diff > 1.01 * ulp + 1e-30).any()):
+                raise AssertionError(f"{name} T={T}: beyond one bf16 unit, max |diff| {diff.max():.3g}")
+            worst[name] = max(worst.get(name, 0.0), (diff > 0).float().mean().item())
+        qkv = torch.randn(T, 48 * 128, device=dev, generator=g).to(bf)
+        pos = torch.randint(0, 1 << 20, (T,), device=dev, generator=g).float()
+        ang = pos[:, None] * (500000.0 ** (-torch.arange(0, 128, 2, device=dev).float() / 128))[None]
+        cos, sin = ang.cos().to(bf), ang.sin().to(bf)
+        qk = qkv[:, :40 * 128].view(T, 40, 128)
+        ref = fused.rope_reference(qk.clone(), cos, sin)
+        fused.rope_qk_(qk, cos, sin)
+        if not torch.equal(qk, ref):
+            raise AssertionError(f"rope T={T}: not bit-exact")
+    # the KV write: the kernel on the GPU vs the PyTorch path on CPU copies
+    L, P, S, bs, H, D, T = 2, 300, 40, 16, 8, 128, 1000
+    qkv = torch.randn(T, 48 * 128, device=dev, generator=g).to(bf)
+    k, v = qkv[:, 32 * 128:40 * 128].view(T, H, D), qkv[:, 40 * 128:].view(T, H, D)
+    slots = torch.randperm(P * bs, device=dev, generator=g)[:T]
+    for cdt in (bf, FP8):
+        gpu = PagedKVCache(L, P, bs, H, D, cdt, torch.device(dev))
+        cpu = PagedKVCache(L, P, bs, H, D, cdt, torch.device("cpu"))
+        gpu.kv.view(torch.uint8).fill_(3)
+        cpu.kv.view(torch.uint8).fill_(3)
+        gpu.store(1, k, v, slots)
+        cpu.store(1, k.cpu(), v.cpu(), slots.cpu())
+        if not torch.equal(gpu.kv.cpu().view(torch.uint8), cpu.kv.view(torch.uint8)):
+            raise AssertionError(f"one-tier KV write {cdt}: bytes differ from the PyTorch path")
+        off = OffloadedKVCache(L, P, S, bs, H, D, cdt, torch.device(dev))
+        ref = OffloadedKVCache(L, P, S, bs, H, D, cdt, torch.device("cpu"))
+        res = torch.randperm(P, device=dev, generator=g)[:S]
+        for c in (off, ref):
+            c.host.view(torch.uint8).fill_(5)
+            c.slot_of[1, res.to(c.slot_of.device)] = torch.arange(S, dtype=torch.int32, device=c.slot_of.device)
+        off.store(1, k, v, slots)
+        ref.store(1, k.cpu(), v.cpu(), slots.cpu())
+        torch.cuda.synchronize()
+        if not torch.equal(off.host.view(torch.uint8), ref.host.view(torch.uint8)):
+            raise AssertionError(f"two-tier KV write {cdt}: host bytes differ")
+        if not torch.equal(off.pool[:S].cpu().view(torch.uint8), ref.pool[:S].view(torch.uint8)):
+            raise AssertionError(f"two-tier KV write {cdt}: resident slots differ")
+    # marking the pages a decode step reads: the GPU kernel vs the PyTorch path on CPU copies
+    L, P, W, nb, G, K = 32, 70000, 65536, 64, 8, 256
+    tables = torch.randint(0, P - 1, (2, W), device=dev, generator=g, dtype=torch.int32)
+    seq = torch.randint(0, 2, (nb,), device=dev, generator=g)
+    last = torch.randint(0, W * 16, (nb,), device=dev, generator=g)
+    blocks = torch.randint(-1, W * 2, (nb, G, K), device=dev, generator=g, dtype=torch.int32)
+    gpu = OffloadedKVCache(L, P, 8, 16, 8, 128, bf, torch.device(dev))
+    cpu = OffloadedKVCache(L, P, 8, 16, 8, 128, bf, torch.device("cpu"))
+    for st, d in ((gpu, dev), (cpu, "cpu")):
+        st.note_reads(5, tables.to(d), seq.to(d), last.to(d), last.to(d), 1, blocks.to(d), 8, 64, 1024)
+    want = cpu.wanted.clone()
+    want[-1] = False
+    if not torch.equal(gpu.wanted.cpu(), want):
+        raise AssertionError("note_reads: the GPU kernel marks other pages than the PyTorch path")
+    return (f"RoPE and residual sums bit-exact; RMSNorm / SiLU*up within one bf16 unit on "
+            f"{100 * worst['rms_norm']:.2f}% / {100 * worst['silu_mul']:.2f}% of elements; KV write bf16 and fp8, "
+            "one and two tiers, byte-equal to the PyTorch path; note_reads marks the same pages")
+
+
 def offload_engine(model: str, length: int = 131072):
     """SmolLM2 at `length` with infinitehip: offloaded (GPU pool = 1/8 of the KV) == not offloaded, greedy tokens and
     prompt logits bit for bit; hit ratio and decode tok/s of both."""
@@ -669,6 +752,7 @@ def main():
     check("chunk-scoring kernel vs reference (bf16)")(prune_matrix)
     check("offload: kernels through the page table, copy kernels")(offload_kernels)
     check("minference range/column kernel vs reference (bf16)")(minference_matrix)
+    check("fused model kernels and the fused KV write (bf16, fp8)")(fused_kernels)
     check("cascading kernels: cache-RoPE attention, key mass (bf16)")(cascading_kernels)
     if args.model:
         check("engine: offloaded KV == GPU KV (SmolLM2, 128K)")(lambda: offload_engine(args.model))

@@ -157,3 +157,22 @@ def test_bench_kv_bytes_per_token_match_the_stores(kv_dtype):
     args = (mc.num_layers, 16, mc.num_kv_heads, mc.head_dim, dt)
     assert _kv_bytes_per_token(mc, kv_dtype, torch.bfloat16) * 16 == OffloadedKVCache.bytes_per_page(*args)
     assert _kv_bytes_per_token(mc, kv_dtype, torch.bfloat16) * 16 == PagedKVCache.bytes_per_block(*args)
+
+
+def test_profile_steps_are_profiled_and_left_out_of_the_rate(tmp_path):
+    """--profile-steps 3: the last 3 decode steps run under torch.profiler (a kernel table in the JSON) and count as
+    warm-up steps, not in the rate."""
+    from longreach.bench.decode import run
+    from longreach.eval.common import MethodSpec
+
+    out = tmp_path / "bd.json"
+    report = run("random:tiny", [512], [MethodSpec("streaming", None, "streaming")],
+                 {"device": "cpu", "kv_cache_memory_gb": 0.01}, decode_tokens=8, dense_lengths=[],
+                 out_path=str(out), warmup_tokens=0, profile_steps=3)
+    row = report["runs"][0]
+    assert row["decode_steps"] == 7
+    assert row["warmup_step_indices"][-3:] == [4, 5, 6]
+    prof = row["profile"]
+    assert prof["steps"] == 3 and prof["clock"] == "cpu" and prof["top"]
+    assert prof["top"][0]["ms_per_step"] >= prof["top"][-1]["ms_per_step"] > 0
+    assert json.loads(out.read_text())["runs"][0]["profile"]["steps"] == 3

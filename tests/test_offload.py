@@ -363,3 +363,37 @@ def test_offload_sizing_errors_name_the_fix(tiny):
         EngineConfig(kv_offloading_size=-1)
     with pytest.raises(ValueError, match="kv_cache_dtype must be one of auto, bfloat16, float16, fp8"):
         EngineConfig(kv_cache_dtype="int4")
+
+
+@pytest.mark.parametrize("block_k,bs,n_sink,n_window,max_rows", [(8, 16, 4, 64, 1), (64, 16, 64, 1024, 1),
+                                                                   (16, 16, 0, 0, 1), (64, 16, 16, 40, 64)])
+def test_mark_reads_kernel_marks_the_pages_the_pytorch_path_marks(block_k, bs, n_sink, n_window, max_rows):
+    """kernels/page_reads.py (the GPU's note_reads) in the interpreter: the same `wanted` bits as the PyTorch
+    note_reads, for random query blocks (several sequences, positions near the start and far in, selections with
+    -1 padding, block tables with padding pointing at the scratch page)."""
+    from longreach.kernels.page_reads import mark_reads
+
+    g = torch.Generator().manual_seed(block_k + n_window)
+    L, P, W, B, G, K = 3, 200, 40, 3, 2, 6
+    st = OffloadedKVCache(L, P, 4, bs, 2, 8, torch.float32, torch.device("cpu"))
+    tables = torch.randint(0, P - 1, (B, W), generator=g, dtype=torch.int32)
+    tables[2, 30:] = P - 1  # a padded row's tail: the scratch page is never marked
+    nb = 64
+    seq = torch.randint(0, B, (nb,), generator=g)
+    last = torch.randint(0, W * bs, (nb,), generator=g)
+    last[0] = 3
+    first = (last - torch.randint(0, max_rows, (nb,), generator=g)).clamp(min=0)
+    nblk = -(-(W * bs) // block_k)
+    blocks = torch.randint(-1, nblk, (nb, G, K), generator=g)
+    blocks[::3] = -1  # every third block selected nothing: its marks are the sink's and the window's alone
+    for part in [slice(i, i + 1) for i in range(nb)] + [slice(0, nb)]:  # each block alone, then all together
+        st.wanted.zero_()
+        st.note_reads(1, tables, seq[part], first[part], last[part], max_rows, blocks[part], block_k, n_sink,
+                      n_window)
+        want = st.wanted.clone()
+        want[-1] = False  # the PyTorch path's trash entry
+        got = torch.zeros_like(st.wanted)
+        mark_reads(got, 1, P, tables, seq[part], first[part], last[part], max_rows, blocks[part].to(torch.int32),
+                   block_k, bs, n_sink, n_window)
+        assert torch.equal(got, want), (part, got.nonzero().squeeze(1).tolist(), want.nonzero().squeeze(1).tolist())
+    assert got.any()

@@ -24,7 +24,8 @@ def server():
     # max_model_len 1024 and a KV cache of 64 pages of 16 tokens (737,280 bytes each in fp32)
     args = [{"2048": "1024", "0.5": "0.044"}.get(a, a) for a in SMOLLM2_ARGS]
     srv = RemoteServer(args + ["--max-num-seqs", "2", "--max-queued-requests", "1", "--max-request-bytes", "65536",
-                               "--max-num-batched-tokens", "64", "--keep-alive-interval", "0.2"],
+                               "--max-num-batched-tokens", "64", "--keep-alive-interval", "0.2",
+                               "--warmup-tokens", "100"],
                        api_key=KEY, env={"LONGREACH_API_KEY": KEY})
     yield srv
     srv.stop()
@@ -43,6 +44,16 @@ def _info(http) -> dict:
 def _idle(http) -> bool:
     info = _info(http)
     return info["running"] == 0 and info["waiting"] == 0 and info["kv_cache"]["gpu_pages_used"] == 0
+
+
+def test_warmup_ran_before_listening_and_left_nothing_behind(server, http):
+    """--warmup-tokens 100 with 64-token chunks: a first chunk and one with a prefix ran before /health answered;
+    the warm-up request is gone (no running or waiting request, every page free) and counts in no metric."""
+    log = server.log_text()
+    assert "warm-up: one request of 100 prompt tokens" in log
+    assert log.index("warm-up:") < log.index("listening on")
+    assert _idle(http)
+    assert re.search(r"^longreach:prompt_tokens_total\S* 0\.0$", http.get("/metrics").text, re.M)
 
 
 def test_api_key(server, http):

@@ -370,4 +370,7 @@ def test_graph_decode_path_equals_eager_decode_with_staggered_sequences(tiny, me
     keys = {key for _, key in engine.runner._graphs}
     levels = {key[1] for key in keys}
     assert len(levels) >= 2 if method != "streaming" else levels == {0}, keys  # several refresh variants ran
+    # the 90-token prompt decodes below dense_below beside longer ones: a variant where only a prefix of the rows
+    # (longest first) runs the selection stages
+    assert any(0 < key[3] < rows for rows, key in engine.runner._graphs), sorted(engine.runner._graphs)
     assert not engine.backend._slot and not engine.backend._cached  # finished sequences gave their state back

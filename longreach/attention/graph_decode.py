@@ -6,7 +6,12 @@ only every refresh[i] steps, and a short context attends densely. So the step co
           widths are sized by it, so one variant serves every length up to it (extra candidates are -1);
   level   the earliest stage any sequence of the batch recomputes this step (len(stages): none does);
   dense   for each distinct `dense_below` limit, whether the longest sequence is within it (those layers
-          attend densely, as in an eager step).
+          attend densely, as in an eager step);
+  select  how many rows run the stages (a power of two >= the number of rows longer than the smallest limit): the
+          runner orders a batch longest first, so the rows that need a selection are a prefix, and the short rows of
+          a mixed batch (a 128K request among short chats) skip the per-row selection entirely. Without this every
+          row ran it: the first GPU serving run (SmolLM2, H100) spent 29 s capturing 48-row level-0 variants and
+          decoded its 48 short rows at the long row's cost (docs/benchmarks.md).
 A variant recomputes stages level..N-1 for every row, and each row keeps its cached output of a stage its own
 schedule does not refresh (`SelectionMethod.graph_select`), so every sequence gets exactly the selections of an
 eager run, whatever else is in the batch. The stage outputs live in static per-layer buffers with one row per
@@ -106,6 +111,11 @@ class GraphDecode:
                 else:
                     first[layer, row] = m.refresh_from(step)
         level = int(first[sparse_layers].min()) if sparse_layers else N
+        shortest_limit = min(self.dense_below(layer) for layer in sparse_layers) if sparse_layers else None
+        need = 0 if shortest_limit is None else sum(length > shortest_limit for length in seq_lens)
+        if need and any(a < b for a, b in zip(seq_lens, seq_lens[1:])):
+            raise ValueError("graph decode needs the batch ordered longest first (engine/model_runner.py)")
+        select = 0 if need == 0 else 1 << (need - 1).bit_length()
 
         def load(rows: int) -> None:
             n = len(slots)
@@ -113,7 +123,7 @@ class GraphDecode:
             g["slot"][n:rows].fill_(self.engine_config.max_num_seqs)
             g["first"][:, :n].copy_(torch.from_numpy(first), non_blocking=True)
             g["first"][:, n:rows].fill_(N)
-        return (bucket, level, dense), load
+        return (bucket, level, dense, select), load
 
     def _limits(self) -> list[int]:
         return sorted({self.dense_below(layer) for layer in range(self.model_config.num_layers)})
@@ -121,7 +131,7 @@ class GraphDecode:
     def _graph_forward(self, layer, q, k, v, k_cache, v_cache, meta: AttentionMetadata):
         from .sparse import BlockQueries, SequenceKeys, use_kernels  # sparse.py imports this module
 
-        bucket, level, dense = self._variant
+        bucket, level, dense, select = self._variant
         limit = self.dense_below(layer)
         if layer in self.config.dense_layers or dense[self._limits().index(limit)]:
             return self.dense.forward(layer, q, k, v, k_cache, v_cache, meta)
@@ -132,18 +142,23 @@ class GraphDecode:
         first = g["first"][layer, :n]
         ends = meta.seq_lens[:n].long()
         zero, one = torch.zeros(1, dtype=torch.long, device=dev), torch.ones(1, dtype=torch.long, device=dev)
+        # rows [0, sel) run the stages; the rest are no longer than every limit and read every key block below
+        sel = min(select, n)
         fresh: list[list[torch.Tensor]] = [[] for _ in caches[level:]]
-        for i in range(n):
+        for i in range(sel):
             blocks = BlockQueries(zero, one, ends[i:i + 1], 1, bucket)
             keys = SequenceKeys(k_cache, meta.block_tables[i], bucket)
             outs = m.graph_select(layer, q[i:i + 1], blocks, keys, [c[i:i + 1] for c in cached], first[i:i + 1],
                                   level)
             for j, o in enumerate(outs):
                 fresh[j].append(o)
-        stages = cached[:level] + [torch.cat(f) for f in fresh]
+        stages = cached[:level] + [torch.cat(f) if f else c[:0] for f, c in zip(fresh, cached[level:])]
         for c, st in zip(caches[level:], stages[level:]):
-            c.index_copy_(0, slot, st)
-        blocks = stages[-1] if stages else torch.empty(n, m.groups, 0, dtype=torch.int32, device=dev)
+            c.index_copy_(0, slot[:sel], st)
+        if stages:  # the unselected rows' blocks are replaced by "every block" below; any values do
+            blocks = torch.cat([stages[-1], cached[-1][sel:]]) if level < len(caches) else stages[-1]
+        else:
+            blocks = torch.empty(n, m.groups, 0, dtype=torch.int32, device=dev)
         if limit > 0:  # a row no longer than the limit reads every key block, as in an eager step
             width = max(blocks.shape[2], -(-limit // m.block_k))
             blocks = torch.nn.functional.pad(blocks, (0, width - blocks.shape[2]), value=-1)

@@ -179,6 +179,16 @@ def _prompts(vocab: int, context: int, batch: int, seed: int, text_ids: list[int
     return [torch.randint(low, vocab, (context,), generator=g).tolist() for _ in range(batch)]
 
 
+def _warmup_len(context: int, chunk: int, asked: int | None) -> int:
+    """Tokens of the untimed warm-up prompt run on each engine before its measured prompt: `asked`, or by default
+    one prefill chunk plus 4096 tokens (so that both the first-chunk and the chunk-with-prefix kernels compile), at
+    most half the context. Kernel variants keyed by a longer context's bucket may still compile in the timed run:
+    `prefill_first_step_s` shows it."""
+    if asked is not None:
+        return max(0, min(asked, context))
+    return min(context // 2, chunk + 4096)
+
+
 def _text_ids(engine, text: str | None) -> list[int] | None:
     if text is None:
         return None
@@ -204,9 +214,11 @@ def _note(msg: str) -> None:
 
 
 # ---- one run ---------------------------------------------------------------------------------------------------------
-def _drive(engine, prompts: list[list[int]], decode_tokens: int, label: str) -> dict:
-    """Prefill and decode every prompt through `engine`, one timed step at a time."""
+def _drive(engine, prompts: list[list[int]], decode_tokens: int, label: str, profile_steps: int = 0) -> dict:
+    """Prefill and decode every prompt through `engine`, one timed step at a time; the last `profile_steps` decode
+    steps run under the profiler (bench/profile.py) and are left out of the rate."""
     from ..sampling_params import SamplingParams
+    from .profile import StepProfiler
 
     dev, runner = engine.device, engine.runner
     params = SamplingParams(temperature=0, max_tokens=decode_tokens, ignore_eos=True)
@@ -219,9 +231,14 @@ def _drive(engine, prompts: list[list[int]], decode_tokens: int, label: str) -> 
     snaps: list = []  # offload counters before decode step 0, then after each decode step
     prefill_before = snap = _kv_stats(engine)
     last_note = time.perf_counter()
+    prof = StepProfiler(dev)
     try:
         while engine.has_unfinished_requests():
             n_graphs, prev = len(runner._graphs), engine.last_step
+            profiled = profile_steps > 0 and engine.last_step is not None and not engine.last_step.is_prefill \
+                and len(steps) >= decode_tokens - 1 - profile_steps  # the prefill samples the first token
+            if profiled:
+                prof.start()
             _sync(dev)
             t0 = time.perf_counter()
             engine.step()
@@ -245,14 +262,18 @@ def _drive(engine, prompts: list[list[int]], decode_tokens: int, label: str) -> 
                 snaps.append(before)
             # warm-up: a graph variant captured in this step, or without graphs the first decode step
             warm = len(runner._graphs) > n_graphs or (not runner._graph_sizes and not steps)
-            steps.append({"s": dt, "tokens": st.num_tokens, "warmup": warm})
+            if profiled:
+                prof.record(dt)
+            steps.append({"s": dt, "tokens": st.num_tokens, "warmup": warm or profiled, "profiled": profiled})
             snaps.append(snap)
     except BaseException:
         for rid in ids:
             engine.abort_request(rid)
         raise
+    finally:
+        profile = prof.report()
     return {"prefill_s": prefill_s, "prefill_tokens": prefill_tokens, "prefill_first_step_s": first_step,
-            "steps": steps, "snaps": snaps, "prefill_before": prefill_before}
+            "steps": steps, "snaps": snaps, "prefill_before": prefill_before, "profile": profile}
 
 
 def _measure(model: str, context: int, spec, engine_kwargs: dict, batch: int, decode_tokens: int, seed: int,
@@ -274,9 +295,22 @@ def _measure(model: str, context: int, spec, engine_kwargs: dict, batch: int, de
         if "text_ids" not in state:
             state["text_ids"] = _text_ids(engine, state.get("text"))
         prompts = _prompts(engine.model_config.vocab_size, context, batch, seed, state["text_ids"])
+        warm = _warmup_len(context, engine.config.max_num_batched_tokens, state.get("warmup_tokens"))
+        warmup_s = None
+        if warm:  # compile this engine's kernels outside the timed run (a fresh process JIT-compiles for ~30-50 s)
+            _sync(dev)
+            t0 = time.perf_counter()
+            _drive(engine, _prompts(engine.model_config.vocab_size, warm, 1, seed + 1, state["text_ids"]), 4,
+                   f"{label} warm-up")
+            _sync(dev)
+            warmup_s = time.perf_counter() - t0
         if dev.type == "cuda":
             torch.cuda.reset_peak_memory_stats(dev)
-        run = _drive(engine, prompts, decode_tokens, label)
+        run = _drive(engine, prompts, decode_tokens, label, state.get("profile_steps") or 0)
+        if run["profile"]:
+            from .profile import format_report
+
+            print(format_report(label, run["profile"]), flush=True)
         peak = torch.cuda.max_memory_allocated(dev) if dev.type == "cuda" else None
         kv_gpu, kv_staging, kv_host = _kv_store_bytes(engine)
         weights = _weights_bytes(engine.model)
@@ -294,6 +328,7 @@ def _measure(model: str, context: int, spec, engine_kwargs: dict, batch: int, de
             "kv_cache_memory_gb": cfg.kv_cache_memory_gb, "attention_config": cfg.attention_config,
             "prefill_s": run["prefill_s"], "prefill_tok_s": run["prefill_tokens"] / run["prefill_s"],
             "prefill_first_step_s": run["prefill_first_step_s"],
+            "warmup_tokens": warm, "warmup_s": warmup_s,
             "decode_tok_s": sum(s["tokens"] for s in steady) / steady_s if steady_s else None,
             "decode_tok_s_with_warmup": sum(s["tokens"] for s in steps) / all_s if all_s else None,
             "decode_steps": len(steps), "warmup_steps": len(steps) - len(steady),
@@ -312,6 +347,7 @@ def _measure(model: str, context: int, spec, engine_kwargs: dict, batch: int, de
             },
             "host": _host_memory(),
             "offload_stats": _offload_summary(run["snaps"], steps, run["prefill_before"], steady_s),
+            "profile": run["profile"],
         }
     finally:
         llm = engine = None  # drop the engine (KV, graphs) before the next one is built
@@ -389,7 +425,8 @@ def _fill_dense_column(report: dict) -> None:
 # ---- the benchmark ---------------------------------------------------------------------------------------------------
 def run(model: str, lengths: list[int], methods: list, engine_kwargs: dict, batch: int = 1, decode_tokens: int = 128,
         dense_lengths: list[int] | None = None, out_path: str | None = None, command: str = "",
-        text: str | None = None, text_label: str | None = None) -> dict:
+        text: str | None = None, text_label: str | None = None, warmup_tokens: int | None = None,
+        profile_steps: int = 0) -> dict:
     """Every (context, method) of `lengths` x `methods` (eval.common.MethodSpec), then dense at `dense_lengths`
     (None: `lengths` plus the 4K anchor below them; []: no dense). `engine_kwargs`: EngineConfig fields other than
     model / attention / preset / max_model_len / max_num_seqs; its `attention_config` may be keyed by method
@@ -407,7 +444,7 @@ def run(model: str, lengths: list[int], methods: list, engine_kwargs: dict, batc
     dense_lengths = sorted(set(dense_lengths))
     device = resolve_device(engine_kwargs.get("device", "auto"))
     run_dtype = resolve_dtype(engine_kwargs.get("dtype", "auto"), device)
-    state: dict = {"text": text}
+    state: dict = {"text": text, "warmup_tokens": warmup_tokens, "profile_steps": profile_steps}
     if is_random_model(model):
         state["model_config"] = random_shape(model).config
     report = {
@@ -418,7 +455,7 @@ def run(model: str, lengths: list[int], methods: list, engine_kwargs: dict, batc
         "longreach": __version__, "dtype": str(run_dtype).replace("torch.", ""),
         "settings": {"batch": batch, "decode_tokens": decode_tokens, "lengths": lengths,
                      "attention": [m.label for m in methods], "dense_lengths": dense_lengths,
-                     "prompt": text_label or "random token ids",
+                     "prompt": text_label or "random token ids", "warmup_tokens": warmup_tokens,
                      "engine": dict(engine_kwargs)},
         "host": _host_memory(), "runs": [], "dense": [], "dense_extrapolation": None,
     }

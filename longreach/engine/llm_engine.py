@@ -20,7 +20,7 @@ import torch
 from ..attention.compose import make_backend
 from ..config import EngineConfig
 from ..kvcache.block_manager import BlockManager
-from ..kvcache.offload import OffloadedKVCache
+from ..kvcache.offload import build_offloaded_cache
 from ..kvcache.paged import PagedKVCache
 from ..models.loader import load_model
 from ..sampling_params import SamplingParams
@@ -43,18 +43,6 @@ def resolve_device(name: str) -> torch.device:
     if name.startswith("cuda") and not torch.cuda.is_available():
         raise ValueError(f"device {name!r} was asked for but CUDA is not available here; use --device cpu")
     return torch.device(name)
-
-
-def _host_memory_available() -> int | None:
-    """MemAvailable from /proc/meminfo in bytes (None where there is no such file)."""
-    try:
-        with open("/proc/meminfo") as f:
-            for line in f:
-                if line.startswith("MemAvailable:"):
-                    return int(line.split()[1]) * 1024
-    except OSError:
-        return None
-    return None
 
 
 def dtype_name(dtype: torch.dtype) -> str:
@@ -157,63 +145,9 @@ class LLMEngine:
 
     # ---- KV sizing -----------------------------------------------------------------------------------------------
     def _init_offloaded_cache(self) -> None:
-        """Two tiers (kvcache/offload.py): `kv_offloading_size` GiB of pinned host pages hold every token, a GPU pool
-        of `kv_cache_memory_gb` (default: what the GPU has left after the staging area) caches the hot pages."""
-        cfg, mc = self.config, self.model_config
-        bs, L, H, D = cfg.block_size, mc.num_layers, mc.num_kv_heads, mc.head_dim
-        if cfg.attention == "dense" and cfg.decode_attention is None:
-            logger.warning("dense attention with KV offloading reads every page of every layer from host memory at "
-                           "each decode step (PCIe-bound, slow); the sparse methods (infinitehip, hip, streaming) read "
-                           "a few thousand tokens per step and cache them on the GPU")
         dense_layers = getattr(getattr(self.backend, "config", None), "dense_layers", ())
-        if dense_layers:
-            logger.warning("layers %s attend densely: with KV offloading they read every page of the context from "
-                           "host memory at each decode step; --attention-config '{\"dense_layers\": []}' avoids it",
-                           list(dense_layers))
-        per_page = OffloadedKVCache.bytes_per_page(L, bs, H, D, self.kv_dtype)
-        host_pages = int(cfg.kv_offloading_size * GiB // per_page)
-        longest = -(-cfg.max_model_len // bs)
-        if host_pages < longest:
-            raise ValueError(
-                f"kv_offloading_size={cfg.kv_offloading_size} GiB holds {host_pages * bs} tokens, fewer than "
-                f"max_model_len={cfg.max_model_len} ({longest * per_page / GiB:.2f} GiB at {per_page // bs} bytes per "
-                "token); raise --kv-offloading-size or lower --max-model-len")
-        staging = longest + -(-cfg.max_num_batched_tokens // bs) + 1
-        per_slot = OffloadedKVCache.bytes_per_slot(bs, H, D, self.kv_dtype)
-        staging_bytes = staging * per_slot
-        if cfg.kv_cache_memory_gb is not None:
-            budget = cfg.kv_cache_memory_gb * GiB
-        elif self.device.type == "cuda":
-            budget = self._profile_free_gpu_memory() - staging_bytes
-        else:
-            budget = min(_CPU_KV_DEFAULT_GB * GiB, host_pages * per_page)
-        slots = int(budget // (per_slot + 32))  # + the page table's share per slot (int32 entry, owner, stamp)
-        if slots < 1:
-            raise ValueError(f"the GPU page cache gets {budget / GiB:.2f} GiB, less than one page; raise "
-                             "--kv-cache-memory-gb or --gpu-memory-utilization")
-        available = _host_memory_available()
-        if available is not None and host_pages * per_page > 0.9 * available:
-            raise ValueError(f"kv_offloading_size={cfg.kv_offloading_size} GiB does not fit the host: "
-                             f"{available / GiB:.1f} GiB of memory is available; lower --kv-offloading-size (it needs "
-                             f"{longest * per_page / GiB:.2f} GiB for max_model_len={cfg.max_model_len})")
-        self.blocks = BlockManager(host_pages, bs)
-        try:
-            self.kv_cache = OffloadedKVCache(L, host_pages + 1, slots, bs, H, D, self.kv_dtype, self.device,
-                                             staging_pages=staging)
-            self.kv_cache.staging()  # allocated now, so that a GPU too small for it fails here and not mid-prefill
-        except (RuntimeError, MemoryError) as e:  # pinning or GPU allocation refused
-            raise ValueError(f"could not allocate the KV tiers ({host_pages * per_page / GiB:.2f} GiB of host "
-                             f"memory, {slots * per_slot / GiB:.2f} + {staging_bytes / GiB:.2f} GiB on the "
-                             f"{self.device.type.upper()}): {str(e).splitlines()[0]}; lower --kv-offloading-size, "
-                             "--kv-cache-memory-gb or --max-model-len") from None
-        self.blocks.on_free = self.kv_cache.free_pages
-        kv = dtype_name(self.kv_dtype)
-        logger.info("KV cache, host tier: %d pages x %d tokens = %d tokens (%.2f GiB%s, %s)", host_pages, bs,
-                    host_pages * bs, self.kv_cache.host_nbytes / GiB, " pinned" if self.device.type == "cuda" else "",
-                    kv)
-        logger.info("KV cache, GPU tier: %d slots of one layer's page = %d tokens per layer on average (%.2f GiB, "
-                    "shared by all %d layers); prefill staging %.2f GiB (%d pages)", slots, slots * bs // L,
-                    self.kv_cache.nbytes / GiB, L, self.kv_cache.staging_nbytes / GiB, staging)
+        self.blocks, self.kv_cache = build_offloaded_cache(self.config, self.model_config, self.kv_dtype, self.device,
+                                                           dense_layers, self._profile_free_gpu_memory)
 
     def kv_cache_stats(self) -> dict:
         """KV-cache occupancy and, with offloading, the cumulative page counters (kvcache/offload.py)."""

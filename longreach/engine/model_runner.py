@@ -215,15 +215,19 @@ class ModelRunner:
                         time.perf_counter() - t0)
 
     def _replay(self, batch: ScheduledBatch) -> torch.Tensor:
+        """One graph-decoded step. The rows are fed longest first (a sparse backend then runs its selection only
+        for the prefix of rows that need one, attention/graph_decode.py); the logits come back in batch order."""
         n = len(batch.seqs)
         size = self._graph_sizes[bisect.bisect_left(self._graph_sizes, n)]
         bs = self.block_size
-        ids = [s.output_token_ids[-1] if s.output_token_ids else s.prompt_token_ids[-1] for s in batch.seqs]
-        pos = [s.num_tokens - 1 for s in batch.seqs]
-        key, load = self.backend.graph_step([s.seq_id for s in batch.seqs], [p + 1 for p in pos])
+        order = sorted(range(n), key=lambda i: -batch.seqs[i].num_tokens)  # stable: ties keep the batch order
+        seqs = [batch.seqs[i] for i in order]
+        ids = [s.output_token_ids[-1] if s.output_token_ids else s.prompt_token_ids[-1] for s in seqs]
+        pos = [s.num_tokens - 1 for s in seqs]
+        key, load = self.backend.graph_step([s.seq_id for s in seqs], [p + 1 for p in pos])
         if (size, key) not in self._graphs:
             self._capture(size, key)
-        tables = [self.blocks.table(s.seq_id) for s in batch.seqs]
+        tables = [self.blocks.table(s.seq_id) for s in seqs]
         width = max(len(t) for t in tables)
         bt = np.full((size, width), self.scratch_page, dtype=np.int32)
         for i, t in enumerate(tables):
@@ -240,4 +244,9 @@ class ModelRunner:
         self._g_tables[:size, :width].copy_(torch.from_numpy(bt).to(dev, non_blocking=True))
         if load is not None:
             load(size)
-        return self._graphs[(size, key)]()[:n]
+        logits = self._graphs[(size, key)]()[:n]
+        if order == list(range(n)):
+            return logits
+        back = torch.empty(n, dtype=torch.long)
+        back[torch.tensor(order)] = torch.arange(n)
+        return logits.index_select(0, back.to(logits.device))

@@ -4,8 +4,8 @@ Design (docs/offload.md has the byte budgets and the measurements):
   * **Host tier, the store of record**: (L, 2, P, block_size, H_kv, D), pinned. The block manager's page ids are
     host pages, so a sequence's block table means the same thing with offloading on or off.
   * **GPU pool**: (S + 1, 2, block_size, H_kv, D) slots shared by *all* layers (PSA's unified pool: a layer that reads
-    more pages holds more slots). A slot holds one layer's page (K and V). Slot S is scratch: writes to pages that
-    are not resident land there.
+    more pages holds more slots). A slot holds one layer's page (K and V). Slot S is scratch: the PyTorch write path
+    sends writes to pages that are not resident there (the GPU's fused write, kernels/kv_store.py, skips them).
   * **Page table** `slot_of` (L, P) int32 on the GPU: the slot of (layer, page), or -1. `owner` (S,) is its inverse
     (layer * P + page, or -1 for a free slot); `stamp` (S,) the last decode step the slot was read (LRU).
   * **Writes are write-through**: new K/V goes to the host tier (a kernel writing host memory directly) and, when the
@@ -160,6 +160,12 @@ class OffloadedKVCache:
     def store(self, layer: int, k: torch.Tensor, v: torch.Tensor, slot_mapping: torch.Tensor) -> None:
         """Write k, v (T, H_kv, D) at token slots (T,) (page * block_size + offset) of `layer`: into the host tier,
         and into the page's GPU slot when it is resident. No host sync (graph-capturable)."""
+        if self.pool.is_cuda:  # one kernel: quantise, write through, write the resident slot (kernels/kv_store.py)
+            from ..kernels import kv_store
+
+            if kv_store.triton is not None:
+                return kv_store.store_kv(k, v, slot_mapping, self.pool[:, 0], self.pool[:, 1],
+                                         host=(self.host[layer, 0], self.host[layer, 1]), slot_of=self.slot_of[layer])
         P, bs = self.num_pages, self.block_size
         t = slot_mapping.long()
         page, off = t // bs, t % bs
@@ -208,6 +214,13 @@ class OffloadedKVCache:
         nb = seq.shape[0]
         if nb == 0:
             return
+        if dev.type == "cuda":  # one kernel instead of ~25 small ops (kernels/page_reads.py)
+            from ..kernels import page_reads
+
+            if page_reads.triton is not None:
+                return page_reads.mark_reads(self.wanted, layer, self.num_pages, block_tables.to(dev), seq.to(dev),
+                                             first.to(dev), last.to(dev), max_rows, blocks.to(dev), block_k, bs,
+                                             n_sink, n_window)
         seq, first, last = seq.long().to(dev), first.long().to(dev), last.long().to(dev)
         last_page = last // bs
         sink = torch.arange(-(-n_sink // bs), device=dev).expand(nb, -1)
@@ -363,3 +376,85 @@ class StagedPrefill:
         rows[1].index_copy_(0, self.slots, as_bytes(encode(v, buf.dtype)))
         st.store(layer, k, v, self.meta_in.slot_mapping)
         return backend.forward(layer, q, k, v, buf[0], buf[1], self.meta)
+
+
+# ---- sizing (the engine's constructor calls this) ---------------------------------------------------------------------
+GiB = 1 << 30
+CPU_POOL_DEFAULT_GB = 4.0  # the "GPU" pool on a CPU run, when --kv-cache-memory-gb is not given
+
+
+def host_memory_available() -> int | None:
+    """MemAvailable from /proc/meminfo in bytes (None where there is no such file)."""
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        return None
+    return None
+
+
+def build_offloaded_cache(cfg, mc, kv_dtype: torch.dtype, device: torch.device, dense_layers,
+                          free_gpu_bytes) -> tuple["BlockManager", OffloadedKVCache]:
+    """The block manager and the two-tier store for EngineConfig `cfg` and ModelConfig `mc`:
+    `kv_offloading_size` GiB of pinned host pages hold every token, a GPU pool of `kv_cache_memory_gb` (default:
+    `free_gpu_bytes()` less the staging area) caches the hot pages. Raises ValueError with what to change when a
+    tier does not fit; logs both tiers in GiB and tokens."""
+    import logging
+
+    from .block_manager import BlockManager
+
+    logger = logging.getLogger("longreach")
+    bs, L, H, D = cfg.block_size, mc.num_layers, mc.num_kv_heads, mc.head_dim
+    if cfg.attention == "dense" and cfg.decode_attention is None:
+        logger.warning("dense attention with KV offloading reads every page of every layer from host memory at "
+                       "each decode step (PCIe-bound, slow); the sparse methods (infinitehip, hip, streaming) read "
+                       "a few thousand tokens per step and cache them on the GPU")
+    if dense_layers:
+        logger.warning("layers %s attend densely: with KV offloading they read every page of the context from "
+                       "host memory at each decode step; --attention-config '{\"dense_layers\": []}' avoids it",
+                       list(dense_layers))
+    per_page = OffloadedKVCache.bytes_per_page(L, bs, H, D, kv_dtype)
+    host_pages = int(cfg.kv_offloading_size * GiB // per_page)
+    longest = -(-cfg.max_model_len // bs)
+    if host_pages < longest:
+        raise ValueError(
+            f"kv_offloading_size={cfg.kv_offloading_size} GiB holds {host_pages * bs} tokens, fewer than "
+            f"max_model_len={cfg.max_model_len} ({longest * per_page / GiB:.2f} GiB at {per_page // bs} bytes per "
+            "token); raise --kv-offloading-size or lower --max-model-len")
+    staging = longest + -(-cfg.max_num_batched_tokens // bs) + 1
+    per_slot = OffloadedKVCache.bytes_per_slot(bs, H, D, kv_dtype)
+    staging_bytes = staging * per_slot
+    if cfg.kv_cache_memory_gb is not None:
+        budget = cfg.kv_cache_memory_gb * GiB
+    elif device.type == "cuda":
+        budget = free_gpu_bytes() - staging_bytes
+    else:
+        budget = min(CPU_POOL_DEFAULT_GB * GiB, host_pages * per_page)
+    slots = int(budget // (per_slot + 32))  # + the page table's share per slot (int32 entry, owner, stamp)
+    if slots < 1:
+        raise ValueError(f"the GPU page cache gets {budget / GiB:.2f} GiB, less than one page; raise "
+                         "--kv-cache-memory-gb or --gpu-memory-utilization")
+    available = host_memory_available()
+    if available is not None and host_pages * per_page > 0.9 * available:
+        raise ValueError(f"kv_offloading_size={cfg.kv_offloading_size} GiB does not fit the host: "
+                         f"{available / GiB:.1f} GiB of memory is available; lower --kv-offloading-size (it needs "
+                         f"{longest * per_page / GiB:.2f} GiB for max_model_len={cfg.max_model_len})")
+    blocks = BlockManager(host_pages, bs)
+    try:
+        store = OffloadedKVCache(L, host_pages + 1, slots, bs, H, D, kv_dtype, device, staging_pages=staging)
+        store.staging()  # allocated now, so that a GPU too small for it fails here and not mid-prefill
+    except (RuntimeError, MemoryError) as e:  # pinning or GPU allocation refused
+        raise ValueError(f"could not allocate the KV tiers ({host_pages * per_page / GiB:.2f} GiB of host "
+                         f"memory, {slots * per_slot / GiB:.2f} + {staging_bytes / GiB:.2f} GiB on the "
+                         f"{device.type.upper()}): {str(e).splitlines()[0]}; lower --kv-offloading-size, "
+                         "--kv-cache-memory-gb or --max-model-len") from None
+    blocks.on_free = store.free_pages
+    kv = str(kv_dtype).replace("torch.", "")
+    logger.info("KV cache, host tier: %d pages x %d tokens = %d tokens (%.2f GiB%s, %s)", host_pages, bs,
+                host_pages * bs, store.host_nbytes / GiB, " pinned" if device.type == "cuda" else "", kv)
+    logger.info("KV cache, GPU tier: %d slots of one layer's page = %d tokens per layer on average (%.2f GiB, "
+                "shared by all %d layers); prefill staging %.2f GiB (%d pages)", slots, slots * bs // L,
+                store.nbytes / GiB, L, store.staging_nbytes / GiB, staging)
+    return blocks, store

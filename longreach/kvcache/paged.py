@@ -35,8 +35,14 @@ class PagedKVCache:
         return self.kv[layer, 0], self.kv[layer, 1]
 
     def store(self, layer: int, k: torch.Tensor, v: torch.Tensor, slot_mapping: torch.Tensor) -> None:
-        """Write k, v (T, H_kv, D) into slots (T,) of `layer` (quantised for an fp8 cache)."""
+        """Write k, v (T, H_kv, D) into slots (T,) of `layer` (quantised for an fp8 cache): one fused kernel on a
+        GPU (kernels/kv_store.py), the PyTorch ops elsewhere."""
         kc, vc = self.layer(layer)
+        if k.is_cuda:
+            from ..kernels import kv_store
+
+            if kv_store.triton is not None:
+                return kv_store.store_kv(k, v, slot_mapping, kc, vc)
         for c, x in ((kc, k), (vc, v)):
             as_bytes(c).view(-1, *c.shape[2:]).index_copy_(0, slot_mapping, as_bytes(encode(x, c.dtype)))
 

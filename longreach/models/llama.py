@@ -5,7 +5,10 @@ token belongs to which sequence, and it learns that from the engine's `Attention
 q/k/v and gate/up are fused into single matmuls at load time (fewer launches per decode step).
 
 Numerics follow transformers (RMSNorm in fp32 then cast, RoPE in the activation dtype) so that greedy outputs can be
-compared token for token.
+compared token for token. On a GPU the residual add + RMSNorm, the rotary embedding and SiLU * up run as one Triton
+kernel each (kernels/fused.py: the same arithmetic, ~30 fewer launches per layer in a decode step); elsewhere their
+PyTorch references. The residual stream is carried beside each layer's output (vLLM's layout) so that the add fuses
+into the next norm.
 """
 from __future__ import annotations
 
@@ -15,6 +18,7 @@ import torch
 from torch import nn
 from torch.nn import functional as F
 
+from ..kernels.fused import add_rms_norm, rms_norm, rope_qk_, silu_mul
 from ..rope.scaling import RotaryEmbedding, apply_rope
 from .config import ModelConfig
 
@@ -35,8 +39,13 @@ class RMSNorm(nn.Module):
         self.weight = nn.Parameter(torch.ones(dim))
         self.eps = eps
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        dtype = x.dtype
+    def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None):
+        """RMSNorm(x) over the last dim; with `residual`, (RMSNorm(residual + x), residual + x)."""
+        if residual is not None:
+            return add_rms_norm(x, residual, self.weight, self.eps)
+        if x.dim() == 2:
+            return rms_norm(x, self.weight, self.eps)
+        dtype = x.dtype  # q/k norms (T, H, D): the PyTorch reference
         x32 = x.float()
         x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)
         return self.weight * x32.to(dtype)
@@ -59,13 +68,18 @@ class Attention(nn.Module):
 
     def forward(self, x, cos, sin, ctx: ForwardContext):
         T = x.shape[0]
-        q, k, v = self.qkv_proj(x).split([self.q_size, self.kv_size, self.kv_size], dim=-1)
-        q = q.view(T, self.num_heads, self.head_dim)
-        k = k.view(T, self.num_kv_heads, self.head_dim)
-        v = v.view(T, self.num_kv_heads, self.head_dim)
-        if self.q_norm is not None:
-            q, k = self.q_norm(q), self.k_norm(k)
-        q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
+        qkv = self.qkv_proj(x)  # (T, (H_q + 2 H_kv) D)
+        if self.q_norm is None:  # q and k heads side by side: one in-place rotation for both
+            qk = rope_qk_(qkv[:, :self.q_size + self.kv_size].view(T, self.num_heads + self.num_kv_heads,
+                                                                   self.head_dim), cos, sin)
+            q, k = qk[:, :self.num_heads], qk[:, self.num_heads:]
+            v = qkv[:, self.q_size + self.kv_size:].view(T, self.num_kv_heads, self.head_dim)
+        else:
+            q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
+            q = self.q_norm(q.view(T, self.num_heads, self.head_dim))
+            k = self.k_norm(k.view(T, self.num_kv_heads, self.head_dim))
+            v = v.view(T, self.num_kv_heads, self.head_dim)
+            q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
         out = ctx.attention(self.layer, q, k, v)  # (T, H_q, D)
         return self.o_proj(out.reshape(T, self.q_size))
 
@@ -77,8 +91,7 @@ class MLP(nn.Module):
         self.down_proj = nn.Linear(cfg.intermediate_size, cfg.hidden_size, bias=cfg.mlp_bias)
 
     def forward(self, x):
-        gate, up = self.gate_up_proj(x).chunk(2, dim=-1)
-        return self.down_proj(F.silu(gate) * up)
+        return self.down_proj(silu_mul(self.gate_up_proj(x)))
 
 
 class DecoderLayer(nn.Module):
@@ -89,9 +102,16 @@ class DecoderLayer(nn.Module):
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.mlp = MLP(cfg)
 
-    def forward(self, x, cos, sin, ctx):
-        x = x + self.self_attn(self.input_layernorm(x), cos, sin, ctx)
-        return x + self.mlp(self.post_attention_layernorm(x))
+    def forward(self, x, residual, cos, sin, ctx):
+        """x: the previous layer's MLP output (the embeddings, with residual None, in layer 0) -> (this layer's MLP
+        output, the residual stream before it). The stream is the same sum `x + attn(...)`, `x + mlp(...)` as
+        before, the adds fused into the norms."""
+        if residual is None:
+            h, residual = self.input_layernorm(x), x
+        else:
+            h, residual = self.input_layernorm(x, residual)
+        h, residual = self.post_attention_layernorm(self.self_attn(h, cos, sin, ctx), residual)
+        return self.mlp(h), residual
 
 
 class LlamaForCausalLM(nn.Module):
@@ -111,9 +131,10 @@ class LlamaForCausalLM(nn.Module):
         """input_ids, positions (T,) -> final hidden states (T, hidden). Call `logits` on the rows you need."""
         x = self.embed_tokens(input_ids)
         cos, sin = self.rotary(positions, x.dtype, ctx.max_position)
+        residual = None
         for layer in self.layers:
-            x = layer(x, cos, sin, ctx)
-        return x
+            x, residual = layer(x, residual, cos, sin, ctx)
+        return x if residual is None else residual + x
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """hidden (N, hidden) -> fp32 logits (N, vocab)."""

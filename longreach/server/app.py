@@ -180,6 +180,28 @@ def make_state(engine, config: ServerConfig) -> ServerState:
     return ServerState(engine, EngineLoop(engine, metrics, config.max_queued_requests), config, metrics, names)
 
 
+def warm_up(engine, tokens: int | None) -> None:
+    """Run one untimed request through `engine` before the server listens: its prefill chunks (the first one and,
+    past one chunk, one with a prefix) and a few decode steps compile the kernels the first clients would otherwise
+    wait for. `tokens` None: one chunk + 1024 on a GPU (at most max_model_len - 8), nothing on a CPU."""
+    from ..sampling_params import SamplingParams
+
+    cfg = engine.config
+    if tokens is None:
+        tokens = cfg.max_num_batched_tokens + 1024 if engine.device.type == "cuda" else 0
+    tokens = min(tokens, cfg.max_model_len - 8)
+    if tokens <= 0:
+        return
+    t0 = time.perf_counter()
+    vocab = engine.model_config.vocab_size
+    ids = [100 + (i * 7919) % max(1, vocab - 100) for i in range(tokens)]  # ordinary ids, no special tokens
+    engine.add_request("longreach-warmup", ids, SamplingParams(temperature=0, max_tokens=4, ignore_eos=True))
+    while engine.has_unfinished_requests():
+        engine.step()
+    logger.info("warm-up: one request of %d prompt tokens in %.1f s (kernels compiled before listening; "
+                "--warmup-tokens 0 skips it)", tokens, time.perf_counter() - t0)
+
+
 def serve(engine_config: EngineConfig, config: ServerConfig, verbose: bool = False) -> int:
     """Load the model, then serve until SIGTERM / SIGINT; returns the exit status."""
     import uvicorn
@@ -188,6 +210,7 @@ def serve(engine_config: EngineConfig, config: ServerConfig, verbose: bool = Fal
 
     t0 = time.perf_counter()
     engine = LLMEngine(engine_config)
+    warm_up(engine, config.warmup_tokens)
     state = make_state(engine, config)
     kv = kv_cache_stats(engine)
     logger.info("KV cache size: %d tokens", kv["gpu_pages_total"] * engine.config.block_size if not kv["offload"]

@@ -32,6 +32,10 @@ class ServerConfig:
                                           "about 4 MB of text")
     keep_alive_interval: float = _f(5.0, "seconds between SSE keep-alive comments while a stream waits (e.g. on "
                                          "a long prefill)")
+    warmup_tokens: int | None = _f(None, "before listening, run one request of this many prompt tokens (+4 "
+                                         "generated) so that kernel compilation happens at startup, not during the "
+                                         "first requests (a fresh process compiles for ~30-50 s); default: on a GPU "
+                                         "one prefill chunk + 1024 tokens, on a CPU none; 0: none")
 
     def __post_init__(self) -> None:
         def bad(what: str) -> None:
@@ -52,6 +56,8 @@ class ServerConfig:
             bad(f"max_request_bytes must be an integer >= 1024, got {self.max_request_bytes!r}")
         if not isinstance(self.keep_alive_interval, (int, float)) or not 0.01 <= self.keep_alive_interval <= 3600:
             bad(f"keep_alive_interval must be in [0.01, 3600] seconds, got {self.keep_alive_interval!r}")
+        if self.warmup_tokens is not None and (not isinstance(self.warmup_tokens, int) or self.warmup_tokens < 0):
+            bad(f"warmup_tokens must be an integer >= 0 (0: no warm-up), got {self.warmup_tokens!r}")
 
     @classmethod
     def field_names(cls) -> tuple[str, ...]:
@@ -59,7 +65,7 @@ class ServerConfig:
 
 
 _TYPES = {"port": int, "served_model_name": str, "api_key": str, "max_queued_requests": int,
-          "max_request_bytes": int, "keep_alive_interval": float, "host": str}
+          "max_request_bytes": int, "keep_alive_interval": float, "host": str, "warmup_tokens": int}
 
 
 def add_server_args(p: argparse.ArgumentParser) -> None:

@@ -1,0 +1,74 @@
+"""Marking the pages a decode step's block-sparse attention reads (KV offloading): one kernel per layer.
+
+`OffloadedKVCache.note_reads` (kvcache/offload.py) sets `wanted[layer * P + page]` for every page the attention of a
+query block reads — the sink pages, the recent window's pages and the pages of its selected key blocks — so that
+`end_step` can install the missed ones. Written with PyTorch ops it is ~25 small kernels per layer in a captured decode
+step; this is one launch with the same result (docs/kernel-notes.md v10).
+
+Grid (query blocks, groups + 1): program (i, g < G) marks the pages of group g's selected blocks of block i; program
+(i, G) marks the sink and window pages. Logical pages past the block's last query are skipped, logical pages are
+clamped into the block table, and the scratch page (the last page, where padded graph rows point) is never marked.
+Several programs may set the same byte: they all write 1.
+Tested: the interpreter against the PyTorch path, random blocks and tables (tests/test_offload.py); GPU: through the
+engine checks of scripts/gpu_check.py (not yet run on a GPU).
+"""
+from __future__ import annotations
+
+import torch
+
+try:
+    import triton
+    import triton.language as tl
+except ImportError:  # pragma: no cover
+    triton = None
+
+if triton is not None:
+
+    @triton.jit
+    def _mark(Wanted, Tables, row, lp, ok, base, W, P):
+        lp = tl.minimum(tl.maximum(lp, 0), W - 1)
+        phys = tl.load(Tables + row + lp, mask=ok, other=0).to(tl.int64)
+        tl.store(Wanted + base + phys, tl.full(phys.shape, 1, tl.uint8), mask=ok & (phys != P - 1))
+
+    @triton.jit
+    def _mark_reads_kernel(Wanted, Tables, Seq, First, Last, Blocks, stride_t, stride_bb, stride_bg,
+                           base, P, W, G, K, n_window, block_k,
+                           BS: tl.constexpr, PER: tl.constexpr, SINK_PAGES: tl.constexpr, SPAN: tl.constexpr,
+                           BLOCK_SEL: tl.constexpr, BLOCK_FIXED: tl.constexpr):
+        i = tl.program_id(0).to(tl.int64)
+        g = tl.program_id(1)
+        row = tl.load(Seq + i).to(tl.int64) * stride_t
+        first = tl.load(First + i).to(tl.int64)
+        last_page = tl.load(Last + i).to(tl.int64) // BS
+        if g == G:  # sink pages, then the window's pages
+            f = tl.arange(0, BLOCK_FIXED)
+            _mark(Wanted, Tables, row, f, (f < SINK_PAGES) & (f <= last_page), base, W, P)
+            w0 = tl.maximum(first - n_window + 1, 0) // BS
+            _mark(Wanted, Tables, row, w0 + f, (f < SPAN) & (w0 + f <= last_page), base, W, P)
+        else:
+            j = tl.arange(0, BLOCK_SEL)
+            inside = j < K * PER
+            b = tl.load(Blocks + i * stride_bb + g * stride_bg + j // PER, mask=inside, other=-1).to(tl.int64)
+            lp = (b * block_k) // BS + j % PER
+            _mark(Wanted, Tables, row, lp, inside & (b >= 0) & (lp <= last_page), base, W, P)
+
+
+def mark_reads(wanted: torch.Tensor, layer: int, num_pages: int, block_tables: torch.Tensor, seq: torch.Tensor,
+               first: torch.Tensor, last: torch.Tensor, max_rows: int, blocks: torch.Tensor, block_k: int,
+               block_size: int, n_sink: int, n_window: int) -> None:
+    """The kernel behind `OffloadedKVCache.note_reads` (same arguments; wanted (L * P + 1,) bool)."""
+    nb = seq.shape[0]
+    if nb == 0:
+        return
+    G, K = blocks.shape[1], blocks.shape[2]
+    per = max(1, block_k // block_size)
+    sink_pages = -(-n_sink // block_size)
+    span = -(-(n_window + max_rows - 1) // block_size) + 1 if n_window > 0 else 0
+    tables = block_tables if block_tables.stride(-1) == 1 else block_tables.contiguous()
+    blocks = blocks if blocks.stride(-1) == 1 else blocks.contiguous()
+    _mark_reads_kernel[(nb, G + 1)](
+        wanted.view(torch.uint8), tables, seq, first, last, blocks, tables.stride(0), blocks.stride(0),
+        blocks.stride(1), layer * num_pages, num_pages, tables.shape[1], G, K, n_window, block_k,
+        BS=block_size, PER=per, SINK_PAGES=sink_pages, SPAN=span,
+        BLOCK_SEL=triton.next_power_of_2(max(1, K * per)),
+        BLOCK_FIXED=triton.next_power_of_2(max(1, sink_pages, span)), num_warps=1)
