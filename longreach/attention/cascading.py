@@ -338,7 +338,9 @@ class CascadingBackend(AttentionBackend):
                                                  num_splits=splits, plan=sub.bsa_plan, rope=self.rope)
         from .executor import block_sparse_attention
 
-        return block_sparse_attention(q, kview, vview, sub.table, sub.index, self.scale, rope=self.rope)
+        # CPU: one fused SDPA call per slice (no log-sum-exp); the key-mass reference normalises its own softmax
+        return block_sparse_attention(q, kview, vview, sub.table, sub.index, self.scale, rope=self.rope,
+                                      need_lse=False)
 
     def _key_mass(self, q, kview, lse, sub: _SubStride) -> torch.Tensor:
         from ..kernels.key_mass import key_mass_reference, key_mass_triton

@@ -34,11 +34,14 @@ except ImportError:  # pragma: no cover
 
 
 def key_mass_reference(q: torch.Tensor, k_cache: torch.Tensor, block_tables: torch.Tensor, seq_start: torch.Tensor,
-                       seq_len: torch.Tensor, first_pos: torch.Tensor, num_keys: torch.Tensor, lse: torch.Tensor,
-                       row_weight: torch.Tensor, scale: float, rope: RopeArgs | None = None,
+                       seq_len: torch.Tensor, first_pos: torch.Tensor, num_keys: torch.Tensor,
+                       lse: torch.Tensor | None, row_weight: torch.Tensor, scale: float, rope: RopeArgs | None = None,
                        max_bytes: int = 128 << 20) -> torch.Tensor:
     """q (T, H_q, D); k_cache (pages, page, H_kv, D); block_tables (B, W) int; seq_start/seq_len/first_pos/num_keys
-    (B,) int; lse (T, H_q) natural log; row_weight (T,) -> mass (B, H_kv, max(num_keys)) fp32 (0 past num_keys)."""
+    (B,) int; lse (T, H_q) natural log; row_weight (T,) -> mass (B, H_kv, max(num_keys)) fp32 (0 past num_keys).
+
+    `lse=None`: the softmax is normalised here, over the same causal keys (every key <= the row): what the engine's
+    CPU path does, so that its attention can run as one fused SDPA call, which returns no log-sum-exp."""
     from ..kvcache.fp8 import values
 
     T, Hq, D = q.shape
@@ -63,9 +66,12 @@ def key_mass_reference(q: torch.Tensor, k_cache: torch.Tensor, block_tables: tor
         for i0 in range(0, n, step):
             rows = torch.arange(i0, min(n, i0 + step), device=q.device)
             qq = q[s0 + rows].float()  # (r, H_q, D)
-            s = torch.einsum("rhd,vhd->hrv", qq, kh) * scale - lse[s0 + rows].T[:, :, None]
             ok = v[None, :] <= (p0 + rows)[:, None]  # (r, V) causal
-            p = torch.where(ok[None], s.exp(), torch.zeros((), device=q.device))
+            s = torch.einsum("rhd,vhd->hrv", qq, kh) * scale
+            if lse is None:
+                p = s.masked_fill(~ok[None], float("-inf")).softmax(-1)
+            else:
+                p = torch.where(ok[None], (s - lse[s0 + rows].T[:, :, None]).exp(), torch.zeros((), device=q.device))
             acc += (p * row_weight[s0 + rows].float()[None, :, None]).sum(1)
         out[b, :, :V] = acc.reshape(Hkv, hpp, V).mean(1)
     return out
