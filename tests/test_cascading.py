@@ -281,14 +281,16 @@ class Driver:
 
 
 SMALL = {"n_sink": 2, "num_subcaches": 3, "subcache_size": 3, "ema": 0.8, "stride": 5, "block_q": 4, "block_k": 2}
+NO_SINK = {"n_sink": 0, "num_subcaches": 2, "subcache_size": 4, "ema": 0.5, "stride": 3, "block_q": 2, "block_k": 3}
 
 
-def test_backend_equals_oracle_with_drops_strides_and_a_batch():
+@pytest.mark.parametrize("cfg", [SMALL, NO_SINK], ids=["small", "no-sink"])
+def test_backend_equals_oracle_with_drops_strides_and_a_batch(cfg):
     """Two sequences in one batch, chunks longer than the stride (strides inside a step), decode steps, hundreds of
     drops: every row's output equals exact attention over the tokens its KV head's cache holds (at StreamingLLM
     positions), the cache holds what the literal rules give with the oracle's importance, and the stored
     importance equals the brute-force EMA."""
-    d = Driver(SMALL)
+    d = Driver(cfg)
     d.add(0, 90)
     d.add(1, 60)
     rng = random.Random(1)
