@@ -277,7 +277,7 @@ class CascadingBackend(AttentionBackend):
         lo = cfg.n_sink // cfg.block_k
         last = np.asarray(qb.pos, dtype=np.int64) + np.asarray(qb.length, dtype=np.int64) - 1 - cfg.block_q
         hi = np.where(last >= cfg.n_sink, last // cfg.block_k, lo - 1)
-        width = int(max(0, (hi - lo + 1).max(initial=0)))
+        width = int(max(1, (hi - lo + 1).max(initial=0)))  # at least one (-1) column: no empty tensor for a kernel
         ids = lo + np.arange(width)[None, :]
         ids = np.where(ids <= hi[:, None], ids, -1).astype(np.int32)
         blocks = torch.from_numpy(ids).reshape(qb.num_blocks, 1, width).to(dev)
