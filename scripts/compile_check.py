@@ -23,6 +23,7 @@ from longreach.kernels import (  # noqa: E402
     bsa,
     combine,
     fused,
+    key_mass,
     kv_store,
     offload_copy,
     page_reads,
@@ -64,6 +65,30 @@ def _resources(ptxas: str, ptx: str) -> tuple[str, str]:
     return (regs.group(1) if regs else "?"), (spill.group(1) if spill else "?")
 
 
+def cascading_cases(bf: str, f32: str, i32: str) -> list:
+    """Cascading: block-sparse attention over one-token pages with keys rotated in the kernel (RoPE strategy "cache",
+    code 4), prefill and split decode; the key-mass kernel for SmolLM2's (3 heads per KV head, d64) and Llama-3.1-8B's
+    (4, d128) groups, prefill rows and one decode row."""
+    cases = []
+    for name, bq, bm, split in (("cascading bsa prefill bq64", 64, 128, False), ("cascading bsa decode", 1, 16, True)):
+        cases.append((name + " rope cache", bsa._bsa_kernel,
+                      dict(Q=bf, K=bf, V=bf, KH=bf, VH=bf, Slots=i32, BlockTables=i32, QbSeq=i32, QbStart=i32,
+                           QbLen=i32, QbPos=i32, Blocks=i32, Counts=i32, PairGroup=i32, PairKv=i32, InvFreq=f32,
+                           Out=bf, Lse=f32, OutP=f32, LseP=f32),
+                      dict(HPP=4, HEADS_PER_PROG=max(1, bm // bq), N_HSUB=max(1, 4 // max(1, bm // bq)), BQ_PAD=bq,
+                           BLOCK_M=bm, BLOCK_N=64, HEAD_DIM=128, BK=64, PAGE=1, SPLIT=split, ROPE=4,
+                           DOT_PRECISION="tf32", TIERED=False, FP8=False), ["qk_scale"]))
+    for label, hpp, hpp_pad, rows, d in (("key_mass d128 g4 prefill", 4, 4, 16, 128),
+                                         ("key_mass d64 g3 prefill", 3, 4, 16, 64),
+                                         ("key_mass d128 g4 decode", 4, 4, 4, 128)):
+        cases.append((label, key_mass._key_mass_kernel,
+                      dict(Q=bf, K=bf, BlockTables=i32, SeqStart=i32, SeqLen=i32, FirstPos=i32, NumKeys=i32, Lse=f32,
+                           W=f32, InvFreq=f32, Out=f32),
+                      dict(HPP=hpp, HPP_PAD=hpp_pad, ROWS=rows, BLOCK_N=64, HEAD_DIM=d, PAGE=1, ROPE=True, FP8=False,
+                           DOT_PRECISION="tf32"), ["qk_scale"]))
+    return cases
+
+
 def main() -> int:
     cases = []
     bf, f32, i32, f8 = "*bf16", "*fp32", "*i32", "*fp8e4nv"
@@ -97,6 +122,7 @@ def main() -> int:
                           dict(HPP=hpp, HEADS_PER_PROG=bm // 64, N_HSUB=max(1, hpp // (bm // 64)), BQ_PAD=64,
                                BLOCK_M=bm, BLOCK_N=64, HEAD_DIM=128, PAGE=16, DOT_PRECISION="tf32", TIERED=tiered,
                                FP8=kv == f8), ["qk_scale"]))
+    cases += cascading_cases(bf, f32, i32)
     cases.append(("combine", combine._combine_kernel, dict(OutP=f32, LseP=f32, Out=bf, Lse=f32),
                   dict(S_PAD=32, HEAD_DIM=128), []))
     for label, chunk, exact, per_head, bq_pad, hpp_pad, block_c, tiles in (

@@ -15,6 +15,11 @@ replays, their shapes do not) and never sync with the host. A backend whose deco
 (sparse mask refreshes) names **variants** instead: each graph-decoded step, the runner calls `graph_step`, which
 does the host work, returns the variant's key (a graph is captured per key and batch size) and a `load` function
 that writes the step's inputs into the backend's own static buffers just before replay (engine/model_runner.py).
+
+KV layout: the engine places token t of a sequence in slot t of its pages. A backend that keeps a *bounded* cache of
+its own (cascading) sets `kv_layout` instead (a `KVLayout`): the block manager then gives a sequence of n tokens
+`slots_for(n)` slots (bounded whatever n) and the model runner stores a step's new tokens at `slot_index`; the backend
+moves tokens among its sequence's slots itself.
 """
 from __future__ import annotations
 
@@ -22,11 +27,13 @@ import contextlib
 import typing
 from abc import ABC, abstractmethod
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, ClassVar
+from typing import TYPE_CHECKING, ClassVar, Protocol
 
 import torch
 
 if TYPE_CHECKING:
+    import numpy as np
+
     from ..config import EngineConfig
     from ..models.config import ModelConfig
 
@@ -59,9 +66,27 @@ class AttentionMetadata:
         return len(self.seq_ids)
 
 
+class KVLayout(Protocol):
+    """Where a bounded cache puts a sequence's tokens among its own slots (local slot i = page table[i // block_size]
+    at offset i % block_size); attention/cascading.py: CascadeLayout."""
+
+    max_slots: int  # the most slots any sequence uses
+    stride: int  # prefill chunks end on multiples of this position (except at a prompt's end): the backend's unit
+    side_bytes_per_token: int  # the backend's own state per slot (all layers), beside the K/V rows
+
+    def slots_for(self, num_tokens: int) -> int:
+        """Slots a sequence uses once it holds `num_tokens` tokens (monotone; at most `max_slots`)."""
+        ...
+
+    def slot_index(self, start: int, n: int) -> "np.ndarray":
+        """Local slots (n,) int64 of tokens [start, start + n) fed in one step."""
+        ...
+
+
 class AttentionBackend(ABC):
     name: ClassVar[str] = ""
     supports_cuda_graph: ClassVar[bool] = False  # may the decode step be captured in a CUDA graph?
+    kv_layout: KVLayout | None = None  # a bounded cache's slot layout; None: token t in slot t (see the docstring)
 
     def __init__(self, model_config: "ModelConfig", engine_config: "EngineConfig", device: torch.device):
         self.model_config = model_config

@@ -59,6 +59,10 @@ def make_backend(model_config, config, device) -> AttentionBackend:
         return backend
     dcfg = decode_config(config)
     decode_cls = get_backend_class(dcfg.attention)
+    for cls in (prefill_cls, decode_cls):
+        if getattr(cls, "bounded_cache", False):
+            raise ValueError(f"{cls.name} keeps a bounded cache of its own (it forgets tokens), so it cannot be "
+                             "composed with another method: drop --decode-attention")
     if getattr(decode_cls, "prefill_only", False):
         decoders = [n for n in available_backends() if not getattr(get_backend_class(n), "prefill_only", False)]
         raise ValueError(f"{dcfg.attention} is a prefill-only method and cannot decode; --decode-attention takes one "

@@ -33,6 +33,9 @@ def block_sparse_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
     """`rope`: remap the positions of far keys (rope/strategies.py, attention strategies) for query blocks ending
     at or past rope.rope_from; None or mode "none" keeps true positions.
 
+    Strategy "cache" (a bounded cache, attention/cascading.py): keys are stored un-rotated and each is rotated at its
+    position; queries are used as given.
+
     `need_lse=False` (the engine on CPU): the softmax runs as one fused SDPA call per slice over the same keys and
     mask, and lse comes back None. With remapped positions the far and near scores are two dot products; they become
     one by concatenating [q_far, q] against [k_far, 0] for far keys and [0, k] for near ones. Tested against the
@@ -102,10 +105,12 @@ def block_sparse_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
         kk = k_flat[slots, kv_idx].float()
         vv = v_flat[slots, kv_idx].float()
 
+        if rope is not None and rope.mode == "cache":  # keys stored un-rotated: each at its position
+            kk = rotate(kk, kp, rope.inv_freq)
         rows = (start[:, None] + r[None, :]).clamp(max=T - 1)  # (n, BQ)
         qq = q[rows].float().reshape(n, BQ, P, hpp, D).permute(0, 2, 3, 1, 4)  # (n, P, hpp, BQ, D)
         remap = (pos0 + length - 1 >= rope.rope_from)[:, None, None] if rope is not None else None  # (n, 1, 1)
-        moved = rope is not None and rope.mode != "none" and bool(remap.any())
+        moved = rope is not None and rope.mode not in ("none", "cache") and bool(remap.any())
         mask = allowed[:, pair_group][:, :, None]  # (n, P, 1, BQ, NK)
         if moved:  # far keys and the queries facing them move; the window stays (skipped when no block moves)
             q_far, k_far, far = _moved(rope, qq, kk, kp, row_pos, is_sink, is_win, remap, index, sl, pair_group,

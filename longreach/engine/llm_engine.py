@@ -103,21 +103,28 @@ class LLMEngine:
         self.backend = make_backend(mc, config, self.device)  # one backend, or prefill + decode (attention/compose.py)
 
         self.kv_dtype = resolve_kv_dtype(config.kv_cache_dtype, self.dtype)
+        layout = self.backend.kv_layout  # a bounded cache's own slot layout (attention/backend.py), or None
         if config.offload:
             self._init_offloaded_cache()
         else:
             num_blocks = self._num_kv_blocks()
-            self.blocks = BlockManager(num_blocks, config.block_size)
+            self.blocks = BlockManager(num_blocks, config.block_size, slots_for=layout and layout.slots_for)
             # One extra page: the scratch page that padded CUDA-graph rows write to.
             self.kv_cache = PagedKVCache(mc.num_layers, num_blocks + 1, config.block_size, mc.num_kv_heads,
                                          mc.head_dim, self.kv_dtype, self.device)
             logger.info("KV cache: %d pages x %d tokens = %d tokens (%.2f GiB, %s)", num_blocks, config.block_size,
                         num_blocks * config.block_size, self.kv_cache.nbytes / GiB, dtype_name(self.kv_dtype))
+            if layout is not None:
+                per_seq = self.blocks.blocks_for(config.max_model_len)
+                logger.info("KV cache: %s keeps every sequence in at most %d pages (%d slots: its bounded cache plus "
+                            "one prefill chunk), whatever its length; %d pages serve %d such sequences at once",
+                            config.attention, per_seq, layout.max_slots, num_blocks, num_blocks // per_seq)
         self.runner = ModelRunner(self.model, config, self.kv_cache, self.blocks, self.backend, self.device)
         self.runner.capture_graphs()
         self.scheduler = Scheduler(self.blocks, config.max_num_seqs, config.max_num_batched_tokens,
                                    on_release=lambda seq: self.backend.free_sequence(seq.seq_id),
-                                   max_prefill_pages=self.kv_cache.staging_pages if config.offload else None)
+                                   max_prefill_pages=self.kv_cache.staging_pages if config.offload else None,
+                                   chunk_align=layout.stride if layout else 1)
         self.sampler = Sampler(self.device, config.seed)
         self._requests: dict[str, _Request] = {}
         self._seq_ids = itertools.count()
@@ -161,18 +168,26 @@ class LLMEngine:
         cfg, mc = self.config, self.model_config
         per_block = PagedKVCache.bytes_per_block(mc.num_layers, cfg.block_size, mc.num_kv_heads, mc.head_dim,
                                                  self.kv_dtype)
+        layout = self.backend.kv_layout  # a bounded cache: a sequence needs at most layout.max_slots slots
+        need = cfg.max_model_len if layout is None else layout.slots_for(cfg.max_model_len)
+        if layout is not None:
+            per_block += layout.side_bytes_per_token * cfg.block_size
+        pages_per_seq = -(-need // cfg.block_size)
         if cfg.kv_cache_memory_gb is not None:
             budget = cfg.kv_cache_memory_gb * GiB
         elif self.device.type == "cuda":
             budget = self._profile_free_gpu_memory()
         else:
-            budget = min(_CPU_KV_DEFAULT_GB * GiB, per_block * -(-cfg.max_model_len // cfg.block_size) * cfg.max_num_seqs)
+            budget = min(_CPU_KV_DEFAULT_GB * GiB, per_block * pages_per_seq * cfg.max_num_seqs)
         num_blocks = int(budget // per_block)
-        if num_blocks * cfg.block_size < cfg.max_model_len:
+        if layout is not None:  # more pages than max_num_seqs bounded sequences can use would sit idle
+            num_blocks = min(num_blocks, pages_per_seq * cfg.max_num_seqs)
+        if num_blocks * cfg.block_size < need:
+            what = f"max_model_len={cfg.max_model_len}" if layout is None else \
+                f"the {need} slots one {cfg.attention} sequence needs (its cache plus one prefill chunk)"
             raise ValueError(
                 f"the KV cache fits {num_blocks * cfg.block_size} tokens ({budget / GiB:.2f} GiB), fewer than "
-                f"max_model_len={cfg.max_model_len}; raise kv_cache_memory_gb / gpu_memory_utilization or lower "
-                "max_model_len")
+                f"{what}; raise kv_cache_memory_gb / gpu_memory_utilization or lower max_model_len")
         return num_blocks
 
     @torch.inference_mode()
@@ -180,7 +195,9 @@ class LLMEngine:
         """Bytes left for the KV cache after weights and the activations of a largest prefill step."""
         cfg, mc = self.config, self.model_config
         n = min(cfg.max_num_batched_tokens, cfg.max_model_len)
-        blocks = BlockManager(-(-n // cfg.block_size), cfg.block_size)
+        layout = self.backend.kv_layout
+        slots = n if layout is None else layout.slots_for(n)
+        blocks = BlockManager(-(-slots // cfg.block_size), cfg.block_size, slots_for=layout and layout.slots_for)
         cache = PagedKVCache(mc.num_layers, blocks.num_blocks + 1, cfg.block_size, mc.num_kv_heads, mc.head_dim,
                              self.kv_dtype, self.device)
         runner = ModelRunner(self.model, cfg, cache, blocks, self.backend, self.device)
@@ -331,7 +348,7 @@ class LLMEngine:
         seq = Sequence(next(self._seq_ids), "score", 0, list(token_ids), SamplingParams(max_tokens=1), frozenset(), 1)
         try:
             while seq.num_computed < seq.num_tokens:
-                n = min(self.config.max_num_batched_tokens, seq.num_uncomputed)
+                n = self.scheduler.chunk(seq, self.config.max_num_batched_tokens)
                 if not self.blocks.ensure(seq.seq_id, seq.num_computed + n):
                     raise ValueError(f"the KV cache cannot hold {len(token_ids)} tokens")
                 logits, _ = self.runner.execute(ScheduledBatch(True, [seq], [n]), all_logits=all_logits)

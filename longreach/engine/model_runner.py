@@ -61,11 +61,13 @@ class ModelRunner:
         ids, pos, slots = [], [], []
         ctx_lens = [s.num_computed for s in batch.seqs]
         tables = [self.blocks.table(s.seq_id) for s in batch.seqs]
+        layout = self.backend.kv_layout  # a bounded cache places tokens itself (attention/backend.py)
         for seq, n, c, table in zip(batch.seqs, batch.num_tokens, ctx_lens, tables):
             ids.extend(seq.token_slice(c, c + n))
             t = np.arange(c, c + n)
             pos.append(t)
-            slots.append(np.asarray(table, dtype=np.int64)[t // bs] * bs + t % bs)
+            local = t if layout is None else layout.slot_index(c, n)
+            slots.append(np.asarray(table, dtype=np.int64)[local // bs] * bs + local % bs)
         seq_lens = [c + n for c, n in zip(ctx_lens, batch.num_tokens)]
         width = max(len(t) for t in tables)
         bt = np.zeros((len(tables), width), dtype=np.int32)

@@ -6,6 +6,8 @@ Policy (continuous batching, prefill first, as nano-vllm):
     requests while fewer than `max_num_seqs` run. A long prompt is therefore split into chunks across steps and each
     chunk attends to the prefix already in the paged cache.
   * When no prefill work is pending, every running sequence decodes one token.
+  * A backend with a bounded cache of its own (cascading) inserts a prompt into it stride by stride: its chunks then
+    end on multiples of `chunk_align` (except at the prompt's end), so results do not depend on how steps cut them.
   * Pages are reserved per step. If a running sequence cannot get a page, the most recently admitted other sequence
     is preempted (pages freed, moved to the front of the queue, recomputed later); if there is none, the sequence
     preempts itself. New requests are only admitted when pages are free: they never evict running ones.
@@ -33,7 +35,8 @@ class ScheduledBatch:
 
 class Scheduler:
     def __init__(self, blocks: BlockManager, max_num_seqs: int, max_num_batched_tokens: int,
-                 on_release: Callable[[Sequence], None] = lambda seq: None, max_prefill_pages: int | None = None):
+                 on_release: Callable[[Sequence], None] = lambda seq: None, max_prefill_pages: int | None = None,
+                 chunk_align: int = 1):
         self.blocks = blocks
         self.max_num_seqs = max_num_seqs
         self.max_num_batched_tokens = max_num_batched_tokens
@@ -41,6 +44,7 @@ class Scheduler:
         # KV offloading: most pages a prefill step may cover (its sequences' whole contexts sit in the GPU staging
         # area, kvcache/offload.py); a step always takes its first sequence
         self.max_prefill_pages = max_prefill_pages
+        self.chunk_align = chunk_align
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []
         self.num_preemptions = 0
@@ -61,8 +65,8 @@ class Scheduler:
                 break
             if seq.status is not SequenceStatus.RUNNING or not seq.is_prefilling:
                 continue
-            n = min(seq.num_uncomputed, budget)
-            if seqs and not self._stages(pages, seq.num_computed + n):
+            n = self.chunk(seq, budget)
+            if n == 0 or seqs and not self._stages(pages, seq.num_computed + n):
                 break
             if self._reserve(seq, seq.num_computed + n):
                 pages += self.blocks.blocks_for(seq.num_computed + n)
@@ -71,8 +75,8 @@ class Scheduler:
                 budget -= n
         while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:
             seq = self.waiting[0]
-            n = min(seq.num_uncomputed, budget)
-            if seqs and not self._stages(pages, seq.num_computed + n):
+            n = self.chunk(seq, budget)
+            if n == 0 or seqs and not self._stages(pages, seq.num_computed + n):
                 break
             # Admit only when the whole (re-)prefill fits the free pages: one admitted for its first chunk alone could
             # fill the cache, preempt itself and be re-admitted at once, forever (a livelock under KV pressure).
@@ -91,6 +95,15 @@ class Scheduler:
             return ScheduledBatch(True, seqs, counts)
         decodes = [s for s in list(self.running) if s.status is SequenceStatus.RUNNING and self._reserve(s, s.num_tokens)]
         return ScheduledBatch(False, decodes, [1] * len(decodes)) if decodes else None
+
+    def chunk(self, seq: Sequence, budget: int) -> int:
+        """Tokens of `seq`'s prefill to run within `budget`: ending on a multiple of `chunk_align` unless the prompt
+        ends first (0: none fit)."""
+        n = min(seq.num_uncomputed, budget)
+        end = seq.num_computed + n
+        if end < seq.num_tokens and self.chunk_align > 1:
+            n = max(0, end // self.chunk_align * self.chunk_align - seq.num_computed)
+        return n
 
     def _stages(self, pages: int, num_tokens: int) -> bool:
         """Does a sequence of `num_tokens` fit the prefill step's staging pages beside `pages` already taken?"""

@@ -25,7 +25,7 @@ import torch
 
 from ..attention.executor import head_pairs
 from ..attention.index import QueryBlocks, SparseIndex
-from ..rope.strategies import ATTEND_CODES, RopeArgs
+from ..rope.strategies import RopeArgs, attend_code
 from .combine import combine_splits_triton
 from .paged import kv_format, load_kv, page_slots, row_base, tier_args
 from .rope import rotate_rows, swap_halves
@@ -85,18 +85,19 @@ if triton is not None:
         q = tl.load(Q + row[:, None] * stride_qt + head[:, None] * stride_qh + d[None, :], mask=row_ok[:, None],
                     other=0.0)
 
-        if ROPE != 0:  # far keys and the queries facing them move (rope/strategies.py); the window keeps its own
-            remap = pos0 + length - 1 >= rope_from
+        if ROPE != 0:
             inv = tl.load(InvFreq + d % (HEAD_DIM // 2))
-            q_sw = tl.load(Q + row[:, None] * stride_qt + head[:, None] * stride_qh + swap_halves(d, HEAD_DIM)[None, :],
-                           mask=row_ok[:, None], other=0.0)
-            if ROPE == 1:  # st: one past the selected keys plus the window
-                new_q = p_row * 0 + (n_sink + count * BK + n_window - 1)
-            elif ROPE == 2:  # il
-                new_q = p_row * 0 + (n_sink + n_window)
-            else:  # de
-                new_q = p_row // de_group + n_window - n_window // de_group
-            q_far = rotate_rows(q, q_sw, tl.where(remap, new_q - p_row, 0), inv, d, HEAD_DIM).to(q.dtype)
+            if ROPE != 4:  # far keys and the queries facing them move (rope/strategies.py); the window keeps its own
+                remap = pos0 + length - 1 >= rope_from
+                q_sw = tl.load(Q + row[:, None] * stride_qt + head[:, None] * stride_qh
+                               + swap_halves(d, HEAD_DIM)[None, :], mask=row_ok[:, None], other=0.0)
+                if ROPE == 1:  # st: one past the selected keys plus the window
+                    new_q = p_row * 0 + (n_sink + count * BK + n_window - 1)
+                elif ROPE == 2:  # il
+                    new_q = p_row * 0 + (n_sink + n_window)
+                else:  # de
+                    new_q = p_row // de_group + n_window - n_window // de_group
+                q_far = rotate_rows(q, q_sw, tl.where(remap, new_q - p_row, 0), inv, d, HEAD_DIM).to(q.dtype)
 
         n_win = tl.where(n_window > 0, length + n_window - 1, 0)
         sink_tiles = tl.cdiv(n_sink, BLOCK_N)
@@ -133,7 +134,12 @@ if triton is not None:
             k = load_kv(kb, off, kvh, stride_ko, stride_kh, d, k_ok, HEAD_DIM, FP8).to(q.dtype)
             v = load_kv(row_base(V, VH, page, slot, stride_vp, stride_vhp, TIERED), off, kvh, stride_vo, stride_vh, d,
                         k_ok, HEAD_DIM, FP8).to(q.dtype)
-            if ROPE != 0:
+            if ROPE == 4:  # cache: keys stored un-rotated, each rotated at its position; queries arrive rotated
+                k_sw = load_kv(kb, off, kvh, stride_ko, stride_kh, swap_halves(d, HEAD_DIM), k_ok, HEAD_DIM,
+                               FP8).to(q.dtype)
+                k = rotate_rows(k, k_sw, kpos, inv, d, HEAD_DIM).to(q.dtype)
+                qq = q
+            elif ROPE != 0:
                 far = (is_sink | is_sel) & remap
                 if ROPE == 1:
                     new_k = tl.where(is_sink, j_sink, n_sink + j_sel)
@@ -250,7 +256,7 @@ def block_sparse_attention_triton(q, k_cache, v_cache, block_tables, index: Spar
             torch.empty(T, Hq, num_splits, dtype=torch.float32, device=q.device))
     else:
         out_p, lse_p = out, lse  # unused placeholders
-    mode = ATTEND_CODES[rope.mode] if rope is not None else 0
+    mode = attend_code(rope.mode) if rope is not None else 0
     inv_freq = rope.inv_freq.to(device=q.device, dtype=torch.float32) if mode else plan.counts  # unused when mode 0
     grid = (nqb, plan.num_pairs * n_hsub, num_splits)
     _bsa_kernel[grid](

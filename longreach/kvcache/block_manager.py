@@ -2,6 +2,8 @@
 
 A sequence's block table is the ordered list of its pages: token t lives in page `table[t // block_size]` at offset
 `t % block_size`. Pages are handed out from a free list and returned when a sequence finishes or is preempted.
+With `slots_for` (a bounded cache's layout, attention/backend.py: KVLayout) a sequence of n tokens gets the pages of
+`slots_for(n)` slots instead of n, and the layout says where its tokens live.
 """
 from __future__ import annotations
 
@@ -10,7 +12,8 @@ from typing import Callable
 
 
 class BlockManager:
-    def __init__(self, num_blocks: int, block_size: int, on_free: Callable[[list[int]], None] | None = None):
+    def __init__(self, num_blocks: int, block_size: int, on_free: Callable[[list[int]], None] | None = None,
+                 slots_for: Callable[[int], int] | None = None):
         if num_blocks < 1:
             raise ValueError(f"the KV cache needs at least one page, got {num_blocks}")
         self.num_blocks = num_blocks
@@ -18,13 +21,15 @@ class BlockManager:
         self._free: deque[int] = deque(range(num_blocks))
         self._tables: dict[int, list[int]] = {}
         self.on_free = on_free  # called with the pages a sequence returns (the offloaded store drops their slots)
+        self.slots_for = slots_for  # tokens -> slots a sequence uses (None: one slot per token)
 
     @property
     def num_free_blocks(self) -> int:
         return len(self._free)
 
     def blocks_for(self, num_tokens: int) -> int:
-        return -(-num_tokens // self.block_size)
+        slots = num_tokens if self.slots_for is None else self.slots_for(num_tokens)
+        return -(-slots // self.block_size)
 
     def table(self, seq_id: int) -> list[int]:
         """The live block table of `seq_id` (empty if it owns no pages). Mutated in place by ensure/free."""

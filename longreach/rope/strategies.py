@@ -33,6 +33,10 @@ the neighbourhood exact), only the sink and the selected keys ("far" keys) move:
         one step beyond the window's farthest key; a row's window keys keep their true distances p - k.
   il    sink keys keep their positions, every selected key sits at n_sink, the query at n_sink + n_window.
   de    SelfExtend: far keys at p_k // G, the query at p // G + W - W // G; the window keeps true distances.
+  cache a bounded cache's own (attention/cascading.py), not selectable by the sparse methods: its keys are stored
+        *un-rotated* (tokens move between slots and are renumbered every step) and every key is rotated at its
+        position in the attended sequence — sink, the cached tokens oldest first, the chunk: StreamingLLM's numbering
+        — with the queries arriving rotated at theirs. Applies to every query block (no `rope_from`).
 Remapping applies to query blocks that end at or past `rope_from` (default: the model's trained context length):
 inside the trained length true positions are exact and what the model knows (on SmolLM2 at 8K, relative scoring
 costs recall: 0.979 -> 0.962, facts.md), beyond it they are out of distribution.
@@ -46,6 +50,12 @@ import torch
 
 PRUNE_CODES = {"none": 0, "rt": 1, "ci": 2, "il": 3, "de": 4}
 ATTEND_CODES = {"none": 0, "st": 1, "il": 2, "de": 3}
+CACHE_CODE = 4  # attend strategy "cache": keys stored un-rotated, rotated at their position (not in ATTEND_CODES)
+
+
+def attend_code(mode: str) -> int:
+    """The kernels' code of an attention strategy, "cache" included."""
+    return CACHE_CODE if mode == "cache" else ATTEND_CODES[mode]
 
 
 def parse_layer_spec(spec: str, allowed: dict[str, int], what: str) -> tuple[tuple[str, int, int | None], ...]:

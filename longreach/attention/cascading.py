@@ -1,0 +1,401 @@
+"""Cascading KV cache (Willette, Lee, Lee, Jeon, Hwang 2024; digest §3.3, §6.12): a *bounded* cache per sequence —
+sink tokens plus N sub-caches with an exponential acceptance schedule and importance-based eviction — with strided
+batched prefill. Memory does not grow with the context: a 1M-token prompt runs in a fixed number of KV pages.
+
+How it fits the engine (docs/sparse.md, "Cascading KV cache", has the whole design):
+  * `CascadeLayout` (this backend's `kv_layout`) replaces "token t lives in slot t": a sequence owns at most
+    `pages_per_seq` pages — the sink, the sub-caches' ring buffers, and staging slots for the step's new tokens —
+    and the engine's block manager and model runner ask it how many slots a sequence uses and where new tokens go.
+  * The backend owns what moves. The ring structure (kvcache/cascade.py: `CascadeRings`) is planned once per step on
+    the host, shared by every layer; `forward` executes it per layer: attention, importance update, insertion.
+  * Attention reads a *virtual sequence* — sink, cached tokens oldest first, the chunk — through a one-token-per-page
+    table, with the project's block-sparse executor / Triton kernel and a plain `SparseIndex` (sink, key blocks up to
+    each query block's window, a causal window of `block_q`). Virtual positions are StreamingLLM's positions.
+  * Keys are stored un-rotated (the exact inverse of the model's rotation) and RoPE strategy "cache" rotates each at
+    its virtual position in the kernel; queries are rotated to theirs here.
+  * Importance = an exponential moving average of the attention a token receives, per layer and KV head (mean over
+    the group's query heads), one tick per query token: after a stride of n rows, s <- beta^n s + sum_i (1 - beta)
+    beta^(n-1-i) p_i (kernels/key_mass.py computes the sum from the attention's log-sum-exp). A new token starts at
+    0 when it arrives. So the importance is the same whether a prompt is cut into strides or fed token by token
+    (given the same attention).
+  * Strided prefill: a stride of the prompt attends over the cache plus itself (causally), then enters the cache.
+    Strides cover positions [k * stride, (k + 1) * stride) (stride capped at max_num_batched_tokens); the scheduler
+    ends prefill chunks on their boundaries (`CascadeLayout.stride`) and a chunk holding several strides runs them
+    one after the other in each layer, so the result does not depend on how steps cut a prompt. Decode tokens are
+    strides of one.
+
+Not supported (refused with a reason): KV offloading, fp8 KV, composing with another method (--decode-attention),
+dynamic-NTK RoPE, CUDA-graph decode (decode runs eagerly: the insertion plan is host work every step).
+"""
+from __future__ import annotations
+
+import json
+import logging
+from dataclasses import dataclass
+from typing import ClassVar
+
+import numpy as np
+import torch
+
+from ..kvcache.cascade import CascadeRings, apply_moves, batch_plans, execute_plan
+from ..rope.strategies import RopeArgs, rotate
+from .backend import AttentionBackend, AttentionMetadata
+from .index import QueryBlocks, SparseIndex
+from .sparse import config_from, use_kernels
+
+logger = logging.getLogger("longreach")
+
+
+@dataclass(frozen=True)
+class CascadingConfig:
+    n_sink: int = 64  # first tokens, never evicted
+    num_subcaches: int = 8  # N sub-caches (cascading windows); sub-cache j spans ~subcache_size * 2^j tokens
+    subcache_size: int = 8184  # tokens per sub-cache (all equal)
+    ema: float = 0.999  # importance EMA factor per query token (memory ~ 1 / (1 - ema) tokens)
+    stride: int = 4096  # prefill stride: tokens that attend together before entering the cache
+    block_q: int = 64  # query rows per block of the attention index (prefill)
+    block_k: int = 64  # key-block size of the attention index
+
+    def __post_init__(self) -> None:
+        for name, lo in (("n_sink", 0), ("num_subcaches", 1), ("subcache_size", 1), ("stride", 1), ("block_q", 1),
+                         ("block_k", 1)):
+            v = getattr(self, name)
+            if isinstance(v, bool) or not isinstance(v, int) or v < lo:
+                raise ValueError(f"cascading: {name} must be an integer >= {lo}, got {v!r}")
+        if self.num_subcaches > 32:
+            raise ValueError(f"cascading: num_subcaches must be <= 32 (sub-cache j spans 2^j times its size), got "
+                             f"{self.num_subcaches}")
+        if isinstance(self.ema, bool) or not isinstance(self.ema, (int, float)) or not 0.0 <= self.ema < 1.0:
+            raise ValueError(f"cascading: ema must be a number in [0, 1), got {self.ema!r}")
+
+    @property
+    def capacity(self) -> int:
+        """Tokens the sub-caches hold (the sink not counted)."""
+        return self.num_subcaches * self.subcache_size
+
+    @property
+    def cache_tokens(self) -> int:
+        """Tokens the cache holds: sink + sub-caches."""
+        return self.n_sink + self.capacity
+
+
+PRESETS = {
+    "65k": CascadingConfig(n_sink=64, num_subcaches=8, subcache_size=8184),  # the blog's passkey setting: 65,536
+    "16k": CascadingConfig(n_sink=64, num_subcaches=8, subcache_size=2040),  # the blog's 1M-prefill setting: 16,384
+    "4k": CascadingConfig(n_sink=64, num_subcaches=4, subcache_size=1008, stride=1024),  # 4,096: small, CPU evals
+}
+DEFAULT_PRESET = "65k"
+
+
+@dataclass(frozen=True)
+class CascadeLayout:
+    """Where a cascading sequence's tokens live among its own KV slots (local slot i = page table[i // block_size]
+    at offset i % block_size):
+        [0, n_sink)                      the sink, token t in slot t
+        [n_sink, n_sink + capacity)      the sub-caches' rings, sub-cache j at n_sink + j * subcache_size, filled in
+                                         order (sub-cache j+1 gets tokens only once sub-cache j is full)
+        stage_base(end) + i              the step's i-th new token past the sink, staged right after the rings'
+                                         filled part (after the step), until it moves into sub-cache 0
+    So a sequence of n tokens uses at most `slots_for(n)` slots: about 2n while short, `max_slots` whatever n."""
+
+    n_sink: int
+    capacity: int
+    max_step: int  # most tokens one step gives a sequence (max_num_batched_tokens)
+    stride: int  # prefill strides cover positions [k * stride, (k + 1) * stride); chunks end on their boundaries
+    side_bytes_per_token: int  # importance (fp32) + position (int32) per layer and KV head, beside the K/V rows
+
+    @property
+    def max_slots(self) -> int:
+        return self.n_sink + self.capacity + self.max_step
+
+    def slots_for(self, num_tokens: int) -> int:
+        if num_tokens <= self.n_sink:
+            return num_tokens
+        past = num_tokens - self.n_sink
+        return self.n_sink + min(past, self.capacity) + min(past, self.max_step)
+
+    def stage_base(self, end: int) -> int:
+        """First staging slot of a step whose sequence holds `end` tokens after it."""
+        return self.n_sink + min(max(end - self.n_sink, 0), self.capacity)
+
+    def slot_index(self, start: int, n: int) -> np.ndarray:
+        """Local slots (n,) of tokens [start, start + n) fed in one step."""
+        t = np.arange(start, start + n, dtype=np.int64)
+        return np.where(t < self.n_sink, t, self.stage_base(start + n) + t - max(start, self.n_sink))
+
+
+def unrotate(x: torch.Tensor, pos: torch.Tensor, inv_freq: torch.Tensor) -> torch.Tensor:
+    """Undo the model's RoPE (rope/scaling.py: apply_rope) on x (T, H, D) rotated at positions pos (T,): the same
+    fp32 angles, transposed, so the result is exact whatever the position (1M included). fp32 out."""
+    ang = pos.float()[:, None] * inv_freq[None, :]  # (T, D/2), as the model computed it
+    c, s = ang.cos()[:, None, :], ang.sin()[:, None, :]
+    half = x.shape[-1] // 2
+    x = x.float()
+    x1, x2 = x[..., :half], x[..., half:]
+    return torch.cat((x1 * c + x2 * s, x2 * c - x1 * s), dim=-1)
+
+
+@dataclass
+class _SubStride:
+    """One stride of a step for every sequence that has one: everything the layers share (host-planned)."""
+
+    rows: torch.Tensor  # (T_r,) rows of the step's q
+    virt_pos: torch.Tensor  # (T_r,) virtual position of each row
+    table: torch.Tensor  # (B_r, V_max) int32: virtual position -> flat slot
+    index: SparseIndex
+    seq_start: torch.Tensor  # (B_r,) first row of each sequence in the stride's compact rows
+    seq_len: torch.Tensor  # (B_r,)
+    first_pos: torch.Tensor  # (B_r,) virtual position of each sequence's first row
+    num_keys: torch.Tensor  # (B_r,) virtual sequence length
+    max_keys: int
+    max_rows: int
+    row_weight: torch.Tensor  # (T_r,) (1 - ema) ema^(n - 1 - i)
+    ema_slots: torch.Tensor  # (K,) flat slots whose importance this stride updates (everything but the sink)
+    ema_key: torch.Tensor  # (K,) their index in the flattened (B_r * V_max) key mass
+    ema_decay: torch.Tensor  # (K,) ema^n for cached tokens, 0 for the stride's new ones
+    offers: torch.Tensor  # the insertion plan (kvcache/cascade.py: batch_plans)
+    levels: list
+    bsa_plan: object | None = None  # kernels/bsa.py BSAPlan, built on first use (CUDA)
+
+
+class CascadingBackend(AttentionBackend):
+    """Cascading KV cache: sink + sub-caches with exponential acceptance and importance eviction; bounded memory."""
+
+    name = "cascading"
+    supports_cuda_graph = False
+    bounded_cache: ClassVar[bool] = True  # keeps its own bounded cache: cannot be composed with another method
+
+    def __init__(self, model_config, engine_config, device):
+        super().__init__(model_config, engine_config, device)
+        from ..rope.scaling import rope_inv_freq
+
+        self.config = self.resolve_config(engine_config)
+        c = self.config
+        self.sizes = [c.subcache_size] * c.num_subcaches
+        L, H = model_config.num_layers, model_config.num_kv_heads
+        self.stride = min(c.stride, engine_config.max_num_batched_tokens)  # a stride fits one step
+        self.kv_layout = CascadeLayout(c.n_sink, c.capacity, engine_config.max_num_batched_tokens, self.stride,
+                                       L * H * 8)
+        self.inv_freq = rope_inv_freq(model_config.rope, model_config.head_dim)[0].to(device)
+        self.rope = RopeArgs("cache", self.inv_freq, 0)
+        self._rings: dict[int, CascadeRings] = {}
+        self._tables: dict[int, np.ndarray] = {}  # last block table seen per sequence (check_integrity)
+        self._score: torch.Tensor | None = None  # (L, num_slots, H_kv) fp32 importance
+        self._tokpos: torch.Tensor | None = None  # (L, num_slots, H_kv) int32 true position of the token in a slot
+        self._subs: list[_SubStride] = []
+        self._positions: torch.Tensor | None = None
+        if c.stride > engine_config.max_num_batched_tokens:
+            logger.info("cascading: stride %d exceeds max_num_batched_tokens %d: prefill strides are %d tokens",
+                        c.stride, engine_config.max_num_batched_tokens, self.stride)
+
+    # ---- configuration -------------------------------------------------------------------------------------------
+    @classmethod
+    def resolve_config(cls, engine_config) -> CascadingConfig:
+        preset = engine_config.preset or DEFAULT_PRESET
+        if preset not in PRESETS:
+            raise ValueError(f"unknown cascading preset {preset!r}; available: {', '.join(PRESETS)}")
+        overrides = json.loads(engine_config.attention_config) if engine_config.attention_config else {}
+        return config_from(CascadingConfig, PRESETS[preset], overrides)
+
+    @classmethod
+    def unsupported_reasons(cls, model_config, engine_config) -> list[str]:
+        try:
+            cls.resolve_config(engine_config)
+        except ValueError as e:
+            return [str(e)]
+        why = []
+        if engine_config.offload:
+            why.append("cascading keeps a bounded cache on the GPU: KV offloading (--kv-offloading-size) has nothing "
+                       "to offload")
+        if engine_config.kv_cache_dtype == "fp8":
+            why.append("cascading does not support an fp8 KV cache yet")
+        if model_config.rope.rope_type == "dynamic" and model_config.rope.freq_factors is None:
+            why.append("dynamic NTK RoPE changes its frequencies with the sequence length; cascading stores keys "
+                       "un-rotated and rotates them with fixed ones")
+        return why
+
+    # ---- per-step planning (host) --------------------------------------------------------------------------------
+    def begin_step(self, meta: AttentionMetadata) -> None:
+        """Plan the step for every sequence: its strides, each stride's virtual sequence and attention index, and
+        the insertion. Advances each sequence's ring structure (shared by all layers) past the step's tokens."""
+        cfg, lay = self.config, self.kv_layout
+        S, bs = cfg.n_sink, self.engine_config.block_size
+        tables = meta.block_tables.cpu().numpy().astype(np.int64)
+        per_seq: list[list[dict]] = []
+        positions = []
+        row0 = 0
+        for i, sid in enumerate(meta.seq_ids):
+            c, n = meta.context_lens[i], meta.query_lens[i]
+            if c == 0:  # a prefill (or re-prefill after preemption) starts a fresh cache
+                self._rings[sid] = CascadeRings(S, self.sizes)
+            rings = self._rings.get(sid)
+            if rings is None or rings.tokens != c:
+                raise RuntimeError(f"cascading: sequence {sid} continues at token {c}, its cache holds "
+                                   f"{None if rings is None else rings.tokens}")
+            table = tables[i]
+            self._tables[sid] = table
+            to_flat = (lambda t: lambda loc: t[loc // bs] * bs + loc % bs)(table)
+            stage, first_staged = lay.stage_base(c + n), max(c, S)
+            subs = []
+            for s0 in sorted({c} | set(range(-(-c // self.stride) * self.stride, c + n, self.stride))):
+                n_r = min((s0 // self.stride + 1) * self.stride, c + n) - s0  # strides aligned to positions
+                sink = min(S, s0 + n_r)
+                cached = rings.chronological()
+                lo = max(s0, S)
+                staged = stage + (lo - first_staged) + np.arange(max(0, s0 + n_r - lo), dtype=np.int64)
+                virt = np.concatenate([np.arange(sink, dtype=np.int64), cached, staged])
+                subs.append(dict(row=row0 + s0 - c, n=n_r, V=len(virt), sink=sink, cached=len(cached),
+                                 slots=to_flat(virt), plan=rings.plan(n_r, staged), to_flat=to_flat))
+            per_seq.append(subs)
+            positions.append(np.arange(c, c + n, dtype=np.int64))
+            row0 += n
+        self._positions = torch.from_numpy(np.concatenate(positions)).to(self.device)
+        depth = max(len(s) for s in per_seq)
+        self._subs = [self._batch([s[r] for s in per_seq if len(s) > r], meta.is_prefill) for r in range(depth)]
+
+    def _batch(self, items: list[dict], prefill: bool) -> _SubStride:
+        cfg, dev = self.config, self.device
+        beta = cfg.ema
+        B = len(items)
+        vmax = max(it["V"] for it in items)
+        table = np.zeros((B, vmax), dtype=np.int32)
+        rows, virt, weight, e_slots, e_key, e_decay = [], [], [], [], [], []
+        for b, it in enumerate(items):
+            n, V = it["n"], it["V"]
+            table[b, :V] = it["slots"]
+            rows.append(it["row"] + np.arange(n))
+            virt.append(V - n + np.arange(n))
+            weight.append(ema_weights(n, beta))
+            keys = np.arange(it["sink"], V)
+            e_slots.append(it["slots"][it["sink"]:])
+            e_key.append(b * vmax + keys)
+            e_decay.append(np.where(keys < it["sink"] + it["cached"], beta ** n, 0.0))
+        lens = [it["n"] for it in items]
+        bq = cfg.block_q if prefill else 1
+        qb = QueryBlocks.build(lens, [it["V"] - it["n"] for it in items], bq)
+        # key blocks [n_sink, last row - block_q] of each query block; the window (block_q) covers the rest causally
+        lo = cfg.n_sink // cfg.block_k
+        last = np.asarray(qb.pos, dtype=np.int64) + np.asarray(qb.length, dtype=np.int64) - 1 - cfg.block_q
+        hi = np.where(last >= cfg.n_sink, last // cfg.block_k, lo - 1)
+        width = int(max(1, (hi - lo + 1).max(initial=0)))  # at least one (-1) column: no empty tensor for a kernel
+        ids = lo + np.arange(width)[None, :]
+        ids = np.where(ids <= hi[:, None], ids, -1).astype(np.int32)
+        blocks = torch.from_numpy(ids).reshape(qb.num_blocks, 1, width).to(dev)
+        index = SparseIndex(bq, cfg.block_k, cfg.n_sink, cfg.block_q, 1, qb, blocks,
+                            (blocks >= 0).sum(-1).to(torch.int32))
+        starts = np.cumsum([0] + lens[:-1])
+        offers, levels = batch_plans([it["plan"] for it in items], [it["to_flat"] for it in items], dev)
+        t = lambda x, dt=torch.long: torch.from_numpy(np.concatenate(x)).to(dev, dt)  # noqa: E731
+        return _SubStride(
+            rows=t(rows), virt_pos=t(virt), table=torch.from_numpy(table).to(dev), index=index,
+            seq_start=torch.tensor(starts, dtype=torch.int32, device=dev),
+            seq_len=torch.tensor(lens, dtype=torch.int32, device=dev),
+            first_pos=torch.tensor([it["V"] - it["n"] for it in items], dtype=torch.int32, device=dev),
+            num_keys=torch.tensor([it["V"] for it in items], dtype=torch.int32, device=dev),
+            max_keys=vmax, max_rows=max(lens), row_weight=t(weight, torch.float32),
+            ema_slots=t(e_slots), ema_key=t(e_key), ema_decay=t(e_decay, torch.float32),
+            offers=offers, levels=levels)
+
+    # ---- per-layer execution -------------------------------------------------------------------------------------
+    def _side_state(self, num_slots: int) -> None:
+        L, H = self.model_config.num_layers, self.model_config.num_kv_heads
+        if self._score is None or self._score.shape[1] != num_slots:
+            self._score = torch.zeros(L, num_slots, H, dtype=torch.float32, device=self.device)
+            self._tokpos = torch.full((L, num_slots, H), -1, dtype=torch.int32, device=self.device)
+
+    def forward(self, layer, q, k, v, k_cache, v_cache, meta: AttentionMetadata):
+        H, row = k_cache.shape[2], k_cache.shape[3]
+        self._side_state(k_cache.shape[0] * k_cache.shape[1])
+        kf, vf = k_cache.view(-1, H, row), v_cache.view(-1, H, row)  # (num_slots, H_kv, D): flat slots
+        score, tokpos = self._score[layer], self._tokpos[layer]
+        pos = self._positions
+        # the step's keys were stored rotated at their true positions: store them un-rotated instead
+        kf[meta.slot_mapping] = unrotate(k, pos, self.inv_freq).to(kf.dtype)
+        tokpos[meta.slot_mapping] = pos[:, None].to(torch.int32)
+        q_un = unrotate(q, pos, self.inv_freq)
+        out = torch.empty_like(q)
+        kview, vview = k_cache.view(-1, 1, H, row), v_cache.view(-1, 1, H, row)  # one token per "page"
+        for sub in self._subs:
+            qv = rotate(q_un[sub.rows], sub.virt_pos[:, None], self.inv_freq).to(q.dtype)
+            o, lse = self._attend(qv, kview, vview, sub)
+            out[sub.rows] = o
+            mass = self._key_mass(qv, kview, lse, sub)  # (B_r, H_kv, V_max)
+            gained = mass.permute(0, 2, 1).reshape(-1, H)[sub.ema_key]
+            score[sub.ema_slots] = sub.ema_decay[:, None] * score[sub.ema_slots] + gained
+            dst, src = execute_plan(sub.offers, sub.levels, score)
+            apply_moves(dst, src, (kf, vf, score, tokpos))
+        return out
+
+    def _attend(self, q, kview, vview, sub: _SubStride):
+        if use_kernels(q):
+            from ..kernels.bsa import BSAPlan, block_sparse_attention_triton
+
+            if sub.bsa_plan is None:
+                sub.bsa_plan = BSAPlan(sub.index, self.model_config.num_heads, self.model_config.num_kv_heads,
+                                       q.device)
+            splits = 1 if sub.index.block_q > 1 else self._decode_splits(sub.index.queries.num_blocks)
+            return block_sparse_attention_triton(q, kview, vview, sub.table, sub.index, self.scale,
+                                                 num_splits=splits, plan=sub.bsa_plan, rope=self.rope)
+        from .executor import block_sparse_attention
+
+        # CPU: one fused SDPA call per slice (no log-sum-exp); the key-mass reference normalises its own softmax
+        return block_sparse_attention(q, kview, vview, sub.table, sub.index, self.scale, rope=self.rope,
+                                      need_lse=False)
+
+    def _key_mass(self, q, kview, lse, sub: _SubStride) -> torch.Tensor:
+        from ..kernels.key_mass import key_mass_reference, key_mass_triton
+
+        args = (q, kview, sub.table, sub.seq_start, sub.seq_len, sub.first_pos, sub.num_keys, lse, sub.row_weight,
+                self.scale, self.rope)
+        if use_kernels(q):
+            return key_mass_triton(*args, max_keys=sub.max_keys, max_rows=sub.max_rows)
+        return key_mass_reference(*args)
+
+    def _decode_splits(self, num_seqs: int) -> int:
+        """Split-K for decode: about two programs per SM over the cache's keys."""
+        sms = torch.cuda.get_device_properties(self.device).multi_processor_count
+        return max(1, min(32, (2 * sms) // max(1, num_seqs * self.model_config.num_kv_heads)))
+
+    # ---- sequence life -------------------------------------------------------------------------------------------
+    def free_sequence(self, seq_id: int) -> None:
+        self._rings.pop(seq_id, None)
+        self._tables.pop(seq_id, None)
+
+    def cache_stats(self, seq_id: int) -> dict:
+        """Tokens seen and cached and rule counts so far (structural: fills, scheduled accepts, compares, falls)."""
+        r = self._rings[seq_id]
+        return {"tokens": r.tokens, "cached": min(r.tokens, self.config.n_sink) + r.cached,
+                "fill": list(r.fill), **dict(r.stats)}
+
+    def check_integrity(self, seq_id: int | None = None) -> None:
+        """Every sequence's (or one's) ring structure, and in every layer and KV head: the sink holds tokens
+        0..n_sink-1 in order, the cached tokens are strictly in order of position (so none twice), all seen, past
+        the sink. Raises AssertionError. Call between steps."""
+        bs = self.engine_config.block_size
+        for sid in [seq_id] if seq_id is not None else list(self._rings):
+            rings, table = self._rings[sid], self._tables[sid]
+            rings.check_integrity()
+            if self._tokpos is None:
+                continue
+            flat = lambda loc: torch.from_numpy(table[loc // bs] * bs + loc % bs).to(self.device)  # noqa: E731
+            sink = min(rings.tokens, rings.n_sink)
+            got = self._tokpos[:, flat(np.arange(sink))].long()  # (L, sink, H)
+            want = torch.arange(sink, device=self.device)[None, :, None]
+            if not torch.equal(got, want.expand_as(got)):
+                raise AssertionError(f"sequence {sid}: the sink does not hold tokens 0..{sink - 1}")
+            pos = self._tokpos[:, flat(rings.chronological())].long()  # (L, cached, H)
+            if pos.numel() and ((pos[:, 1:] <= pos[:, :-1]).any() or (pos < rings.n_sink).any()
+                                or (pos >= rings.tokens).any()):
+                raise AssertionError(f"sequence {sid}: cached tokens out of order, repeated or never seen")
+
+    def describe(self) -> str:
+        c = self.config
+        return (f"{c.n_sink} sink + {c.num_subcaches} sub-caches x {c.subcache_size} = {c.cache_tokens} tokens, "
+                f"reach ~{c.n_sink + c.subcache_size * (2 ** c.num_subcaches - 1)} tokens, stride {c.stride}, "
+                f"ema {c.ema}")
+
+
+def ema_weights(n: int, beta: float) -> np.ndarray:
+    """Weights of n query rows in one stride's importance update: (1 - beta) beta^(n - 1 - i)."""
+    return (1 - beta) * beta ** np.arange(n - 1, -1, -1, dtype=np.float64)
+

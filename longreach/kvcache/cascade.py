@@ -1,0 +1,334 @@
+"""Cascading KV cache bookkeeping (Willette et al. 2024, digest §3.3): sink tokens + N sub-caches as ring buffers, the
+exponential acceptance schedule and the four eviction rules. Plain Python / numpy (the plan) and a few torch gathers
+(its execution); no kernels, CPU-testable.
+
+The rules, as settled here (docs/sparse.md lists the decisions). A token that is not a sink token enters sub-cache 0,
+which takes every token. Whenever a token enters a *full* sub-cache j, the oldest token y of C_j leaves it and is
+*offered* to C_{j+1}; the k-th offer to C_{j+1} (counted from 0 over the sequence's life) meets:
+  rule 1  C_{j+1} is not full: y is accepted unconditionally (empty space gets used).
+  rule 2  C_{j+1} is full and accepting (k even: it accepts every other token C_j evicts, hence C_j sees about one
+          token in 2^j): y is accepted, and C_{j+1}'s own oldest leaves in turn (the cascade).
+  rule 3  C_{j+1} is full, not accepting (k odd), and y is not more important than z, C_{j+1}'s newest token: y is
+          dropped (ties keep z: nothing moves).
+  rule 4  as rule 3, but y is more important: y replaces z, which is dropped.
+The oldest token of the last sub-cache, when pushed, leaves the cache (StreamingLLM's window edge). Within a ring the
+order stays chronological: y is newer than everything in C_{j+1} and older than everything left in C_j, also when it
+replaces z.
+
+Three pieces:
+  * `ReferenceCascade`: the rules literally, one token at a time, on Python lists, with a counter per rule hit. The
+    oracle of the tests.
+  * `CascadeRings`: the *structure* of one sequence's cache: each ring's slot range, oldest index, fill and offer
+    count. Which slot a token moves to and which two tokens compete depend only on how many tokens arrived, never on
+    what they are, so one instance serves every layer and KV head. `plan(n, ...)` advances it by n tokens at once (a
+    stride) and returns a `StridePlan`, level by level: which offers are accepted, which offer challenges which
+    (rules 3/4), which tokens leave to the next level and which ring slots get written.
+  * `execute_plan` (torch): resolves the challenges with one layer's importance per (slot, KV head) and returns the
+    slot moves (destination, source per KV head), all sources read from the state before the stride. Applying them
+    moves K/V rows, importance and positions together.
+Batched stride insertion equals token-by-token insertion when importances are held fixed during the stride (tested):
+at one level, an accepted offer and the odd offer right after it are exactly a pair whose winner stays (rules 3/4),
+and pairs never interleave.
+
+Local slots: a sequence's own slots, sink at [0, n_sink), ring j at [n_sink + sum(sizes[:j]), + sizes[j]).
+"""
+from __future__ import annotations
+
+from collections import Counter, deque
+from dataclasses import dataclass, field
+from typing import Callable, Sequence
+
+import numpy as np
+import torch
+
+
+# ---- the reference: the rules literally ---------------------------------------------------------------------------
+class ReferenceCascade:
+    """One sequence's cascading cache of token ids, one token at a time. `score(token)` gives importance (fixed here;
+    the engine's changes between strides). `hits` counts rule1..rule4 and "fall" (left the last sub-cache)."""
+
+    def __init__(self, n_sink: int, sizes: Sequence[int]):
+        self.n_sink, self.sizes = n_sink, list(sizes)
+        self.sink: list = []
+        self.subs = [deque() for _ in self.sizes]
+        self.offers = [0] * len(self.sizes)
+        self.hits: Counter = Counter()
+
+    def insert(self, token, score: Callable) -> None:
+        if len(self.sink) < self.n_sink:
+            self.sink.append(token)
+        else:
+            self._enter(0, token, score)
+
+    def _enter(self, j: int, token, score) -> None:
+        """`token` was accepted by sub-cache j."""
+        sub = self.subs[j]
+        if len(sub) < self.sizes[j]:
+            self.hits["rule1"] += 1
+            sub.append(token)
+            return
+        if j > 0:
+            self.hits["rule2"] += 1
+        y = sub.popleft()
+        sub.append(token)
+        if j + 1 == len(self.subs):
+            self.hits["fall"] += 1
+        else:
+            self._offer(j + 1, y, score)
+
+    def _offer(self, j: int, y, score) -> None:
+        k = self.offers[j]
+        self.offers[j] += 1
+        nxt = self.subs[j]
+        if len(nxt) < self.sizes[j] or k % 2 == 0:  # rule 1 / rule 2 (counted in _enter)
+            self._enter(j, y, score)
+        elif score(y) > score(nxt[-1]):
+            self.hits["rule4"] += 1
+            nxt[-1] = y
+        else:
+            self.hits["rule3"] += 1
+
+    def contents(self) -> list:
+        """Cached tokens, oldest first: the sink, then the deepest sub-cache ... sub-cache 0."""
+        return list(self.sink) + [t for sub in reversed(self.subs) for t in sub]
+
+
+# ---- the structure and its plans ----------------------------------------------------------------------------------
+@dataclass
+class LevelPlan:
+    """One ring's share of a stride, in indices of the ring's incoming offers (`offers`: from the level before; level
+    0: the stride's new tokens) and of the level's *pool* = [old ring tokens it references, its entries]."""
+
+    num_offers: int
+    pidx: np.ndarray  # (A,) entries: the offer each accepted entry starts as
+    cidx: np.ndarray  # (A,) the odd offer challenging that entry (rules 3/4), -1: none
+    old_slots: np.ndarray  # (r,) local slots of the ring's previous tokens this stride reads: the leaving ones, in
+    #                        order, then the newest if offer 0 challenges it and it stays
+    old_chal: np.ndarray  # (r,) offer challenging that old token (only the newest can be), -1: none
+    out_idx: np.ndarray  # (k,) pool indices of the tokens leaving the ring, in order: the next level's offers
+    dst: np.ndarray  # (w,) local ring slots written
+    src_idx: np.ndarray  # (w,) pool index each written slot takes
+    fills: int = 0  # rule-1 acceptances (not-full ring), for statistics
+    compares: int = 0  # offers that meet rule 3 or 4
+
+
+@dataclass
+class StridePlan:
+    first_token: int  # position of the stride's first token
+    num_tokens: int
+    stage_slots: np.ndarray  # (m,) local slots of the stride's tokens past the sink (level 0's offers), in order
+    levels: list[LevelPlan] = field(default_factory=list)
+
+
+class CascadeRings:
+    """The structure of one sequence's cascading cache (no tensors; shared by all layers and KV heads).
+
+    Mutated only by `plan` (which advances it) and never by tensor work, so the host can plan a whole step up front.
+    """
+
+    def __init__(self, n_sink: int, sizes: Sequence[int]):
+        if n_sink < 0 or not sizes or min(sizes) < 1:
+            raise ValueError(f"need n_sink >= 0 and sub-cache sizes >= 1, got {n_sink}, {list(sizes)}")
+        self.n_sink, self.sizes = n_sink, [int(s) for s in sizes]
+        self.bases = [n_sink + int(b) for b in np.cumsum([0] + self.sizes[:-1])]
+        n = len(self.sizes)
+        self.start = [0] * n  # ring index of the oldest token
+        self.fill = [0] * n
+        self.offers = [0] * n  # offers received (ring 0: tokens past the sink)
+        self.tokens = 0  # tokens seen, sink included
+        self.stats: Counter = Counter()  # rule1 (fills), rule2 (scheduled accepts into a full ring), compare, fall
+
+    @property
+    def capacity(self) -> int:
+        return sum(self.sizes)
+
+    @property
+    def cached(self) -> int:
+        """Tokens in the rings (the sink not counted)."""
+        return sum(self.fill)
+
+    def chronological(self) -> np.ndarray:
+        """Local slots of the cached tokens past the sink, oldest first (the deepest ring first)."""
+        parts = [b + (s + np.arange(f)) % w for b, s, f, w in
+                 zip(self.bases, self.start, self.fill, self.sizes)]
+        return np.concatenate(parts[::-1]).astype(np.int64) if parts else np.zeros(0, np.int64)
+
+    def plan(self, n: int, stage_slots: np.ndarray) -> StridePlan:
+        """Advance by `n` tokens (positions tokens .. tokens + n - 1). `stage_slots`: local slots holding those of them
+        past the sink, in order (their staging place). Returns what moves where."""
+        t0 = self.tokens
+        past = n - max(0, min(self.n_sink, t0 + n) - t0)
+        stage_slots = np.asarray(stage_slots, dtype=np.int64)
+        if len(stage_slots) != past:
+            raise ValueError(f"{past} of the {n} tokens go past the sink, got {len(stage_slots)} staging slots")
+        plan = StridePlan(t0, n, stage_slots)
+        m = past
+        for j in range(len(self.sizes)):
+            lv = self._level(j, m)
+            plan.levels.append(lv)
+            m = len(lv.out_idx)
+        self.stats["fall"] += m
+        self.tokens += n
+        return plan
+
+    def _level(self, j: int, m: int) -> LevelPlan:
+        W, occ, start, k0, base = self.sizes[j], self.fill[j], self.start[j], self.offers[j], self.bases[j]
+        e = np.arange(m)
+        if j == 0:
+            accept = np.ones(m, dtype=bool)  # sub-cache 0 takes every token
+        else:
+            accept = (e < W - occ) | ((k0 + e) % 2 == 0)  # rule 1 while not full, then every other offer
+        compare = ~accept
+        pidx = np.flatnonzero(accept)
+        nxt = pidx + 1
+        cidx = np.full(len(pidx), -1, dtype=np.int64)
+        ok = nxt < m
+        ok[ok] = compare[nxt[ok]]
+        cidx[ok] = nxt[ok]
+        newest_challenged = m > 0 and bool(compare[0])  # its partner, offer k0 - 1, is the ring's newest token
+        A = len(pidx)
+        L = occ + A
+        k_out = max(0, L - W)
+        k_ring = min(k_out, occ)
+        old_c = list(range(k_ring))
+        old_chal = [-1] * k_ring
+        if newest_challenged:
+            if occ - 1 < k_ring:
+                old_chal[occ - 1] = 0
+            else:
+                old_c.append(occ - 1)
+                old_chal.append(0)
+        r = len(old_c)
+        ring_slot = lambda c: base + (start + c) % W  # noqa: E731 - combined index -> local slot
+        old_slots = np.array([ring_slot(c) for c in old_c], dtype=np.int64)
+        # combined = previous ring tokens (occ) ++ entries (A); pool = [old_c ..., entries ...]
+        out_idx = np.array([c if c < occ else r + c - occ for c in range(k_out)], dtype=np.int64)
+        dst, src = [], []
+        for c in range(k_out, L):
+            if c >= occ:
+                dst.append(ring_slot(c))
+                src.append(r + c - occ)
+        if newest_challenged and occ - 1 >= k_out:
+            dst.append(ring_slot(occ - 1))
+            src.append(r - 1)
+        fills = int(min(A, W - occ)) if j > 0 else int(min(m, W - occ))
+        self.stats["rule1"] += fills
+        self.stats["rule2"] += A - fills if j > 0 else 0
+        self.stats["compare"] += int(compare.sum())
+        self.start[j] = (start + k_out) % W
+        self.fill[j] = min(L, W)
+        self.offers[j] = k0 + m
+        return LevelPlan(m, pidx, cidx, old_slots, np.array(old_chal, dtype=np.int64), out_idx,
+                         np.array(dst, dtype=np.int64), np.array(src, dtype=np.int64), fills, int(compare.sum()))
+
+    def check_integrity(self) -> None:
+        """Structural invariants; raises AssertionError. Rings fill in order, each from its first slot; sizes bound
+        every fill; the offer counters follow the token count."""
+        past = max(0, self.tokens - self.n_sink)
+        if self.offers[0] != past:
+            raise AssertionError(f"sub-cache 0 saw {self.offers[0]} tokens, {past} arrived past the sink")
+        for j, (w, f, s) in enumerate(zip(self.sizes, self.fill, self.start)):
+            if not 0 <= f <= w:
+                raise AssertionError(f"sub-cache {j} holds {f} tokens, its size is {w}")
+            if not 0 <= s < w or (f < w and s != 0):
+                raise AssertionError(f"sub-cache {j}: oldest at ring index {s} with {f}/{w} tokens")
+            if j > 0 and f > 0 and self.fill[j - 1] < self.sizes[j - 1]:
+                raise AssertionError(f"sub-cache {j} holds tokens while sub-cache {j - 1} is not full")
+            if j > 0 and self.offers[j] < f:
+                raise AssertionError(f"sub-cache {j} holds {f} tokens but was offered {self.offers[j]}")
+        if self.cached > self.capacity or self.cached > past:
+            raise AssertionError(f"{self.cached} tokens cached, capacity {self.capacity}, {past} arrived")
+
+
+# ---- execution on one layer's state -------------------------------------------------------------------------------
+@dataclass
+class BatchLevel:
+    """A `LevelPlan` of every sequence of a batch, concatenated, with slots made flat (global cache slots) and indices
+    shifted into the batch's offers and pool. Tensors on the cache's device."""
+
+    pidx: torch.Tensor
+    cidx: torch.Tensor
+    old_flat: torch.Tensor
+    old_chal: torch.Tensor
+    out_idx: torch.Tensor
+    dst_flat: torch.Tensor
+    src_idx: torch.Tensor
+
+
+def batch_plans(plans: list[StridePlan], to_flat: list[Callable[[np.ndarray], np.ndarray]], device
+                ) -> tuple[torch.Tensor, list[BatchLevel]]:
+    """Concatenate the stride plans of several sequences (each with its local -> flat slot map) level by level.
+    Returns the flat staging slots of every sequence's new tokens (level 0's offers) and the batched levels."""
+    offers = np.concatenate([f(p.stage_slots) for p, f in zip(plans, to_flat)] + [np.zeros(0, np.int64)])
+    cur = [len(p.stage_slots) for p in plans]  # offers per sequence at the current level
+    levels = []
+    e = np.zeros(0, np.int64)
+
+    def cat(xs):  # host index arrays -> one device tensor
+        return torch.from_numpy(np.concatenate(xs + [e]).astype(np.int64)).to(device)
+
+    for j in range(max([len(p.levels) for p in plans] + [0])):  # a sequence with fewer sub-caches drops its falls
+        lvs = [p.levels[j] if j < len(p.levels) else LevelPlan(cur[i], e, e, e, e, e, e, e)
+               for i, p in enumerate(plans)]
+        o = np.cumsum([0] + cur[:-1])
+        r = [len(lv.old_slots) for lv in lvs]
+        a = [len(lv.pidx) for lv in lvs]
+        R = sum(r)
+        r0, a0 = np.cumsum([0] + r[:-1]), np.cumsum([0] + a[:-1])
+
+        def pool_ix(ix, i):  # a sequence's pool index -> the batch pool [all old ..., all entries ...]
+            ix = np.asarray(ix, dtype=np.int64)
+            return np.where(ix < r[i], r0[i] + ix, R + a0[i] + ix - r[i])
+
+        levels.append(BatchLevel(
+            pidx=cat([o[i] + lv.pidx for i, lv in enumerate(lvs)]),
+            cidx=cat([np.where(lv.cidx >= 0, o[i] + lv.cidx, -1) for i, lv in enumerate(lvs)]),
+            old_flat=cat([to_flat[i](lv.old_slots) for i, lv in enumerate(lvs)]),
+            old_chal=cat([np.where(lv.old_chal >= 0, o[i] + lv.old_chal, -1) for i, lv in enumerate(lvs)]),
+            out_idx=cat([pool_ix(lv.out_idx, i) for i, lv in enumerate(lvs)]),
+            dst_flat=cat([to_flat[i](lv.dst) for i, lv in enumerate(lvs)]),
+            src_idx=cat([pool_ix(lv.src_idx, i) for i, lv in enumerate(lvs)]),
+        ))
+        cur = [len(lv.out_idx) for lv in lvs]
+    return torch.from_numpy(offers.astype(np.int64)).to(device), levels
+
+
+def execute_plan(offers: torch.Tensor, levels: list[BatchLevel], score: torch.Tensor
+                 ) -> tuple[torch.Tensor, torch.Tensor]:
+    """Resolve a batched stride plan against one layer's importance `score` (num_slots, H) -> the moves: destination
+    slots (w,) and the source slot per KV head (w, H). Every source is a slot as it was before the stride, so apply
+    all reads before any write (`apply_moves`)."""
+    H = score.shape[1]
+    cur = offers[:, None].expand(-1, H)  # (m, H) the token each offer carries, per KV head
+    dsts, srcs = [], []
+
+    def resolve(base: torch.Tensor, chal_ix: torch.Tensor) -> torch.Tensor:  # rule 4 where the challenger wins
+        if base.shape[0] == 0:
+            return base
+        has = chal_ix >= 0
+        chal = cur[chal_ix.clamp(min=0)]
+        win = has[:, None] & (score.gather(0, chal) > score.gather(0, base))
+        return torch.where(win, chal, base)
+
+    for lv in levels:
+        if cur.shape[0] == 0:
+            break
+        old = resolve(lv.old_flat[:, None].expand(-1, H), lv.old_chal)
+        entries = resolve(cur[lv.pidx], lv.cidx)
+        pool = torch.cat([old, entries])
+        dsts.append(lv.dst_flat)
+        srcs.append(pool[lv.src_idx])
+        cur = pool[lv.out_idx]
+    if not dsts:
+        return offers.new_zeros(0), offers.new_zeros(0, H)
+    return torch.cat(dsts), torch.cat(srcs)
+
+
+def apply_moves(dst: torch.Tensor, src: torch.Tensor, tensors: Sequence[torch.Tensor]) -> None:
+    """tensors[i][dst[w], h] = tensors[i][src[w, h], h] for each tensor shaped (num_slots, H, ...); every read comes
+    before every write."""
+    if dst.shape[0] == 0:
+        return
+    heads = torch.arange(src.shape[1], device=src.device)
+    for t in tensors:
+        t[dst] = t[src, heads]
