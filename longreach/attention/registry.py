@@ -18,6 +18,7 @@ _BUILTIN = {
     "quest": "longreach.attention.quest:QuestBackend",
     "streaming": "longreach.attention.streaming:StreamingBackend",
     "minference": "longreach.attention.minference:MInferenceBackend",
+    "psa": "longreach.attention.psa:PSABackend",
 }
 _registry: dict[str, "str | type[AttentionBackend]"] = dict(_BUILTIN)
 
