@@ -176,8 +176,8 @@ class LLMEngine:
         staging_bytes = staging * per_slot
         if cfg.kv_cache_memory_gb is not None:
             budget = cfg.kv_cache_memory_gb * GiB
-        elif self.device.type == "cuda":
-            budget = self._profile_free_gpu_memory() - staging_bytes
+        elif self.device.type == "cuda":  # the backend's per-page state covers every host page (psa's metadata)
+            budget = self._profile_free_gpu_memory() - staging_bytes - host_pages * self._page_state_bytes()
         else:
             budget = min(_CPU_KV_DEFAULT_GB * GiB, host_pages * per_page)
         slots = int(budget // (per_slot + 32))  # + the page table's share per slot (int32 entry, owner, stamp)
@@ -227,6 +227,8 @@ class LLMEngine:
         cfg, mc = self.config, self.model_config
         per_block = PagedKVCache.bytes_per_block(mc.num_layers, cfg.block_size, mc.num_kv_heads, mc.head_dim,
                                                  self.kv_dtype)
+        if cfg.kv_cache_memory_gb is None and self.device.type == "cuda":
+            per_block += self._page_state_bytes()  # sized from free memory: leave room for per-page backend state
         if cfg.kv_cache_memory_gb is not None:
             budget = cfg.kv_cache_memory_gb * GiB
         elif self.device.type == "cuda":
@@ -240,6 +242,12 @@ class LLMEngine:
                 f"max_model_len={cfg.max_model_len}; raise kv_cache_memory_gb / gpu_memory_utilization or lower "
                 "max_model_len")
         return num_blocks
+
+    def _page_state_bytes(self) -> int:
+        """GPU bytes the (decode) attention backend keeps per KV page, e.g. psa's block metadata; 0 for most."""
+        backend = getattr(self.backend, "decode", self.backend)  # composed backends: the decode half keeps it
+        fn = getattr(backend, "page_state_bytes", None)
+        return fn(self.dtype) if fn is not None else 0
 
     @torch.inference_mode()
     def _profile_free_gpu_memory(self) -> float:

@@ -76,7 +76,7 @@ def block_scores_reference(q: torch.Tensor, meta: torch.Tensor, block_tables: to
     Hkv = meta.shape[2]
     m = meta[block_tables[:, :width].long()].float()  # (n, W, 2, H_kv, D)
     qg = q.float().view(n, Hkv, Hq // Hkv, D)
-    s = torch.einsum("nghd,nwgd->nghw", qg, m[:, :, 0]) + torch.einsum("nghd,nwgd->nghw", qg.abs(), m[:, :, 1])
+    s = qg @ m[:, :, 0].permute(0, 2, 3, 1) + qg.abs() @ m[:, :, 1].permute(0, 2, 3, 1)  # (n, H_kv, h, W)
     s = s.amax(dim=2)  # a KV group's score: the max over its heads
     w = torch.arange(width, device=q.device)
     cand = (w[None, :] >= cand_lo) & (w[None, :] < cand_hi.long()[:, None])

@@ -93,12 +93,12 @@ def psa_decode_reference(q, k_cache, v_cache, block_tables, seq_lens, ranked, ca
     pos, ok = fixed_positions(seq_lens, cand_lo, cand_hi, page)
     safe = torch.where(ok, pos, 0)
     kf, vf = _gather(kc, block_tables, safe, None, cdt), _gather(vc, block_tables, safe, None, cdt)  # (n, F, Hkv, D)
-    s = torch.einsum("nghd,nfgd->nghf", qg, kf) * scale
+    s = (qg @ kf.permute(0, 2, 3, 1)) * scale  # (n, G, h, F)
     s = s.masked_fill(~ok[:, None, None, :], float("-inf"))
     mx = s.amax(dim=-1)
     mx_safe = torch.where(torch.isfinite(mx), mx, torch.zeros_like(mx))
     e = torch.exp(s - mx_safe[..., None])
-    l_acc, acc = e.sum(dim=-1), torch.einsum("nghf,nfgd->nghd", e, vf)
+    l_acc, acc = e.sum(dim=-1), e @ vf.transpose(1, 2)  # (n, G, h), (n, G, h, D)
 
     # 2. the ranked blocks, m at a time, in lock-step; a (row, group) leaves the active set when it stops
     n_cand = (cand_hi.long() - cand_lo).clamp(min=0)
@@ -120,14 +120,14 @@ def psa_decode_reference(q, k_cache, v_cache, block_tables, seq_lens, ranked, ca
         tok = torch.where(tok_ok, tok, 0)
         kk = _gather(kc, block_tables, tok, heads, cdt)  # (n, G, m * page, D)
         vv = _gather(vc, block_tables, tok, heads, cdt)
-        s = (torch.einsum("nghd,ngtd->nght", qg, kk) * scale).masked_fill(~tok_ok[:, :, None, :], float("-inf"))
+        s = ((qg @ kk.transpose(-1, -2)) * scale).masked_fill(~tok_ok[:, :, None, :], float("-inf"))  # (n,G,h,T)
         block_lse = s.view(n, Hkv, hpg, m, page).logsumexp(dim=-1)  # (n, G, h, m): each block's own mass, log
         lse_min = torch.minimum(lse_min, block_lse.masked_fill(~okb[:, :, None, :], float("inf")).amin(dim=-1))
         new_max = torch.maximum(mx_safe, s.amax(dim=-1))  # the running merge of Alg. 1, in log-sum-exp form
         alpha = torch.exp(mx_safe - new_max)
         e = torch.exp(s - new_max[..., None])
         l_acc = l_acc * alpha + e.sum(dim=-1)
-        acc = acc * alpha[..., None] + torch.einsum("nght,ngtd->nghd", e, vv)
+        acc = acc * alpha[..., None] + e @ vv
         mx_safe = new_max
         nb = okb.sum(dim=-1)
         n_left, read = n_left - nb, read + nb
