@@ -158,19 +158,21 @@ def _setup(case, dtype, seed):
     return q, kc, vc, tables, seq_lens, ranked, cand_lo, cand_hi, meta
 
 
-CASES = [  # Hq, Hkv, D, page, microbatch, lengths
-    (6, 2, 16, 4, 4, [150, 61, 9]),  # GQA 3; a row too short to have candidates
-    (4, 4, 32, 8, 2, [203, 97]),  # MHA
-    (8, 1, 16, 16, 1, [333, 130, 47]),  # GQA 8, one block per iteration
-    (4, 1, 64, 4, 8, [77, 256]),  # GQA 4, head dim 64
+CASES = [  # Hq, Hkv, D, page, microbatch, lengths, dtype
+    (6, 2, 16, 4, 4, [150, 61, 9], torch.float32),  # GQA 3; a row too short to have candidates
+    (6, 2, 16, 4, 4, [150, 61, 9], torch.float16),
+    (4, 4, 32, 8, 2, [203, 97], torch.float32),  # MHA
+    (8, 1, 16, 16, 1, [333, 130, 47], torch.float16),  # GQA 8, one block per iteration
+    (4, 1, 64, 4, 8, [77, 256], torch.float32),  # GQA 4, head dim 64
 ]
 
 
-@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
-@pytest.mark.parametrize("case", CASES, ids=[f"h{c[0]}-kv{c[1]}-d{c[2]}-p{c[3]}-m{c[4]}" for c in CASES])
-def test_decode_kernel_matches_reference(case, dtype):
+@pytest.mark.parametrize("case", CASES, ids=[f"h{c[0]}-kv{c[1]}-d{c[2]}-p{c[3]}-m{c[4]}-{str(c[6])[6:]}"
+                                             for c in CASES])
+def test_decode_kernel_matches_reference(case):
     """Same blocks read (counts), same output and lse, at epsilon 0.9, 0.98 and 1; every output row written."""
-    q, kc, vc, tables, seq_lens, ranked, cand_lo, cand_hi, _ = _setup(case, dtype, sum(case[:5]))
+    dtype = case[6]
+    q, kc, vc, tables, seq_lens, ranked, cand_lo, cand_hi, _ = _setup(case[:6], dtype, sum(case[:5]))
     Hkv = case[1]
     scale = case[2] ** -0.5
     for eps in (0.9, 0.98, 1.0):
@@ -365,7 +367,7 @@ def _record(llm):
 def test_engine_epsilon_one_equals_dense_and_lower_epsilon_prunes(tiny):
     from longreach import SamplingParams
 
-    prompts, params = _prompts(1), SamplingParams(temperature=0, max_tokens=10, ignore_eos=True)
+    prompts, params = _prompts(1), SamplingParams(temperature=0, max_tokens=6, ignore_eos=True)
     dense_llm = _llm(tiny, None, attention="dense")
     dense_logits = _record(dense_llm)
     dense = [o.token_ids for o in dense_llm.generate(prompts, params, use_tqdm=False)]
@@ -384,7 +386,7 @@ def test_engine_offload_on_equals_off_bit_for_bit(tiny):
     run's exactly, and the store stays consistent."""
     from longreach import SamplingParams
 
-    prompts, params = _prompts(2), SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
+    prompts, params = _prompts(2), SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
     pool = 12 * 2 * 16 * 2 * 16 * 4 / 2**30
     runs = {}
     for offload in (False, True):
@@ -407,7 +409,7 @@ def test_graph_decode_path_equals_eager_with_joining_sequences(tiny):
     from longreach import SamplingParams
 
     prompts = [p["prompt_token_ids"] for p in _prompts(5, (150, 90, 120))]
-    params = SamplingParams(temperature=0, max_tokens=14, ignore_eos=True)
+    params = SamplingParams(temperature=0, max_tokens=10, ignore_eos=True)
     eager = _llm(tiny, enforce_eager=True)
     expected = [eager.generate({"prompt_token_ids": p}, params, use_tqdm=False)[0].token_ids for p in prompts]
     engine = _llm(tiny).engine
@@ -430,7 +432,7 @@ def test_composed_prefill_then_psa_decode_equals_psa(tiny):
     """`--attention dense --decode-attention psa` (the path any sparse prefill takes) decodes exactly like psa."""
     from longreach import SamplingParams
 
-    prompts, params = _prompts(3), SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
+    prompts, params = _prompts(3), SamplingParams(temperature=0, max_tokens=5, ignore_eos=True)
     alone = [o.token_ids for o in _llm(tiny).generate(prompts, params, use_tqdm=False)]
     composed = _llm(tiny, None, attention="dense", decode_attention="psa", decode_attention_config=SMALL)
     assert [o.token_ids for o in composed.generate(prompts, params, use_tqdm=False)] == alone
