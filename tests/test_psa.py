@@ -470,3 +470,28 @@ def test_recall_reports_a_keys_read_distribution_and_psa_finds_planted_blocks():
         assert dist["p50"] <= dist["p90"] <= dist["p99"] <= dist["max"]
         assert dist["mean"] == pytest.approx(report[name]["mean"]["keys_per_query"])
         assert {"keys_per_query_p50", "keys_per_query_p90", "keys_per_query_max"} <= set(report[name]["per_layer"][0])
+
+
+def test_recall_selection_mask_reads_what_the_decode_path_reads():
+    """eval recall's mask for a row == the keys the decode path (metadata, ranking, loop at the model's scale) reads
+    for that row on a paged cache, as reported by `read_index`."""
+    g = torch.Generator().manual_seed(4)
+    Hq, Hkv, D, L, R, page = 6, 2, 16, 300, 5, 16
+    q, k = torch.randn(R, Hq, D, generator=g) * 2, torch.randn(L, Hkv, D, generator=g)
+    positions = torch.arange(L - R, L)
+    m = PSA(PSAConfig(epsilon=0.8, n_sink=16, n_window=20), Hq, Hkv)
+    mask = m.selection_mask(0, q, k, positions)
+    n_pages = -(-L // page)
+    cache = torch.nn.functional.pad(k, (0, 0, 0, 0, 0, n_pages * page - L)).view(n_pages, page, Hkv, D)
+    tables = torch.arange(n_pages, dtype=torch.int32)[None].expand(R, n_pages).contiguous()
+    seq_lens = (positions + 1).int()
+    meta = torch.zeros(n_pages, 2, Hkv, D)
+    build_block_meta_reference(cache, tables, torch.zeros(R, dtype=torch.int32), (seq_lens - 1) // page, meta,
+                               "cuboid-mean")
+    _, counts, ranked, cand_hi = m.attend(q, cache, cache, tables, seq_lens, meta, n_pages, D ** -0.5, False)
+    assert (counts.long() < (cand_hi.long() - 1)[:, None]).any()  # pruned somewhere
+    index = m.read_index(ranked, counts, cand_hi, seq_lens, page)
+    for r in range(R):
+        for h in range(Hq):
+            keys = index.attended_positions(r, h // (Hq // Hkv), int(positions[r]))
+            assert torch.equal(mask[r, h].nonzero().squeeze(1), keys.sort().values), (r, h)

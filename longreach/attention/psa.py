@@ -168,7 +168,9 @@ class PSA:
         build_block_meta_reference(cache, tables[:1], torch.zeros(1, dtype=torch.int32),
                                    torch.tensor([L // page], dtype=torch.int32), meta, self.cfg.metadata)
         seq_lens = (positions + 1).to(torch.int32)
-        _, counts, ranked, cand_hi = self.attend(q.float(), cache, cache, tables, seq_lens, meta, n_pages, 1.0, False)
+        scale = D ** -0.5  # the model's softmax scale (AttentionBackend.scale): the stop rule depends on it
+        _, counts, ranked, cand_hi = self.attend(q.float(), cache, cache, tables, seq_lens, meta, n_pages, scale,
+                                                 False)
         blocks = self.read_blocks(ranked, counts, cand_hi, seq_lens, page).long()  # (R, G, W')
         per_group = torch.zeros(R, Hkv, n_pages + 1, dtype=torch.bool)
         per_group.scatter_(2, torch.where(blocks >= 0, blocks, n_pages), True)
