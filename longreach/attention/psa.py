@@ -1,4 +1,4 @@
-"""PSA: Progressive Sparse Attention (Zhou, Zuo, Yin, Cheng; digest §5) as `--attention psa[:EPSILON]`.
+"""PSA: Progressive Sparse Attention (Zhou, Zuo, Yin, Cheng; digest §5) as `--attention psa [--preset EPSILON]`.
 
 A decode-time method whose budget is a threshold on attended attention mass instead of a top-k: per decode query and
 KV group, rank the context's blocks by a metadata score, attend to them in rank order in micro-batches of m blocks,
