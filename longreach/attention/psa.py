@@ -32,7 +32,8 @@ Decisions on what the paper leaves open (digest §5.3, §8.9; docs/sparse.md has
   * Ranking ties go to the lower block id (a stable sort).
 Device side (CUDA): metadata build, scoring, sort, the decode kernel and the offloaded store's read report are all
 device ops with static shapes, so the decode step is captured in CUDA graphs: variants per context bucket, plus a
-"catch-up" variant for steps in which a sequence has more than one block to build (its first decode step).
+"catch-up" variant for steps in which a sequence has more than one block to build (its first decode step). Tested
+on CPU through the runner's emulated graph path; not yet captured on a GPU (scripts/gpu_check.py --only psa does).
 """
 from __future__ import annotations
 
