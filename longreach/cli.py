@@ -347,8 +347,11 @@ def _cmd_eval_recall(args) -> int:
     text, methods = _eval_inputs(args)
     report = run(args.model, text, args.length, methods, args.attention_config, args.queries, args.device, args.dtype)
     emit(report, args.out)
-    summary = ", ".join(f"{k}: mass {v['mean']['mass_recall']:.4f}, top-k {v['mean']['topk_recall']:.4f}, "
-                        f"{v['mean']['keys_per_query']:.0f} keys/query" for k, v in report["methods"].items())
+    def keys(v):  # keys read per query over every layer, row and head: a mass threshold (psa) spreads them
+        d = v["keys_per_query"]["all_layers"]
+        return f"{d['mean']:.0f} keys/query (p50 {d['p50']:.0f}, p90 {d['p90']:.0f}, max {d['max']:.0f})"
+    summary = ", ".join(f"{k}: mass {v['mean']['mass_recall']:.4f}, top-k {v['mean']['topk_recall']:.4f}, {keys(v)}"
+                        for k, v in report["methods"].items())
     print(f"[longreach] recall at {args.length} tokens: {summary}", file=sys.stderr)
     return 0
 

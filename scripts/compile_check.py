@@ -1,6 +1,6 @@
 """Compile every Triton kernel for Hopper (sm_90) on this machine, no GPU needed, and report registers and spills.
 
-    python scripts/compile_check.py
+    python scripts/compile_check.py [NAME ...]     # NAME: only the kernels whose label contains it (e.g. psa)
 
 Triton lowers to PTX and assembles a cubin with its bundled ptxas, so compile errors and register spills show up
 before any device time is spent. Each entry: kernel, a representative set of constexprs and argument types.
@@ -20,6 +20,7 @@ import triton  # noqa: E402
 from triton.backends.compiler import GPUTarget  # noqa: E402
 
 from longreach.kernels import (  # noqa: E402
+    block_meta,
     bsa,
     combine,
     fused,
@@ -29,6 +30,7 @@ from longreach.kernels import (  # noqa: E402
     page_reads,
     paged_decode,
     prune_stage,
+    psa_decode,
     topk,
     vertical_slash,
 )
@@ -164,6 +166,22 @@ def main() -> int:
     cases.append(("page_reads mark", page_reads._mark_reads_kernel,
                   dict(Wanted="*u8", Tables=i32, Seq="*i64", First="*i64", Last="*i64", Blocks=i32),
                   dict(BS=16, PER=1, SINK_PAGES=4, SPAN=65, BLOCK_SEL=256, BLOCK_FIXED=128), []))
+    # psa: the progressive decode loop (Llama-8B's GQA 4, pages of 16 and 32), metadata build and block scoring
+    for suffix, kv, tiered in variants:
+        for page, mb in ((16, 4), (32, 4)):
+            cases.append((f"psa decode d128 g4 page{page} m{mb}" + suffix, psa_decode._psa_decode_kernel,
+                          dict(Q=bf, K=kv, V=kv, KH=kv, VH=kv, Slots=i32, BlockTables=i32, SeqLens=i32, Ranked=i32,
+                               CandHi=i32, Out=bf, Lse=f32, Count=i32),
+                          dict(HPG=4, BLOCK_M=16, MB=mb, PAGE=page, BLOCK_N=64, HEAD_DIM=128, DOT_PRECISION="tf32",
+                               TIERED=tiered, FP8=kv == f8), ["qk_scale", "log2_odds"]))
+        cases.append(("psa block meta d128 page16" + suffix, block_meta._block_meta_kernel,
+                      dict(K=kv, KH=kv, Slots=i32, BlockTables=i32, Lo=i32, Hi=i32, Meta=bf),
+                      dict(PAGE=16, HEAD_DIM=128, MEAN=True, TIERED=tiered, FP8=kv == f8), []))
+    cases.append(("psa block score d128 g4", block_meta._block_score_kernel,
+                  dict(Q=bf, Meta=bf, BlockTables=i32, CandHi=i32, Scores=f32),
+                  dict(HPG=4, BLOCK_M=16, BLOCK_W=64, HEAD_DIM=128, DOT_PRECISION="tf32"), []))
+    only = sys.argv[1:]
+    cases = [c for c in cases if not only or any(o in c[0] for o in only)]
     failed = 0
     ptxas = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "ptxas")
     print(f"{'kernel':<36} {'regs':>5} {'spill B':>8} {'shared':>8}")

@@ -478,7 +478,6 @@ def fused_kernels():
     RoPE and the residual sums bit for bit, RMSNorm and SiLU * up within one bf16 unit on a few elements; the KV
     write (one tier bf16 / fp8, two tiers with pinned host pages over UVA) byte for byte with the CPU path."""
     from longreach.kernels import fused
-    from longreach.kernels.kv_store import store_kv
     from longreach.kvcache.fp8 import FP8
     from longreach.kvcache.offload import OffloadedKVCache
     from longreach.kvcache.paged import PagedKVCache
@@ -736,6 +735,141 @@ def cascading_prefill(model: str, lengths=(131072, 1048576)):
     dense128 = t.get(("dense", 131072))
     extra = f"; dense at 1M extrapolated x64 from 128K: {dense128 * 64:.0f} s" if dense128 else ""
     return ", ".join(f"{a} {n // 1024}K {s:.1f} s" for a, n, s in res) + extra
+def psa_matrix(dev: str = "cuda", lengths=(131072 + 5, 40000, 777), shape=(32, 8, 128), pages=(16, 32),
+               dtype=torch.bfloat16, timing: bool = True):
+    """PSA at Llama-8B's shape and 128K (attention/psa.py): the metadata, scoring and decode kernels against their
+    PyTorch references (fp32 math on the same bf16 inputs), one tier, two tiers (pinned host pages over UVA) and
+    fp8 rows; the decode step captured in a CUDA graph == eager; and the time of one decode step (rank + loop)
+    next to the dense paged-decode kernel, with the keys it read. (The defaults are the GPU run; the tests'
+    smoke run shrinks them on CPU.)"""
+    from longreach.attention.psa import PSA, PSAConfig
+    from longreach.kernels.block_meta import (block_scores_reference, block_scores_triton,
+                                              build_block_meta_reference, build_block_meta_triton)
+    from longreach.kernels.psa_decode import psa_decode_reference, psa_decode_triton
+    from longreach.kvcache.fp8 import encode
+
+    Hq, Hkv, D = shape
+    notes, worst, mismatched, pairs = [], 0.0, 0, 0
+    for page in pages:
+        g = torch.Generator(device=dev).manual_seed(page)
+        need = [-(-x // page) for x in lengths]
+        P = sum(need) + 2
+        perm = torch.randperm(P, device=dev, generator=g).int()
+        tables = torch.zeros(len(lengths), max(need), dtype=torch.int32, device=dev)
+        o = 0
+        for i, k in enumerate(need):
+            tables[i, :k] = perm[o:o + k]
+            o += k
+        seq_lens = torch.tensor(lengths, dtype=torch.int32, device=dev)
+        kc = torch.randn(P, page, Hkv, D, device=dev, generator=g, dtype=dtype)
+        vc = torch.randn(P, page, Hkv, D, device=dev, generator=g, dtype=dtype)
+        q = torch.randn(len(lengths), Hq, D, device=dev, generator=g, dtype=dtype)
+        u = torch.randn(Hkv, D, device=dev, generator=g, dtype=dtype)
+        q += u.repeat_interleave(Hq // Hkv, 0)  # some structure: a shared direction and a few hot blocks
+        hot = tables[0, torch.randint(8, need[0] * 3 // 4, (64,), device=dev, generator=g)].long()
+        kc[hot] += u * 1.5
+        lo = torch.zeros(len(lengths), dtype=torch.int32, device=dev)
+        hi = ((seq_lens - 1) // page).int()
+        meta = torch.zeros(P, 2, Hkv, D, dtype=dtype, device=dev)
+        build_block_meta_triton(kc, tables, lo, hi, int(hi.max()), meta, "cuboid-mean")
+        ref_meta = torch.zeros(P, 2, Hkv, D, dtype=torch.float32, device=dev)
+        build_block_meta_reference(kc, tables, lo, hi, ref_meta, "cuboid-mean")
+        err = _rel(meta.float(), ref_meta)
+        if err > 1e-2:
+            raise AssertionError(f"page {page}: block metadata rel err {err:.2e}")
+        m = PSA(PSAConfig(n_sink=64, n_window=128), Hq, Hkv)
+        cand_lo, cand_hi = m.candidates(seq_lens, page)
+        W = tables.shape[1]
+        scores = block_scores_triton(q, meta, tables, cand_lo, cand_hi, W)
+        ref_scores = block_scores_reference(q, meta, tables, cand_lo, cand_hi, W)
+        fin = torch.isfinite(ref_scores)
+        if not torch.equal(fin, torch.isfinite(scores)) or _rel(scores[fin], ref_scores[fin]) > 1e-3:
+            raise AssertionError(f"page {page}: block scores differ from the reference")
+        ranked = scores.sort(dim=-1, descending=True, stable=True).indices.int()
+        scale = D ** -0.5
+        caches = {"one tier": (kc, vc)}
+        if dev == "cuda":
+            caches["two tiers"] = tuple(_tier(kc, vc, 0.3, g))
+        f8 = (encode(kc, torch.float8_e4m3fn), encode(vc, torch.float8_e4m3fn))
+        for eps in (0.9, 0.95, 1.0):
+            out, _, counts = psa_decode_triton(q, kc, vc, tables, seq_lens, ranked, cand_lo, cand_hi, eps, 4, scale)
+            _, _, ref_counts = psa_decode_reference(q, kc, vc, tables, seq_lens, ranked, cand_lo, cand_hi, eps, 4,
+                                                    scale)
+            # a threshold crossing within fp rounding may flip a (row, group): compare outputs on the kernel's reads
+            mismatched += int((counts != ref_counts).sum())
+            pairs += counts.numel()
+            forced, _, _ = psa_decode_reference(q, kc, vc, tables, seq_lens, ranked, cand_lo, cand_hi, eps, 4, scale,
+                                                counts=counts)
+            err = _rel(out, forced)
+            worst = max(worst, err)
+            if torch.isnan(out).any() or err > 1e-2:
+                raise AssertionError(f"page {page} eps {eps}: rel err {err:.2e} vs the reference")
+            if eps == 1.0 and not torch.equal(counts.long(), (cand_hi.long() - cand_lo)[:, None].expand_as(counts)):
+                raise AssertionError("epsilon 1 must read every candidate block")
+            for name, (kk, vv) in caches.items():
+                if name != "one tier":
+                    o2, _, c2 = psa_decode_triton(q, kk, vv, tables, seq_lens, ranked, cand_lo, cand_hi, eps, 4, scale)
+                    if not (torch.equal(o2, out) and torch.equal(c2, counts)):
+                        raise AssertionError(f"page {page} eps {eps}: {name} != one tier")
+            o8, _, c8 = psa_decode_triton(q, *f8, tables, seq_lens, ranked, cand_lo, cand_hi, eps, 4, scale)
+            r8, _, _ = psa_decode_reference(q, *f8, tables, seq_lens, ranked, cand_lo, cand_hi, eps, 4, scale,
+                                            counts=c8)
+            if _rel(o8, r8) > 1e-2:
+                raise AssertionError(f"page {page} eps {eps}: fp8 rel err {_rel(o8, r8):.2e}")
+            if eps == 0.95:
+                keys = (counts.float() * page).mean().item()
+                notes.append(f"page {page}: eps 0.95 reads {keys:.0f} ranked keys per (row, KV head) of "
+                             f"{(cand_hi.float() - cand_lo).mean().item() * page:.0f}")
+        if dev == "cuda":  # the decode step (scores, sort, loop) in a CUDA graph, replayed on new queries
+            def step():
+                return m.attend(q, kc, vc, tables, seq_lens, meta, W, scale, True)[:2]
+            step()  # warm-up outside the capture
+            stream = torch.cuda.Stream()
+            stream.wait_stream(torch.cuda.current_stream())
+            with torch.cuda.stream(stream):
+                step()
+            torch.cuda.current_stream().wait_stream(stream)
+            graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(graph):
+                captured = step()
+            q.mul_(-1.0)
+            graph.replay()
+            torch.cuda.synchronize()
+            again = step()
+            if not (torch.equal(captured[0], again[0]) and torch.equal(captured[1], again[1])):
+                raise AssertionError(f"page {page}: graph replay differs from eager after the query changed")
+            q.mul_(-1.0)
+            if timing:
+                from longreach.kernels.paged_decode import paged_decode
+
+                one = slice(0, 1)  # batch 1 at 128K
+                args = (q[one], kc, vc, tables[one], seq_lens[one], meta, W, scale, True)
+                t_psa = _median_us(lambda: m.attend(*args))
+                t_dense = _median_us(lambda: paged_decode(q[one], kc, vc, tables[one], seq_lens[one], scale,
+                                                          num_splits=32))
+                notes.append(f"page {page}, batch 1 at {lengths[0]}: psa decode step {t_psa:.0f} us (scores + sort "
+                             f"+ loop), dense paged decode {t_dense:.0f} us")
+            del eager
+    if mismatched > 0.01 * pairs:
+        raise AssertionError(f"blocks read differ from the reference in {mismatched}/{pairs} (row, group) pairs")
+    gpu_only = "; tiered == one tier; graph replay == eager" if dev == "cuda" else " (CPU smoke run: no tiers, graph)"
+    return (f"kernels == references (worst output rel err {worst:.2e}, reads equal in {pairs - mismatched}/{pairs} "
+            f"pairs); fp8{gpu_only}. " + "; ".join(notes))
+
+
+def _median_us(fn, reps: int = 50) -> float:
+    for _ in range(3):
+        fn()
+    torch.cuda.synchronize()
+    times = []
+    for _ in range(reps):
+        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        a.record()
+        fn()
+        b.record()
+        torch.cuda.synchronize()
+        times.append(a.elapsed_time(b) * 1000)
+    return sorted(times)[reps // 2]
 
 
 def main():
@@ -754,6 +888,7 @@ def main():
     check("minference range/column kernel vs reference (bf16)")(minference_matrix)
     check("fused model kernels and the fused KV write (bf16, fp8)")(fused_kernels)
     check("cascading kernels: cache-RoPE attention, key mass (bf16)")(cascading_kernels)
+    check("psa decode, metadata, scoring kernels vs reference (bf16, 8B shape, 128K)")(psa_matrix)
     if args.model:
         check("engine: offloaded KV == GPU KV (SmolLM2, 128K)")(lambda: offload_engine(args.model))
         check("engine: CUDA graphs, eager, chunked prefill")(lambda: engine_checks(args.model))

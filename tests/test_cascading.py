@@ -10,7 +10,6 @@ import torch
 
 from longreach.attention.backend import AttentionMetadata
 from longreach.attention.cascading import PRESETS, CascadeLayout, CascadingBackend, CascadingConfig, ema_weights
-from longreach.attention.dense import causal_attention
 from longreach.config import EngineConfig
 from longreach.kvcache.block_manager import BlockManager
 from longreach.kvcache.cascade import CascadeRings, ReferenceCascade, apply_moves, batch_plans, execute_plan

@@ -34,7 +34,7 @@ def test_bad_sampling_params(kwargs, message):
 
 
 @pytest.mark.parametrize("kwargs, message", [
-    (dict(attention="nope"), r"unknown attention backend 'nope'; available: cascading, dense, hip, infinitehip, minference, quest, streaming"),
+    (dict(attention="nope"), r"unknown attention backend 'nope'; available: cascading, dense, hip, infinitehip, minference, psa, quest, streaming"),
     (dict(attention="hip", attention_config="{bad"), "attention_config must be a JSON object"),
     (dict(dtype="int8"), "dtype must be one of auto, bfloat16, float16, float32"),
     (dict(device="tpu"), "device must be one of auto, cpu, cuda"),
@@ -91,7 +91,7 @@ def test_help_is_complete():
                  "--attention-config", "--decode-attention", "--decode-attention-config"]:
         assert flag in gen.stdout, flag
     names = [line.split()[0] for line in _cli("backends").stdout.splitlines()[1:]]
-    assert names == ["cascading", "dense", "hip", "infinitehip", "minference", "quest", "streaming"]
+    assert names == ["cascading", "dense", "hip", "infinitehip", "minference", "psa", "quest", "streaming"]
     for sub in (["eval", "recall"], ["eval", "agreement"], ["bench", "engine"], ["calibrate"]):
         r = _cli(*sub, "--help")
         assert r.returncode == 0 and "--model" in r.stdout, sub

@@ -19,6 +19,7 @@ _BUILTIN = {
     "streaming": "longreach.attention.streaming:StreamingBackend",
     "minference": "longreach.attention.minference:MInferenceBackend",
     "cascading": "longreach.attention.cascading:CascadingBackend",
+    "psa": "longreach.attention.psa:PSABackend",
 }
 _registry: dict[str, "str | type[AttentionBackend]"] = dict(_BUILTIN)
 

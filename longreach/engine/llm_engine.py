@@ -147,7 +147,8 @@ class LLMEngine:
     def _init_offloaded_cache(self) -> None:
         dense_layers = getattr(getattr(self.backend, "config", None), "dense_layers", ())
         self.blocks, self.kv_cache = build_offloaded_cache(self.config, self.model_config, self.kv_dtype, self.device,
-                                                           dense_layers, self._profile_free_gpu_memory)
+                                                           dense_layers, self._profile_free_gpu_memory,
+                                                           self._page_state_bytes())
 
     def kv_cache_stats(self) -> dict:
         """KV-cache occupancy and, with offloading, the cumulative page counters (kvcache/offload.py)."""
@@ -173,6 +174,8 @@ class LLMEngine:
         if layout is not None:
             per_block += layout.side_bytes_per_token * cfg.block_size
         pages_per_seq = -(-need // cfg.block_size)
+        if cfg.kv_cache_memory_gb is None and self.device.type == "cuda":
+            per_block += self._page_state_bytes()  # sized from free memory: leave room for per-page backend state
         if cfg.kv_cache_memory_gb is not None:
             budget = cfg.kv_cache_memory_gb * GiB
         elif self.device.type == "cuda":
@@ -189,6 +192,12 @@ class LLMEngine:
                 f"the KV cache fits {num_blocks * cfg.block_size} tokens ({budget / GiB:.2f} GiB), fewer than "
                 f"{what}; raise kv_cache_memory_gb / gpu_memory_utilization or lower max_model_len")
         return num_blocks
+
+    def _page_state_bytes(self) -> int:
+        """GPU bytes the (decode) attention backend keeps per KV page, e.g. psa's block metadata; 0 for most."""
+        backend = getattr(self.backend, "decode", self.backend)  # composed backends: the decode half keeps it
+        fn = getattr(backend, "page_state_bytes", None)
+        return fn(self.dtype) if fn is not None else 0
 
     @torch.inference_mode()
     def _profile_free_gpu_memory(self) -> float:

@@ -4,7 +4,8 @@ Metrics, per query row and head, averaged:
   * attention-mass recall: the share of the exact softmax mass (over all causal keys) that the attended keys hold;
   * top-k key recall: of the B keys the row attends to, the share that are among its B highest-scoring keys (oracle);
   * output relative error: ||o_sparse - o_dense|| / ||o_dense||, o_sparse the softmax over the attended keys only;
-  * keys attended per query.
+  * keys attended per query: the mean, and its distribution over (layer, row, head) (p50, p90, p99, max), which
+    is what differs between a fixed budget (infinitehip, quest) and a mass threshold (psa).
 `capture` runs the model densely on a text and keeps, per layer, the RoPE'd queries of the evaluated rows and all keys
 and values; `evaluate` runs a selection method on them exactly as its prefill does (query blocks of b_q rows).
 """
@@ -103,7 +104,16 @@ class LayerReference:
         out = torch.einsum("rhl,hld->rhd", sparse, self.vh)
         err = (out - self.out).norm(dim=-1) / self.out.norm(dim=-1).clamp(min=1e-12)
         return {"mass_recall": mass.mean().item(), "topk_recall": topk.item(), "output_rel_error": err.mean().item(),
-                "keys_per_query": budget.float().mean().item()}
+                "keys_per_query": budget.float().mean().item(), **keys_distribution(budget, "keys_per_query_")}
+
+
+def keys_distribution(budget: torch.Tensor, prefix: str = "") -> dict:
+    """p50 / p90 / p99 / max of keys read per (row, head) (any shape; mean included without a prefix)."""
+    b = budget.flatten().double()
+    q = torch.quantile(b, torch.tensor([0.5, 0.9, 0.99], dtype=torch.float64)).tolist() if b.numel() else [0.0] * 3
+    out = {f"{prefix}p50": q[0], f"{prefix}p90": q[1], f"{prefix}p99": q[2], f"{prefix}max": b.max().item() if
+           b.numel() else 0.0}
+    return out if prefix else {"mean": b.mean().item() if b.numel() else 0.0, **out}
 
 
 def metrics(q, k, v, row_pos, mask, scale) -> dict:
@@ -129,6 +139,7 @@ def selection_mask(method: SelectionMethod, layer: int, q: torch.Tensor, k: torc
 def evaluate(methods: dict[str, SelectionMethod | None], cap: Capture, scale: float) -> dict:
     """Per-layer and mean metrics of each method (None: dense) on a capture; a method's dense layers count as dense."""
     per_layer: dict[str, list[dict]] = {name: [] for name in methods}
+    budgets: dict[str, list[tuple[bool, torch.Tensor]]] = {name: [] for name in methods}  # (dense, keys per row/head)
     R = cap.positions.numel()
     for layer, (q, k, v) in enumerate(zip(cap.q, cap.k, cap.v)):
         ref = LayerReference(q, k, v, cap.positions, scale)
@@ -139,12 +150,19 @@ def evaluate(methods: dict[str, SelectionMethod | None], cap: Capture, scale: fl
             else:
                 mask = selection_mask(method, layer, q, k, cap.positions)
             per_layer[name].append({"layer": layer, "dense": dense, **ref.metrics(mask)})
+            budgets[name].append((dense, (mask & ref.causal).sum(-1).flatten()))
     keys = ("mass_recall", "topk_recall", "output_rel_error", "keys_per_query")
 
     def mean(rows):
         return {key: sum(r[key] for r in rows) / len(rows) for key in keys} if rows else None
 
+    def distribution(name, sparse_only):
+        parts = [b for dense, b in budgets[name] if not (sparse_only and dense)]
+        return keys_distribution(torch.cat(parts)) if parts else None
+
     return {name: {"mean": mean(rows), "mean_sparse_layers": mean([r for r in rows if not r["dense"]]),
+                   "keys_per_query": {"all_layers": distribution(name, False),
+                                      "sparse_layers": distribution(name, True)},
                    "per_layer": rows,
                    "config": dataclasses.asdict(methods[name].cfg) if methods[name] is not None else None}
             for name, rows in per_layer.items()}

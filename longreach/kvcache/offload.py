@@ -32,11 +32,16 @@ from __future__ import annotations
 import dataclasses
 from dataclasses import dataclass
 
+from typing import TYPE_CHECKING
+
 import numpy as np
 import torch
 
 from ..kernels.offload_copy import copy_chunks, scatter_rows
 from .fp8 import as_bytes, encode, row_bytes, row_elems, values
+
+if TYPE_CHECKING:
+    from .block_manager import BlockManager
 
 
 def pinned_empty(shape: tuple, dtype: torch.dtype, owner: object) -> torch.Tensor:
@@ -396,11 +401,12 @@ def host_memory_available() -> int | None:
 
 
 def build_offloaded_cache(cfg, mc, kv_dtype: torch.dtype, device: torch.device, dense_layers,
-                          free_gpu_bytes) -> tuple["BlockManager", OffloadedKVCache]:
+                          free_gpu_bytes, page_state_bytes: int = 0) -> tuple["BlockManager", OffloadedKVCache]:
     """The block manager and the two-tier store for EngineConfig `cfg` and ModelConfig `mc`:
     `kv_offloading_size` GiB of pinned host pages hold every token, a GPU pool of `kv_cache_memory_gb` (default:
-    `free_gpu_bytes()` less the staging area) caches the hot pages. Raises ValueError with what to change when a
-    tier does not fit; logs both tiers in GiB and tokens."""
+    `free_gpu_bytes()` less the staging area and the backend's GPU state per host page, `page_state_bytes`: psa's
+    block metadata) caches the hot pages. Raises ValueError with what to change when a tier does not fit; logs both
+    tiers in GiB and tokens."""
     import logging
 
     from .block_manager import BlockManager
@@ -429,7 +435,7 @@ def build_offloaded_cache(cfg, mc, kv_dtype: torch.dtype, device: torch.device, 
     if cfg.kv_cache_memory_gb is not None:
         budget = cfg.kv_cache_memory_gb * GiB
     elif device.type == "cuda":
-        budget = free_gpu_bytes() - staging_bytes
+        budget = free_gpu_bytes() - staging_bytes - host_pages * page_state_bytes
     else:
         budget = min(CPU_POOL_DEFAULT_GB * GiB, host_pages * per_page)
     slots = int(budget // (per_slot + 32))  # + the page table's share per slot (int32 entry, owner, stamp)
