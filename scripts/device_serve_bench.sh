@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # `longreach bench serve` on the GPU (issue 12), SmolLM2 from scripts/device_model.sh's /tmp/m/model.gguf:
-# 64 concurrent streams of 2K-token prompts (dense), then the mixed load (two 128K-token prompts among short chats)
+# 64 concurrent streams of 2K-token prompts (dense; 4,096 requests, ~2.5 minutes on an H100), then the mixed load (two 128K-token prompts among short chats)
 # against a dense and an infinitehip server. Each server runs on 127.0.0.1, is waited for on /health (and given up
 # the moment its process dies), and is stopped before the next. Logs and JSON go to $OUT (or ./out).
 set -u
@@ -29,7 +29,7 @@ bench() {  # bench NAME SECONDS ARGS...
 mixed="--num-prompts 40 --request-rate 4 --random-input-len 512 --random-output-len 128 --long-prompts 2 \
 --long-input-len 131072"
 if start dense --attention dense; then
-    bench streams64_2k 150 --num-prompts 256 --max-concurrency 64 --random-input-len 2048 --random-output-len 128
+    bench streams64_2k 220 --num-prompts 4096 --max-concurrency 64 --random-input-len 2048 --random-output-len 128
     bench mixed_dense 150 $mixed
     stop
 fi
