@@ -2,7 +2,8 @@
 # `longreach bench serve` on the GPU (issue 12), SmolLM2 from scripts/device_model.sh's /tmp/m/model.gguf:
 # 64 concurrent streams of 2K-token prompts (dense; 4,096 requests, ~2.5 minutes on an H100), then the mixed load
 # (two 128K-token prompts among short chats) against a dense and an infinitehip server. Each server runs on
-# 127.0.0.1, is waited for on /health (and given up the moment its process dies), and is stopped before the next. Logs and JSON go to $OUT (or ./out).
+# 127.0.0.1, is waited for on /health (and given up the moment its process dies), and is stopped before the next.
+# Logs and JSON go to $OUT (or ./out).
 set -u
 out=${OUT:-out}; mkdir -p "$out"
 port=8011
