@@ -27,7 +27,7 @@ from ..attention.executor import head_pairs
 from ..attention.index import QueryBlocks, SparseIndex
 from ..rope.strategies import RopeArgs, attend_code
 from .combine import combine_splits_triton
-from .paged import kv_format, load_kv, page_slots, row_base, tier_args
+from .paged import kv_args, load_kv, page_slots, row_base
 from .rope import rotate_rows, swap_halves
 from .softmax import online_softmax_finish, online_softmax_step
 
@@ -224,17 +224,8 @@ def block_sparse_attention_triton(q, k_cache, v_cache, block_tables, index: Spar
     if triton is None:
         raise RuntimeError("block_sparse_attention_triton needs Triton")
     T, Hq, D = q.shape
-    _, page, Hkv, Dk = k_cache.shape
-    K, KH, slots, stride_khp, tiered = tier_args(k_cache)
-    V, VH, _, stride_vhp, _ = tier_args(v_cache)
+    K, V, KH, VH, slots, stride_khp, stride_vhp, tiered, fp8, page, Hkv = kv_args(q, k_cache, v_cache)
     k_cache, v_cache = K, V
-    fp8 = kv_format(k_cache, D)
-    if v_cache.shape[1:] != k_cache.shape[1:] or v_cache.dtype != k_cache.dtype:
-        raise ValueError(f"cache shapes {tuple(k_cache.shape)} / {tuple(v_cache.shape)} do not match q {tuple(q.shape)}")
-    if D & (D - 1) or not 16 <= D <= 256:
-        raise ValueError(f"head_dim must be a power of two in [16, 256], got {D}")
-    if q.stride(-1) != 1 or k_cache.stride(-1) != 1 or v_cache.stride(-1) != 1:
-        raise ValueError("q and the caches must be contiguous in the head dimension")
     if block_tables.dtype != torch.int32:
         raise ValueError("block_tables must be int32")
     plan = plan or BSAPlan(index, Hq, Hkv, q.device)

@@ -10,6 +10,8 @@ extra arguments are unused.
 """
 from __future__ import annotations
 
+import typing
+
 try:
     import triton
     import triton.language as tl
@@ -77,3 +79,38 @@ def tier_args(cache) -> tuple:
     if isinstance(cache, TierView):
         return cache.pool, kernel_arg(cache.host), cache.slots, cache.host.stride(0), True
     return cache, cache, cache, 0, False
+
+
+class KVArgs(typing.NamedTuple):
+    """What a launcher that reads K and V through `load_kv` passes to its kernel (see `kv_args`)."""
+
+    K: object  # the GPU pages (a one-tier cache, or the pool of slots)
+    V: object
+    KH: object  # host tiers (K, V): kernel arguments (UVA pointers); the caches themselves when one-tier
+    VH: object
+    slots: object  # page -> slot table (tiered), else unused
+    stride_khp: int
+    stride_vhp: int
+    tiered: bool
+    fp8: bool
+    page: int  # tokens per page
+    num_kv_heads: int
+
+
+def kv_args(q, k_cache, v_cache) -> KVArgs:
+    """`tier_args` for both caches plus the checks every attention launcher makes before it launches: K and V alike,
+    head_dim (q's last dim) a power of two in [16, 256], query heads a multiple of KV heads, rows contiguous.
+    Raises ValueError saying what was wrong."""
+    Hq, D = q.shape[-2], q.shape[-1]
+    K, KH, slots, stride_khp, tiered = tier_args(k_cache)
+    V, VH, _, stride_vhp, _ = tier_args(v_cache)
+    fp8 = kv_format(K, D)
+    if V.shape[1:] != K.shape[1:] or V.dtype != K.dtype:
+        raise ValueError(f"cache shapes {tuple(K.shape)} / {tuple(V.shape)} do not match q {tuple(q.shape)}")
+    if D & (D - 1) or not 16 <= D <= 256:
+        raise ValueError(f"head_dim must be a power of two in [16, 256], got {D}")
+    if Hq % K.shape[2]:
+        raise ValueError(f"query heads ({Hq}) must be a multiple of KV heads ({K.shape[2]})")
+    if q.stride(-1) != 1 or K.stride(-1) != 1 or V.stride(-1) != 1:
+        raise ValueError("q and the caches must be contiguous in the head dimension")
+    return KVArgs(K, V, KH, VH, slots, stride_khp, stride_vhp, tiered, fp8, K.shape[1], K.shape[2])

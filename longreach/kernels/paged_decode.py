@@ -25,7 +25,7 @@ try:
     import triton
     import triton.language as tl
 
-    from .paged import kv_format, load_kv, page_slots, row_base, tier_args
+    from .paged import kv_args, load_kv, page_slots, row_base
     from .softmax import online_softmax_finish, online_softmax_step
 except ImportError:  # the CPU path never needs Triton
     triton = None
@@ -121,19 +121,8 @@ def paged_decode(q, k_cache, v_cache, block_tables, seq_lens, scale: float, num_
     if triton is None:
         raise RuntimeError("paged_decode needs Triton; use paged_decode_reference on CPU")
     B, Hq, D = q.shape
-    num_pages, page, Hkv, Dk = k_cache.shape
-    K, KH, slots, stride_khp, tiered = tier_args(k_cache)
-    V, VH, _, stride_vhp, _ = tier_args(v_cache)
+    K, V, KH, VH, slots, stride_khp, stride_vhp, tiered, fp8, page, Hkv = kv_args(q, k_cache, v_cache)
     k_cache, v_cache = K, V
-    fp8 = kv_format(k_cache, D)
-    if v_cache.shape[1:] != k_cache.shape[1:] or v_cache.dtype != k_cache.dtype:
-        raise ValueError(f"cache shapes {tuple(k_cache.shape)} / {tuple(v_cache.shape)} do not match q {tuple(q.shape)}")
-    if Hq % Hkv:
-        raise ValueError(f"query heads ({Hq}) must be a multiple of KV heads ({Hkv})")
-    if D & (D - 1) or not 16 <= D <= 256:
-        raise ValueError(f"head_dim must be a power of two in [16, 256], got {D}")
-    if q.stride(-1) != 1 or k_cache.stride(-1) != 1 or v_cache.stride(-1) != 1:
-        raise ValueError("q and the caches must be contiguous in the head dimension")
     if block_tables.dtype != torch.int32 or seq_lens.dtype != torch.int32:
         raise ValueError("block_tables and seq_lens must be int32")
     if block_tables.shape[0] != B or seq_lens.shape[0] != B:

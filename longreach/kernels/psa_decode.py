@@ -35,7 +35,7 @@ try:
     import triton
     import triton.language as tl
 
-    from .paged import kv_format, load_kv, page_slots, row_base, tier_args
+    from .paged import kv_args, load_kv, page_slots, row_base
     from .softmax import online_softmax_finish, online_softmax_step
 except ImportError:  # pragma: no cover - CPU installs without Triton use the reference
     triton = None
@@ -251,16 +251,7 @@ def psa_decode_triton(q, k_cache, v_cache, block_tables, seq_lens, ranked, cand_
     if triton is None:
         raise RuntimeError("psa_decode_triton needs Triton")
     n, Hq, D = q.shape
-    K, KH, slots, stride_khp, tiered = tier_args(k_cache)
-    V, VH, _, stride_vhp, _ = tier_args(v_cache)
-    page, Hkv = K.shape[1], K.shape[2]
-    fp8 = kv_format(K, D)
-    if V.shape[1:] != K.shape[1:] or V.dtype != K.dtype:
-        raise ValueError(f"cache shapes {tuple(K.shape)} / {tuple(V.shape)} do not match")
-    if D & (D - 1) or not 16 <= D <= 256:
-        raise ValueError(f"head_dim must be a power of two in [16, 256], got {D}")
-    if Hq % Hkv:
-        raise ValueError(f"query heads ({Hq}) must be a multiple of KV heads ({Hkv})")
+    K, V, KH, VH, slots, stride_khp, stride_vhp, tiered, fp8, page, Hkv = kv_args(q, k_cache, v_cache)
     if microbatch < 1 or microbatch & (microbatch - 1) or page & (page - 1) or microbatch * page < 16:
         raise ValueError(f"microbatch ({microbatch}) and block size ({page}) must be powers of two with "
                          "microbatch x block size >= 16 (the kernel's tile)")
@@ -271,8 +262,6 @@ def psa_decode_triton(q, k_cache, v_cache, block_tables, seq_lens, ranked, cand_
             raise ValueError(f"{name} must be int32, got {t.dtype}")
     if ranked.dim() != 3 or ranked.shape[:2] != (n, Hkv) or ranked.stride(2) != 1:
         raise ValueError(f"ranked must be ({n}, {Hkv}, W) and contiguous in W, got {tuple(ranked.shape)}")
-    if q.stride(-1) != 1 or K.stride(-1) != 1 or V.stride(-1) != 1:
-        raise ValueError("q and the caches must be contiguous in the head dimension")
     out = torch.empty_like(q) if out is None else out
     lse = torch.empty(n, Hq, dtype=torch.float32, device=q.device) if lse is None else lse
     counts = torch.empty(n, Hkv, dtype=torch.int32, device=q.device) if counts is None else counts

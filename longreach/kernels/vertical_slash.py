@@ -29,7 +29,7 @@ import torch
 
 from ..attention.index import RangeIndex
 from .bsa import _pair_tensors, query_block_tensors
-from .paged import kv_format, load_kv, page_slots, row_base, tier_args
+from .paged import kv_args, load_kv, page_slots, row_base
 from .softmax import online_softmax_finish, online_softmax_step
 
 try:
@@ -166,18 +166,7 @@ def range_attention_triton(q, k_cache, v_cache, block_tables, index: RangeIndex,
     if triton is None:
         raise RuntimeError("range_attention_triton needs Triton")
     T, Hq, D = q.shape
-    K, KH, slots, stride_khp, tiered = tier_args(k_cache)
-    V, VH, _, stride_vhp, _ = tier_args(v_cache)
-    page, Hkv = K.shape[1], K.shape[2]
-    fp8 = kv_format(K, D)
-    if V.shape[1:] != K.shape[1:] or V.dtype != K.dtype:
-        raise ValueError(f"cache shapes {tuple(K.shape)} / {tuple(V.shape)} do not match")
-    if D & (D - 1) or not 16 <= D <= 256:
-        raise ValueError(f"head_dim must be a power of two in [16, 256], got {D}")
-    if Hq % Hkv:
-        raise ValueError(f"query heads ({Hq}) must be a multiple of KV heads ({Hkv})")
-    if q.stride(-1) != 1 or K.stride(-1) != 1 or V.stride(-1) != 1:
-        raise ValueError("q and the caches must be contiguous in the head dimension")
+    K, V, KH, VH, slots, stride_khp, stride_vhp, tiered, fp8, page, Hkv = kv_args(q, k_cache, v_cache)
     if block_tables.dtype != torch.int32:
         raise ValueError("block_tables must be int32")
     if index.tile > block_n:
