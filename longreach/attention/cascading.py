@@ -29,7 +29,6 @@ dynamic-NTK RoPE, CUDA-graph decode (decode runs eagerly: the insertion plan is 
 """
 from __future__ import annotations
 
-import json
 import logging
 from dataclasses import dataclass
 from typing import ClassVar
@@ -41,7 +40,7 @@ from ..kvcache.cascade import CascadeRings, apply_moves, batch_plans, execute_pl
 from ..rope.strategies import RopeArgs, rotate
 from .backend import AttentionBackend, AttentionMetadata
 from .index import QueryBlocks, SparseIndex
-from .sparse import config_from, use_kernels
+from .sparse import config_from, preset_and_overrides, use_kernels
 
 logger = logging.getLogger("longreach")
 
@@ -191,11 +190,7 @@ class CascadingBackend(AttentionBackend):
     # ---- configuration -------------------------------------------------------------------------------------------
     @classmethod
     def resolve_config(cls, engine_config) -> CascadingConfig:
-        preset = engine_config.preset or DEFAULT_PRESET
-        if preset not in PRESETS:
-            raise ValueError(f"unknown cascading preset {preset!r}; available: {', '.join(PRESETS)}")
-        overrides = json.loads(engine_config.attention_config) if engine_config.attention_config else {}
-        return config_from(CascadingConfig, PRESETS[preset], overrides)
+        return config_from(CascadingConfig, *preset_and_overrides("cascading", PRESETS, DEFAULT_PRESET, engine_config))
 
     @classmethod
     def unsupported_reasons(cls, model_config, engine_config) -> list[str]:

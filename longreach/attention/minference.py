@@ -359,15 +359,13 @@ class MInferenceBackend(AttentionBackend):
 
     @classmethod
     def resolve_config(cls, engine_config) -> MInferenceConfig:
-        from .sparse import config_from
+        from .sparse import config_from, preset_and_overrides
 
-        preset = engine_config.preset or MInference.default_preset
-        if preset not in MInference.presets:
-            raise ValueError(f"unknown minference preset {preset!r}; available: {', '.join(MInference.presets)}")
-        overrides = json.loads(engine_config.attention_config) if engine_config.attention_config else {}
+        base, overrides = preset_and_overrides("minference", MInference.presets, MInference.default_preset,
+                                               engine_config)
         if "pattern" in overrides and "patterns" in overrides:
             raise ValueError("give either patterns (a calibration file) or pattern (one for every head), not both")
-        return config_from(MInferenceConfig, MInference.presets[preset], overrides)
+        return config_from(MInferenceConfig, base, overrides)
 
     @classmethod
     def unsupported_reasons(cls, model_config, engine_config) -> list[str]:

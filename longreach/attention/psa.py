@@ -38,7 +38,6 @@ on CPU through the runner's emulated graph path; not yet captured on a GPU (scri
 from __future__ import annotations
 
 import contextlib
-import json
 import logging
 import typing
 from dataclasses import dataclass
@@ -56,7 +55,7 @@ from ..kernels.psa_decode import psa_decode_reference, psa_decode_triton
 from .backend import AttentionBackend, AttentionMetadata
 from .dense import DenseBackend
 from .index import QueryBlocks, SparseIndex
-from .sparse import config_from, use_kernels
+from .sparse import config_from, preset_and_overrides, use_kernels
 
 logger = logging.getLogger("longreach")
 
@@ -202,11 +201,7 @@ class PSABackend(AttentionBackend):
 
     @classmethod
     def resolve_config(cls, engine_config) -> PSAConfig:
-        preset = engine_config.preset or PSA.default_preset
-        if preset not in PSA.presets:
-            raise ValueError(f"unknown psa preset {preset!r}; available: {', '.join(PSA.presets)}")
-        overrides = json.loads(engine_config.attention_config) if engine_config.attention_config else {}
-        return config_from(PSAConfig, PSA.presets[preset], overrides)
+        return config_from(PSAConfig, *preset_and_overrides("psa", PSA.presets, PSA.default_preset, engine_config))
 
     @classmethod
     def unsupported_reasons(cls, model_config, engine_config) -> list[str]:

@@ -141,6 +141,15 @@ class SparseConfig:
                 raise ValueError(f"{name} must be None or an integer >= {0 if name == 'rope_from' else 1}, got {v!r}")
 
 
+def preset_and_overrides(method: str, presets: dict, default: str, engine_config) -> tuple[object, dict]:
+    """The preset `engine_config` names (else `default`) and its `--attention-config` overrides (a dict); an unknown
+    preset raises ValueError listing the method's presets. Every preset-based backend resolves its config this way."""
+    preset = engine_config.preset or default
+    if preset not in presets:
+        raise ValueError(f"unknown {method} preset {preset!r}; available: {', '.join(presets)}")
+    return presets[preset], json.loads(engine_config.attention_config) if engine_config.attention_config else {}
+
+
 def config_from(cls: type, base, overrides: dict) -> SparseConfig:
     """`base` with `overrides` applied; unknown fields and bad values raise ValueError naming what is allowed."""
     names = {f.name for f in dataclasses.fields(cls)}
@@ -307,11 +316,7 @@ class SparseBackend(GraphDecode, AttentionBackend):
     @classmethod
     def resolve_config(cls, engine_config) -> SparseConfig:
         m = cls.method_cls
-        preset = engine_config.preset or m.default_preset
-        if preset not in m.presets:
-            raise ValueError(f"unknown {m.name} preset {preset!r}; available: {', '.join(m.presets)}")
-        overrides = json.loads(engine_config.attention_config) if engine_config.attention_config else {}
-        return config_from(m.config_cls, m.presets[preset], overrides)
+        return config_from(m.config_cls, *preset_and_overrides(m.name, m.presets, m.default_preset, engine_config))
 
     @classmethod
     def unsupported_reasons(cls, model_config, engine_config) -> list[str]:
