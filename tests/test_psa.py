@@ -21,6 +21,8 @@ from longreach.kernels.paged_decode import paged_decode_reference
 from longreach.kernels.psa_decode import psa_decode_reference, psa_decode_triton
 from longreach.kvcache.fp8 import quantize
 from longreach.kvcache.offload import TierView
+from tests.test_kernel_bsa import _cache as _bsa_cache
+from tests.test_offload import _record_logits
 
 
 # ---- the stop rule, by hand -----------------------------------------------------------------------------------------
@@ -103,24 +105,12 @@ def test_stopping_rule_against_a_hand_computed_example():
 
 # ---- kernels against references --------------------------------------------------------------------------------------
 def _cache(lengths, Hkv, D, page, dtype, g):
-    """A paged cache holding each row's tokens in scattered pages (NaN in unowned slots), and the block tables."""
-    need = [-(-n // page) for n in lengths]
-    n_pages = sum(need) + 3
-    perm = torch.randperm(n_pages, generator=g)
-    tables = torch.zeros(len(lengths), max(need), dtype=torch.int32)
-    o = 0
-    for i, k in enumerate(need):
-        tables[i, :k] = perm[o:o + k]
-        o += k
-    kc = torch.randn(n_pages, page, Hkv, D, generator=g)
-    vc = torch.randn(n_pages, page, Hkv, D, generator=g)
+    """test_kernel_bsa's scattered paged cache (NaN in unowned slots: stale memory must never be read); an fp8 cache
+    holds the same values quantised, with zeros where the others hold NaN (a NaN would poison a row's scale)."""
     if dtype != torch.float8_e4m3fn:
-        kc[perm[o:]] = vc[perm[o:]] = float("nan")  # stale memory must never be read
-        for i, n in enumerate(lengths):
-            if n % page:
-                kc[tables[i, need[i] - 1], n % page:] = vc[tables[i, need[i] - 1], n % page:] = float("nan")
-        return kc.to(dtype), vc.to(dtype), tables
-    return quantize(kc), quantize(vc), tables
+        return _bsa_cache(lengths, Hkv, D, page, dtype, g)
+    kc, vc, tables = _bsa_cache(lengths, Hkv, D, page, torch.float32, g)
+    return quantize(kc.nan_to_num(0.0)), quantize(vc.nan_to_num(0.0)), tables
 
 
 def _tiered(kc, vc, g):
@@ -352,31 +342,19 @@ def _llm(path, config=SMALL, attention="psa", **kw):
     return LLM(path, device="cpu", dtype="float32", attention=attention, attention_config=config, **kw)
 
 
-def _record(llm):
-    seen, runner = [], llm.engine.runner
-    inner = runner.execute
-
-    def execute(batch, all_logits=False):
-        logits, idx = inner(batch, all_logits)
-        seen.append(logits.clone())
-        return logits, idx
-    runner.execute = execute
-    return seen
-
-
 def test_engine_epsilon_one_equals_dense_and_lower_epsilon_prunes(tiny):
     from longreach import SamplingParams
 
     prompts, params = _prompts(1, (120, 70)), SamplingParams(temperature=0, max_tokens=4, ignore_eos=True)
     dense_llm = _llm(tiny, None, attention="dense")
-    dense_logits = _record(dense_llm)
+    dense_logits = _record_logits(dense_llm)
     dense = [o.token_ids for o in dense_llm.generate(prompts, params, use_tqdm=False)]
     full_llm = _llm(tiny, SMALL.replace('"epsilon": 0.8', '"epsilon": 1.0'))
-    full_logits = _record(full_llm)
+    full_logits = _record_logits(full_llm)
     assert [o.token_ids for o in full_llm.generate(prompts, params, use_tqdm=False)] == dense
     assert all((a - b).abs().max() < 1e-4 for a, b in zip(dense_logits, full_logits))
     low = _llm(tiny, SMALL.replace('"epsilon": 0.8', '"epsilon": 0.3'))
-    low_logits = _record(low)
+    low_logits = _record_logits(low)
     low.generate(prompts, params, use_tqdm=False)
     assert max((a - b).abs().max() for a, b in zip(dense_logits[1:], low_logits[1:])) > 1e-3  # decode steps differ
 
@@ -392,7 +370,7 @@ def test_engine_offload_on_equals_off_bit_for_bit(tiny):
     for offload in (False, True):
         kw = dict(kv_cache_memory_gb=pool, kv_offloading_size=0.004) if offload else {}
         llm = _llm(tiny, max_num_batched_tokens=48, **kw)
-        logits = _record(llm)
+        logits = _record_logits(llm)
         runs[offload] = ([o.token_ids for o in llm.generate(prompts, params, use_tqdm=False)], logits, llm)
     assert runs[False][0] == runs[True][0]
     assert len(runs[False][1]) == len(runs[True][1])
