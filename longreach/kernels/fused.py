@@ -54,11 +54,10 @@ def add_rms_norm_reference(x: torch.Tensor, residual: torch.Tensor, weight: torc
 
 
 def rope_reference(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """x (T, H, D) rotated by cos/sin (T, D/2), rotate-half layout, in x's dtype."""
-    half = x.shape[-1] // 2
-    x1, x2 = x[..., :half], x[..., half:]
-    c, s = cos[:, None, :], sin[:, None, :]
-    return torch.cat((x1 * c - x2 * s, x2 * c + x1 * s), dim=-1)
+    """x (T, H, D) rotated by cos/sin (T, D/2), rotate-half layout, in x's dtype: the model's `apply_rope`."""
+    from ..rope.scaling import apply_rope
+
+    return apply_rope(x, cos, sin)
 
 
 def silu_mul_reference(gate_up: torch.Tensor) -> torch.Tensor:

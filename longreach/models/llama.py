@@ -18,7 +18,7 @@ import torch
 from torch import nn
 from torch.nn import functional as F
 
-from ..kernels.fused import add_rms_norm, rms_norm, rope_qk_, silu_mul
+from ..kernels.fused import add_rms_norm, rms_norm, rms_norm_reference, rope_qk_, silu_mul
 from ..rope.scaling import RotaryEmbedding, apply_rope
 from .config import ModelConfig
 
@@ -45,10 +45,7 @@ class RMSNorm(nn.Module):
             return add_rms_norm(x, residual, self.weight, self.eps)
         if x.dim() == 2:
             return rms_norm(x, self.weight, self.eps)
-        dtype = x.dtype  # q/k norms (T, H, D): the PyTorch reference
-        x32 = x.float()
-        x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)
-        return self.weight * x32.to(dtype)
+        return rms_norm_reference(x, self.weight, self.eps)  # q/k norms (T, H, D)
 
 
 class Attention(nn.Module):
