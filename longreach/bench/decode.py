@@ -41,7 +41,7 @@ import statistics
 import time
 import traceback
 
-from .decode_report import _fill_dense_column, _one_line, _summary, format_table
+from .decode_report import _fill_dense_column, _fmt_len, _one_line, _summary, format_table
 
 GiB = 1 << 30
 WORKSPACE_MARGIN = 2 * GiB  # activations of a prefill chunk, CUDA graphs, allocator slack (dense fit estimate)
@@ -200,12 +200,6 @@ def _text_ids(engine, text: str | None) -> list[int] | None:
     if not ids:
         raise ValueError("the prompt text is empty")
     return ids
-
-
-def _fmt_len(n: int) -> str:
-    from ..eval.common import format_length
-
-    return format_length(n)
 
 
 def _note(msg: str) -> None:
