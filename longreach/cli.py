@@ -183,12 +183,14 @@ def _bench_parser(sub) -> None:
     e.add_argument("--repeats", type=int, default=3, help="timed repeats, median reported (default: 3)")
     e.add_argument("--out", default="bench-engine.json", help="JSON output path (default: bench-engine.json)")
     e.set_defaults(func=_cmd_bench_engine)
+    from .eval.common import context_length
+
     a = bsub.add_parser("attention", help="one layer at 32K-1M tokens: sparse kernels vs cuDNN/flash SDPA (GPU)",
                         description="One Llama-3.1-8B-shaped attention layer (32/8 heads, d=128, bf16, batch 1): "
                                     "the last 32K-query prefill chunk and one decode step at each context length, "
                                     "infinitehip / hip / minference kernels against dense cuDNN and flash SDPA and "
                                     "FlexAttention.")
-    a.add_argument("--contexts", type=int, nargs="+", default=[32768, 131072, 524288, 1048576], metavar="N",
+    a.add_argument("--contexts", type=context_length, nargs="+", default=[32768, 131072, 524288, 1048576], metavar="N",
                    help="context lengths in tokens (default: 32K 128K 512K 1M)")
     a.add_argument("--repeats", type=int, default=5, help="timed repeats per measurement, median (default: 5)")
     a.add_argument("--no-flex", action="store_true", help="skip FlexAttention (it compiles for a while)")
@@ -201,7 +203,7 @@ def _bench_parser(sub) -> None:
                                      "backend; reports prefill seconds, decode tokens/s and the generated text.")
     lg.add_argument("--model", default="smollm2", help="model (default: smollm2)")
     lg.add_argument("--text-file", default=None, help="text for the prompt (default: the Paul Graham essays)")
-    lg.add_argument("--lengths", type=int, nargs="+", default=[32768, 131072], metavar="N", help="prompt tokens")
+    lg.add_argument("--lengths", type=context_length, nargs="+", default=[32768, 131072], metavar="N", help="prompt tokens")
     lg.add_argument("--attention", nargs="+", default=["dense", "infinitehip:3k-fast"], metavar="METHOD[:PRESET]")
     lg.add_argument("--new-tokens", type=int, default=64, help="tokens to generate (default: 64)")
     lg.add_argument("--device", default="auto")
@@ -216,7 +218,6 @@ def _bench_parser(sub) -> None:
                         sv.__doc__.split("\n\n")[1])
     sv.add_arguments(s)
     s.set_defaults(func=sv.main)
-    from .eval.common import context_length
 
     dc = bsub.add_parser(
         "decode", help="decode tok/s at 128K-3M tokens, 8B-shaped random model: sparse (+ KV offload) vs dense",

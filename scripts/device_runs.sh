@@ -1,8 +1,11 @@
 #!/usr/bin/env bash
-# The GPU runs the open issues wait for, grouped so that one device call does one group (each fits 10 minutes on an
-# H100). Logs and JSON go to $OUT (the device tool brings them back). Usage, from the repository root:
-#   bash scripts/device_runs.sh kernels     # gpu_check without a model: kernels vs references (bf16, fp8, tiered)
-#   bash scripts/device_runs.sh decode8b    # bench decode, Llama-3.1-8B shape: 128K with a profile, then 1M
+# The GPU runs the open issues wait for, grouped so that one device call does one group or a few (each fits 10
+# minutes on an H100). Logs and JSON go to $OUT (the device tool brings them back). Usage, from the repository root:
+#   bash scripts/device_runs.sh kernels     # gpu_check without a model: kernels vs references (bf16, fp8, tiered);
+#                                           # then bench attention (prefill and decode vs cuDNN, 128K-1M)
+#   bash scripts/device_runs.sh recheck     # gpu_check: the fused and psa kernels only
+#   bash scripts/device_runs.sh decode1m    # bench decode, Llama-3.1-8B shape, fp8 + offload: 1M, infinitehip
+#   bash scripts/device_runs.sh decode128k  # the same at 128K: infinitehip and psa with a profile, dense 4K/128K
 #   bash scripts/device_runs.sh engine      # needs /tmp/m/model.gguf (scripts/device_model.sh): gpu_check engine
 #   bash scripts/device_runs.sh smollm1m    # needs the model: SmolLM2 at 1M, offloaded (2 GiB pool) vs not
 #   bash scripts/device_runs.sh serve       # needs the model: scripts/device_serve_bench.sh
@@ -19,16 +22,25 @@ run() {  # run NAME SECONDS CMD...: the command's output in $out/NAME.log, its t
     tail -14 "$out/$name.log"
 }
 bd="python3 -m longreach bench decode --kv-cache-dtype fp8 --kv-cache-memory-gb 4 --max-num-batched-tokens 65536"
-case "${1:-}" in
+for group in "$@"; do
+case "$group" in
 kernels)
-    run gpu_check_kernels 560 python3 scripts/gpu_check.py --out "$out" --only paged block-sparse chunk offload \
-        minference fused
+    run gpu_check_kernels 330 python3 scripts/gpu_check.py --out "$out" --only paged block-sparse chunk offload \
+        minference fused "cascading kernels" psa
+    # minference (each pure pattern) and infinitehip prefill vs cuDNN, one 8B-shaped layer
+    run bench_attention 230 python3 -m longreach bench attention --contexts 128K 512K 1M --no-flex --repeats 3 \
+        --out "$out/bench-attention.json"
     ;;
-decode8b)
-    run decode_128k 200 $bd --kv-offloading-size 12 --lengths 128k --attention infinitehip:3k-flash \
-        --dense-lengths 4k 128k --profile-steps 8 --out "$out/bench-decode-128k.json"
-    run decode_1m 380 $bd --kv-offloading-size 76 --lengths 1M --attention infinitehip:3k-flash --dense-lengths \
+recheck)  # the kernel checks that failed or were fixed since their last GPU run
+    run gpu_check_recheck 100 python3 scripts/gpu_check.py --out "$out" --only fused psa
+    ;;
+decode1m)
+    run decode_1m 330 $bd --kv-offloading-size 76 --lengths 1M --attention infinitehip:3k-flash --dense-lengths \
         --out "$out/bench-decode-1m.json"
+    ;;
+decode128k)
+    run decode_128k 300 $bd --kv-offloading-size 12 --lengths 128k --attention infinitehip:3k-flash psa \
+        --dense-lengths 4k 128k --profile-steps 8 --out "$out/bench-decode-128k.json"
     ;;
 engine)
     run gpu_check_engine 560 python3 scripts/gpu_check.py --model "$model" --out "$out" --only engine fp32
@@ -45,7 +57,8 @@ serve)
     run serve 560 bash scripts/device_serve_bench.sh
     ;;
 *)
-    echo "usage: bash scripts/device_runs.sh kernels|decode8b|engine|smollm1m|serve" >&2
+    echo "usage: bash scripts/device_runs.sh GROUP... (kernels recheck decode1m decode128k engine smollm1m serve)" >&2
     exit 2
     ;;
 esac
+done

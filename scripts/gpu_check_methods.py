@@ -347,7 +347,6 @@ def psa_matrix(dev: str = "cuda", lengths=(131072 + 5, 40000, 777), shape=(32, 8
                                                           num_splits=32))
                 notes.append(f"page {page}, batch 1 at {lengths[0]}: psa decode step {t_psa:.0f} us (scores + sort "
                              f"+ loop), dense paged decode {t_dense:.0f} us")
-            del eager
     if mismatched > 0.01 * pairs:
         raise AssertionError(f"blocks read differ from the reference in {mismatched}/{pairs} (row, group) pairs")
     gpu_only = "; tiered == one tier; graph replay == eager" if dev == "cuda" else " (CPU smoke run: no tiers, graph)"

@@ -113,7 +113,8 @@ def offload_kernels():
 
 def fused_kernels():
     """kernels/fused.py and kernels/kv_store.py at Llama-8B sizes in bf16 against the PyTorch code they replace:
-    RoPE and the residual sums bit for bit, RMSNorm and SiLU * up within one bf16 unit on a few elements; the KV
+    the residual sums bit for bit, RoPE, RMSNorm and SiLU * up within one bf16 unit (the share of elements that
+    differ at all is reported: the first H100 run found RoPE not bit-exact at T=1); the KV
     write (one tier bf16 / fp8, two tiers with pinned host pages over UVA) byte for byte with the CPU path."""
     from longreach.kernels import fused
     from longreach.kvcache.fp8 import FP8
@@ -145,8 +146,10 @@ def fused_kernels():
         qk = qkv[:, :40 * 128].view(T, 40, 128)
         ref = fused.rope_reference(qk.clone(), cos, sin)
         fused.rope_qk_(qk, cos, sin)
-        if not torch.equal(qk, ref):
-            raise AssertionError(f"rope T={T}: not bit-exact")
+        diff = (qk.float() - ref.float()).abs()
+        if bool((diff > 1.01 * torch.finfo(bf).eps * ref.float().abs() + 1e-30).any()):
+            raise AssertionError(f"rope T={T}: beyond one bf16 unit, max |diff| {diff.max():.3g}")
+        worst["rope"] = max(worst.get("rope", 0.0), (diff > 0).float().mean().item())
     # the KV write: the kernel on the GPU vs the PyTorch path on CPU copies
     L, P, S, bs, H, D, T = 2, 300, 40, 16, 8, 128, 1000
     qkv = torch.randn(T, 48 * 128, device=dev, generator=g).to(bf)
@@ -188,8 +191,9 @@ def fused_kernels():
     want[-1] = False
     if not torch.equal(gpu.wanted.cpu(), want):
         raise AssertionError("note_reads: the GPU kernel marks other pages than the PyTorch path")
-    return (f"RoPE and residual sums bit-exact; RMSNorm / SiLU*up within one bf16 unit on "
-            f"{100 * worst['rms_norm']:.2f}% / {100 * worst['silu_mul']:.2f}% of elements; KV write bf16 and fp8, "
+    return (f"residual sums bit-exact; RoPE / RMSNorm / SiLU*up differ from PyTorch (by one bf16 unit at most) on "
+            f"{100 * worst['rope']:.3f}% / {100 * worst['rms_norm']:.2f}% / {100 * worst['silu_mul']:.2f}% of "
+            "elements; KV write bf16 and fp8, "
             "one and two tiers, byte-equal to the PyTorch path; note_reads marks the same pages")
 
 
