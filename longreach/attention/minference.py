@@ -130,6 +130,15 @@ def load_patterns(path: str, num_layers: int | None, num_heads: int, num_kv_head
     return gran, out
 
 
+def _index_width(pattern: tuple, B: int) -> int:
+    """About how many ranges and tiles one query block of one group holds under `pattern` (slice sizing)."""
+    if pattern[0] == "a_shape":
+        return (pattern[1] + pattern[2]) // B + 4
+    if pattern[0] == "vertical_slash":
+        return 2 * (pattern[1] + pattern[2]) + 4  # a slash's range spans at most two key tiles
+    return 2 * pattern[1] + 4
+
+
 class MInference:
     """Per-layer pattern table and online index building for one model shape (no engine state)."""
 
@@ -184,9 +193,13 @@ class MInference:
         memo = {} if memo is None else memo  # estimations are shared by a segment's slices
         G = self.groups
         kinds = {k: [g for g, p in enumerate(patterns) if p[0] == k] for k in PATTERN_KINDS}
-        # query blocks in slices whose index-building temporaries stay near 256 MB (a 1M-token prompt unchunked)
-        width = max(sum(p[1:]) for p in patterns) + 4
+        # query blocks in slices whose index-building temporaries stay near 256 MB (a 1M-token prompt unchunked):
+        # per block and group, ~`width` ranges/tiles of int64 pairs and their sort temporaries
+        width = max(_index_width(p, B) for p in patterns)
         step = max(1, (256 << 20) // (G * width * 8 * 8))
+        a_shapes: dict[tuple, list[int]] = {}  # Λ ranges are the same for every group with the same pattern
+        for g in kinds["a_shape"]:
+            a_shapes.setdefault(patterns[g], []).append(g)
         tiles, cols = [], []
         for seg_blocks in self._segments(blocks):
             last = seg_blocks[-1]  # estimation: the segment's last `last_q` rows in this step
@@ -199,26 +212,27 @@ class MInference:
                 lens = torch.tensor([b[1] for b in part], device=dev)
                 nb = len(part)
                 col = torch.full((nb, G, 0), -1, dtype=torch.long, device=dev)
-                parts: dict[int, torch.Tensor] = {}
-                for g in kinds["a_shape"]:
-                    parts[g] = mi.a_shape_ranges(patterns[g][1], patterns[g][2], pos0, lens)
+                parts: list[tuple[list[int], torch.Tensor]] = []  # (groups, ranges (nb, len(groups) or 1, R, 2))
+                for pat, gs in a_shapes.items():
+                    parts.append((gs, mi.a_shape_ranges(pat[1], pat[2], pos0, lens)[:, None]))
                 if kinds["vertical_slash"]:
                     vs_ranges, vs_cols = self._vertical_slash(q, est, keys, scale, patterns, kinds["vertical_slash"],
                                                               pos0, lens, memo)
-                    for i, g in enumerate(kinds["vertical_slash"]):
-                        parts[g] = vs_ranges[:, i]
+                    parts.append((kinds["vertical_slash"], vs_ranges))
                     col = torch.full((nb, G, vs_cols.shape[-1]), -1, dtype=torch.long, device=dev)
                     col[:, kinds["vertical_slash"]] = vs_cols
                 if kinds["block_sparse"]:
-                    bs_ranges = self._block_sparse(q, part, keys, length, scale, patterns, kinds["block_sparse"],
-                                                   pos0, lens, memo)
-                    for i, g in enumerate(kinds["block_sparse"]):
-                        parts[g] = bs_ranges[:, i]
-                ranges = torch.full((nb, G, max(p.shape[1] for p in parts.values()), 2), -1, dtype=torch.long,
-                                    device=dev)
-                for g, p in parts.items():
-                    ranges[:, g, :p.shape[1]] = p
-                tiles.append(mi.ranges_to_tiles(ranges, B))
+                    parts.append((kinds["block_sparse"], self._block_sparse(
+                        q, part, keys, length, scale, patterns, kinds["block_sparse"], pos0, lens, memo)))
+                if len(parts) == 1 and len(parts[0][0]) == G:  # one kind for every group (the presets)
+                    t = mi.ranges_to_tiles(parts[0][1].contiguous(), B)
+                    tiles.append(t.expand(nb, G, *t.shape[2:]))
+                else:
+                    ranges = torch.full((nb, G, max(r.shape[2] for _, r in parts), 2), -1, dtype=torch.long,
+                                        device=dev)
+                    for gs, r in parts:
+                        ranges[:, torch.tensor(gs, device=dev), :r.shape[2]] = r
+                    tiles.append(mi.ranges_to_tiles(ranges, B))
                 cols.append(col)
         return mi.pad_cat(tiles, 2), mi.pad_cat(cols, 2)
 

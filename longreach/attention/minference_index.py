@@ -48,7 +48,7 @@ def key_chunks(keys, length: int, chunk: int = 1 << 16):
         yield s, gather_tokens(cache, table[s // page:], min(chunk, length - s))
 
 
-def vs_scores(q_est: torch.Tensor, est_pos0: int, keys, scale: float, groups: int, chunk: int = 1 << 14
+def vs_scores(q_est: torch.Tensor, est_pos0: int, keys, scale: float, groups: int, chunk: int = 1 << 15
               ) -> tuple[torch.Tensor, torch.Tensor]:
     """Vertical and slash scores of MInference's estimation (Alg. 2), summed over each group's heads.
 
@@ -64,26 +64,23 @@ def vs_scores(q_est: torch.Tensor, est_pos0: int, keys, scale: float, groups: in
     def scores(s0, kc):  # (H_q, n, c) masked scores of one key chunk, the heads of a KV group in one matmul
         nonlocal qf
         kf = kc.to(device=dev, dtype=torch.float32).transpose(0, 1)  # (H_kv, c, D)
-        if qf is None:
-            qf = q_est.float().transpose(0, 1).reshape(kf.shape[0], -1, D)  # (H_kv, gqa * n, D)
-        s = torch.matmul(qf, kf.transpose(1, 2)).view(Hq, n, -1) * scale
+        if qf is None:  # the scale folded into q: one pass less over the scores
+            qf = (q_est.float() * scale).transpose(0, 1).reshape(kf.shape[0], -1, D)  # (H_kv, gqa * n, D)
+        s = torch.matmul(qf, kf.transpose(1, 2)).view(Hq, n, -1)
         j = s0 + torch.arange(kf.shape[1], device=dev)
-        return s.masked_fill(j[None, None, :] > pos[None, :, None], float("-inf")), j
+        if s0 + kf.shape[1] - 1 > est_pos0:  # only chunks reaching past the first row need the causal mask
+            s.masked_fill_(j[None, None, :] > pos[None, :, None], float("-inf"))
+        return s, j
 
     # two passes over the keys: the rows' log-sum-exp, then the probabilities (memory: one chunk of scores)
-    m = torch.full((Hq, n), float("-inf"), device=dev)
-    se = torch.zeros(Hq, n, device=dev)
+    lse = torch.full((Hq, n), float("-inf"), device=dev)
     for s0, kc in key_chunks(keys, L, chunk):
-        s, _ = scores(s0, kc)
-        m_new = torch.maximum(m, s.amax(-1))
-        se = se * torch.exp(m - m_new).nan_to_num(0.0) + torch.exp(s - m_new[..., None]).sum(-1)
-        m = m_new
-    lse = m + se.log()
+        lse = torch.logaddexp(lse, torch.logsumexp(scores(s0, kc)[0], -1))
     vertical = torch.zeros(Hq, L, device=dev)
     slash = torch.zeros(Hq, L, device=dev)
     for s0, kc in key_chunks(keys, L, chunk):
         s, j = scores(s0, kc)
-        p = torch.exp(s - lse[..., None])  # (H_q, n, c); 0 where masked
+        p = s.sub_(lse[..., None]).exp_()  # (H_q, n, c); 0 where masked
         vertical[:, s0:s0 + kc.shape[0]] = p.sum(1)
         off = (pos[:, None] - j[None, :]).clamp(min=0)  # (n, c): masked entries carry p = 0
         slash.scatter_add_(1, off.reshape(1, -1).expand(Hq, -1), p.reshape(Hq, -1))
@@ -92,13 +89,15 @@ def vs_scores(q_est: torch.Tensor, est_pos0: int, keys, scale: float, groups: in
 
 
 def top_items(scores: torch.Tensor, ks: torch.Tensor) -> torch.Tensor:
-    """(G, L) scores, (G,) counts -> (G, max k) the k_g best positions of each row (by score), -1 padded.
-    Ties go to the lower position (stable)."""
+    """(G, L) scores, (G,) counts -> (G, max k) the k_g best positions of each row (by score, best first), -1
+    padded. `topk`, not a full sort (a sort of 1M scores per head cost ~ms on the GPU): exactly equal scores at the
+    cut are broken arbitrarily; the callers give the items that must stay (the main diagonal) +inf and nothing else
+    ties but by coincidence."""
     G, L = scores.shape
     kmax = int(min(L, int(ks.max()))) if G else 0
     if kmax <= 0:
         return torch.full((G, 0), -1, dtype=torch.long, device=scores.device)
-    order = torch.sort(scores, dim=1, descending=True, stable=True).indices[:, :kmax]
+    order = torch.topk(scores, kmax, dim=1, sorted=True).indices
     keep = torch.arange(kmax, device=scores.device)[None, :] < ks[:, None]
     return torch.where(keep, order, -1)
 
@@ -192,9 +191,9 @@ def block_scores(q_blocks: torch.Tensor, q_ok: torch.Tensor, pos0: torch.Tensor,
     dev = q_blocks.device
     qh = (q_blocks.float() * q_ok[..., None, None]).sum(1) / q_ok.sum(1).clamp(min=1)[:, None, None]  # (nb, H_q, D)
     gqa = Hq // kh.shape[1]
-    s = torch.einsum("bhd,khd->bhk", qh, kh.repeat_interleave(gqa, dim=1)) * scale  # (nb, H_q, NKB)
+    s = torch.einsum("bhd,khd->bhk", qh * scale, kh.repeat_interleave(gqa, dim=1))  # (nb, H_q, NKB)
     diag = (pos0 + lens - 1) // B
-    s = s.masked_fill(torch.arange(kh.shape[0], device=dev)[None, None, :] > diag[:, None, None], float("-inf"))
+    s = s.masked_fill_(torch.arange(kh.shape[0], device=dev)[None, None, :] > diag[:, None, None], float("-inf"))
     p = torch.softmax(s, dim=-1)
     return p.view(nb, groups, Hq // groups, -1).sum(2)
 
@@ -205,13 +204,15 @@ def top_blocks(scores: torch.Tensor, ks: torch.Tensor, diag: torch.Tensor) -> to
     NKB = scores.shape[-1]
     j = torch.arange(NKB, device=scores.device)
     causal = j[None, None, :] <= diag[:, None, None]
-    s = torch.where(causal, scores, float("-inf"))
-    s = torch.where((j[None, None, :] == 0) | (j[None, None, :] == diag[:, None, None]), float("inf"), s)
+    s = scores.masked_fill(~causal, float("-inf"))
+    # block 0 first, then the diagonal (k_b = 1 keeps block 0 only), then the best by score
+    s.scatter_(-1, diag[:, None, None].expand(*s.shape[:2], 1), torch.finfo(s.dtype).max)
+    s[..., 0] = float("inf")
     kmax = int(min(NKB, int(ks.max())))
-    top = torch.sort(s, dim=-1, descending=True, stable=True)
-    ids = top.indices[..., :kmax]
+    top = torch.topk(s, kmax, dim=-1, sorted=True)  # not a full sort: NKB is 16K per block row at 1M
+    ids = top.indices
     keep = (torch.arange(kmax, device=s.device)[None, None, :] < ks[None, :, None]) \
-        & (top.values[..., :kmax] > float("-inf"))
+        & (top.values > float("-inf"))
     ids = torch.where(keep, ids, _BIG).sort(dim=-1).values
     return torch.where(ids < _BIG, ids, -1)
 
