@@ -35,7 +35,7 @@ recheck)  # the kernel checks that failed or were fixed since their last GPU run
     run gpu_check_recheck 100 python3 scripts/gpu_check.py --out "$out" --only fused psa
     ;;
 decode1m)
-    run decode_1m 330 $bd --kv-offloading-size 76 --lengths 1M --attention infinitehip:3k-flash --dense-lengths \
+    run decode_1m 570 $bd --kv-offloading-size 76 --lengths 1M --attention infinitehip:3k-flash --dense-lengths \
         --out "$out/bench-decode-1m.json"
     ;;
 decode128k)
