@@ -9,6 +9,9 @@
 #   bash scripts/device_runs.sh engine      # needs /tmp/m/model.gguf (scripts/device_model.sh): gpu_check engine
 #   bash scripts/device_runs.sh smollm1m    # needs the model: SmolLM2 at 1M, offloaded (2 GiB pool) vs not
 #   bash scripts/device_runs.sh serve       # needs the model: scripts/device_serve_bench.sh
+#   bash scripts/device_runs.sh quality     # needs the model: passkey 16K-128K, infinitehip / minference / psa
+#   bash scripts/device_runs.sh fp8quality  # needs the model: the same prompts, infinitehip with fp8 KV
+#   bash scripts/device_runs.sh cascading   # needs the model: passkey 128K and 1M, cascading 65K vs streaming
 # A group's first command compiles kernels (~30-60 s); bench decode runs an untimed warm-up prompt first.
 set -u
 out=${OUT:-out}; mkdir -p "$out"
@@ -56,8 +59,23 @@ smollm1m)
 serve)
     run serve 560 bash scripts/device_serve_bench.sh
     ;;
+quality)  # needs the model: passkey 16K-128K, one method per command (a timeout loses one method, not all)
+    pk="python3 -m longreach eval passkey --model $model --lengths 16k 32k 64k 128k --depths 0.1 0.5 0.9 --seeds 2"
+    for m in infinitehip minference minference+infinitehip:3k-flash psa; do
+        run "passkey_${m//[:+]/_}" 150 $pk --attention "$m" --out "$out/passkey-${m//[:+]/_}.json"
+    done
+    ;;
+fp8quality)  # needs the model: infinitehip with fp8 KV on the prompts of `quality` (16K-32K), and with offload
+    run passkey_fp8 150 python3 -m longreach eval passkey --model "$model" --lengths 16k 32k 64k 128k \
+        --depths 0.1 0.5 0.9 --seeds 2 --attention infinitehip --kv-cache-dtype fp8 --out "$out/passkey-fp8.json"
+    ;;
+cascading)  # needs the model: the blog's 65K cache (8 sub-caches) vs streaming with the same memory, to 1M
+    run passkey_cascading 400 python3 -m longreach eval passkey --model "$model" --lengths 128k 1M \
+        --depths 0.1 0.5 0.9 --attention cascading:65k streaming --max-num-batched-tokens 65536 \
+        --attention-config '{"streaming": {"n_sink": 64, "n_window": 65472}}' --out "$out/passkey-cascading.json"
+    ;;
 *)
-    echo "usage: bash scripts/device_runs.sh GROUP... (kernels recheck decode1m decode128k engine smollm1m serve)" >&2
+    echo "usage: bash scripts/device_runs.sh GROUP... (kernels recheck decode1m decode128k engine smollm1m serve quality fp8quality cascading)" >&2
     exit 2
     ;;
 esac
