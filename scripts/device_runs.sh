@@ -10,6 +10,7 @@
 #   bash scripts/device_runs.sh smollm1m    # needs the model: SmolLM2 at 1M, offloaded (2 GiB pool) vs not
 #   bash scripts/device_runs.sh serve       # needs the model: scripts/device_serve_bench.sh
 #   bash scripts/device_runs.sh quality     # needs the model: passkey 16K-128K, infinitehip / minference / psa
+#   bash scripts/device_runs.sh lowq        # needs the model: passkey 4K/8K, dense / minference / psa / infinitehip
 #   bash scripts/device_runs.sh fp8quality  # needs the model: the same prompts, infinitehip with fp8 KV
 #   bash scripts/device_runs.sh cascading   # needs the model: passkey 128K and 1M, cascading 65K vs streaming
 # A group's first command compiles kernels (~30-60 s); bench decode runs an untimed warm-up prompt first.
@@ -65,6 +66,10 @@ quality)  # needs the model: passkey 16K-128K, one method per command (a timeout
         run "passkey_${m//[:+]/_}" 150 $pk --attention "$m" --out "$out/passkey-${m//[:+]/_}.json"
     done
     ;;
+lowq)  # needs the model: inside the trained length (4K, 8K), where true positions are right: dense vs each method
+    run passkey_4k_8k 200 python3 -m longreach eval passkey --model "$model" --lengths 4k 8k \
+        --depths 0.1 0.3 0.5 0.7 0.9 --seeds 2 --attention dense minference psa infinitehip --out "$out/passkey-4k-8k.json"
+    ;;
 fp8quality)  # needs the model: infinitehip with fp8 KV on the prompts of `quality` (16K-32K), and with offload
     run passkey_fp8 150 python3 -m longreach eval passkey --model "$model" --lengths 16k 32k 64k 128k \
         --depths 0.1 0.5 0.9 --seeds 2 --attention infinitehip --kv-cache-dtype fp8 --out "$out/passkey-fp8.json"
@@ -75,7 +80,7 @@ cascading)  # needs the model: the blog's 65K cache (8 sub-caches) vs streaming 
         --attention-config '{"streaming": {"n_sink": 64, "n_window": 65472}}' --out "$out/passkey-cascading.json"
     ;;
 *)
-    echo "usage: bash scripts/device_runs.sh GROUP... (kernels recheck decode1m decode128k engine smollm1m serve quality fp8quality cascading)" >&2
+    echo "usage: bash scripts/device_runs.sh GROUP... (kernels recheck decode1m decode128k engine smollm1m serve quality lowq fp8quality cascading)" >&2
     exit 2
     ;;
 esac

@@ -302,6 +302,8 @@ def test_offloaded_engine_gives_the_same_tokens_and_logits_bit_for_bit(tiny, met
     assert tok0 == tok1
     assert len(log0) == len(log1) and all(torch.equal(a, b) for a, b in zip(log0, log1))
     llm.engine.kv_cache.check_integrity()
+    store = llm.engine.kv_cache
+    assert store.staging_allocated_nbytes == 0 < store.staging_nbytes  # released by the first decode step
     stats = llm.engine.kv_cache_stats()
     assert stats["offload"] and stats["host_pages_used"] == 0 and stats["gpu_pages_used"] == 0  # all given back
     if method != "dense":  # dense reads pass through the host tier uncached
@@ -339,7 +341,7 @@ def test_offload_with_preemption_and_fp8(tiny):
     llm = LLM(tiny, device="cpu", dtype="float32", attention="streaming", attention_config=SMALL["streaming"],
               kv_cache_memory_gb=POOL_GB, kv_offloading_size=small, max_model_len=256)
     together = llm.generate(prompts, params, use_tqdm=False)
-    assert llm.engine.scheduler.num_preemptions > 0
+    assert llm.engine.scheduler.num_preemptions > 0  # re-prefilled after decode steps released the staging area
     alone = [llm.generate(p, params, use_tqdm=False)[0].token_ids for p in prompts]
     assert [o.token_ids for o in together] == alone
     llm.engine.kv_cache.check_integrity()

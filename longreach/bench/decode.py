@@ -77,14 +77,16 @@ def _host_memory() -> dict:
     return {"rss_bytes": rss, "peak_rss_bytes": status.get("VmHWM"), "host_total_bytes": total}
 
 
-def _kv_store_bytes(engine) -> tuple[int, int, int]:
-    """(GPU tier, prefill staging area on the GPU, host tier) bytes of the engine's KV store."""
+def _kv_store_bytes(engine) -> tuple[int, int, int, int]:
+    """(GPU tier, prefill staging area on the GPU, the staging area's bytes still allocated now, host tier) bytes of
+    the engine's KV store. Called after decode: the staging area is then released (kvcache/offload.py)."""
     store = getattr(engine, "kv_cache", None)
     gpu = getattr(store, "gpu_nbytes", None)
     if gpu is None:
         gpu = getattr(store, "nbytes", 0)
-    staging = getattr(store, "staging_nbytes", 0)  # allocated by the first prefill step, which every run has
-    return int(gpu), int(staging or 0), int(getattr(store, "host_nbytes", 0) or 0)
+    staging = getattr(store, "staging_nbytes", 0)  # allocated by every prefill step
+    now = getattr(store, "staging_allocated_nbytes", staging)
+    return int(gpu), int(staging or 0), int(now or 0), int(getattr(store, "host_nbytes", 0) or 0)
 
 
 def _kv_stats(engine) -> dict | None:
@@ -307,7 +309,7 @@ def _measure(model: str, context: int, spec, engine_kwargs: dict, batch: int, de
 
             print(format_report(label, run["profile"]), flush=True)
         peak = torch.cuda.max_memory_allocated(dev) if dev.type == "cuda" else None
-        kv_gpu, kv_staging, kv_host = _kv_store_bytes(engine)
+        kv_gpu, kv_staging, kv_staging_decode, kv_host = _kv_store_bytes(engine)
         weights = _weights_bytes(engine.model)
         steps = run["steps"]
         steady = [s for s in steps if not s["warmup"]]
@@ -335,6 +337,7 @@ def _measure(model: str, context: int, spec, engine_kwargs: dict, batch: int, de
             "preemptions": engine.scheduler.num_preemptions,
             "memory": {
                 "weights_bytes": weights, "kv_gpu_bytes": kv_gpu, "kv_staging_bytes": kv_staging,
+                "kv_staging_decode_bytes": kv_staging_decode,
                 "kv_host_bytes": kv_host, "peak_allocated_bytes": peak,
                 "workspace_bytes": None if peak is None else peak - weights - kv_gpu - kv_staging,
                 "peak_reserved_bytes": torch.cuda.max_memory_reserved(dev) if dev.type == "cuda" else None,

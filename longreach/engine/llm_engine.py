@@ -376,6 +376,8 @@ class LLMEngine:
         for seq in batch.seqs:
             if seq.times.first_scheduled is None:
                 seq.times.first_scheduled = t0
+        if not batch.is_prefill and self.config.offload:
+            self.kv_cache.release_staging()  # no prefill is pending (the scheduler runs prefill work first)
         logits, sample_idx = self.runner.execute(batch)
         kv_counts = self.runner.last_kv_counts
         if kv_counts is not None:

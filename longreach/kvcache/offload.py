@@ -21,7 +21,8 @@ Design (docs/offload.md has the byte budgets and the measurements):
     and dense reads pass through uncached: a stage-0 refresh touches a few keys of every chunk of the context and
     would flush the pool for one use.
   * **Prefill** reads the prefix from a GPU staging area: per layer, the batch's pages are gathered from the host
-    tier in one copy (model_runner.py), then the ordinary kernels run on it. No state for selection is kept on the
+    tier in one copy (model_runner.py), then the ordinary kernels run on it. The area exists only while prefill work
+    is pending: the first decode step releases it (`release_staging`) and the next prefill step allocates it again. No state for selection is kept on the
     GPU besides the pool: InfiniteHiP's stage masks are cached per sequence by the backend (block ids, not keys).
 
 Counters (`stats()`): pages hit / missed / evicted / installed and bytes copied host -> GPU by installs, cumulative.
@@ -201,7 +202,22 @@ class OffloadedKVCache:
 
     @property
     def staging_nbytes(self) -> int:
+        """The staging area's size (allocated or not)."""
         return 2 * self.staging_pages * self.page_elems * self.pool.element_size()
+
+    @property
+    def staging_allocated_nbytes(self) -> int:
+        """The staging area's GPU bytes now: its size while allocated, 0 after `release_staging`."""
+        return 0 if self._staging is None else self.staging_nbytes
+
+    def release_staging(self) -> None:
+        """Give the staging area back to the GPU (decode never reads it; the next prefill step allocates it again).
+        The engine calls this on a decode step, i.e. when no prefill work is pending, so the KV side of a decoding
+        engine is the pool alone. Freed through the caching allocator and `empty_cache`, so other processes see it."""
+        if self._staging is not None:
+            self._staging = None
+            if self.device.type == "cuda":
+                torch.cuda.empty_cache()
 
     def prefill_step(self, meta, tables: list[list[int]]) -> "StagedPrefill":
         return StagedPrefill(self, meta, tables)
