@@ -11,6 +11,8 @@
 #   bash scripts/device_runs.sh serve       # needs the model: scripts/device_serve_bench.sh
 #   bash scripts/device_runs.sh quality     # needs the model: passkey 16K-128K, infinitehip / minference / psa
 #   bash scripts/device_runs.sh lowq        # needs the model: passkey 4K/8K, dense / minference / psa / infinitehip
+#   bash scripts/device_runs.sh prefill128k # needs the model: SmolLM2 128K prefill, minference presets / infinitehip vs dense
+#   bash scripts/device_runs.sh cascadecheck # needs the model: gpu_check's cascading checks (engine, passkey, prefill)
 #   bash scripts/device_runs.sh fp8quality  # needs the model: the same prompts, infinitehip with fp8 KV
 #   bash scripts/device_runs.sh cascading   # needs the model: passkey 128K and 1M, cascading 65K vs streaming
 # A group's first command compiles kernels (~30-60 s); bench decode runs an untimed warm-up prompt first.
@@ -36,7 +38,7 @@ kernels)
         --out "$out/bench-attention.json"
     ;;
 recheck)  # the kernel checks that failed or were fixed since their last GPU run
-    run gpu_check_recheck 100 python3 scripts/gpu_check.py --out "$out" --only fused psa
+    run gpu_check_recheck 180 python3 scripts/gpu_check.py --out "$out" --only fused psa
     ;;
 decode1m)
     run decode_1m 570 $bd --kv-offloading-size 76 --lengths 1M --attention infinitehip:3k-flash --dense-lengths \
@@ -70,6 +72,17 @@ lowq)  # needs the model: inside the trained length (4K, 8K), where true positio
     run passkey_4k_8k 200 python3 -m longreach eval passkey --model "$model" --lengths 4k 8k \
         --depths 0.1 0.3 0.5 0.7 0.9 --seeds 2 --attention dense minference psa infinitehip --out "$out/passkey-4k-8k.json"
     ;;
+prefill128k)  # needs the model: end-to-end SmolLM2 prefill at 128K, minference (each preset) and infinitehip vs dense
+    run prefill_128k 400 python3 -m longreach bench decode --model "$model" --text-source paul-graham --lengths 128k \
+        --attention minference:vs minference:bs minference:a-shape infinitehip --dense-lengths 128k \
+        --max-num-batched-tokens 32768 --decode-tokens 32 --out "$out/bench-prefill-128k-smollm2.json"
+    ;;
+cascadecheck)  # needs the model: cascading on the GPU == CPU, passkey 4k cache vs streaming 8K-64K, prefill vs dense
+    run gpu_check_cascading 300 python3 scripts/gpu_check.py --model "$model" --out "$out" --only "cascading kernels" \
+        "cascading engine" "cascading passkey"
+    mkdir -p "$out/prefill" && run gpu_check_cascading_prefill 280 python3 scripts/gpu_check.py --model "$model" \
+        --out "$out/prefill" --only "cascading prefill"
+    ;;
 fp8quality)  # needs the model: infinitehip with fp8 KV on the prompts of `quality` (16K-32K), and with offload
     run passkey_fp8 150 python3 -m longreach eval passkey --model "$model" --lengths 16k 32k 64k 128k \
         --depths 0.1 0.5 0.9 --seeds 2 --attention infinitehip --kv-cache-dtype fp8 --out "$out/passkey-fp8.json"
@@ -80,7 +93,7 @@ cascading)  # needs the model: the blog's 65K cache (8 sub-caches) vs streaming 
         --attention-config '{"streaming": {"n_sink": 64, "n_window": 65472}}' --out "$out/passkey-cascading.json"
     ;;
 *)
-    echo "usage: bash scripts/device_runs.sh GROUP... (kernels recheck decode1m decode128k engine smollm1m serve quality lowq fp8quality cascading)" >&2
+    echo "usage: bash scripts/device_runs.sh GROUP... (kernels recheck decode1m decode128k engine smollm1m serve quality lowq prefill128k cascadecheck fp8quality cascading)" >&2
     exit 2
     ;;
 esac

@@ -226,6 +226,7 @@ def cascading_prefill(model: str, lengths=(131072, 1048576)):
             ids = torch.randint(100, 40000, (n,), generator=torch.Generator().manual_seed(0)).tolist()
             out = llm.generate({"prompt_token_ids": ids}, SamplingParams(temperature=0, max_tokens=1), use_tqdm=False)
             res.append((name, n, out[0].metrics.prefill_seconds))
+            print(f"  cascading_prefill: {name} {n // 1024}K prefill {res[-1][2]:.1f} s", flush=True)  # if cut off
             del llm
     t = {(a, n): s for a, n, s in res}
     dense128 = t.get(("dense", 131072))
