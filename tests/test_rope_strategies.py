@@ -155,6 +155,12 @@ def test_chunk_score_kernel_with_rope_matches_reference(dtype, mode, exact, per_
                                  rep_per_head=per_head, rope=rope)
     plain = chunk_scores_reference(qs.float(), ok, keys.float(), ids.long(), chunk, exact, 3, cand_end, G,
                                    rep_per_head=per_head)
+    cache: dict = {}  # the moved-key tables kept between calls over the same keys give the same scores
+    for _ in range(2):
+        again = chunk_scores_reference(qs.float(), ok, keys.float(), ids.long(), chunk, exact, 3, cand_end, G,
+                                       rep_per_head=per_head, rope=rope, table_cache=cache)
+        assert torch.equal(again, ref)
+    assert bool(cache) == (mode != "ci")
     finite = torch.isfinite(ref)
     assert torch.equal(torch.isfinite(got), finite)
     assert torch.equal(ref[1], plain[1])  # the block before rope_from keeps true positions

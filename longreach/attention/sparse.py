@@ -41,12 +41,15 @@ GRANULARITIES = ("layer", "kv_head", "head")
 class SequenceKeys:
     """One sequence's keys as the selection sees them: the paged cache and the sequence's block table.
 
-    Kernels read through the table; reference code calls `dense()`, which gathers (L, H_kv, D) once and keeps it.
+    Kernels read through the table; reference code calls `dense()`, which gathers (L, H_kv, D) once and keeps it,
+    and the reference scorer keeps its position-moved copies of those keys in `prune_tables`. One object serves one
+    layer of one step (the keys do not change while it lives).
     """
 
     def __init__(self, k_cache: torch.Tensor, block_table: torch.Tensor, length: int):
         self.k_cache, self.block_table, self.length = k_cache, block_table, length
         self._dense: torch.Tensor | None = None
+        self.prune_tables: dict = {}  # the reference scorer's moved keys, per strategy (valid while this object is)
 
     @classmethod
     def from_dense(cls, keys: torch.Tensor) -> "SequenceKeys":
@@ -264,7 +267,7 @@ class SelectionMethod(ABC):
                                        max_rows=blocks.max_rows, rope=rope)
         qs, ok = self.query_rows(q, blocks)
         return chunk_scores_reference(qs, ok, keys.dense(), ids, chunk, exact, self.cfg.n_sink, cand_end, self.groups,
-                                      rep_per_head=per_head, rope=rope)
+                                      rep_per_head=per_head, rope=rope, table_cache=keys.prune_tables)
 
     def candidate_end(self, block_end: torch.Tensor) -> torch.Tensor:
         """Exclusive end of the selectable range: keys before every query's window (causal by construction)."""

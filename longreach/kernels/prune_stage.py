@@ -51,13 +51,16 @@ def chunk_bounds(ids: torch.Tensor, chunk: int, n_sink: int, cand_end: torch.Ten
 
 def chunk_scores_reference(qs: torch.Tensor, row_ok: torch.Tensor, keys: torch.Tensor, ids: torch.Tensor,
                            chunk: int, exact: bool, n_sink: int, cand_end: torch.Tensor, groups: int,
-                           rep_per_head: bool = True, rope: RopeArgs | None = None) -> torch.Tensor:
+                           rep_per_head: bool = True, rope: RopeArgs | None = None,
+                           table_cache: dict | None = None) -> torch.Tensor:
     """qs (nb, R, H_q, D) block queries, row_ok (nb, R), keys (L, H_kv, D) -> scores (nb, G, C), -inf if invalid.
 
     SelectRep runs per query head (`rep_per_head`, the paper) or once per KV head of the group, its halves compared
     by the max over the heads that read that KV head (shared branches: one key read per probe for all of them).
     `rope`: a pruning strategy (rope/strategies.py) applied to blocks ending at or past rope.rope_from; a block's
     rows are the last rows before its end, cand_end + rope.n_window.
+    `table_cache`: a dict kept by the caller for as long as `keys` is unchanged (one layer of one step): the keys
+    moved by a strategy that depends on the key alone (rt, il, de) are computed once into it instead of per call.
     """
     from ..attention.executor import head_pairs
 
@@ -91,10 +94,17 @@ def chunk_scores_reference(qs: torch.Tensor, row_ok: torch.Tensor, keys: torch.T
     kvs = pair_kv[None, :, None]
     tables = {}  # strategies whose key positions depend only on the key: every key moved once, probes just gather
     if mode in ("rt", "il", "de"):
-        p_k = torch.arange(L, device=dev)
-        for right in (False, True):
-            moved = rotate(kf, prune_key_pos(mode, p_k, right, None, rope.group)[:, None] - p_k[:, None], rope.inv_freq)
-            tables[right] = torch.cat([kf, moved])  # rows L.. hold the moved keys, read by remapped blocks
+        key = (mode, rope.group, L)
+        if table_cache is not None and key in table_cache:
+            tables = table_cache[key]
+        else:
+            p_k = torch.arange(L, device=dev)
+            for right in (False, True):
+                moved = rotate(kf, prune_key_pos(mode, p_k, right, None, rope.group)[:, None] - p_k[:, None],
+                               rope.inv_freq)
+                tables[right] = torch.cat([kf, moved])  # rows L.. hold the moved keys, read by remapped blocks
+            if table_cache is not None:
+                table_cache[key] = tables
 
     def probe(pos, right=True):  # per head of each pair, max over rows of <q, k[pos]>; pos (nb, P, C) or (nb, P, hpp, C)
         per_head = pos.dim() == 4
