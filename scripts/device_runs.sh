@@ -11,7 +11,7 @@
 #   bash scripts/device_runs.sh serve       # needs the model: scripts/device_serve_bench.sh
 #   bash scripts/device_runs.sh quality     # needs the model: passkey 16K-128K, infinitehip / minference / psa
 #   bash scripts/device_runs.sh lowq        # needs the model: passkey 4K/8K, dense / minference / psa / infinitehip
-#   bash scripts/device_runs.sh prefill128k # needs the model: SmolLM2 128K prefill, minference presets / infinitehip vs dense
+#   bash scripts/device_runs.sh prefill128k # needs the model: SmolLM2 128K prefill, minference / infinitehip vs dense
 #   bash scripts/device_runs.sh cascadecheck # needs the model: gpu_check's cascading checks (engine, passkey, prefill)
 #   bash scripts/device_runs.sh fp8quality  # needs the model: the same prompts, infinitehip with fp8 KV
 #   bash scripts/device_runs.sh cascading   # needs the model: passkey 128K and 1M, cascading 65K vs streaming
@@ -70,7 +70,8 @@ quality)  # needs the model: passkey 16K-128K, one method per command (a timeout
     ;;
 lowq)  # needs the model: inside the trained length (4K, 8K), where true positions are right: dense vs each method
     run passkey_4k_8k 200 python3 -m longreach eval passkey --model "$model" --lengths 4k 8k \
-        --depths 0.1 0.3 0.5 0.7 0.9 --seeds 2 --attention dense minference psa infinitehip --out "$out/passkey-4k-8k.json"
+        --depths 0.1 0.3 0.5 0.7 0.9 --seeds 2 --attention dense minference psa infinitehip \
+        --out "$out/passkey-4k-8k.json"
     ;;
 prefill128k)  # needs the model: end-to-end SmolLM2 prefill at 128K, minference (each preset) and infinitehip vs dense
     run prefill_128k 400 python3 -m longreach bench decode --model "$model" --text-source paul-graham --lengths 128k \
@@ -93,7 +94,8 @@ cascading)  # needs the model: the blog's 65K cache (8 sub-caches) vs streaming 
         --attention-config '{"streaming": {"n_sink": 64, "n_window": 65472}}' --out "$out/passkey-cascading.json"
     ;;
 *)
-    echo "usage: bash scripts/device_runs.sh GROUP... (kernels recheck decode1m decode128k engine smollm1m serve quality lowq prefill128k cascadecheck fp8quality cascading)" >&2
+    echo "usage: bash scripts/device_runs.sh GROUP... (kernels recheck decode1m decode128k engine smollm1m serve" \
+        "quality lowq prefill128k cascadecheck fp8quality cascading)" >&2
     exit 2
     ;;
 esac

@@ -63,7 +63,13 @@ def _summary(row: dict) -> str:
     mem = row["memory"]
     return (f"{head}: prefill {row['prefill_s']:.1f} s, decode {dec or 0:.1f} tok/s "
             f"({row['warmup_steps']} warm-up steps left out), KV GPU {mem['kv_gpu_bytes'] / GiB:.2f} GiB "
-            f"+ staging {mem['kv_staging_bytes'] / GiB:.2f} GiB while prefilling ({mem.get('kv_staging_decode_bytes', mem['kv_staging_bytes']) / GiB:.2f} decoding), host {mem['kv_host_bytes'] / GiB:.2f} GiB")
+            f"+ staging {mem['kv_staging_bytes'] / GiB:.2f} GiB while prefilling "
+            f"({_staging_decoding(mem) / GiB:.2f} decoding), host {mem['kv_host_bytes'] / GiB:.2f} GiB")
+
+
+def _staging_decoding(mem: dict) -> int:
+    """Staging bytes still allocated while decoding (results written before the release kept it: its size)."""
+    return mem.get("kv_staging_decode_bytes", mem["kv_staging_bytes"])
 
 
 def format_table(r: dict) -> str:
@@ -96,7 +102,7 @@ def format_table(r: dict) -> str:
         lines.append(
             f"{ctx:>8} {x['attention']:<22} {x['kv_cache_dtype']:<9} {offload:<8} {x['prefill_s']:>9.2f} "
             f"{num(x['decode_tok_s'], '.1f'):>12} {dense_col:>12} {ratio:>6} "
-            f"{(mem['kv_gpu_bytes'] + mem.get('kv_staging_decode_bytes', mem['kv_staging_bytes'])) / GiB:>10.2f} "
+            f"{(mem['kv_gpu_bytes'] + _staging_decoding(mem)) / GiB:>10.2f} "
             f"{mem['kv_host_bytes'] / GiB:>11.2f} {num(rss and rss / GiB, '.2f'):>8} "
             f"{num(off.get('hit_ratio'), '.3f'):>9} {num(off.get('h2d_gb_s'), '.1f'):>6}")
     lines.append("KV GPU = the GPU tier (pages, page table) + the prefill staging area while decoding (released after "

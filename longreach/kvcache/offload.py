@@ -22,8 +22,9 @@ Design (docs/offload.md has the byte budgets and the measurements):
     would flush the pool for one use.
   * **Prefill** reads the prefix from a GPU staging area: per layer, the batch's pages are gathered from the host
     tier in one copy (model_runner.py), then the ordinary kernels run on it. The area exists only while prefill work
-    is pending: the first decode step releases it (`release_staging`) and the next prefill step allocates it again. No state for selection is kept on the
-    GPU besides the pool: InfiniteHiP's stage masks are cached per sequence by the backend (block ids, not keys).
+    is pending: the first decode step releases it (`release_staging`) and the next prefill step allocates it again.
+    No state for selection is kept on the GPU besides the pool: InfiniteHiP's stage masks are cached per sequence by
+    the backend (block ids, not keys).
 
 Counters (`stats()`): pages hit / missed / evicted / installed and bytes copied host -> GPU by installs, cumulative.
 Mutates: `store`, `note_reads`, `end_step`, `free_pages`. Not thread-safe; the engine calls it from its one loop.
