@@ -1,0 +1,82 @@
+#!/usr/bin/env bash
+# The retrieval ladder of issue 13 on one GPU (docs/quality.md, "The retrieval ladder"): passkey at 4K-128K with
+# 20 prompts per cell (5 depths x 4 keys, the needle phrasings in turn) on three haystacks, and RULER NIAH-single
+# 1/2/3, for every rung (dense + YaRN / dynamic NTK, positions only, oracle selection, the method) and the other
+# methods. Needs /tmp/m/model.gguf (scripts/device_model.sh).
+#
+#   bash scripts/device_ladder.sh [SECONDS]     # run the jobs not done yet, P at a time, until SECONDS have passed
+#
+# Jobs run in priority order; each writes /tmp/ladder/NAME.json, and a job whose JSON exists is skipped, so calls on
+# a warm machine resume where the last one stopped (a job killed at the deadline runs again from scratch). Every
+# call copies what exists to $OUT and prints the tables (scripts/ladder_table.py).
+set -u
+budget=${1:-560}
+P=${P:-4}
+out=${OUT:-out}; mkdir -p "$out" /tmp/ladder
+export PYTHONUNBUFFERED=1
+model=${MODEL:-/tmp/m/model.gguf}
+yarn='{"rope_type": "yarn", "factor": 16}'
+ntk='{"rope_type": "dynamic", "factor": 16}'
+declare -a JOBS=()
+# job NAME ARGS... : one eval command; NAME = KIND__HAYSTACK__LABEL__LENGTHS
+job() { JOBS+=("$(printf '%q ' "$@")"); }
+ladder() {  # ladder HAYSTACK LABEL [eval args...]: one method at 128K, then 4K-64K
+    local hay=$1 label=$2; shift 2
+    for lens in 128k "4k 8k 16k 32k 64k"; do
+        job "passkey__${hay}__${label}__${lens// /-}" passkey --haystack "$hay" --lengths $lens "$@"
+    done
+}
+rungs() {  # the rungs, on haystack $1
+    ladder "$1" infinitehip --attention infinitehip
+    ladder "$1" oracle --attention infinitehip:oracle
+    ladder "$1" positions-st --attention infinitehip:positions-st
+    ladder "$1" dense --attention dense
+    ladder "$1" dense+yarn16 --attention dense --rope-scaling "$yarn"
+}
+rungs filler
+ladder filler positions-de --attention infinitehip:positions-de
+ladder filler dense+ntk16 --attention dense --rope-scaling "$ntk"
+ladder filler streaming --attention streaming
+ladder filler hip --attention hip
+ladder filler quest --attention quest
+ladder filler infinitehip-5k --attention infinitehip:5k
+ladder filler infinitehip-w2048 --attention infinitehip --attention-config '{"n_window": 2048}'
+rungs paul-graham
+rungs squad
+for m in infinitehip oracle positions-st; do
+    a=infinitehip; [ "$m" = infinitehip ] || a=infinitehip:$m
+    for lens in 128k 64k; do
+        job "ruler__niah__${m}__${lens}" ruler --tasks niah_single_1 niah_single_2 niah_single_3 --lengths $lens \
+            --samples 20 --attention "$a"
+    done
+done
+for m in dense infinitehip; do
+    job "ruler__niah__${m}__4k-8k" ruler --tasks niah_single_1 niah_single_2 niah_single_3 --lengths 4k 8k \
+        --samples 20 --attention "$m"
+done
+
+start=$SECONDS
+launch() {  # launch NAME KIND ARGS...
+    local name=$1 kind=$2; shift 2
+    local left=$((budget - (SECONDS - start)))
+    local extra=()
+    [ "$kind" = passkey ] && extra=(--depths 0.1 0.3 0.5 0.7 0.9 --seeds 4 --needles classic secret code)
+    ( timeout "$left" python3 -m longreach eval "$kind" --model "$model" --kv-cache-memory-gb 12 "${extra[@]}" "$@" \
+          --out "/tmp/ladder/$name.part" > "/tmp/ladder/$name.log" 2>&1
+      rc=$?
+      [ $rc = 0 ] && mv "/tmp/ladder/$name.part" "/tmp/ladder/$name.json"
+      echo "== $name: exit $rc after $((SECONDS - start)) s" ) &
+}
+for j in "${JOBS[@]}"; do
+    eval "set -- $j"
+    name=$1; shift
+    [ -e "/tmp/ladder/$name.json" ] && continue
+    while [ "$(jobs -rp | wc -l)" -ge "$P" ]; do wait -n; done
+    [ $((budget - (SECONDS - start))) -lt 150 ] && break
+    echo "== $name: start at $((SECONDS - start)) s"
+    launch "$name" "$@"
+done
+wait
+cp /tmp/ladder/*.json /tmp/ladder/*.log "$out/" 2>/dev/null
+python3 scripts/ladder_table.py /tmp/ladder | tee "$out/ladder_tables.md"
+echo "done: $(ls /tmp/ladder/*.json 2>/dev/null | wc -l) of ${#JOBS[@]} jobs"

@@ -1,0 +1,79 @@
+"""Tables of the retrieval ladder (scripts/device_ladder.sh): one passkey table per haystack and one RULER table.
+
+    python scripts/ladder_table.py DIR [--json OUT.json]
+
+DIR holds the jobs' JSON reports, named KIND__HAYSTACK__LABEL__LENGTHS.json (the eval commands' --out). Reports of
+one (kind, haystack, label) at different lengths are merged. A passkey cell reads "accuracy% [95% Wilson interval]",
+with the prompt count per cell in the row's last column when every cell of the row has the same count (else per cell).
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import pathlib
+import sys
+
+sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1]))
+from longreach.eval.common import format_length as length_label, wilson  # noqa: E402
+
+
+def load(directory: pathlib.Path) -> dict:
+    """{(kind, haystack, label): {length: cell}} with cell = {"correct", "n"} (passkey) or {"score", "n"} per task."""
+    merged: dict = {}
+    for path in sorted(directory.glob("*__*__*__*.json")):
+        kind, hay, label, _ = path.stem.split("__")
+        report = json.loads(path.read_text())
+        for method in report["methods"].values():
+            if kind == "passkey":
+                for cell in method["cells"]:
+                    c = merged.setdefault((kind, hay, label), {}).setdefault(cell["length"], {"correct": 0, "n": 0})
+                    c["correct"] += bool(cell["correct"])
+                    c["n"] += 1
+            else:
+                for task, per_len in method["tasks"].items():
+                    for n, cell in per_len.items():
+                        merged.setdefault((kind, task, label), {})[int(n)] = {"score": cell["score"], "n": cell["n"]}
+    return merged
+
+
+def _cell(c: dict, with_n: bool) -> str:
+    if "correct" in c:
+        lo, hi = wilson(c["correct"], c["n"])
+        text = f"{100 * c['correct'] / c['n']:.0f} [{100 * lo:.0f}-{100 * hi:.0f}]"
+    else:
+        lo, hi = wilson(c["score"] / 100 * c["n"], c["n"])
+        text = f"{c['score']:.0f} [{100 * lo:.0f}-{100 * hi:.0f}]"
+    return f"{text} ({c['n']})" if with_n else text
+
+
+def tables(merged: dict) -> str:
+    out = []
+    for kind, group in (("passkey", "haystack"), ("ruler", "task")):
+        for what in sorted({h for (k, h, _) in merged if k == kind}):
+            rows = {label: cells for (k, h, label), cells in merged.items() if k == kind and h == what}
+            lengths = sorted({n for cells in rows.values() for n in cells})
+            out.append(f"\n{kind}, {group} {what}\n")
+            out.append("| method | " + " | ".join(length_label(n) for n in lengths) + " | prompts per cell |")
+            out.append("|---" * (len(lengths) + 2) + "|")
+            for label, cells in rows.items():
+                counts = {c["n"] for c in cells.values()}
+                same = len(counts) == 1
+                row = [_cell(cells[n], not same) if n in cells else "-" for n in lengths]
+                out.append(f"| {label} | " + " | ".join(row) + f" | {counts.pop() if same else 'per cell'} |")
+    return "\n".join(out)
+
+
+def main() -> int:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("dir", type=pathlib.Path)
+    p.add_argument("--json", type=pathlib.Path, help="also write the merged cells here")
+    args = p.parse_args()
+    merged = load(args.dir)
+    print(tables(merged))
+    if args.json:
+        args.json.write_text(json.dumps({"__".join(k): v for k, v in merged.items()}, indent=1))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
