@@ -5,13 +5,14 @@
 # methods. Needs /tmp/m/model.gguf (scripts/device_model.sh).
 #
 #   bash scripts/device_ladder.sh [SECONDS]     # run the jobs not done yet, P at a time, until SECONDS have passed
+#   ONLY='REGEX' P=3 bash scripts/device_ladder.sh 540   # only the jobs whose name matches; 3 at a time
 #
 # Jobs run in priority order; each writes /tmp/ladder/NAME.json, and a job whose JSON exists is skipped, so calls on
 # a warm machine resume where the last one stopped (a job killed at the deadline runs again from scratch). Every
-# call copies what exists to $OUT and prints the tables (scripts/ladder_table.py).
+# call packs what exists into $OUT/ladder.tgz and prints the tables (scripts/ladder_table.py).
 set -u
 budget=${1:-560}
-P=${P:-4}
+P=${P:-3}  # 4 evals at 12 GiB of KV each ran out of GPU memory on an H100 beside hip
 out=${OUT:-out}; mkdir -p "$out" /tmp/ladder
 export PYTHONUNBUFFERED=1
 model=${MODEL:-/tmp/m/model.gguf}
@@ -28,12 +29,18 @@ ladder() {  # ladder HAYSTACK LABEL [eval args...]: one method at 128K, then 4K-
 }
 rungs() {  # the rungs, on haystack $1
     ladder "$1" infinitehip --attention infinitehip
-    ladder "$1" oracle --attention infinitehip:oracle
-    ladder "$1" positions-st --attention infinitehip:positions-st
     ladder "$1" dense --attention dense
+    ladder "$1" oracle --attention infinitehip:oracle
     ladder "$1" dense+yarn16 --attention dense --rope-scaling "$yarn"
 }
+ruler() {  # ruler LABEL METHOD LENGTHS: NIAH-single 1, 2 and 3, one job per task
+    for t in niah_single_1 niah_single_2 niah_single_3; do
+        job "ruler__${t}__${1}__${3// /-}" ruler --tasks "$t" --lengths $3 --samples 20 --attention "$2"
+    done
+}
 rungs filler
+ladder filler oracle-true --attention infinitehip:oracle-true
+ladder filler positions-st --attention infinitehip:positions-st
 ladder filler positions-de --attention infinitehip:positions-de
 ladder filler dense+ntk16 --attention dense --rope-scaling "$ntk"
 ladder filler streaming --attention streaming
@@ -41,19 +48,12 @@ ladder filler hip --attention hip
 ladder filler quest --attention quest
 ladder filler infinitehip-5k --attention infinitehip:5k
 ladder filler infinitehip-w2048 --attention infinitehip --attention-config '{"n_window": 2048}'
+ruler dense dense "4k 8k"
+ruler infinitehip infinitehip "4k 8k"
+ruler infinitehip infinitehip 64k
+ruler infinitehip infinitehip 128k
 rungs paul-graham
 rungs squad
-for m in infinitehip oracle positions-st; do
-    a=infinitehip; [ "$m" = infinitehip ] || a=infinitehip:$m
-    for lens in 128k 64k; do
-        job "ruler__niah__${m}__${lens}" ruler --tasks niah_single_1 niah_single_2 niah_single_3 --lengths $lens \
-            --samples 20 --attention "$a"
-    done
-done
-for m in dense infinitehip; do
-    job "ruler__niah__${m}__4k-8k" ruler --tasks niah_single_1 niah_single_2 niah_single_3 --lengths 4k 8k \
-        --samples 20 --attention "$m"
-done
 
 start=$SECONDS
 launch() {  # launch NAME KIND ARGS...
@@ -71,12 +71,14 @@ for j in "${JOBS[@]}"; do
     eval "set -- $j"
     name=$1; shift
     [ -e "/tmp/ladder/$name.json" ] && continue
+    [[ "$name" =~ ${ONLY:-.} ]] || continue
     while [ "$(jobs -rp | wc -l)" -ge "$P" ]; do wait -n; done
     [ $((budget - (SECONDS - start))) -lt 150 ] && break
     echo "== $name: start at $((SECONDS - start)) s"
     launch "$name" "$@"
 done
 wait
-cp /tmp/ladder/*.json /tmp/ladder/*.log "$out/" 2>/dev/null
+rm -f /tmp/ladder/*.part.png
+tar czf "$out/ladder.tgz" -C /tmp ladder  # one file: the device tool brings back a limited number of files
 python3 scripts/ladder_table.py /tmp/ladder | tee "$out/ladder_tables.md"
 echo "done: $(ls /tmp/ladder/*.json 2>/dev/null | wc -l) of ${#JOBS[@]} jobs"

@@ -99,9 +99,12 @@ class InfiniteHiP(SelectionMethod):
         "3k-flash": InfiniteHiPConfig(refresh=(96, 24, 8)),
         # rungs of the retrieval ladder (docs/quality.md), for evaluation, not speed:
         # the best selection of 3k's size: the top 2048 tokens (4096 in layers 0-2) in 8-token chunks ranked by their
-        # exact best key at true positions, recomputed every decode step; attention as 3k (rolling positions)
-        "oracle": InfiniteHiPConfig(chunk_sizes=(8,), budgets=(2048,), refresh=(1,), exact_below=8,
-                                    prune_rope="none"),
+        # exact best key, recomputed every decode step; attention as 3k (rolling positions). Past the trained length
+        # the keys are scored at relative positions (rt, the method's own for layers 3+: every key one step beyond
+        # the window); `oracle-true` scores them at true positions, which the model never saw there
+        "oracle": InfiniteHiPConfig(chunk_sizes=(8,), budgets=(2048,), refresh=(1,), exact_below=8, prune_rope="rt"),
+        "oracle-true": InfiniteHiPConfig(chunk_sizes=(8,), budgets=(2048,), refresh=(1,), exact_below=8,
+                                         prune_rope="none"),
         # every key (up to 1M tokens), only the positions remapped: rolling (st) or SelfExtend groups (de)
         "positions-st": InfiniteHiPConfig(chunk_sizes=(64,), budgets=(1 << 20,), early_last_budget=None,
                                           refresh=(1,), prune_rope="none", attend_rope="st"),
