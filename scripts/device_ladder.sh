@@ -48,6 +48,11 @@ ladder filler hip --attention hip
 ladder filler quest --attention quest
 ladder filler infinitehip-5k --attention infinitehip:5k
 ladder filler infinitehip-w2048 --attention infinitehip --attention-config '{"n_window": 2048}'
+# what separates infinitehip 3k from the oracle (which finds the key at 16K-128K): stage 0's SelectRep, the
+# chunk-indexed positions of layers 0-2, the decode refresh intervals
+ladder filler infinitehip-exact256 --attention infinitehip --attention-config '{"exact_below": 256}'
+ladder filler infinitehip-rt --attention infinitehip --attention-config '{"prune_rope": "rt"}'
+ladder filler infinitehip-refresh1 --attention infinitehip --attention-config '{"refresh": [1, 1, 1]}'
 ruler dense dense "4k 8k"
 ruler infinitehip infinitehip "4k 8k"
 ruler infinitehip infinitehip 64k
