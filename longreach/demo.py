@@ -1,6 +1,6 @@
 """`longreach demo`: the long-context demo — a number hidden in a document longer than the model's trained context.
 
-One prompt, RULER's niah_single_1 (eval/ruler.py: "One of the special magic numbers for <word> is: <7 digits>."
+One prompt, RULER's niah_single_1 (eval/ruler_tasks.py: "One of the special magic numbers for <word> is: <7 digits>."
 hidden in a long filler text, then the question), answered by the sparse method and then by dense attention for
 contrast; prints each answer, whether it holds the number, and the time. (The classic pass-key prompt of
 eval/passkey.py is harder for SmolLM2 under sparse attention: right in 60–67% of prompts at 8K–16K, docs/quality.md.)
@@ -47,7 +47,7 @@ def main(args) -> int:
     for spec in runs:
         llm = make_llm(args.model, spec, None, args.device, args.dtype, length + params.max_tokens, max_num_seqs=1)
         if prompt is None:
-            from .eval.ruler import generate
+            from .eval.ruler_tasks import generate
 
             sample = generate("niah_single_1", length, 1, args.seed, llm.get_tokenizer())[0]
             prompt, key = [int(t) for t in sample.prompt_ids], sample.outputs[0]

@@ -44,6 +44,17 @@ def make_tiny_hf_model(path, arch: str = "llama", seed: int = 0, shard: bool = F
     return str(path), model
 
 
+@pytest.fixture(scope="module")
+def one_thread():
+    """Hundreds of tiny ops per step: on a shared 2-core machine two intra-op threads stall each other (~8 ms per
+    einsum instead of 0.03). Results do not depend on it. A module opts in with
+    `pytestmark = pytest.mark.usefixtures("one_thread")` (the cascading tests)."""
+    n = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(n)
+
+
 @pytest.fixture(scope="session")
 def smollm2():
     """The real default model, fp32 on CPU, loaded once per session."""

@@ -7,7 +7,7 @@ import sys
 import pytest
 
 from longreach.cli import main
-from longreach.eval import ruler
+from longreach.eval import ruler, ruler_tasks
 
 ALL_TASKS = ["niah_single_1", "niah_single_2", "niah_single_3", "niah_multikey_1", "niah_multikey_2",
              "niah_multikey_3", "niah_multivalue", "niah_multiquery", "vt", "cwe", "fwe", "qa_1", "qa_2"]
@@ -19,7 +19,7 @@ def tok(smollm2):
 
 
 def test_task_table_is_rulers():
-    table = ruler.tasks()
+    table = ruler_tasks.tasks()
     assert list(table) == ALL_TASKS
     assert table["niah_multikey_1"].args["num_needle_k"] == 4
     assert table["niah_single_3"].args["type_needle_v"] == "uuids"
@@ -29,14 +29,14 @@ def test_task_table_is_rulers():
 
 @pytest.mark.parametrize("name", ALL_TASKS)
 def test_generation_fits_is_deterministic_and_holds_the_answers(tok, name):
-    length, task = 2048, ruler.tasks()[name]
+    length, task = 2048, ruler_tasks.tasks()[name]
     state = random.getstate()
-    a = ruler.generate(name, length, 2, seed=3, tokenizer=tok, chat=True)
+    a = ruler_tasks.generate(name, length, 2, seed=3, tokenizer=tok, chat=True)
     assert random.getstate() == state  # the scripts' global seeding is undone
-    b = ruler.generate(name, length, 2, seed=3, tokenizer=tok, chat=True)
+    b = ruler_tasks.generate(name, length, 2, seed=3, tokenizer=tok, chat=True)
     assert [s.prompt_ids.tolist() for s in a] == [s.prompt_ids.tolist() for s in b]
     assert [s.outputs for s in a] == [s.outputs for s in b]
-    base = ruler.generate(name, length, 1, seed=3, tokenizer=tok)
+    base = ruler_tasks.generate(name, length, 1, seed=3, tokenizer=tok)
     for s, chat in [(a[0], True), (a[1], True), (base[0], False)]:
         assert len(s.prompt_ids) + task.tokens_to_generate <= length
         assert len(s.prompt_ids) > length // 2 or name in ("niah_multikey_3", "qa_1")  # RULER's coarse increments
@@ -48,14 +48,14 @@ def test_generation_fits_is_deterministic_and_holds_the_answers(tok, name):
 
 
 def test_seed_and_prompt_format(tok):
-    one = ruler.generate("niah_single_2", 2048, 2, seed=1, tokenizer=tok)
-    other = ruler.generate("niah_single_2", 2048, 2, seed=2, tokenizer=tok)
+    one = ruler_tasks.generate("niah_single_2", 2048, 2, seed=1, tokenizer=tok)
+    other = ruler_tasks.generate("niah_single_2", 2048, 2, seed=2, tokenizer=tok)
     assert [s.outputs for s in one] != [s.outputs for s in other]
     base = tok.decode(one[0].prompt_ids.tolist(), skip_special_tokens=False)
     assert base.startswith("A special magic number is hidden within the following text.")  # RULER's 'base' template
     assert "provided text? The special magic number for " in base and "<|im_start|>" not in base
     assert base.endswith(" mentioned in the provided text is")
-    chat = ruler.generate("niah_single_2", 2048, 1, seed=1, tokenizer=tok, chat=True)[0]
+    chat = ruler_tasks.generate("niah_single_2", 2048, 1, seed=1, tokenizer=tok, chat=True)[0]
     chat = tok.decode(chat.prompt_ids.tolist(), skip_special_tokens=False)
     assert "provided text?<|im_end|>\n<|im_start|>assistant\nThe special magic number for " in chat
     assert chat.endswith(" mentioned in the provided text is")
@@ -63,7 +63,7 @@ def test_seed_and_prompt_format(tok):
 
 def test_a_task_too_long_for_the_length_says_so(tok):
     with pytest.raises(ValueError, match="qa_1 does not fit in 512 tokens: its smallest prompt plus 32 tokens"):
-        ruler.generate("qa_1", 512, 1, seed=0, tokenizer=tok)
+        ruler_tasks.generate("qa_1", 512, 1, seed=0, tokenizer=tok)
 
 
 def test_niah_key_list_matches_rulers():
@@ -71,7 +71,7 @@ def test_niah_key_list_matches_rulers():
 
     read = wonderwords.random_word._get_words_from_text_file
     adjs, nouns = read("adjectivelist.txt")[:40], read("nounlist.txt")[:50]
-    lazy = ruler._PairWords(adjs, nouns)
+    lazy = ruler_tasks._PairWords(adjs, nouns)
     full = sorted({f"{a}-{n}" for a in adjs for n in nouns})  # what niah.py builds, on a slice of its lists
     assert len(lazy) == len(full) and sorted(lazy[i] for i in range(len(lazy))) == full
     assert lazy[-1] == lazy[len(lazy) - 1]
@@ -89,21 +89,21 @@ def test_size_search_finds_rulers_size():
         while linear(ruler_size + step) <= budget and (cap is None or ruler_size + step <= cap):
             ruler_size += step
         calls.clear()
-        assert ruler._largest_fitting(linear, budget, step, cap) == ruler_size
+        assert ruler_tasks._largest_fitting(linear, budget, step, cap) == ruler_size
         assert len(calls) <= 12
-    assert ruler._largest_fitting(linear, 200, 10, None) == 0
+    assert ruler_tasks._largest_fitting(linear, 200, 10, None) == 0
 
 
 def test_metrics_are_rulers():
-    task = ruler.tasks()["niah_multivalue"]
-    total, per = ruler.score(task, ["The numbers are 123 and 456.", "only 123", "nothing"],
-                             [["123", "456"], ["123", "456"], ["7"]])
+    task = ruler_tasks.tasks()["niah_multivalue"]
+    total, per = ruler_tasks.score(task, ["The numbers are 123 and 456.", "only 123", "nothing"],
+                                   [["123", "456"], ["123", "456"], ["7"]])
     assert per == [100.0, 50.0, 0.0] and total == 50.0
-    qa = ruler.tasks()["qa_1"]
-    total, per = ruler.score(qa, [" PARIS, of course", "London\x00"], [["Paris", "Lyon"], ["Berlin"]])
+    qa = ruler_tasks.tasks()["qa_1"]
+    total, per = ruler_tasks.score(qa, [" PARIS, of course", "London\x00"], [["Paris", "Lyon"], ["Berlin"]])
     assert per == [100.0, 0.0] and total == 50.0
-    assert ruler.metric("string_match_all")(["a b"], [["A", "c", "b"]]) == 66.67
-    assert ruler.postprocess("  1234\x015678\n ") == "1234\n5678"
+    assert ruler_tasks.metric("string_match_all")(["a b"], [["A", "c", "b"]]) == 66.67
+    assert ruler_tasks.postprocess("  1234\x015678\n ") == "1234\n5678"
 
 
 def test_eval_ruler_end_to_end(smollm2, tmp_path, capsys, monkeypatch):
