@@ -29,6 +29,7 @@ ladder() {  # ladder HAYSTACK LABEL [eval args...]: one method at 128K, then 4K-
 }
 rungs() {  # the rungs, on haystack $1
     ladder "$1" infinitehip --attention infinitehip
+    ladder "$1" infinitehip-3k-exact --attention infinitehip:3k-exact
     ladder "$1" dense --attention dense
     ladder "$1" oracle --attention infinitehip:oracle
     ladder "$1" dense+yarn16 --attention dense --rope-scaling "$yarn"
@@ -48,15 +49,17 @@ ladder filler hip --attention hip
 ladder filler quest --attention quest
 ladder filler infinitehip-5k --attention infinitehip:5k
 ladder filler infinitehip-w2048 --attention infinitehip --attention-config '{"n_window": 2048}'
-# what separates infinitehip 3k from the oracle (which finds the key at 16K-128K): stage 0's SelectRep, the
-# chunk-indexed positions of layers 0-2, the decode refresh intervals
-ladder filler infinitehip-exact256 --attention infinitehip --attention-config '{"exact_below": 256}'
+# what separates infinitehip 3k from the oracle (which finds the key at 16K-128K): the chunk-indexed positions of
+# layers 0-2, the decode refresh intervals, stage 0's SelectRep (infinitehip-3k-exact, in the rungs)
 ladder filler infinitehip-rt --attention infinitehip --attention-config '{"prune_rope": "rt"}'
 ladder filler infinitehip-refresh1 --attention infinitehip --attention-config '{"refresh": [1, 1, 1]}'
 ruler dense dense "4k 8k"
 ruler infinitehip infinitehip "4k 8k"
 ruler infinitehip infinitehip 64k
 ruler infinitehip infinitehip 128k
+ruler infinitehip-3k-exact infinitehip:3k-exact "4k 8k"
+ruler infinitehip-3k-exact infinitehip:3k-exact 64k
+ruler infinitehip-3k-exact infinitehip:3k-exact 128k
 rungs paul-graham
 rungs squad
 

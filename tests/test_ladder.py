@@ -47,3 +47,24 @@ def test_oracle_at_full_budget_and_true_positions_equals_dense(tmp_path):
                 '"early_last_budget": 16, "n_sink": 8, "n_window": 16, "attend_rope": "none", "dense_below": 0}',
                 **kw).engine.prompt_logits(ids)
     assert (dense[150:] - small[150:]).abs().max() > 1e-3  # a small budget really drops keys
+
+
+def test_exact_stages_select_what_the_oracle_selects():
+    """`3k-exact` scores every stage exactly (max over the group's heads and rows of <q, k>): since a chunk's best key
+    is at least each of its sub-chunks' best, nested exact stages whose budgets hold the oracle's chunks keep exactly
+    the oracle's flat top-k (at equal positions: here inside the trained length, so true positions for both)."""
+    from longreach.attention.infinitehip import InfiniteHiP
+    from longreach.attention.sparse import config_from
+
+    base = {"n_sink": 8, "n_window": 64, "early_last_budget": 64}
+    oracle = InfiniteHiP(config_from(InfiniteHiP.config_cls, InfiniteHiP.presets["oracle"], {**base, "budgets": [64]}),
+                         num_heads=4, num_kv_heads=2)
+    exact = InfiniteHiP(config_from(InfiniteHiP.config_cls, InfiniteHiP.presets["3k-exact"],
+                                    {**base, "budgets": [512, 256, 64]}), num_heads=4, num_kv_heads=2)
+    keys, _ = _keys_and_queries(3, L=2000)
+    q = torch.randn(16, 4, 16, generator=torch.Generator().manual_seed(4))
+    blocks = [(0, 1, 1999), (1, 15, 1975)]  # (first row, rows, position of the first row): a last row, a 15-row block
+    for layer in (0, 5):
+        want, got = oracle.select(layer, q, blocks, keys), exact.select(layer, q, blocks, keys)
+        assert want.shape[-1] == 8 and bool((want >= 0).all())  # 64 tokens = 8 chunks per block and group
+        assert torch.equal(want, got)

@@ -97,6 +97,10 @@ class InfiniteHiP(SelectionMethod):
         "5k": InfiniteHiPConfig(chunk_sizes=(64, 32, 16), budgets=(32768, 16384, 4096), early_last_budget=None),
         "3k-fast": InfiniteHiPConfig(refresh=(32, 16, 8)),
         "3k-flash": InfiniteHiPConfig(refresh=(96, 24, 8)),
+        # every stage scored exactly (64-token chunks first): the oracle's selection reached hierarchically (equal to
+        # it where the positions agree); passkey at 64K/128K 85/95% vs 3k's 40/20% (docs/quality.md, the ladder);
+        # stage 0 reads every candidate key, so its cost grows with the square of the context
+        "3k-exact": InfiniteHiPConfig(chunk_sizes=(64, 32, 8), exact_below=64),
         # rungs of the retrieval ladder (docs/quality.md), for evaluation, not speed:
         # the best selection of 3k's size: the top 2048 tokens (4096 in layers 0-2) in 8-token chunks ranked by their
         # exact best key, recomputed every decode step; attention as 3k (rolling positions). Past the trained length
