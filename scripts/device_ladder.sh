@@ -51,6 +51,9 @@ ladder filler infinitehip-5k --attention infinitehip:5k
 ladder filler infinitehip-w2048 --attention infinitehip --attention-config '{"n_window": 2048}'
 # what separates infinitehip 3k from the oracle (which finds the key at 16K-128K): the chunk-indexed positions of
 # layers 0-2, the decode refresh intervals, stage 0's SelectRep (infinitehip-3k-exact, in the rungs)
+# and stage 0 scored from a box around each chunk's keys instead of SelectRep (kernels/chunk_box.py; eager decode)
+ladder filler infinitehip-box-minmax --attention infinitehip --attention-config '{"stage0_scores": "minmax"}'
+ladder filler infinitehip-box-cuboid --attention infinitehip --attention-config '{"stage0_scores": "cuboid-mean"}'
 ladder filler infinitehip-rt --attention infinitehip --attention-config '{"prune_rope": "rt"}'
 ladder filler infinitehip-refresh1 --attention infinitehip --attention-config '{"refresh": [1, 1, 1]}'
 ruler dense dense "4k 8k"

@@ -36,6 +36,10 @@ Settled ambiguities (digest §8):
     per length went from 60/67/53% to 60/80/100% at 8K/16K/32K, and from 0/11% to 33/33% at 64K/128K (9 prompts
     each). The cost on an H200 is +36% end-to-end prefill at 128K (2.48 -> 3.38 s) and -5% decode tok/s
     (docs/quality.md, docs/benchmarks.md).
+  * `stage0_scores` (longreach option; "selectrep" = the paper): "minmax" or "cuboid-mean" score stage 0's chunks
+    from a box around each chunk's keys instead (kernels/chunk_box.py), so that stage 0 does not search inside its
+    chunks; exact scoring still wins where `exact_below` covers stage 0. The ladder (docs/quality.md) located the
+    needle's loss past 64K in stage 0's SelectRep; whether a box keeps it is not measured yet. Eager decode only.
 RoPE (§1.5): the paper's strategies by default — chunk-indexed positions while pruning in layers 0-2, relative in the
 rest, rolling (StreamingLLM) positions in the attention — applied to query blocks past the model's trained length
 (`rope_from`); inside it true positions are exact and score better (rope/strategies.py).
@@ -57,6 +61,9 @@ from .sparse import (
 )
 
 
+STAGE0_SCORES = ("selectrep", "minmax", "cuboid-mean")  # kernels/chunk_box.py for the boxes
+
+
 @dataclass(frozen=True)
 class InfiniteHiPConfig(SparseConfig):
     chunk_sizes: tuple[int, ...] = (256, 32, 8)  # l_c per stage
@@ -68,6 +75,7 @@ class InfiniteHiPConfig(SparseConfig):
     rep_per_head: bool = True  # SelectRep per query head (the paper); False: once per KV head, for all its heads
     prune_rope: str = "ci:0-2,rt"  # the paper's: chunk-indexed in the first 3 layers, relative in the rest
     attend_rope: str = "st"  # the paper's: StreamingLLM-style rolling positions over the attended keys
+    stage0_scores: str = "selectrep"  # how stage 0 scores its chunks: SelectRep (the paper) or a box (STAGE0_SCORES)
 
     def __post_init__(self) -> None:
         super().__post_init__()
@@ -84,6 +92,8 @@ class InfiniteHiPConfig(SparseConfig):
             raise ValueError(f"early_last_budget must be a multiple of {self.chunk_sizes[-1]}")
         if any(r < 1 for r in self.refresh):
             raise ValueError(f"refresh intervals must be >= 1, got {self.refresh}")
+        if self.stage0_scores not in STAGE0_SCORES:
+            raise ValueError(f"stage0_scores must be one of {', '.join(STAGE0_SCORES)}, got {self.stage0_scores!r}")
 
 
 _3K = InfiniteHiPConfig()
@@ -170,8 +180,19 @@ class InfiniteHiP(SelectionMethod):
             out.append((width, width > budgets[i] // l))
         return out
 
-    def graph_stage_widths(self, layer: int) -> tuple[int, ...]:
+    def graph_stage_widths(self, layer: int) -> tuple[int, ...] | None:
+        if self.cfg.stage0_scores != "selectrep":
+            return None  # the box scorer gathers the context's keys at its current length: not capturable
         return tuple(k // l for k, l in zip(self.stage_budgets(layer), self.cfg.chunk_sizes))
+
+    def box_scores(self, layer, q, blocks, keys, ids, chunk, cand_end):
+        """Stage 0's scores from boxes around each chunk's keys (kernels/chunk_box.py), torch ops on any device."""
+        from ..kernels.chunk_box import chunk_box_scores
+
+        qs, ok = self.query_rows(q, blocks)
+        return chunk_box_scores(qs, ok, keys.dense(), ids, chunk, self.cfg.n_sink, cand_end, self.groups,
+                                self.cfg.stage0_scores, self.rope_args(layer, "prune", blocks.max_end),
+                                table_cache=keys.prune_tables)
 
     def refresh_from(self, step: int) -> int:
         return next((i for i, r in enumerate(self.cfg.refresh) if step % r == 0), len(self.cfg.refresh))
@@ -213,7 +234,9 @@ class InfiniteHiP(SelectionMethod):
                 sub = prev[..., None] * ratio + torch.arange(ratio, device=dev)
                 ids = torch.where(prev[..., None] >= 0, sub, -1).reshape(nb, G, -1)
             _, _, valid = chunk_bounds(ids, l, cfg.n_sink, cand_end)
-            if needs_scores:
+            if needs_scores and i == 0 and cfg.stage0_scores != "selectrep" and l > cfg.exact_below:
+                score = self.box_scores(layer, q, blocks, keys, ids, l, cand_end)
+            elif needs_scores:
                 score = self.chunk_scores(layer, q, blocks, keys, ids, l, l <= cfg.exact_below, cand_end)
             else:  # every candidate fits the budget
                 score = torch.where(valid, 0.0, float("-inf"))

@@ -15,7 +15,7 @@ walks its chunks' binary searches in lockstep: every iteration gathers one key p
 block table) and scores it against all rows with one tl.dot. No iteration needs a result from another program, so
 the whole search is one launch with no global synchronisation, parallel over the key dimension like flash-decoding.
 Keys are read as stored (rotated at their true positions) and so are the queries.
-Tested: CPU interpreter in fp16/fp32 against `chunk_scores_reference` (tests/test_kernel_prune.py); H100 in bf16
+Tested: CPU interpreter in fp16/fp32 against `chunk_scores_reference` (tests/test_kernel_bsa.py); H100 in bf16
 (scripts/gpu_check.py). Limits: head_dim a power of two in [16, 256].
 """
 from __future__ import annotations
@@ -49,6 +49,45 @@ def chunk_bounds(ids: torch.Tensor, chunk: int, n_sink: int, cand_end: torch.Ten
     return a, b, (ids >= 0) & (a < b)
 
 
+def prune_queries(qs: torch.Tensor, row_ok: torch.Tensor, cand_end: torch.Tensor, rope: RopeArgs | None,
+                  mode: str | None = None):
+    """The block queries as a pruning strategy places them: (q32 (nb, R, H_q, D) fp32, mode, remap (nb, 1, 1) or
+    None). Blocks ending at or past rope.rope_from are moved (`mode`, default rope.mode), the others keep their true
+    positions; mode is "none" when no block is moved. Rows past a block's length repeat its first row (every block
+    has one): a max over rows is then the max over its real rows, with no mask to apply to every score."""
+    nb, R = row_ok.shape
+    q32 = qs.float()
+    mode = (rope.mode if mode is None else mode) if rope is not None else "none"
+    remap = None
+    if mode != "none" and not bool((cand_end + rope.n_window - 1 >= rope.rope_from).any()):
+        mode = "none"  # no block is remapped: skip the rotations (the CPU path's cost at or below the trained length)
+    if mode != "none":
+        end = cand_end + rope.n_window
+        remap = (end - 1 >= rope.rope_from)[:, None, None]  # (nb, 1, 1)
+        p = (end - row_ok.sum(1))[:, None] + torch.arange(R, device=qs.device)  # (nb, R) row positions
+        dq = torch.where(remap[:, :, 0], prune_query_pos(mode, p, rope.n_window, rope.group) - p, 0)
+        q32 = rotate(q32, dq[:, :, None], rope.inv_freq)
+    return torch.where(row_ok[:, :, None, None], q32, q32[:, :1]), mode, remap
+
+
+def moved_key_tables(kf: torch.Tensor, mode: str, rope: RopeArgs, table_cache: dict | None) -> dict:
+    """{right: (2L, H_kv, D)}: rows [0, L) the keys as stored, rows [L, 2L) moved to their pruning positions as a
+    left-branch (False) or right-branch / exactly scored (True) probe, for a strategy whose key positions depend on
+    the key alone (rt, il, de). Kept in `table_cache` (one layer of one step) when given."""
+    L = kf.shape[0]
+    key = (mode, rope.group, L)
+    if table_cache is not None and key in table_cache:
+        return table_cache[key]
+    p_k = torch.arange(L, device=kf.device)
+    tables = {}
+    for right in (False, True):
+        moved = rotate(kf, prune_key_pos(mode, p_k, right, None, rope.group)[:, None] - p_k[:, None], rope.inv_freq)
+        tables[right] = torch.cat([kf, moved])  # rows L.. hold the moved keys, read by remapped blocks
+    if table_cache is not None:
+        table_cache[key] = tables
+    return tables
+
+
 def chunk_scores_reference(qs: torch.Tensor, row_ok: torch.Tensor, keys: torch.Tensor, ids: torch.Tensor,
                            chunk: int, exact: bool, n_sink: int, cand_end: torch.Tensor, groups: int,
                            rep_per_head: bool = True, rope: RopeArgs | None = None,
@@ -73,38 +112,15 @@ def chunk_scores_reference(qs: torch.Tensor, row_ok: torch.Tensor, keys: torch.T
     pair_kv = torch.tensor([kv for _, kv in pairs], device=dev)
     a, b, valid = chunk_bounds(ids, chunk, n_sink, cand_end)
     a, b, valid = a[:, pair_group], b[:, pair_group], valid[:, pair_group]  # (nb, P, C)
-    q32 = qs.float()
-    mode = rope.mode if rope is not None else "none"
-    if mode != "none" and not bool((cand_end + rope.n_window - 1 >= rope.rope_from).any()):
-        mode = "none"  # no block is remapped: skip the rotations (the CPU path's cost at or below the trained length)
+    q32, mode, remap = prune_queries(qs, row_ok, cand_end, rope)
     if mode != "none":
-        end = cand_end + rope.n_window
-        remap = (end - 1 >= rope.rope_from)[:, None, None]  # (nb, 1, 1)
-        lens = row_ok.sum(1)
-        p = (end - lens)[:, None] + torch.arange(R, device=dev)  # (nb, R) row positions
-        dq = torch.where(remap[:, :, 0], prune_query_pos(mode, p, rope.n_window, rope.group) - p, 0)
-        q32 = rotate(q32, dq[:, :, None], rope.inv_freq)
         n_chunk = (ids >= 0).sum(-1, keepdim=True)[:, pair_group]  # (nb, P, 1)
         from_end = torch.arange(ids.shape[-1], device=dev) - (n_chunk - 1)  # (nb, P, C)
-    # rows past a block's length repeat its first row (every block has one): the max over rows is then the max over
-    # its real rows, with no mask to apply to every probe's scores
-    q32 = torch.where(row_ok[:, :, None, None], q32, q32[:, :1])
     q32 = q32.reshape(nb, R, P, hpp, -1).permute(0, 2, 3, 1, 4).contiguous()  # (nb, P, hpp, R, D)
     kf = keys.float()
     kvs = pair_kv[None, :, None]
-    tables = {}  # strategies whose key positions depend only on the key: every key moved once, probes just gather
-    if mode in ("rt", "il", "de"):
-        key = (mode, rope.group, L)
-        if table_cache is not None and key in table_cache:
-            tables = table_cache[key]
-        else:
-            p_k = torch.arange(L, device=dev)
-            for right in (False, True):
-                moved = rotate(kf, prune_key_pos(mode, p_k, right, None, rope.group)[:, None] - p_k[:, None],
-                               rope.inv_freq)
-                tables[right] = torch.cat([kf, moved])  # rows L.. hold the moved keys, read by remapped blocks
-            if table_cache is not None:
-                table_cache[key] = tables
+    # strategies whose key positions depend only on the key: every key moved once, probes just gather
+    tables = moved_key_tables(kf, mode, rope, table_cache) if mode in ("rt", "il", "de") else {}
 
     def probe(pos, right=True):  # per head of each pair, max over rows of <q, k[pos]>; pos (nb, P, C) or (nb, P, hpp, C)
         per_head = pos.dim() == 4
