@@ -236,19 +236,32 @@ def cascading_prefill(model: str, lengths=(131072, 1048576)):
 
 def psa_matrix(dev: str = "cuda", lengths=(131072 + 5, 40000, 777), shape=(32, 8, 128), pages=(16, 32),
                dtype=torch.bfloat16, timing: bool = True):
-    """PSA at Llama-8B's shape and 128K (attention/psa.py): the metadata, scoring and decode kernels against their
-    PyTorch references (fp32 math on the same bf16 inputs), one tier, two tiers (pinned host pages over UVA) and
-    fp8 rows; the decode step captured in a CUDA graph == eager; and the time of one decode step (rank + loop)
-    next to the dense paged-decode kernel, with the keys it read. (The defaults are the GPU run; the tests'
-    smoke run shrinks them on CPU.)"""
+    """PSA at Llama-8B's shape and 128K (attention/psa.py): the metadata, scoring and both decode kernels (loop and
+    waves, kernels/psa_decode.py) against their PyTorch references (fp32 math on the same bf16 inputs), one tier,
+    two tiers (pinned host pages over UVA) and fp8 rows; the decode step captured in a CUDA graph == eager, with
+    either kernel; and the time of one decode step (rank + loop) next to the dense paged-decode kernel, with the keys
+    it read, and of the two decode kernels alone (CUDA graphs, batch 1). (The defaults are the GPU run; a CPU smoke
+    run shrinks them.)"""
     from longreach.attention.psa import PSA, PSAConfig
     from longreach.kernels.block_meta import (block_scores_reference, block_scores_triton,
                                               build_block_meta_reference, build_block_meta_triton)
-    from longreach.kernels.psa_decode import psa_decode_reference, psa_decode_triton
+    from longreach.kernels.psa_decode import psa_decode_reference, psa_decode_triton, psa_decode_waves
     from longreach.kvcache.fp8 import encode
 
     Hq, Hkv, D = shape
-    notes, worst, mismatched, pairs = [], 0.0, 0, 0
+    kernels = {"loop": psa_decode_triton, "waves": psa_decode_waves}
+    notes, pairs, disagree = [], 0, 0
+    worst, mismatched = dict.fromkeys(kernels, 0.0), dict.fromkeys(kernels, 0)
+
+    def captured(fn):
+        """fn captured in a CUDA graph: (graph, the outputs its replays write)."""
+        fn()  # compiles the kernels outside the capture
+        torch.cuda.synchronize()
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            outs = fn()
+        return graph, outs
+
     for page in pages:
         g = torch.Generator(device=dev).manual_seed(page)
         need = [-(-x // page) for x in lengths]
@@ -276,7 +289,8 @@ def psa_matrix(dev: str = "cuda", lengths=(131072 + 5, 40000, 777), shape=(32, 8
         err = _rel(meta.float(), ref_meta)
         if err > 1e-2:
             raise AssertionError(f"page {page}: block metadata rel err {err:.2e}")
-        m = PSA(PSAConfig(n_sink=64, n_window=128), Hq, Hkv)
+        methods = {name: PSA(PSAConfig(n_sink=64, n_window=128, decode_kernel=name), Hq, Hkv) for name in kernels}
+        m = methods["loop"]
         cand_lo, cand_hi = m.candidates(seq_lens, page)
         W = tables.shape[1]
         scores = block_scores_triton(q, meta, tables, cand_lo, cand_hi, W)
@@ -291,65 +305,78 @@ def psa_matrix(dev: str = "cuda", lengths=(131072 + 5, 40000, 777), shape=(32, 8
             caches["two tiers"] = tuple(_tier(kc, vc, 0.3, g))
         f8 = (encode(kc, torch.float8_e4m3fn), encode(vc, torch.float8_e4m3fn))
         for eps in (0.9, 0.95, 1.0):
-            out, _, counts = psa_decode_triton(q, kc, vc, tables, seq_lens, ranked, cand_lo, cand_hi, eps, 4, scale)
-            _, _, ref_counts = psa_decode_reference(q, kc, vc, tables, seq_lens, ranked, cand_lo, cand_hi, eps, 4,
-                                                    scale)
-            # a threshold crossing within fp rounding may flip a (row, group): compare outputs on the kernel's reads
-            mismatched += int((counts != ref_counts).sum())
-            pairs += counts.numel()
-            forced, _, _ = psa_decode_reference(q, kc, vc, tables, seq_lens, ranked, cand_lo, cand_hi, eps, 4, scale,
-                                                counts=counts)
-            err = _rel(out, forced)
-            worst = max(worst, err)
-            if torch.isnan(out).any() or err > 1e-2:
-                raise AssertionError(f"page {page} eps {eps}: rel err {err:.2e} vs the reference")
-            if eps == 1.0 and not torch.equal(counts.long(), (cand_hi.long() - cand_lo)[:, None].expand_as(counts)):
-                raise AssertionError("epsilon 1 must read every candidate block")
-            for name, (kk, vv) in caches.items():
-                if name != "one tier":
-                    o2, _, c2 = psa_decode_triton(q, kk, vv, tables, seq_lens, ranked, cand_lo, cand_hi, eps, 4, scale)
-                    if not (torch.equal(o2, out) and torch.equal(c2, counts)):
-                        raise AssertionError(f"page {page} eps {eps}: {name} != one tier")
-            o8, _, c8 = psa_decode_triton(q, *f8, tables, seq_lens, ranked, cand_lo, cand_hi, eps, 4, scale)
-            r8, _, _ = psa_decode_reference(q, *f8, tables, seq_lens, ranked, cand_lo, cand_hi, eps, 4, scale,
-                                            counts=c8)
-            if _rel(o8, r8) > 1e-2:
-                raise AssertionError(f"page {page} eps {eps}: fp8 rel err {_rel(o8, r8):.2e}")
+            args = (tables, seq_lens, ranked, cand_lo, cand_hi, eps, 4, scale)
+            _, _, ref_counts = psa_decode_reference(q, kc, vc, *args)
+            forced = {}  # (fp8, counts) -> the reference made to read those blocks (the kernels mostly agree)
+
+            def reference_on(reads, fp8=False):
+                key = (fp8, reads.cpu().numpy().tobytes())
+                if key not in forced:
+                    forced[key] = psa_decode_reference(q, *(f8 if fp8 else (kc, vc)), *args, counts=reads)[0]
+                return forced[key]
+            reads = {}
+            for name, run in kernels.items():
+                out, _, counts = run(q, kc, vc, *args)
+                reads[name] = counts
+                # a threshold crossing within fp rounding may flip a (row, group): compare outputs on the kernel's reads
+                mismatched[name] += int((counts != ref_counts).sum())
+                err = _rel(out, reference_on(counts))
+                worst[name] = max(worst[name], err)
+                if torch.isnan(out).any() or err > 1e-2:
+                    raise AssertionError(f"{name} kernel, page {page} eps {eps}: rel err {err:.2e} vs the reference")
+                if eps == 1.0 and not torch.equal(counts.long(),
+                                                  (cand_hi.long() - cand_lo)[:, None].expand_as(counts)):
+                    raise AssertionError(f"{name} kernel: epsilon 1 must read every candidate block")
+                for cache, (kk, vv) in caches.items():
+                    if cache != "one tier":
+                        o2, _, c2 = run(q, kk, vv, *args)
+                        if not (torch.equal(o2, out) and torch.equal(c2, counts)):
+                            raise AssertionError(f"{name} kernel, page {page} eps {eps}: {cache} != one tier")
+                o8, _, c8 = run(q, *f8, *args)
+                if _rel(o8, reference_on(c8, True)) > 1e-2:
+                    raise AssertionError(f"{name} kernel, page {page} eps {eps}: fp8 rel err "
+                                         f"{_rel(o8, reference_on(c8, True)):.2e}")
+            pairs += ref_counts.numel()
+            disagree += int((reads["loop"] != reads["waves"]).sum())
             if eps == 0.95:
-                keys = (counts.float() * page).mean().item()
+                keys = (reads["loop"].float() * page).mean().item()
                 notes.append(f"page {page}: eps 0.95 reads {keys:.0f} ranked keys per (row, KV head) of "
                              f"{(cand_hi.float() - cand_lo).mean().item() * page:.0f}")
-        if dev == "cuda":  # the decode step (scores, sort, loop) in a CUDA graph, replayed on new queries
-            def step():
-                return m.attend(q, kc, vc, tables, seq_lens, meta, W, scale, True)[:2]
-            step()  # warm-up outside the capture
-            stream = torch.cuda.Stream()
-            stream.wait_stream(torch.cuda.current_stream())
-            with torch.cuda.stream(stream):
-                step()
-            torch.cuda.current_stream().wait_stream(stream)
-            graph = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(graph):
-                captured = step()
-            q.mul_(-1.0)
-            graph.replay()
-            torch.cuda.synchronize()
-            again = step()
-            if not (torch.equal(captured[0], again[0]) and torch.equal(captured[1], again[1])):
-                raise AssertionError(f"page {page}: graph replay differs from eager after the query changed")
-            q.mul_(-1.0)
+        if dev == "cuda":  # the decode step (scores, sort, loop or waves) in a CUDA graph, replayed on new queries
+            for name, method in methods.items():
+                graph, outs = captured(lambda: method.attend(q, kc, vc, tables, seq_lens, meta, W, scale, True)[:2])
+                q.mul_(-1.0)
+                graph.replay()
+                torch.cuda.synchronize()
+                again = method.attend(q, kc, vc, tables, seq_lens, meta, W, scale, True)[:2]
+                if not (torch.equal(outs[0], again[0]) and torch.equal(outs[1], again[1])):
+                    raise AssertionError(f"page {page}, {name} kernel: graph replay differs from eager after the "
+                                         "query changed")
+                q.mul_(-1.0)
             if timing:
                 from longreach.kernels.paged_decode import paged_decode
 
                 one = slice(0, 1)  # batch 1 at 128K
-                args = (q[one], kc, vc, tables[one], seq_lens[one], meta, W, scale, True)
-                t_psa = _median_us(lambda: m.attend(*args))
+                step = (q[one], kc, vc, tables[one], seq_lens[one], meta, W, scale, True)
+                t_psa = _median_us(lambda: m.attend(*step))
                 t_dense = _median_us(lambda: paged_decode(q[one], kc, vc, tables[one], seq_lens[one], scale,
                                                           num_splits=32))
                 notes.append(f"page {page}, batch 1 at {lengths[0]}: psa decode step {t_psa:.0f} us (scores + sort "
                              f"+ loop), dense paged decode {t_dense:.0f} us")
-    if mismatched > 0.01 * pairs:
-        raise AssertionError(f"blocks read differ from the reference in {mismatched}/{pairs} (row, group) pairs")
+                dec = (q[one], kc, vc, tables[one], seq_lens[one], ranked[one], cand_lo, cand_hi[one], 0.95, 4, scale)
+                t = {name: _median_us(captured(lambda run=run: run(*dec))[0].replay) for name, run in kernels.items()}
+                read = psa_decode_waves(*dec)[2]
+                fixed = cand_lo * page + lengths[0] - int(cand_hi[0]) * page  # sink + tail keys per KV head
+                gb = (read.sum().item() * page + fixed * Hkv) * D * 2 * kc.element_size() / 1e9
+                notes.append(f"decode kernel alone (eps 0.95, CUDA graph): loop {t['loop']:.0f} us, waves "
+                             f"{t['waves']:.0f} us ({gb * 1e3:.0f} MB of K/V, {gb / t['waves'] * 1e6:.0f} GB/s); "
+                             f"loop / waves = {t['loop'] / t['waves']:.2f}x")
+    for name, bad in mismatched.items():
+        if bad > 0.01 * pairs:
+            raise AssertionError(f"{name} kernel: blocks read differ from the reference in {bad}/{pairs} pairs")
+    if disagree > 0.01 * pairs:
+        raise AssertionError(f"waves and loop kernels read different blocks in {disagree}/{pairs} pairs")
     gpu_only = "; tiered == one tier; graph replay == eager" if dev == "cuda" else " (CPU smoke run: no tiers, graph)"
-    return (f"kernels == references (worst output rel err {worst:.2e}, reads equal in {pairs - mismatched}/{pairs} "
-            f"pairs); fp8{gpu_only}. " + "; ".join(notes))
+    return (f"kernels == references (worst output rel err loop {worst['loop']:.2e} / waves {worst['waves']:.2e}, "
+            f"reads equal in {pairs - mismatched['loop']} / {pairs - mismatched['waves']} of {pairs} pairs; "
+            f"waves == loop reads in {pairs - disagree}/{pairs}); fp8{gpu_only}. " + "; ".join(notes))

@@ -51,13 +51,15 @@ from ..kernels.block_meta import (
     build_block_meta_reference,
     build_block_meta_triton,
 )
-from ..kernels.psa_decode import psa_decode_reference, psa_decode_triton
+from ..kernels.psa_decode import psa_decode_reference, psa_decode_triton, psa_decode_waves
 from .backend import AttentionBackend, AttentionMetadata
 from .dense import DenseBackend
 from .index import QueryBlocks, SparseIndex
 from .sparse import config_from, preset_and_overrides, use_kernels
 
 logger = logging.getLogger("longreach")
+
+DECODE_KERNELS = {"loop": psa_decode_triton, "waves": psa_decode_waves}  # kernels/psa_decode.py: same results
 
 
 @dataclass(frozen=True)
@@ -69,6 +71,7 @@ class PSAConfig:
     n_window: int = 128  # last tokens always read (>= 1; extended down to a block boundary)
     block_size: int | None = None  # tokens per block = the KV page; None: the engine's --block-size (must match)
     dense_layers: tuple[int, ...] = ()  # layers that always attend densely
+    decode_kernel: str = "loop"  # CUDA decode kernel: loop (a program per KV head) or waves (blocks in parallel)
 
     def __post_init__(self) -> None:
         eps = self.epsilon
@@ -89,6 +92,8 @@ class PSAConfig:
             raise ValueError(f"block_size must be None (the engine's --block-size) or a power of two, got {b!r}")
         if any(isinstance(x, bool) or not isinstance(x, int) or x < 0 for x in self.dense_layers):
             raise ValueError(f"dense_layers must be layer indices >= 0, got {self.dense_layers}")
+        if not isinstance(self.decode_kernel, str) or self.decode_kernel not in DECODE_KERNELS:
+            raise ValueError(f"decode_kernel must be one of {', '.join(DECODE_KERNELS)}, got {self.decode_kernel!r}")
 
 
 class PSA:
@@ -127,7 +132,7 @@ class PSA:
         score = (block_scores_triton if kernels else block_scores_reference)(q, meta, block_tables, cand_lo, cand_hi,
                                                                               width)
         ranked = score.sort(dim=-1, descending=True, stable=True).indices.to(torch.int32)
-        run = psa_decode_triton if kernels else psa_decode_reference
+        run = DECODE_KERNELS[self.cfg.decode_kernel] if kernels else psa_decode_reference
         out, _, counts = run(q, k_cache, v_cache, block_tables, seq_lens, ranked, cand_lo, cand_hi,
                              self.cfg.epsilon, self.cfg.microbatch, scale)
         return out, counts, ranked, cand_hi

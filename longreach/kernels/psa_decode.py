@@ -20,10 +20,38 @@ micro-batch, rows stop independently, the launch has static shapes (CUDA-graph c
 read through the block table and the two-tier page table (kernels/paged.py: resident pages from their GPU slot,
 missing ones from pinned host memory), fp8 rows dequantised on load.
 
+`psa_decode_waves` computes the same with the ranked blocks read in parallel: at batch 1 the loop kernel has only
+H_kv programs, each walking its blocks one micro-batch after another. The micro-batches [0, ceil(W / m)) (W: ranked's
+width) are cut into waves of first_wave x growth^w (32, 64, 128, ...), the last one cut short: O(log W) waves whose
+number follows from the shapes, so the launches need no host sync and are CUDA-graph capturable. A (row, KV head)
+pair that stops in wave w has read the whole wave: start_w + size_w micro-batches where it needed more than start_w,
+so (growth 2) up to 3x what it needed when it stops early in wave 1, tending to 2x in later waves, and at most
+first_wave micro-batches in wave 0. Each wave is two launches:
+  A. grid (size_w, rows, KV heads), plus one program per pair in wave 0: program z attends to micro-batch
+     start_w + z on its own (the loop kernel's tile code) and writes its partial: per head the base-2 softmax state
+     m, l, the unnormalised output acc (D fp32) and its smallest block log-mass. A pair already stopped (a flag set
+     by the previous merge) or a micro-batch past the row's candidates reads nothing. The extra program of wave 0
+     attends to the fixed keys and writes the pair's running state.
+  B. grid (rows, KV heads, D / merge_cols): merge the wave's partials into the running state in rank order. The
+     scalars go first, a chunk at a time: a prefix scan of the associative merge of (m, l, lse_min), the stop test
+     of the loop kernel after every micro-batch, the first micro-batch that passes ends it. Then the program's acc
+     columns: the state's and the merged partials', rescaled to the final max. A stopped pair writes out, lse and
+     counts and sets its flag; the others keep their state for the next wave; the last wave finishes every pair.
+     A pair's programs all take the same decision; one writes the scalar state, which is double-buffered by wave
+     parity because the others read it meanwhile.
+Exactness: the same blocks in the same micro-batches and the same stop test after each micro-batch; only fp32 sums
+are associated differently (a micro-batch's softmax is taken against its own max and rescaled when merged, the
+loop rescales against the running max; the prefix follows the scan's tree). out and lse agree to fp32 rounding, and
+counts are equal unless a pair's gap lies within rounding of the threshold, where the two kernels may stop at
+different micro-batches (the reference, in natural-log fp32, can differ from both the same way). Scratch: 4 B x
+H_kv x (heads per group, rounded up to a power of two >= 2) x D per row and micro-batch of the largest wave
+(Llama-8B at 128K, page 16, m 4: 1024 x 16 KB = 16 MB per row).
+
 Returns out (n, H_q, D) in q's dtype, lse (n, H_q) fp32 (natural log, over the keys read) and counts (n, H_kv)
-int32: ranked blocks read. Limits (kernel): head_dim a power of two in [16, 256]; micro-batch x block_size >= 16
-and both powers of two. Tested: interpreter in fp16/fp32 (tests/test_psa.py); bf16 at real sizes is
-scripts/gpu_check.py's `psa` check, not run yet.
+int32: ranked blocks read. Limits (kernels): head_dim a power of two in [16, 256]; micro-batch x block_size >= 16
+and both powers of two; cand_hi - cand_lo <= W (the loop kernel reads past `ranked` otherwise, the waves stop at
+W). Tested: interpreter in fp16/fp32 (tests/test_psa.py, tests/test_psa_waves.py); bf16 at real sizes is
+scripts/gpu_check.py's `psa` check, not run yet for the waves.
 """
 from __future__ import annotations
 
@@ -152,6 +180,70 @@ def psa_decode_reference(q, k_cache, v_cache, block_tables, seq_lens, ranked, ca
 if triton is not None:
 
     @triton.jit
+    def _keys_at(q, kv, strides, g, page, off, ok, qk_scale, HEAD_DIM: tl.constexpr, DOT_PRECISION: tl.constexpr,
+                 TIERED: tl.constexpr, FP8: tl.constexpr):
+        """Scores (BLOCK_M, N) of the group's queries against KV head g's keys at (page, off) (N,), in log2 units and
+        -inf outside `ok`, and their values (N, D). kv = (K, V, KH, VH, Slots) and strides as in kernels/paged.py."""
+        K, V, KH, VH, Slots = kv
+        stride_kp, stride_ko, stride_kh, stride_vp, stride_vo, stride_vh, stride_khp, stride_vhp = strides
+        d = tl.arange(0, HEAD_DIM)
+        slot = page_slots(Slots, page, TIERED)
+        k = load_kv(row_base(K, KH, page, slot, stride_kp, stride_khp, TIERED), off, g, stride_ko, stride_kh, d, ok,
+                    HEAD_DIM, FP8).to(q.dtype)
+        v = load_kv(row_base(V, VH, page, slot, stride_vp, stride_vhp, TIERED), off, g, stride_vo, stride_vh, d, ok,
+                    HEAD_DIM, FP8).to(q.dtype)
+        s = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * qk_scale
+        return tl.where(ok[None, :], s, float("-inf")), v
+
+    @triton.jit
+    def _fixed_keys(q, kv, strides, bt, g, p, hi, cand_lo, qk_scale, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+                    PAGE: tl.constexpr, HEAD_DIM: tl.constexpr, DOT_PRECISION: tl.constexpr, TIERED: tl.constexpr,
+                    FP8: tl.constexpr):
+        """Softmax state (m, l, acc) over the fixed keys: the sink [0, cand_lo * PAGE), then the tail [hi * PAGE, p]."""
+        m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
+        l_i = tl.zeros([BLOCK_M], tl.float32)
+        acc = tl.zeros([BLOCK_M, HEAD_DIM], tl.float32)
+        S = cand_lo * PAGE
+        T0 = hi * PAGE
+        n_fixed = S + tl.maximum(p - T0 + 1, 0)
+        j = tl.arange(0, BLOCK_N)
+        for t in range(0, tl.cdiv(n_fixed, BLOCK_N)):
+            idx = t * BLOCK_N + j
+            pos = tl.where(idx < S, idx, T0 + idx - S)
+            ok = (idx < n_fixed) & (pos <= p)
+            safe = tl.where(ok, pos, 0)
+            page = tl.load(bt + safe // PAGE).to(tl.int64)
+            s, v = _keys_at(q, kv, strides, g, page, safe % PAGE, ok, qk_scale, HEAD_DIM, DOT_PRECISION, TIERED, FP8)
+            m_i, l_i, acc = online_softmax_step(s, v, m_i, l_i, acc, DOT_PRECISION)
+        return m_i, l_i, acc
+
+    @triton.jit
+    def _ranked_blocks(q, kv, strides, bt, ranked, g, i, n_cand, qk_scale, BLOCK_M: tl.constexpr, MB: tl.constexpr,
+                       PAGE: tl.constexpr, HEAD_DIM: tl.constexpr, DOT_PRECISION: tl.constexpr, TIERED: tl.constexpr,
+                       FP8: tl.constexpr):
+        """Scores and values of the ranked blocks [i, i + MB) that are candidates (rank < n_cand), and each head's
+        smallest block log-mass (log2, +inf without a block), reduced in registers: AS_min needs blocks, not the
+        micro-batch."""
+        tt = tl.arange(0, MB * PAGE)
+        jb = i + tt // PAGE  # rank of each token's block
+        ok = jb < n_cand
+        blk = tl.load(ranked + jb, mask=ok, other=0)
+        page = tl.load(bt + blk, mask=ok, other=0).to(tl.int64)  # a block is one page
+        s, v = _keys_at(q, kv, strides, g, page, tt % PAGE, ok, qk_scale, HEAD_DIM, DOT_PRECISION, TIERED, FP8)
+        s3 = tl.reshape(s, [BLOCK_M, MB, PAGE])
+        bmax = tl.max(s3, axis=2)
+        bmax = tl.where(bmax == float("-inf"), 0.0, bmax)
+        bsum = tl.sum(tl.exp2(s3 - bmax[:, :, None]), axis=2)
+        blse = tl.where(bsum > 0.0, bmax + tl.log2(tl.where(bsum > 0.0, bsum, 1.0)), float("inf"))
+        return s, v, tl.min(blse, axis=1)
+
+    @triton.jit
+    def _passes(lse_acc, lse_min, n_left, log2_odds):
+        """The stop test per head: log2 N_left + lse_min - lse_acc <= log2((1 - eps) / eps), always true at N_left 0."""
+        gap = tl.where(n_left > 0.0, tl.log2(tl.maximum(n_left, 1.0)) + lse_min - lse_acc, float("-inf"))
+        return gap <= log2_odds
+
+    @triton.jit
     def _psa_decode_kernel(
         Q, K, V, KH, VH, Slots, BlockTables, SeqLens, Ranked, CandHi, Out, Lse, Count,
         stride_qn, stride_qh,
@@ -175,71 +267,223 @@ if triton is not None:
         d = tl.arange(0, HEAD_DIM)
         q = tl.load(Q + n * stride_qn + head[:, None] * stride_qh + d[None, :], mask=row_ok[:, None], other=0.0)
         bt = BlockTables + n * stride_btb
-
-        m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
-        l_i = tl.zeros([BLOCK_M], tl.float32)
-        acc = tl.zeros([BLOCK_M, HEAD_DIM], tl.float32)
+        kv = (K, V, KH, VH, Slots)
+        strides = (stride_kp, stride_ko, stride_kh, stride_vp, stride_vo, stride_vh, stride_khp, stride_vhp)
 
         # 1. fixed keys: sink [0, S) then tail [T0, p]
-        S = cand_lo * PAGE
-        T0 = hi * PAGE
-        n_fixed = S + tl.maximum(p - T0 + 1, 0)
-        j = tl.arange(0, BLOCK_N)
-        for t in range(0, tl.cdiv(n_fixed, BLOCK_N)):
-            idx = t * BLOCK_N + j
-            pos = tl.where(idx < S, idx, T0 + idx - S)
-            ok = (idx < n_fixed) & (pos <= p)
-            safe = tl.where(ok, pos, 0)
-            page = tl.load(bt + safe // PAGE).to(tl.int64)
-            off = safe % PAGE
-            slot = page_slots(Slots, page, TIERED)
-            k = load_kv(row_base(K, KH, page, slot, stride_kp, stride_khp, TIERED), off, g, stride_ko, stride_kh, d,
-                        ok, HEAD_DIM, FP8).to(q.dtype)
-            v = load_kv(row_base(V, VH, page, slot, stride_vp, stride_vhp, TIERED), off, g, stride_vo, stride_vh, d,
-                        ok, HEAD_DIM, FP8).to(q.dtype)
-            s = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * qk_scale  # (BLOCK_M, BLOCK_N), log2 units
-            s = tl.where(ok[None, :], s, float("-inf"))
-            m_i, l_i, acc = online_softmax_step(s, v, m_i, l_i, acc, DOT_PRECISION)
+        m_i, l_i, acc = _fixed_keys(q, kv, strides, bt, g, p, hi, cand_lo, qk_scale, BLOCK_M, BLOCK_N, PAGE, HEAD_DIM,
+                                    DOT_PRECISION, TIERED, FP8)
 
         # 2. ranked blocks, MB per iteration, until every head of the group has P_acc >= epsilon
-        tt = tl.arange(0, MB * PAGE)
-        off = tt % PAGE
+        ranked = Ranked + n * stride_rn + g * stride_rg
         lse_min = tl.full([BLOCK_M], float("inf"), tl.float32)
         n_left = n_cand.to(tl.float32)
         i = n_cand * 0
         go = n_cand > 0
         while go:
-            jb = i + tt // PAGE  # rank of each token's block
-            ok = jb < n_cand
-            blk = tl.load(Ranked + n * stride_rn + g * stride_rg + jb, mask=ok, other=0)
-            page = tl.load(bt + blk, mask=ok, other=0).to(tl.int64)  # a block is one page
-            slot = page_slots(Slots, page, TIERED)
-            k = load_kv(row_base(K, KH, page, slot, stride_kp, stride_khp, TIERED), off, g, stride_ko, stride_kh, d,
-                        ok, HEAD_DIM, FP8).to(q.dtype)
-            v = load_kv(row_base(V, VH, page, slot, stride_vp, stride_vhp, TIERED), off, g, stride_vo, stride_vh, d,
-                        ok, HEAD_DIM, FP8).to(q.dtype)
-            s = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * qk_scale
-            s = tl.where(ok[None, :], s, float("-inf"))
-            # each block's own mass (log2), reduced in registers: AS_min needs blocks, not the micro-batch
-            s3 = tl.reshape(s, [BLOCK_M, MB, PAGE])
-            bmax = tl.max(s3, axis=2)
-            bmax = tl.where(bmax == float("-inf"), 0.0, bmax)
-            bsum = tl.sum(tl.exp2(s3 - bmax[:, :, None]), axis=2)
-            blse = tl.where(bsum > 0.0, bmax + tl.log2(tl.where(bsum > 0.0, bsum, 1.0)), float("inf"))
-            lse_min = tl.minimum(lse_min, tl.min(blse, axis=1))
+            s, v, bmin = _ranked_blocks(q, kv, strides, bt, ranked, g, i, n_cand, qk_scale, BLOCK_M, MB, PAGE,
+                                        HEAD_DIM, DOT_PRECISION, TIERED, FP8)
+            lse_min = tl.minimum(lse_min, bmin)
             m_i, l_i, acc = online_softmax_step(s, v, m_i, l_i, acc, DOT_PRECISION)
             n_left = n_left - tl.minimum(n_cand - i, MB).to(tl.float32)
             i += MB
-            lse_acc = m_i + tl.log2(l_i)
-            gap = tl.where(n_left > 0.0, tl.log2(tl.maximum(n_left, 1.0)) + lse_min - lse_acc, float("-inf"))
-            done = tl.min(((gap <= log2_odds) | (hh >= HPG)).to(tl.int32), axis=0)
-            go = (i < n_cand) & (done == 0)
+            ok = _passes(m_i + tl.log2(l_i), lse_min, n_left, log2_odds) | (hh >= HPG)
+            go = (i < n_cand) & (tl.min(ok.to(tl.int32), axis=0) == 0)
 
         out, lse = online_softmax_finish(m_i, l_i, acc)
         tl.store(Out + n * stride_on + head[:, None] * stride_oh + d[None, :], out.to(Out.dtype.element_ty),
                  mask=row_ok[:, None])
         tl.store(Lse + n * stride_ln + head, lse, mask=row_ok)
         tl.store(Count + n * stride_cn + g, tl.minimum(i, n_cand))
+
+    @triton.jit
+    def _psa_wave_kernel(
+        Q, K, V, KH, VH, Slots, BlockTables, SeqLens, Ranked, CandHi, Part, PartAcc, State, StateAcc, Flags,
+        stride_qn, stride_qh,
+        stride_kp, stride_ko, stride_kh,
+        stride_vp, stride_vo, stride_vh,
+        stride_khp, stride_vhp,
+        stride_btb, stride_rn, stride_rg,
+        qk_scale, cand_lo, start, size, wave_max, pairs, par,
+        HPG: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_H: tl.constexpr, MB: tl.constexpr, PAGE: tl.constexpr,
+        BLOCK_N: tl.constexpr, HEAD_DIM: tl.constexpr, DOT_PRECISION: tl.constexpr, TIERED: tl.constexpr,
+        FP8: tl.constexpr, FIRST: tl.constexpr,
+    ):
+        """Kernel A of a wave: program z attends to micro-batch start + z of pair (n, g) on its own and writes its
+        partial state; in the first wave, program `size` attends to the fixed keys and writes the pair's state."""
+        z = tl.program_id(0)
+        n = tl.program_id(1)
+        g = tl.program_id(2)
+        pair = n * tl.num_programs(2) + g
+        hi = tl.load(CandHi + n)
+        n_cand = tl.maximum(hi - cand_lo, 0)
+        hh = tl.arange(0, BLOCK_M)
+        row_ok = hh < HPG
+        d = tl.arange(0, HEAD_DIM)
+        qp = Q + n * stride_qn + (g * HPG + hh)[:, None] * stride_qh + d[None, :]
+        bt = BlockTables + n * stride_btb
+        kv = (K, V, KH, VH, Slots)
+        strides = (stride_kp, stride_ko, stride_kh, stride_vp, stride_vo, stride_vh, stride_khp, stride_vhp)
+        go = (z < size) & ((start + z) * MB < n_cand)
+        if not FIRST:
+            go = go & (tl.load(Flags + par * pairs + pair) == 0)  # stopped in an earlier wave: read nothing
+        if go:
+            q = tl.load(qp, mask=row_ok[:, None], other=0.0)
+            s, v, bmin = _ranked_blocks(q, kv, strides, bt, Ranked + n * stride_rn + g * stride_rg, g,
+                                        (start + z) * MB, n_cand, qk_scale, BLOCK_M, MB, PAGE, HEAD_DIM,
+                                        DOT_PRECISION, TIERED, FP8)
+            m_b, l_b, acc = online_softmax_step(s, v, tl.full([BLOCK_M], float("-inf"), tl.float32),
+                                                tl.zeros([BLOCK_M], tl.float32),
+                                                tl.zeros([BLOCK_M, HEAD_DIM], tl.float32), DOT_PRECISION)
+            slot = (pair * wave_max + z).to(tl.int64)  # (pairs, wave_max, {m, l, lse_min}, BLOCK_H)
+            ps = Part + slot * 3 * BLOCK_H + hh
+            tl.store(ps, m_b, mask=row_ok)
+            tl.store(ps + BLOCK_H, l_b, mask=row_ok)
+            tl.store(ps + 2 * BLOCK_H, bmin, mask=row_ok)
+            tl.store(PartAcc + (slot * BLOCK_H + hh[:, None]) * HEAD_DIM + d[None, :], acc, mask=row_ok[:, None])
+        if FIRST:  # (a constexpr: the other waves do not compile the fixed keys)
+            if z == size:
+                q = tl.load(qp, mask=row_ok[:, None], other=0.0)
+                p = tl.load(SeqLens + n) - 1
+                m_i, l_i, acc = _fixed_keys(q, kv, strides, bt, g, p, hi, cand_lo, qk_scale, BLOCK_M, BLOCK_N, PAGE,
+                                            HEAD_DIM, DOT_PRECISION, TIERED, FP8)
+                st = State + pair * BLOCK_H + hh  # parity 0 of (2, {m, l, lse_min}, pairs, BLOCK_H)
+                tl.store(st, m_i, mask=row_ok)
+                tl.store(st + pairs * BLOCK_H, l_i, mask=row_ok)
+                tl.store(StateAcc + (pair * BLOCK_H + hh[:, None]).to(tl.int64) * HEAD_DIM + d[None, :], acc,
+                         mask=row_ok[:, None])
+
+    @triton.jit
+    def _merge(m1, l1, b1, m2, l2, b2):
+        """Two softmax states (max, sum; base 2) as one, and the smaller of their smallest block log-masses."""
+        m = tl.maximum(m1, m2)
+        ms = tl.where(m == float("-inf"), 0.0, m)
+        return m, l1 * tl.exp2(m1 - ms) + l2 * tl.exp2(m2 - ms), tl.minimum(b1, b2)
+
+    @triton.jit
+    def _psa_wave_merge_kernel(
+        CandHi, Part, PartAcc, State, StateAcc, Flags, Out, Lse, Count,
+        stride_on, stride_oh, stride_ln, stride_cn,
+        log2_odds, cand_lo, start, size, wave_max, pairs, par,
+        HPG: tl.constexpr, BLOCK_H: tl.constexpr, MB: tl.constexpr, HEAD_DIM: tl.constexpr, COLS: tl.constexpr,
+        CHUNK: tl.constexpr, FIRST: tl.constexpr, LAST: tl.constexpr,
+    ):
+        """Kernel B of a wave: merge pair (n, g)'s partials in rank order, CHUNK at a time (a prefix scan), stop at the
+        first micro-batch after which the stop rule holds; then the output columns [c * COLS, (c + 1) * COLS).
+        Every program of a pair takes the same decision; program c = 0 writes the scalars. The scalar state is
+        double-buffered (read parity `par`, write 1 - par) since the pair's programs read it while c = 0 writes."""
+        n = tl.program_id(0)
+        g = tl.program_id(1)
+        c = tl.program_id(2)
+        first = c == 0
+        pair = n * tl.num_programs(1) + g
+        n_cand = tl.maximum(tl.load(CandHi + n) - cand_lo, 0)
+        hh = tl.arange(0, BLOCK_H)
+        h_ok = hh < HPG
+        rd = State + (par * 3 * pairs + pair) * BLOCK_H + hh
+        wr = State + ((1 - par) * 3 * pairs + pair) * BLOCK_H + hh
+        m0 = tl.load(rd, mask=h_ok, other=float("-inf"))
+        l_c = tl.load(rd + pairs * BLOCK_H, mask=h_ok, other=0.0)
+        if FIRST:
+            b_c = tl.full([BLOCK_H], float("inf"), tl.float32)
+            done = n_cand * 0
+        else:
+            b_c = tl.load(rd + 2 * pairs * BLOCK_H, mask=h_ok, other=float("inf"))
+            done = tl.load(Flags + par * pairs + pair)
+        if done != 0:
+            tl.store(Flags + (1 - par) * pairs + pair, done, mask=first)
+        else:
+            # 1. the stop point: prefix states of the wave's micro-batches, CHUNK per step
+            jj = tl.arange(0, CHUNK)
+            m_c = m0
+            stopped = start * MB >= n_cand  # only a row without candidates stops before its first micro-batch
+            nm = n_cand * 0  # micro-batches of this wave merged
+            ch = n_cand * 0
+            while (ch * CHUNK < size) & (stopped == 0):
+                loc = ch * CHUNK + jj
+                blocks = (start + loc + 1) * MB  # ranked blocks read once micro-batch `loc` is merged
+                valid = (loc < size) & (blocks - MB < n_cand)
+                mk = valid[:, None] & h_ok[None, :]
+                ps = Part + ((pair * wave_max + loc).to(tl.int64) * 3 * BLOCK_H)[:, None] + hh[None, :]
+                pm = tl.load(ps, mask=mk, other=float("-inf"))  # masked entries: the merge's identity
+                pl = tl.load(ps + BLOCK_H, mask=mk, other=0.0)
+                pb = tl.load(ps + 2 * BLOCK_H, mask=mk, other=float("inf"))
+                pm, pl, pb = tl.associative_scan((pm, pl, pb), 0, _merge)
+                pm, pl, pb = _merge(m_c[None, :], l_c[None, :], b_c[None, :], pm, pl, pb)
+                n_left = tl.maximum(n_cand - blocks, 0).to(tl.float32)
+                lse_acc = tl.where(pl > 0.0, pm + tl.log2(tl.where(pl > 0.0, pl, 1.0)), float("-inf"))
+                ok = _passes(lse_acc, pb, n_left[:, None], log2_odds) | (hh >= HPG)[None, :]
+                stop = valid & ((tl.min(ok.to(tl.int32), axis=1) > 0) | (blocks >= n_cand))
+                k = tl.min(tl.where(stop, jj, CHUNK), axis=0)
+                at = jj[:, None] == tl.minimum(k, CHUNK - 1)
+                m_c = tl.max(tl.where(at, pm, float("-inf")), axis=0)
+                l_c = tl.sum(tl.where(at, pl, 0.0), axis=0)
+                b_c = tl.min(tl.where(at, pb, float("inf")), axis=0)
+                stopped = k < CHUNK
+                nm = tl.minimum(ch * CHUNK + tl.minimum(k + 1, CHUNK), size)
+                ch += 1
+            if LAST:  # a pair with more candidates than `ranked` is wide ends with it
+                stopped = nm >= 0
+
+            # 2. the output columns: the state's and the merged partials' acc, rescaled to the final max
+            ms = tl.where(m_c == float("-inf"), 0.0, m_c)
+            cols = c * COLS + tl.arange(0, COLS)
+            sa = StateAcc + (pair * BLOCK_H + hh[:, None]).to(tl.int64) * HEAD_DIM + cols[None, :]
+            acc = tl.load(sa, mask=h_ok[:, None], other=0.0) * tl.exp2(m0 - ms)[:, None]
+            for t in range(0, tl.cdiv(nm, CHUNK)):
+                loc = t * CHUNK + jj
+                mk = (loc < nm)[:, None] & h_ok[None, :]
+                slot = (pair * wave_max + loc).to(tl.int64)
+                pm = tl.load(Part + (slot * 3 * BLOCK_H)[:, None] + hh[None, :], mask=mk, other=float("-inf"))
+                pa = tl.load(PartAcc + ((slot * BLOCK_H)[:, None] + hh[None, :])[:, :, None] * HEAD_DIM
+                             + cols[None, None, :], mask=mk[:, :, None], other=0.0)  # (CHUNK, BLOCK_H, COLS)
+                acc += tl.sum(tl.exp2(pm - ms[None, :])[:, :, None] * pa, axis=0)
+
+            if stopped:
+                out, lse = online_softmax_finish(m_c, l_c, acc)
+                head = g * HPG + hh
+                tl.store(Out + n * stride_on + head[:, None] * stride_oh + cols[None, :], out.to(Out.dtype.element_ty),
+                         mask=h_ok[:, None])
+                tl.store(Lse + n * stride_ln + head, lse, mask=h_ok & first)
+                tl.store(Count + n * stride_cn + g, tl.minimum((start + nm) * MB, n_cand), mask=first)
+                tl.store(Flags + (1 - par) * pairs + pair, 1, mask=first)
+            else:
+                tl.store(sa, acc, mask=h_ok[:, None])
+                tl.store(wr, m_c, mask=h_ok & first)
+                tl.store(wr + pairs * BLOCK_H, l_c, mask=h_ok & first)
+                tl.store(wr + 2 * pairs * BLOCK_H, b_c, mask=h_ok & first)
+                tl.store(Flags + (1 - par) * pairs + pair, 0, mask=first)
+
+
+def _prepare(q, k_cache, v_cache, block_tables, seq_lens, ranked, cand_hi, epsilon, microbatch, out, lse, counts,
+             name: str):
+    """The checks and outputs both launchers share. Returns (kv_args, out, lse, counts, inputs, strides, meta):
+    the kernels' leading pointer arguments, their strides and the constexprs both kernels take."""
+    if triton is None:
+        raise RuntimeError(f"{name} needs Triton")
+    n, Hq, D = q.shape
+    kv = kv_args(q, k_cache, v_cache)
+    page, Hkv = kv.page, kv.num_kv_heads
+    if microbatch < 1 or microbatch & (microbatch - 1) or page & (page - 1) or microbatch * page < 16:
+        raise ValueError(f"microbatch ({microbatch}) and block size ({page}) must be powers of two with "
+                         "microbatch x block size >= 16 (the kernel's tile)")
+    if not 0.0 < epsilon <= 1.0:
+        raise ValueError(f"epsilon must be in (0, 1], got {epsilon}")
+    for arg, t in (("block_tables", block_tables), ("seq_lens", seq_lens), ("ranked", ranked), ("cand_hi", cand_hi)):
+        if t.dtype != torch.int32:
+            raise ValueError(f"{arg} must be int32, got {t.dtype}")
+    if ranked.dim() != 3 or ranked.shape[:2] != (n, Hkv) or ranked.stride(2) != 1:
+        raise ValueError(f"ranked must be ({n}, {Hkv}, W) and contiguous in W, got {tuple(ranked.shape)}")
+    out = torch.empty_like(q) if out is None else out
+    lse = torch.empty(n, Hq, dtype=torch.float32, device=q.device) if lse is None else lse
+    counts = torch.empty(n, Hkv, dtype=torch.int32, device=q.device) if counts is None else counts
+    inputs = (q, kv.K, kv.V, kv.KH, kv.VH, kv.slots, block_tables, seq_lens, ranked, cand_hi)
+    strides = (q.stride(0), q.stride(1), *kv.K.stride()[:3], *kv.V.stride()[:3], kv.stride_khp, kv.stride_vhp,
+               block_tables.stride(0), ranked.stride(0), ranked.stride(1))
+    hpg = Hq // Hkv
+    meta = dict(HPG=hpg, BLOCK_M=max(16, triton.next_power_of_2(hpg)), MB=microbatch, PAGE=page, HEAD_DIM=D,
+                DOT_PRECISION="ieee" if q.dtype == torch.float32 else "tf32", TIERED=kv.tiered, FP8=kv.fp8)
+    return kv, out, lse, counts, inputs, strides, meta
 
 
 def psa_decode_triton(q, k_cache, v_cache, block_tables, seq_lens, ranked, cand_lo: int, cand_hi, epsilon: float,
@@ -248,37 +492,71 @@ def psa_decode_triton(q, k_cache, v_cache, block_tables, seq_lens, ranked, cand_
     """`psa_decode_reference` (without trace / forced counts) as one kernel launch over (rows, KV heads).
 
     `out` / `lse` / `counts` may be passed preallocated (e.g. poisoned by tests). Integer inputs are int32."""
-    if triton is None:
-        raise RuntimeError("psa_decode_triton needs Triton")
-    n, Hq, D = q.shape
-    K, V, KH, VH, slots, stride_khp, stride_vhp, tiered, fp8, page, Hkv = kv_args(q, k_cache, v_cache)
-    if microbatch < 1 or microbatch & (microbatch - 1) or page & (page - 1) or microbatch * page < 16:
-        raise ValueError(f"microbatch ({microbatch}) and block size ({page}) must be powers of two with "
-                         "microbatch x block size >= 16 (the kernel's tile)")
-    if not 0.0 < epsilon <= 1.0:
-        raise ValueError(f"epsilon must be in (0, 1], got {epsilon}")
-    for name, t in (("block_tables", block_tables), ("seq_lens", seq_lens), ("ranked", ranked), ("cand_hi", cand_hi)):
-        if t.dtype != torch.int32:
-            raise ValueError(f"{name} must be int32, got {t.dtype}")
-    if ranked.dim() != 3 or ranked.shape[:2] != (n, Hkv) or ranked.stride(2) != 1:
-        raise ValueError(f"ranked must be ({n}, {Hkv}, W) and contiguous in W, got {tuple(ranked.shape)}")
-    out = torch.empty_like(q) if out is None else out
-    lse = torch.empty(n, Hq, dtype=torch.float32, device=q.device) if lse is None else lse
-    counts = torch.empty(n, Hkv, dtype=torch.int32, device=q.device) if counts is None else counts
-    if n == 0:
+    kv, out, lse, counts, inputs, strides, meta = _prepare(q, k_cache, v_cache, block_tables, seq_lens, ranked,
+                                                           cand_hi, epsilon, microbatch, out, lse, counts,
+                                                           "psa_decode_triton")
+    if q.shape[0] == 0:
         return out, lse, counts
-    hpg = Hq // Hkv
-    _psa_decode_kernel[(n, Hkv)](
-        q, K, V, KH, VH, slots, block_tables, seq_lens, ranked, cand_hi, out, lse, counts,
-        q.stride(0), q.stride(1),
-        K.stride(0), K.stride(1), K.stride(2),
-        V.stride(0), V.stride(1), V.stride(2),
-        stride_khp, stride_vhp,
-        block_tables.stride(0), ranked.stride(0), ranked.stride(1),
+    _psa_decode_kernel[(q.shape[0], kv.num_kv_heads)](
+        *inputs, out, lse, counts, *strides,
         out.stride(0), out.stride(1), lse.stride(0), counts.stride(0),
         scale * math.log2(math.e), log_odds(epsilon) * math.log2(math.e), cand_lo,
-        HPG=hpg, BLOCK_M=max(16, triton.next_power_of_2(hpg)), MB=microbatch, PAGE=page, BLOCK_N=block_n,
-        HEAD_DIM=D, DOT_PRECISION="ieee" if q.dtype == torch.float32 else "tf32", TIERED=tiered, FP8=fp8,
-        num_warps=num_warps, num_stages=2,
+        BLOCK_N=block_n, num_warps=num_warps, num_stages=2, **meta,
     )
+    return out, lse, counts
+
+
+def wave_plan(n_mb: int, first_wave: int, growth: int) -> list[tuple[int, int]]:
+    """(start, size) in micro-batches of each wave over [0, n_mb): sizes first_wave x growth^w, the last cut at n_mb.
+    Never empty: with no micro-batch, one wave of size 0 still attends to the fixed keys."""
+    waves, start, size = [], 0, first_wave
+    while start < n_mb:
+        waves.append((start, min(size, n_mb - start)))
+        start, size = start + size, size * growth
+    return waves or [(0, 0)]
+
+
+def psa_decode_waves(q, k_cache, v_cache, block_tables, seq_lens, ranked, cand_lo: int, cand_hi, epsilon: float,
+                     microbatch: int, scale: float, out: torch.Tensor | None = None, lse: torch.Tensor | None = None,
+                     counts: torch.Tensor | None = None, block_n: int = 64, num_warps: int = 4, first_wave: int = 32,
+                     growth: int = 2, chunk: int = 32, merge_cols: int = 32):
+    """`psa_decode_triton` with the ranked blocks read in parallel waves (module docstring): same arguments and
+    results. Tuning: `first_wave` micro-batches in the first wave, each next one `growth` times larger; the merge
+    walks `chunk` partials per step and `merge_cols` output columns per program (powers of two)."""
+    kv, out, lse, counts, inputs, strides, meta = _prepare(q, k_cache, v_cache, block_tables, seq_lens, ranked,
+                                                           cand_hi, epsilon, microbatch, out, lse, counts,
+                                                           "psa_decode_waves")
+    n, D = q.shape[0], q.shape[2]
+    pow2 = all(x >= 1 and not x & (x - 1) for x in (chunk, merge_cols))
+    if first_wave < 1 or growth < 1 or not pow2 or chunk < 2:
+        raise ValueError(f"first_wave ({first_wave}) and growth ({growth}) must be >= 1, chunk ({chunk}) and "
+                         f"merge_cols ({merge_cols}) powers of two (chunk >= 2)")
+    if n == 0:
+        return out, lse, counts
+    Hkv, hpg, cols = kv.num_kv_heads, meta["HPG"], min(merge_cols, D)
+    block_h = max(2, triton.next_power_of_2(hpg))
+    waves = wave_plan(-(-ranked.shape[2] // microbatch), first_wave, growth)
+    wave_max = max(size for _, size in waves)
+    pairs = n * Hkv
+    f32 = dict(dtype=torch.float32, device=q.device)
+    part = torch.empty(pairs, wave_max, 3, block_h, **f32)  # per micro-batch: m, l, lse_min per head
+    part_acc = torch.empty(pairs, wave_max, block_h, D, **f32)
+    state = torch.empty(2, 3, pairs, block_h, **f32)  # (parity, {m, l, lse_min}, pair, head)
+    state_acc = torch.empty(pairs, block_h, D, **f32)
+    flags = torch.empty(2, pairs, dtype=torch.int32, device=q.device)  # (parity, pair): stopped
+    qk_scale, log2_odds = scale * math.log2(math.e), log_odds(epsilon) * math.log2(math.e)
+    for w, (start, size) in enumerate(waves):
+        first, last, par = w == 0, w == len(waves) - 1, w % 2
+        _psa_wave_kernel[(size + first, n, Hkv)](  # micro-batches on axis 0: up to 2^31 - 1 (the others 65,535)
+            *inputs, part, part_acc, state, state_acc, flags, *strides,
+            qk_scale, cand_lo, start, size, wave_max, pairs, par,
+            BLOCK_H=block_h, BLOCK_N=block_n, FIRST=first, num_warps=num_warps, num_stages=2, **meta,
+        )
+        _psa_wave_merge_kernel[(n, Hkv, D // cols)](
+            cand_hi, part, part_acc, state, state_acc, flags, out, lse, counts,
+            out.stride(0), out.stride(1), lse.stride(0), counts.stride(0),
+            log2_odds, cand_lo, start, size, wave_max, pairs, par,
+            HPG=hpg, BLOCK_H=block_h, MB=microbatch, HEAD_DIM=D, COLS=cols, CHUNK=chunk, FIRST=first, LAST=last,
+            num_warps=num_warps,
+        )
     return out, lse, counts
