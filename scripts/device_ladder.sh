@@ -30,6 +30,7 @@ ladder() {  # ladder HAYSTACK LABEL [eval args...]: one method at 128K, then 4K-
 rungs() {  # the rungs, on haystack $1
     ladder "$1" infinitehip --attention infinitehip
     ladder "$1" infinitehip-3k-exact --attention infinitehip:3k-exact
+    ladder "$1" infinitehip-3k-box --attention infinitehip:3k-box
     ladder "$1" dense --attention dense
     ladder "$1" oracle --attention infinitehip:oracle
     ladder "$1" dense+yarn16 --attention dense --rope-scaling "$yarn"
@@ -63,6 +64,9 @@ ruler infinitehip infinitehip 128k
 ruler infinitehip-3k-exact infinitehip:3k-exact "4k 8k"
 ruler infinitehip-3k-exact infinitehip:3k-exact 64k
 ruler infinitehip-3k-exact infinitehip:3k-exact 128k
+ruler infinitehip-3k-box infinitehip:3k-box 64k
+ruler infinitehip-3k-box infinitehip:3k-box 128k
+ruler infinitehip-3k-box infinitehip:3k-box "4k 8k"
 rungs paul-graham
 rungs squad
 

@@ -111,6 +111,9 @@ class InfiniteHiP(SelectionMethod):
         # it where the positions agree); passkey at 64K/128K 85/95% vs 3k's 40/20% (docs/quality.md, the ladder);
         # stage 0 reads every candidate key, so its cost grows with the square of the context
         "3k-exact": InfiniteHiPConfig(chunk_sizes=(64, 32, 8), exact_below=64),
+        # 3k-exact with stage 0 scored from Quest's min/max box of each 64-token chunk (kernels/chunk_box.py) instead
+        # of every key: one centre and one radius per chunk, 1/32 of exact's reads (torch ops, eager decode)
+        "3k-box": InfiniteHiPConfig(chunk_sizes=(64, 32, 8), stage0_scores="minmax"),
         # rungs of the retrieval ladder (docs/quality.md), for evaluation, not speed:
         # the best selection of 3k's size: the top 2048 tokens (4096 in layers 0-2) in 8-token chunks ranked by their
         # exact best key, recomputed every decode step; attention as 3k (rolling positions). Past the trained length
