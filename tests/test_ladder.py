@@ -68,3 +68,34 @@ def test_exact_stages_select_what_the_oracle_selects():
         want, got = oracle.select(layer, q, blocks, keys), exact.select(layer, q, blocks, keys)
         assert want.shape[-1] == 8 and bool((want >= 0).all())  # 64 tokens = 8 chunks per block and group
         assert torch.equal(want, got)
+
+
+def test_box_preset_equals_exact_while_stage0_keeps_every_chunk():
+    """`3k-box` differs from `3k-exact` only in how stage 0 scores (a min/max box per 64-token chunk vs every key).
+    While stage 0's budget holds every candidate chunk (contexts up to 32K with the presets' budgets) neither scores
+    it, so the two select the same keys: the ladder's 4K-32K cells of the two presets are one measurement. Once stage
+    0 must choose, the box path runs and may choose differently."""
+    from longreach.attention.infinitehip import InfiniteHiP
+    from longreach.attention.sparse import config_from
+
+    def method(preset, budgets):
+        cfg = config_from(InfiniteHiP.config_cls, InfiniteHiP.presets[preset],
+                          {"n_sink": 8, "n_window": 64, "early_last_budget": 64, "budgets": budgets})
+        return InfiniteHiP(cfg, num_heads=4, num_kv_heads=2)
+
+    keys, _ = _keys_and_queries(3, L=2000)
+    q = torch.randn(16, 4, 16, generator=torch.Generator().manual_seed(4))
+    blocks = [(0, 1, 1999), (1, 15, 1975)]
+    wide = [2048, 256, 64]  # stage 0 keeps all of its <= 31 candidate chunks
+    box, exact = method("3k-box", wide), method("3k-exact", wide)
+    assert not box.stage_widths(5, 2000)[0][1]  # stage 0 is not scored
+    for layer in (0, 5):
+        assert torch.equal(box.select(layer, q, blocks, keys), exact.select(layer, q, blocks, keys))
+    narrow = [512, 256, 64]  # stage 0 keeps 8 of ~31 chunks: the box scores them
+    box = method("3k-box", narrow)
+    assert box.stage_widths(5, 2000)[0][1]
+    calls = []
+    real = box.box_scores
+    box.box_scores = lambda *a, **k: calls.append(1) or real(*a, **k)
+    got = box.select(5, q, blocks, keys)
+    assert calls and got.shape[-1] == 8 and bool((got >= 0).all())

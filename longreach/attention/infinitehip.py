@@ -39,7 +39,9 @@ Settled ambiguities (digest §8):
   * `stage0_scores` (longreach option; "selectrep" = the paper): "minmax" or "cuboid-mean" score stage 0's chunks
     from a box around each chunk's keys instead (kernels/chunk_box.py), so that stage 0 does not search inside its
     chunks; exact scoring still wins where `exact_below` covers stage 0. The ladder (docs/quality.md) located the
-    needle's loss past 64K in stage 0's SelectRep; whether a box keeps it is not measured yet. Eager decode only.
+    needle's loss past 64K in stage 0's SelectRep, and the box keeps it: preset `3k-box` (64-token chunks, minmax)
+    answers passkey in 90/100% at 64K/128K (20 prompts each; 3k: 40/20). Eager decode only, boxes rebuilt from the
+    gathered keys (slow decode: docs/quality.md) until they become a resident index.
 RoPE (§1.5): the paper's strategies by default — chunk-indexed positions while pruning in layers 0-2, relative in the
 rest, rolling (StreamingLLM) positions in the attention — applied to query blocks past the model's trained length
 (`rope_from`); inside it true positions are exact and score better (rope/strategies.py).
