@@ -2,7 +2,7 @@
 import pytest
 import torch
 
-from longreach.kernels.chunk_box import chunk_box_scores
+from longreach.kernels.chunk_box import ChunkBoxIndex, chunk_box_scores, chunk_boxes
 from longreach.kernels.prune_stage import chunk_scores_reference
 from longreach.models.config import RopeConfig
 from longreach.rope.scaling import rope_inv_freq
@@ -51,17 +51,49 @@ def test_one_key_chunks_score_exactly():
         assert torch.allclose(box, exact, atol=1e-4)
 
 
-def test_slicing_and_the_table_cache_change_nothing():
+def test_slicing_and_a_kept_index_change_nothing():
     qs, ok, keys, ids, cand_end, kw = _case(2)
     inv = rope_inv_freq(RopeConfig(theta=10000.0), 16)[0]
     rope = RopeArgs("rt", inv, rope_from=250, n_window=32)
     whole = chunk_box_scores(qs, ok, keys, ids, 16, 8, cand_end, 2, "cuboid-mean", rope)
-    cache: dict = {}
+    index = ChunkBoxIndex(16, "cuboid-mean")
     for _ in range(2):
-        sliced = chunk_box_scores(qs, ok, keys, ids, 16, 8, cand_end, 2, "cuboid-mean", rope, table_cache=cache,
+        sliced = chunk_box_scores(qs, ok, keys, ids, 16, 8, cand_end, 2, "cuboid-mean", rope, index=index,
                                   max_bytes=1)
         assert torch.equal(whole, sliced)
-    assert any(k[0] == "box" for k in cache)
+
+
+@pytest.mark.parametrize("kind", ["minmax", "cuboid-mean"])
+def test_a_growing_index_reads_only_new_keys_and_equals_boxes_built_afresh(kind):
+    """Decode keeps the index across steps: as the sequence grows (across chunk boundaries, a partial last chunk in
+    between), each call reads only keys not yet in a complete box, and the boxes equal those built from all keys,
+    at true positions and moved (rt); a shorter sequence starts the index over."""
+    g = torch.Generator().manual_seed(5)
+    keys = torch.randn(300, 2, 16, generator=g)
+    inv = rope_inv_freq(RopeConfig(theta=10000.0), 16)[0]
+    rope = RopeArgs("rt", inv, rope_from=100, group=3, n_window=32)
+    index = ChunkBoxIndex(16, kind)
+    reads = []
+
+    def read(a, b):
+        reads.append((a, b))
+        return keys[a:b]
+
+    prev = 0
+    for L in (40, 41, 47, 48, 49, 100, 300):
+        for mode in (None, "rt"):
+            reads.clear()
+            got = index.boxes(read, L, mode, rope)
+            want = ChunkBoxIndex(16, kind).boxes(lambda a, b: keys[a:b], L, mode, rope)
+            assert torch.equal(got, want) and got.shape[0] == -(-L // 16)
+            assert min(a for a, _ in reads) == (prev // 16) * 16  # only keys not in a complete box yet
+            assert max(b for _, b in reads) == L
+        prev = L
+    plain = chunk_boxes(keys[:300].float(), 16, kind)
+    assert torch.allclose(index.boxes(read, 300), plain)
+    reads.clear()
+    index.boxes(read, 64)  # shorter: rebuilt from the start
+    assert reads[0][0] == 0 and torch.allclose(index.boxes(read, 64), plain[:4])
 
 
 def test_infinitehip_with_a_box_stage0(tmp_path):
@@ -87,5 +119,31 @@ def test_infinitehip_with_a_box_stage0(tmp_path):
         if kind == "minmax":
             assert "not graph-capturable" in (llm.engine.backend.graph_unsupported() or "")
     assert (logits["selectrep"][600:] - logits["minmax"][600:]).abs().max() > 1e-4
+    # decode keeps the boxes in the sequence's state: the same tokens as boxes rebuilt from every key at each call,
+    # reading far fewer keys
+    from longreach.kernels import chunk_box
+
+    reads = {}
+    real = chunk_box.ChunkBoxIndex.boxes
+    params = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
+    for fresh in (False, True):
+        count = reads.setdefault(fresh, [0])
+
+        def boxes(self, read, length, mode=None, rope=None, fresh=fresh, count=count):
+            if fresh:
+                self._full.clear()
+
+            def counted(a, b):
+                count[0] += b - a
+                return read(a, b)
+            return real(self, counted, length, mode, rope)
+        chunk_box.ChunkBoxIndex.boxes = boxes
+        try:
+            llm = LLM(path, attention="infinitehip", attention_config=cfg % "minmax", **kw)
+            reads[fresh].append(llm.generate([{"prompt_token_ids": ids}], params, use_tqdm=False)[0].token_ids)
+        finally:
+            chunk_box.ChunkBoxIndex.boxes = real
+    assert reads[False][1] == reads[True][1]
+    assert reads[False][0] < reads[True][0] / 2
     with pytest.raises(ValueError, match="stage0_scores must be one of selectrep, minmax, cuboid-mean"):
         LLM(path, attention="infinitehip", attention_config='{"stage0_scores": "bound"}', **kw)

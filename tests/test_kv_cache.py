@@ -72,3 +72,5 @@ def test_store_then_gather_returns_tokens_in_order():
     assert torch.equal(gather_tokens(kc, table, n), k)
     assert torch.equal(gather_tokens(vc, table, n), v)
     assert torch.equal(gather_tokens(kc, table, 6), k[:6])
+    for a, b in ((0, 11), (3, 11), (4, 9), (5, 6), (8, 11)):  # a range reads only its pages
+        assert torch.equal(gather_tokens(kc, table, b, start=a), k[a:b])

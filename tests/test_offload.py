@@ -247,6 +247,10 @@ def test_page_table_under_random_operations():
 SMALL = {
     "infinitehip": '{"n_sink": 8, "n_window": 16, "block_q": 8, "chunk_sizes": [32, 8, 2], "budgets": [128, 32, 8], '
                    '"early_layers": 1, "early_last_budget": 16, "refresh": [4, 2, 1], "dense_below": 0}',
+    # stage 0 from boxes (kernels/chunk_box.py): their keys gathered through both tiers, kept across decode steps
+    "infinitehip-box": '{"n_sink": 8, "n_window": 16, "block_q": 8, "chunk_sizes": [32, 8, 2], '
+                       '"budgets": [64, 32, 8], "early_layers": 1, "early_last_budget": 16, "refresh": [4, 2, 1], '
+                       '"dense_below": 0, "stage0_scores": "minmax"}',
     "hip": '{"n_sink": 8, "n_window": 16, "block_q": 8, "budget": 16, "dense_layers": [0], "dense_below": 0, '
            '"refresh": 2}',
     "streaming": '{"n_sink": 8, "n_window": 24, "block_q": 8, "dense_below": 0}',
@@ -265,7 +269,8 @@ def _llm(path, method, offload, **kw):
     from longreach.engine.llm import LLM
 
     mem = dict(kv_cache_memory_gb=POOL_GB, kv_offloading_size=0.004) if offload else dict(kv_cache_memory_gb=0.004)
-    return LLM(path, device="cpu", dtype="float32", attention=method, attention_config=SMALL.get(method),
+    return LLM(path, device="cpu", dtype="float32", attention=method.removesuffix("-box"),
+               attention_config=SMALL.get(method),
                max_num_batched_tokens=48, **mem, **kw)
 
 
@@ -283,7 +288,7 @@ def _record_logits(llm):
     return seen
 
 
-@pytest.mark.parametrize("method", ["infinitehip", "hip", "streaming", "dense"])
+@pytest.mark.parametrize("method", ["infinitehip", "infinitehip-box", "hip", "streaming", "dense"])
 def test_offloaded_engine_gives_the_same_tokens_and_logits_bit_for_bit(tiny, method):
     """Batch of two prompts of different lengths, chunked prefill (48-token chunks), 12 GPU slots for 3 layers x up
     to 10 pages: every logit of every step equals the one-tier run exactly, and the store stays consistent."""

@@ -40,8 +40,8 @@ Settled ambiguities (digest §8):
     from a box around each chunk's keys instead (kernels/chunk_box.py), so that stage 0 does not search inside its
     chunks; exact scoring still wins where `exact_below` covers stage 0. The ladder (docs/quality.md) located the
     needle's loss past 64K in stage 0's SelectRep, and the box keeps it: preset `3k-box` (64-token chunks, minmax)
-    answers passkey in 90/100% at 64K/128K (20 prompts each; 3k: 40/20). Eager decode only, boxes rebuilt from the
-    gathered keys (slow decode: docs/quality.md) until they become a resident index.
+    answers passkey in 90/100% at 64K/128K (20 prompts each; 3k: 40/20). Eager decode only; the boxes are kept
+    across decode steps in the sequence's state (kernels/chunk_box.ChunkBoxIndex), scored by torch ops.
 RoPE (§1.5): the paper's strategies by default — chunk-indexed positions while pruning in layers 0-2, relative in the
 rest, rolling (StreamingLLM) positions in the attention — applied to query blocks past the model's trained length
 (`rope_from`); inside it true positions are exact and score better (rope/strategies.py).
@@ -191,13 +191,18 @@ class InfiniteHiP(SelectionMethod):
         return tuple(k // l for k, l in zip(self.stage_budgets(layer), self.cfg.chunk_sizes))
 
     def box_scores(self, layer, q, blocks, keys, ids, chunk, cand_end):
-        """Stage 0's scores from boxes around each chunk's keys (kernels/chunk_box.py), torch ops on any device."""
-        from ..kernels.chunk_box import chunk_box_scores
+        """Stage 0's scores from boxes around each chunk's keys (kernels/chunk_box.py), torch ops on any device. The
+        boxes are kept in the sequence's decode state (`keys.indexes`), so a refresh reads only the keys that arrived
+        since the last one; in prefill they live for the step."""
+        from ..kernels.chunk_box import ChunkBoxIndex, chunk_box_scores
 
         qs, ok = self.query_rows(q, blocks)
-        return chunk_box_scores(qs, ok, keys.dense(), ids, chunk, self.cfg.n_sink, cand_end, self.groups,
-                                self.cfg.stage0_scores, self.rope_args(layer, "prune", blocks.max_end),
-                                table_cache=keys.prune_tables)
+        store = keys.indexes if keys.indexes is not None else keys.prune_tables
+        index = store.setdefault(("boxes", chunk, self.cfg.stage0_scores),
+                                 ChunkBoxIndex(chunk, self.cfg.stage0_scores))
+        return chunk_box_scores(qs, ok, (keys.length, keys.tokens), ids, chunk, self.cfg.n_sink, cand_end,
+                                self.groups, self.cfg.stage0_scores, self.rope_args(layer, "prune", blocks.max_end),
+                                index=index)
 
     def refresh_from(self, step: int) -> int:
         return next((i for i, r in enumerate(self.cfg.refresh) if step % r == 0), len(self.cfg.refresh))

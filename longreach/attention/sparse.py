@@ -42,12 +42,15 @@ class SequenceKeys:
     """One sequence's keys as the selection sees them: the paged cache and the sequence's block table.
 
     Kernels read through the table; reference code calls `dense()`, which gathers (L, H_kv, D) once and keeps it,
-    and the reference scorer keeps its position-moved copies of those keys in `prune_tables`. One object serves one
-    layer of one step (the keys do not change while it lives).
+    or `tokens(a, b)` for a range, and the reference scorer keeps its position-moved copies of those keys in
+    `prune_tables`. One object serves one layer of one step (the keys do not change while it lives); `indexes` is
+    the selection's storage that outlives the step (decode: the sequence's state for this layer; None in prefill),
+    for indexes over complete chunks, which later steps only extend.
     """
 
-    def __init__(self, k_cache: torch.Tensor, block_table: torch.Tensor, length: int):
+    def __init__(self, k_cache: torch.Tensor, block_table: torch.Tensor, length: int, indexes: dict | None = None):
         self.k_cache, self.block_table, self.length = k_cache, block_table, length
+        self.indexes = indexes
         self._dense: torch.Tensor | None = None
         self.prune_tables: dict = {}  # the reference scorer's moved keys, per strategy (valid while this object is)
 
@@ -62,6 +65,12 @@ class SequenceKeys:
         if self._dense is None:
             self._dense = gather_tokens(self.k_cache, self.block_table, self.length)
         return self._dense
+
+    def tokens(self, a: int, b: int) -> torch.Tensor:
+        """Keys [a, b) (b - a, H_kv, D), from the gathered copy when there is one, else only their pages."""
+        if self._dense is not None:
+            return self._dense[a:b]
+        return gather_tokens(self.k_cache, self.block_table, b, start=a)
 
 
 @dataclass
@@ -363,9 +372,9 @@ class SparseBackend(GraphDecode, AttentionBackend):
                 all_blocks = torch.arange(-(-length // m.block_k), device=q.device)
                 selections.append(all_blocks.expand(local.num_blocks, m.groups, -1))
             else:
-                keys = SequenceKeys(k_cache, meta.block_tables[i], length)
                 decoding = not meta.is_prefill
                 state = self._state.setdefault((seq_id, layer), {}) if decoding else None
+                keys = SequenceKeys(k_cache, meta.block_tables[i], length, state)
                 step = self._decode_step.get(seq_id, 0) if decoding else None
                 selections.append(m.select(layer, q[row0:row0 + n], local, keys, state, step))
         blocks, counts = SparseIndex.pack(selections, q.device)

@@ -17,17 +17,20 @@ passkey by at most one prompt in 20 per cell, docs/quality.md).
 Edges: a box covers the whole chunk [j*chunk, (j+1)*chunk), also keys before n_sink or at or past the block's
 candidate end (the first and last candidate chunks). The bound then covers a superset: still a bound, looser there.
 
-This is plain PyTorch (it runs on GPU tensors as torch ops, with the boxes of every chunk built per layer and step
-from the gathered keys); no Triton kernel and no resident index yet. It is for measuring whether a box scorer keeps
-what the exact one keeps (`stage0_scores` in attention/infinitehip.py) before building either.
+The boxes live in a `ChunkBoxIndex`: complete chunks are boxed once, from their keys alone, and the index grows as
+the sequence does; the partial last chunk is boxed again on every call. In decode the index is kept per (sequence,
+layer) in the selection's state, so a stage-0 refresh reads only the keys that arrived since the last one, not the
+whole context (which, with KV offload, sits in host memory); in prefill it lives for one step. Memory: two fp32
+vectors per chunk and KV head, 1/16 of the keys' bf16 size at 64-token chunks per flavour (true / moved positions).
+This is plain PyTorch on GPU tensors (scoring is einsum); no Triton kernel yet, and decode stays eager.
 """
 from __future__ import annotations
 
 import torch
 
-from ..rope.strategies import RopeArgs
+from ..rope.strategies import RopeArgs, prune_key_pos, rotate
 from .block_meta import block_metadata_reference
-from .prune_stage import chunk_bounds, moved_key_tables, prune_queries
+from .prune_stage import chunk_bounds, prune_queries
 
 
 def chunk_boxes(keys: torch.Tensor, chunk: int, kind: str) -> torch.Tensor:
@@ -41,43 +44,80 @@ def chunk_boxes(keys: torch.Tensor, chunk: int, kind: str) -> torch.Tensor:
     return block_metadata_reference(k.reshape(n, chunk, *k.shape[1:]), kind)
 
 
-def chunk_box_scores(qs: torch.Tensor, row_ok: torch.Tensor, keys: torch.Tensor, ids: torch.Tensor, chunk: int,
+class ChunkBoxIndex:
+    """Boxes of one sequence's key chunks in one layer: as stored (true positions) and moved to the pruning positions
+    (`moved`: a strategy whose key positions depend on the key alone, rt/il/de), each extended as the sequence grows.
+
+    Valid while the keys of complete chunks do not change: decode appends keys; a new prefill (also after a
+    preemption) starts a fresh index with the selection's state. A call with fewer keys than indexed starts over.
+    """
+
+    def __init__(self, chunk: int, kind: str):
+        self.chunk, self.kind = chunk, kind
+        self._full: dict = {}  # flavour (None, or (mode, group)) -> (complete chunks, 2, H_kv, D) fp32
+
+    def boxes(self, read, length: int, mode: str | None = None, rope: RopeArgs | None = None) -> torch.Tensor:
+        """(ceil(length / chunk), 2, H_kv, D) fp32 boxes of keys [0, length): stored keys (mode None) or moved by
+        `mode`. read(a, b) -> keys [a, b) (b - a, H_kv, D) as stored; only keys not yet in a complete box are read."""
+        flavour = None if mode is None else (mode, rope.group)
+        done = self._full.get(flavour)
+        n_done = 0 if done is None else done.shape[0]
+        n_full = length // self.chunk
+        if n_done > n_full:  # fewer keys than indexed: not the sequence this index was built on
+            done, n_done = None, 0
+        if n_full > n_done:
+            new = self._box(read, n_done * self.chunk, n_full * self.chunk, mode, rope)
+            done = new if done is None else torch.cat([done, new])
+            self._full[flavour] = done
+        if n_full * self.chunk == length:
+            return done
+        tail = self._box(read, n_full * self.chunk, length, mode, rope)
+        return tail if done is None else torch.cat([done, tail])
+
+    def _box(self, read, a: int, b: int, mode: str | None, rope: RopeArgs | None) -> torch.Tensor:
+        k = read(a, b).float()
+        if mode is not None:  # the exactly scored (right-branch) position, as prune_stage.moved_key_tables
+            p = torch.arange(a, b, device=k.device)
+            k = rotate(k, prune_key_pos(mode, p, True, None, rope.group)[:, None] - p[:, None], rope.inv_freq)
+        return chunk_boxes(k, self.chunk, self.kind)
+
+
+def chunk_box_scores(qs: torch.Tensor, row_ok: torch.Tensor, keys, ids: torch.Tensor, chunk: int,
                      n_sink: int, cand_end: torch.Tensor, groups: int, kind: str, rope: RopeArgs | None = None,
-                     table_cache: dict | None = None, max_bytes: int = 256 << 20) -> torch.Tensor:
+                     index: ChunkBoxIndex | None = None, max_bytes: int = 256 << 20) -> torch.Tensor:
     """Scores (nb, G, C) of candidate chunks `ids` (nb, G, C) from their boxes, -inf if invalid; the arguments are
-    prune_stage.chunk_scores_reference's (qs (nb, R, H_q, D), row_ok (nb, R), keys (L, H_kv, D) as stored)."""
+    prune_stage.chunk_scores_reference's (qs (nb, R, H_q, D), row_ok (nb, R)), with `keys` the sequence's keys as
+    stored: a tensor (L, H_kv, D), or (length, read) with read(a, b) -> keys [a, b). `index`: boxes kept from
+    earlier calls over the same keys (a fresh one when None)."""
     from ..attention.executor import head_pairs
 
+    if isinstance(keys, torch.Tensor):
+        L, read = keys.shape[0], (lambda a, b, k=keys: k[a:b])
+    else:
+        L, read = keys
+    index = index if index is not None else ChunkBoxIndex(chunk, kind)
     nb, R, Hq, D = qs.shape
     dev = qs.device
-    L, Hkv = keys.shape[:2]
+    mode = None if rope is None or rope.mode != "ci" else "rt"
+    q32, mode, remap = prune_queries(qs, row_ok, cand_end, rope, mode)
+    moved_all = remap[:, 0, 0] if remap is not None else torch.zeros(nb, dtype=torch.bool, device=dev)
+    flavours = [m for m in (False, True) if bool((moved_all == m).any())]  # only the boxes some block reads
+    boxes = {m: index.boxes(read, L, mode if m else None, rope) for m in flavours}
+    n_chunks, _, Hkv = boxes[flavours[0]].shape[:3]
     pairs, hpp = head_pairs(Hq, Hkv, groups)
     P = len(pairs)
     pair_group = torch.tensor([g for g, _ in pairs], device=dev)
     pair_kv = torch.tensor([kv for _, kv in pairs], device=dev)
-    mode = None if rope is None or rope.mode != "ci" else "rt"
-    q32, mode, remap = prune_queries(qs, row_ok, cand_end, rope, mode)
     q32 = q32.reshape(nb, R, P, hpp, D)
-    kf = keys.float()
-    cache_key = ("box", kind, chunk, mode, L)
-    if table_cache is not None and cache_key in table_cache:
-        boxes = table_cache[cache_key]
-    else:
-        boxes = {False: chunk_boxes(kf, chunk, kind)}
-        if mode != "none":
-            boxes[True] = chunk_boxes(moved_key_tables(kf, mode, rope, table_cache)[True][L:], chunk, kind)
-        if table_cache is not None:
-            table_cache[cache_key] = boxes
-    n_chunks = boxes[False].shape[0]
     per_block = R * Hq * n_chunks * 4 * 3
     step = max(1, max_bytes // max(1, per_block))
     out = torch.empty(nb, P, n_chunks, device=dev)
     for lo in range(0, nb, step):
         hi = min(nb, lo + step)
         u = q32[lo:hi]  # (n, R, P, hpp, D)
-        moved = remap[lo:hi, 0, 0] if remap is not None else torch.zeros(hi - lo, dtype=torch.bool, device=dev)
+        moved = moved_all[lo:hi]
         best = torch.full((hi - lo, P, n_chunks), float("-inf"), device=dev)
-        for m in ((False, True) if remap is not None else (False,)):
+        for m in flavours:
             sel = moved == m
             if not bool(sel.any()):
                 continue

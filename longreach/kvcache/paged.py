@@ -47,15 +47,17 @@ class PagedKVCache:
             as_bytes(c).view(-1, *c.shape[2:]).index_copy_(0, slot_mapping, as_bytes(encode(x, c.dtype)))
 
 
-def gather_tokens(cache: torch.Tensor, block_table: torch.Tensor, length: int) -> torch.Tensor:
-    """The first `length` tokens of one sequence as a contiguous (length, H_kv, D) tensor (float32 values for an fp8
-    cache).
+def gather_tokens(cache: torch.Tensor, block_table: torch.Tensor, length: int, start: int = 0) -> torch.Tensor:
+    """Tokens [start, length) of one sequence as a contiguous (length - start, H_kv, D) tensor (float32 values for
+    an fp8 cache); only the pages that hold them are read.
 
     cache (num_blocks, block_size, H_kv, D), or a two-tier `TierView` (kvcache/offload.py: each page from its GPU
     slot or its host home); block_table (>= ceil(length / block_size),) page ids.
     """
     bs = cache.shape[1]
-    n = -(-length // bs)
-    idx = block_table[:n].long()
+    first = start // bs
+    n = -(-length // bs) - first
+    idx = block_table[first:first + n].long()
     pages = cache.pages(idx) if hasattr(cache, "pages") else cache[idx]
-    return values(pages.reshape(n * bs, *cache.shape[2:])[:length], torch.float32)
+    skip = start - first * bs
+    return values(pages.reshape(n * bs, *cache.shape[2:])[skip:skip + length - start], torch.float32)
