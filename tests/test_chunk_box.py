@@ -119,8 +119,8 @@ def test_infinitehip_with_a_box_stage0(tmp_path):
         if kind == "minmax":
             assert "not graph-capturable" in (llm.engine.backend.graph_unsupported() or "")
     assert (logits["selectrep"][600:] - logits["minmax"][600:]).abs().max() > 1e-4
-    # decode keeps the boxes in the sequence's state: the same tokens as boxes rebuilt from every key at each call,
-    # reading far fewer keys
+    # the boxes are kept per sequence and layer across prefill chunks (256 tokens here) and decode steps: the same
+    # logits and tokens as boxes rebuilt from every key at each call, reading far fewer keys
     from longreach.kernels import chunk_box
 
     reads = {}
@@ -141,9 +141,10 @@ def test_infinitehip_with_a_box_stage0(tmp_path):
         try:
             llm = LLM(path, attention="infinitehip", attention_config=cfg % "minmax", **kw)
             reads[fresh].append(llm.generate([{"prompt_token_ids": ids}], params, use_tqdm=False)[0].token_ids)
+            reads[fresh].append(llm.engine.prompt_logits(ids))
         finally:
             chunk_box.ChunkBoxIndex.boxes = real
-    assert reads[False][1] == reads[True][1]
+    assert reads[False][1] == reads[True][1] and torch.equal(reads[False][2], reads[True][2])
     assert reads[False][0] < reads[True][0] / 2
     with pytest.raises(ValueError, match="stage0_scores must be one of selectrep, minmax, cuboid-mean"):
         LLM(path, attention="infinitehip", attention_config='{"stage0_scores": "bound"}', **kw)

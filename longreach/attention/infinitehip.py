@@ -192,8 +192,8 @@ class InfiniteHiP(SelectionMethod):
 
     def box_scores(self, layer, q, blocks, keys, ids, chunk, cand_end):
         """Stage 0's scores from boxes around each chunk's keys (kernels/chunk_box.py), torch ops on any device. The
-        boxes are kept in the sequence's decode state (`keys.indexes`), so a refresh reads only the keys that arrived
-        since the last one; in prefill they live for the step."""
+        boxes are kept per sequence and layer (`keys.indexes`) across prefill chunks and decode steps, so a call
+        reads only the keys that arrived since the last one."""
         from ..kernels.chunk_box import ChunkBoxIndex, chunk_box_scores
 
         qs, ok = self.query_rows(q, blocks)

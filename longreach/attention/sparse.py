@@ -44,8 +44,8 @@ class SequenceKeys:
     Kernels read through the table; reference code calls `dense()`, which gathers (L, H_kv, D) once and keeps it,
     or `tokens(a, b)` for a range, and the reference scorer keeps its position-moved copies of those keys in
     `prune_tables`. One object serves one layer of one step (the keys do not change while it lives); `indexes` is
-    the selection's storage that outlives the step (decode: the sequence's state for this layer; None in prefill),
-    for indexes over complete chunks, which later steps only extend.
+    storage that outlives the step (the backend's per sequence and layer, across prefill chunks and decode steps;
+    None outside the engine), for indexes over complete chunks, which later steps only extend.
     """
 
     def __init__(self, k_cache: torch.Tensor, block_table: torch.Tensor, length: int, indexes: dict | None = None):
@@ -322,6 +322,9 @@ class SparseBackend(GraphDecode, AttentionBackend):
         self._num_sms = torch.cuda.get_device_properties(device).multi_processor_count if cuda else 1
         self._decode_step: dict[int, int] = {}
         self._state: dict[tuple[int, int], dict] = {}
+        # indexes over complete chunks of a sequence's keys, per (seq, layer): kept across prefill chunks and decode
+        # steps (SequenceKeys.indexes), started afresh by a prefill from position 0, dropped with the sequence
+        self._indexes: dict[tuple[int, int], dict] = {}
         self._step_layout = None  # (meta, layout) of the current step, see _layout
         self._init_graph_decode()
 
@@ -344,18 +347,28 @@ class SparseBackend(GraphDecode, AttentionBackend):
         return self.method.token_budget(layer) if c is None else c
 
     def begin_step(self, meta: AttentionMetadata) -> None:
-        for seq_id in meta.seq_ids:
-            if meta.is_prefill:  # a (re)prefill starts a fresh mask cache
-                self.free_sequence(seq_id)
+        for seq_id, context in zip(meta.seq_ids, meta.context_lens):
+            if meta.is_prefill:  # a (re)prefill starts a fresh mask cache; from position 0, fresh indexes too
+                self._free_masks(seq_id)
+                if context == 0:
+                    self._drop(self._indexes, seq_id)
                 self._decode_step[seq_id] = -1
             else:
                 self._decode_step[seq_id] = self._decode_step.get(seq_id, -1) + 1
 
     def free_sequence(self, seq_id: int) -> None:
+        self._free_masks(seq_id)
+        self._drop(self._indexes, seq_id)
+
+    def _free_masks(self, seq_id: int) -> None:
         self._decode_step.pop(seq_id, None)
         self._free_graph_state(seq_id)
-        for key in [k for k in self._state if k[0] == seq_id]:
-            del self._state[key]
+        self._drop(self._state, seq_id)
+
+    @staticmethod
+    def _drop(per_layer: dict, seq_id: int) -> None:
+        for key in [k for k in per_layer if k[0] == seq_id]:
+            del per_layer[key]
 
     def forward(self, layer, q, k, v, k_cache, v_cache, meta: AttentionMetadata):
         if self._variant is not None:
@@ -374,7 +387,8 @@ class SparseBackend(GraphDecode, AttentionBackend):
             else:
                 decoding = not meta.is_prefill
                 state = self._state.setdefault((seq_id, layer), {}) if decoding else None
-                keys = SequenceKeys(k_cache, meta.block_tables[i], length, state)
+                keys = SequenceKeys(k_cache, meta.block_tables[i], length,
+                                    self._indexes.setdefault((seq_id, layer), {}))
                 step = self._decode_step.get(seq_id, 0) if decoding else None
                 selections.append(m.select(layer, q[row0:row0 + n], local, keys, state, step))
         blocks, counts = SparseIndex.pack(selections, q.device)
