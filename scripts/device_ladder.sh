@@ -69,6 +69,17 @@ ruler infinitehip-3k-box infinitehip:3k-box 128k
 ruler infinitehip-3k-box infinitehip:3k-box "4k 8k"
 rungs paul-graham
 rungs squad
+# multi-key NIAH (the goal: infinitehip at 32K >= dense at 4K) and the long cells (>= 10 prompts at 256K, >= 5 at 1M;
+# SmolLM2's KV is 22.5 KiB per token: 1M needs ~23 GiB)
+job "ruler__niah_multikey_1__dense__4k" ruler --tasks niah_multikey_1 --lengths 4k --samples 20 --attention dense
+for m in infinitehip infinitehip:3k-box; do
+    job "ruler__niah_multikey_1__${m/:/-}__32k" ruler --tasks niah_multikey_1 --lengths 32k --samples 20 --attention "$m"
+done
+for m in infinitehip-3k-box infinitehip; do
+    job "passkey__filler__${m}__256k" passkey --haystack filler --lengths 256k --seeds 2 --attention "${m/-/:}"
+done
+job "passkey__filler__infinitehip-3k-box__1M" passkey --haystack filler --lengths 1M --seeds 1 \
+    --attention infinitehip:3k-box --kv-cache-memory-gb 30
 
 start=$SECONDS
 launch() {  # launch NAME KIND ARGS...
