@@ -245,7 +245,8 @@ def psa_matrix(dev: str = "cuda", lengths=(131072 + 5, 40000, 777), shape=(32, 8
     from longreach.attention.psa import PSA, PSAConfig
     from longreach.kernels.block_meta import (block_scores_reference, block_scores_triton,
                                               build_block_meta_reference, build_block_meta_triton)
-    from longreach.kernels.psa_decode import psa_decode_reference, psa_decode_triton, psa_decode_waves
+    from longreach.kernels.psa_decode import psa_decode_reference, psa_decode_triton
+    from longreach.kernels.psa_waves import psa_decode_waves
     from longreach.kvcache.fp8 import encode
 
     Hq, Hkv, D = shape

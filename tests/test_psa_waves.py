@@ -1,4 +1,4 @@
-"""PSA's wave-parallel decode kernel (kernels/psa_decode.py, `psa_decode_waves`) against the loop kernel and the
+"""PSA's wave-parallel decode kernel (kernels/psa_waves.py, `psa_decode_waves`) against the loop kernel and the
 reference: the same blocks read (counts equal), the same output and lse up to fp32 reassociation.
 
 Interpreter, fp16/fp32, small sizes; small first waves (and merge chunks) make the decisions cross wave and chunk
@@ -8,7 +8,8 @@ import pytest
 import torch
 
 from longreach.attention.psa import PSA, PSAConfig
-from longreach.kernels.psa_decode import psa_decode_reference, psa_decode_triton, psa_decode_waves, wave_plan
+from longreach.kernels.psa_decode import psa_decode_reference, psa_decode_triton
+from longreach.kernels.psa_waves import psa_decode_waves, wave_plan
 from tests.test_psa import CASES, _example, _setup, _tiered
 
 SMALL_WAVES = dict(first_wave=1, growth=2, chunk=2)  # waves of 1, 2, 4, ... micro-batches, merged 2 at a time

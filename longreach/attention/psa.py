@@ -51,7 +51,8 @@ from ..kernels.block_meta import (
     build_block_meta_reference,
     build_block_meta_triton,
 )
-from ..kernels.psa_decode import psa_decode_reference, psa_decode_triton, psa_decode_waves
+from ..kernels.psa_decode import psa_decode_reference, psa_decode_triton
+from ..kernels.psa_waves import psa_decode_waves
 from .backend import AttentionBackend, AttentionMetadata
 from .dense import DenseBackend
 from .index import QueryBlocks, SparseIndex
@@ -59,7 +60,7 @@ from .sparse import config_from, preset_and_overrides, use_kernels
 
 logger = logging.getLogger("longreach")
 
-DECODE_KERNELS = {"loop": psa_decode_triton, "waves": psa_decode_waves}  # kernels/psa_decode.py: same results
+DECODE_KERNELS = {"loop": psa_decode_triton, "waves": psa_decode_waves}  # kernels/psa_{decode,waves}.py: same results
 
 
 @dataclass(frozen=True)
