@@ -40,8 +40,8 @@ Settled ambiguities (digest §8):
     from a box around each chunk's keys instead (kernels/chunk_box.py), so that stage 0 does not search inside its
     chunks; exact scoring still wins where `exact_below` covers stage 0. The ladder (docs/quality.md) located the
     needle's loss past 64K in stage 0's SelectRep, and the box keeps it: preset `3k-box` (64-token chunks, minmax)
-    answers passkey in 90/100% at 64K/128K (20 prompts each; 3k: 40/20). Eager decode only; the boxes are kept
-    across decode steps in the sequence's state (kernels/chunk_box.ChunkBoxIndex), scored by torch ops.
+    answers passkey in 90/100% at 64K/128K (20 prompts each; 3k: 40/20). Eager decode only; the boxes are kept per
+    sequence and layer across prefill chunks and decode steps (kernels/chunk_box.ChunkBoxIndex), scored by torch ops.
 RoPE (§1.5): the paper's strategies by default — chunk-indexed positions while pruning in layers 0-2, relative in the
 rest, rolling (StreamingLLM) positions in the attention — applied to query blocks past the model's trained length
 (`rope_from`); inside it true positions are exact and score better (rope/strategies.py).
@@ -187,7 +187,7 @@ class InfiniteHiP(SelectionMethod):
 
     def graph_stage_widths(self, layer: int) -> tuple[int, ...] | None:
         if self.cfg.stage0_scores != "selectrep":
-            return None  # the box scorer gathers the context's keys at its current length: not capturable
+            return None  # the box scorer's shapes follow the context's length and it syncs with the host
         return tuple(k // l for k, l in zip(self.stage_budgets(layer), self.cfg.chunk_sizes))
 
     def box_scores(self, layer, q, blocks, keys, ids, chunk, cand_end):

@@ -18,9 +18,9 @@ Edges: a box covers the whole chunk [j*chunk, (j+1)*chunk), also keys before n_s
 candidate end (the first and last candidate chunks). The bound then covers a superset: still a bound, looser there.
 
 The boxes live in a `ChunkBoxIndex`: complete chunks are boxed once, from their keys alone, and the index grows as
-the sequence does; the partial last chunk is boxed again on every call. In decode the index is kept per (sequence,
-layer) in the selection's state, so a stage-0 refresh reads only the keys that arrived since the last one, not the
-whole context (which, with KV offload, sits in host memory); in prefill it lives for one step. Memory: two fp32
+the sequence does; the partial last chunk is boxed again on every call. The engine keeps the index per (sequence,
+layer) across prefill chunks and decode steps (SequenceKeys.indexes), so a call reads only the keys that arrived
+since the last one, not the whole context (which, with KV offload, sits in host memory). Memory: two fp32
 vectors per chunk and KV head, 1/16 of the keys' bf16 size at 64-token chunks per flavour (true / moved positions).
 This is plain PyTorch on GPU tensors (scoring is einsum); no Triton kernel yet, and decode stays eager.
 """
@@ -28,9 +28,9 @@ from __future__ import annotations
 
 import torch
 
-from ..rope.strategies import RopeArgs, prune_key_pos, rotate
+from ..rope.strategies import RopeArgs
 from .block_meta import block_metadata_reference
-from .prune_stage import chunk_bounds, prune_queries
+from .prune_stage import chunk_bounds, moved_keys, prune_queries
 
 
 def chunk_boxes(keys: torch.Tensor, chunk: int, kind: str) -> torch.Tensor:
@@ -48,8 +48,8 @@ class ChunkBoxIndex:
     """Boxes of one sequence's key chunks in one layer: as stored (true positions) and moved to the pruning positions
     (`moved`: a strategy whose key positions depend on the key alone, rt/il/de), each extended as the sequence grows.
 
-    Valid while the keys of complete chunks do not change: decode appends keys; a new prefill (also after a
-    preemption) starts a fresh index with the selection's state. A call with fewer keys than indexed starts over.
+    Valid while the keys of complete chunks do not change: prefill chunks and decode append keys; a prefill from
+    position 0 (also after a preemption) starts a fresh index. A call with fewer keys than indexed starts over.
     """
 
     def __init__(self, chunk: int, kind: str):
@@ -76,9 +76,8 @@ class ChunkBoxIndex:
 
     def _box(self, read, a: int, b: int, mode: str | None, rope: RopeArgs | None) -> torch.Tensor:
         k = read(a, b).float()
-        if mode is not None:  # the exactly scored (right-branch) position, as prune_stage.moved_key_tables
-            p = torch.arange(a, b, device=k.device)
-            k = rotate(k, prune_key_pos(mode, p, True, None, rope.group)[:, None] - p[:, None], rope.inv_freq)
+        if mode is not None:  # at the exactly scored (right-branch) position
+            k = moved_keys(k, a, mode, True, rope)
         return chunk_boxes(k, self.chunk, self.kind)
 
 

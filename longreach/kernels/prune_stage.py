@@ -70,6 +70,14 @@ def prune_queries(qs: torch.Tensor, row_ok: torch.Tensor, cand_end: torch.Tensor
     return torch.where(row_ok[:, :, None, None], q32, q32[:, :1]), mode, remap
 
 
+def moved_keys(kf: torch.Tensor, first: int, mode: str, right: bool, rope: RopeArgs) -> torch.Tensor:
+    """Keys [first, first + len(kf)) (rotated at their true positions) moved to their pruning positions as a
+    left-branch (False) or right-branch / exactly scored (True) probe: a strategy whose key positions depend on the
+    key alone (rt, il, de)."""
+    p = torch.arange(first, first + kf.shape[0], device=kf.device)
+    return rotate(kf, prune_key_pos(mode, p, right, None, rope.group)[:, None] - p[:, None], rope.inv_freq)
+
+
 def moved_key_tables(kf: torch.Tensor, mode: str, rope: RopeArgs, table_cache: dict | None) -> dict:
     """{right: (2L, H_kv, D)}: rows [0, L) the keys as stored, rows [L, 2L) moved to their pruning positions as a
     left-branch (False) or right-branch / exactly scored (True) probe, for a strategy whose key positions depend on
@@ -78,11 +86,8 @@ def moved_key_tables(kf: torch.Tensor, mode: str, rope: RopeArgs, table_cache: d
     key = (mode, rope.group, L)
     if table_cache is not None and key in table_cache:
         return table_cache[key]
-    p_k = torch.arange(L, device=kf.device)
-    tables = {}
-    for right in (False, True):
-        moved = rotate(kf, prune_key_pos(mode, p_k, right, None, rope.group)[:, None] - p_k[:, None], rope.inv_freq)
-        tables[right] = torch.cat([kf, moved])  # rows L.. hold the moved keys, read by remapped blocks
+    tables = {right: torch.cat([kf, moved_keys(kf, 0, mode, right, rope)])  # rows L.. hold the moved keys
+              for right in (False, True)}
     if table_cache is not None:
         table_cache[key] = tables
     return tables
