@@ -31,6 +31,7 @@ from gpu_check_methods import (  # noqa: E402
     minference_matrix,
     psa_matrix,
 )
+from gpu_check_box import box_engine, box_matrix  # noqa: E402
 from gpu_check_offload import fused_kernels, offload_engine, offload_kernels  # noqa: E402
 
 RESULTS: list[dict] = []
@@ -284,11 +285,13 @@ def main():
     check("fused model kernels and the fused KV write (bf16, fp8)")(fused_kernels)
     check("cascading kernels: cache-RoPE attention, key mass (bf16)")(cascading_kernels)
     check("psa decode, metadata, scoring kernels vs reference (bf16, 8B shape, 128K)")(psa_matrix)
+    check("box: stage-0 box build kernel vs reference (bf16, 128K), decode costs")(box_matrix)
     if args.model:
         check("engine: offloaded KV == GPU KV (SmolLM2, 128K)")(lambda: offload_engine(args.model))
         check("engine: CUDA graphs, eager, chunked prefill")(lambda: engine_checks(args.model))
         check("fp32 logits parity on GPU")(lambda: fp32_parity(args.model))
         check("engine: sparse backends through the kernels")(lambda: sparse_engine(args.model))
+        check("engine: box stage 0 (3k-box), graph == eager")(lambda: box_engine(args.model))
         check("engine: minference kernels, + infinitehip decode")(lambda: minference_engine(args.model))
         check("cascading engine: GPU kernels == CPU reference")(lambda: cascading_engine(args.model))
         check("cascading passkey vs streaming, equal memory")(lambda: cascading_passkey(args.model))

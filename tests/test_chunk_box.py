@@ -1,8 +1,15 @@
-"""Stage 0 from boxes around each chunk's keys (kernels/chunk_box.py, `stage0_scores` in attention/infinitehip.py)."""
+"""Stage 0 from boxes around each chunk's keys (kernels/chunk_box.py, `stage0_scores` in attention/infinitehip.py),
+kept by the engine in a paged pool (attention/box_pool.py). Kernels run in Triton's interpreter (conftest)."""
 import pytest
 import torch
 
-from longreach.kernels.chunk_box import ChunkBoxIndex, chunk_box_scores, chunk_boxes
+from longreach.kernels.chunk_box import (
+    build_boxes_reference,
+    build_boxes_triton,
+    chunk_box_scores,
+    chunk_boxes,
+    key_boxes,
+)
 from longreach.kernels.prune_stage import chunk_scores_reference
 from longreach.models.config import RopeConfig
 from longreach.rope.scaling import rope_inv_freq
@@ -51,100 +58,171 @@ def test_one_key_chunks_score_exactly():
         assert torch.allclose(box, exact, atol=1e-4)
 
 
-def test_slicing_and_a_kept_index_change_nothing():
+@pytest.mark.parametrize("groups", [1, 2, 8])
+def test_pair_index_follows_head_pairs(groups):
+    from longreach.attention.executor import head_pairs
+    from longreach.kernels.chunk_box import pair_index
+
+    pairs, _ = head_pairs(8, 2, groups)
+    group, kv = pair_index(len(pairs), 2, groups, torch.device("cpu"))
+    assert list(zip(group.tolist(), kv.tolist())) == pairs
+
+
+def test_slicing_changes_nothing():
     qs, ok, keys, ids, cand_end, kw = _case(2)
     inv = rope_inv_freq(RopeConfig(theta=10000.0), 16)[0]
     rope = RopeArgs("rt", inv, rope_from=250, n_window=32)
     whole = chunk_box_scores(qs, ok, keys, ids, 16, 8, cand_end, 2, "cuboid-mean", rope)
-    index = ChunkBoxIndex(16, "cuboid-mean")
-    for _ in range(2):
-        sliced = chunk_box_scores(qs, ok, keys, ids, 16, 8, cand_end, 2, "cuboid-mean", rope, index=index,
-                                  max_bytes=1)
-        assert torch.equal(whole, sliced)
+    assert torch.equal(whole, chunk_box_scores(qs, ok, keys, ids, 16, 8, cand_end, 2, "cuboid-mean", rope,
+                                               max_bytes=1))
 
 
 @pytest.mark.parametrize("kind", ["minmax", "cuboid-mean"])
-def test_a_growing_index_reads_only_new_keys_and_equals_boxes_built_afresh(kind):
-    """Decode keeps the index across steps: as the sequence grows (across chunk boundaries, a partial last chunk in
-    between), each call reads only keys not yet in a complete box, and the boxes equal those built from all keys,
-    at true positions and moved (rt); a shorter sequence starts the index over."""
-    g = torch.Generator().manual_seed(5)
-    keys = torch.randn(300, 2, 16, generator=g)
-    inv = rope_inv_freq(RopeConfig(theta=10000.0), 16)[0]
-    rope = RopeArgs("rt", inv, rope_from=100, group=3, n_window=32)
-    index = ChunkBoxIndex(16, kind)
-    reads = []
-
-    def read(a, b):
-        reads.append((a, b))
-        return keys[a:b]
-
-    prev = 0
-    for L in (40, 41, 47, 48, 49, 100, 300):
-        for mode in (None, "rt"):
-            reads.clear()
-            got = index.boxes(read, L, mode, rope)
-            want = ChunkBoxIndex(16, kind).boxes(lambda a, b: keys[a:b], L, mode, rope)
-            assert torch.equal(got, want) and got.shape[0] == -(-L // 16)
-            assert min(a for a, _ in reads) == (prev // 16) * 16  # only keys not in a complete box yet
-            assert max(b for _, b in reads) == L
-        prev = L
-    plain = chunk_boxes(keys[:300].float(), 16, kind)
-    assert torch.allclose(index.boxes(read, 300), plain)
-    reads.clear()
-    index.boxes(read, 64)  # shorter: rebuilt from the start
-    assert reads[0][0] == 0 and torch.allclose(index.boxes(read, 64), plain[:4])
+def test_a_partial_chunk_is_boxed_over_its_own_keys(kind):
+    keys = torch.randn(40, 2, 16, generator=torch.Generator().manual_seed(3))
+    boxes = chunk_boxes(keys, 16, kind)
+    assert boxes.shape == (3, 2, 2, 16)
+    assert torch.allclose(boxes[2], chunk_boxes(keys[32:], 8, kind)[0])
+    assert torch.allclose(boxes[:2], chunk_boxes(keys[:32], 16, kind))
 
 
-def test_infinitehip_with_a_box_stage0(tmp_path):
-    """Through the engine past the trained length: a box stage 0 keeps different chunks than SelectRep, still
-    selects within budget, decodes eagerly (not graph-capturable), and a bad value is a clear error."""
+INV = rope_inv_freq(RopeConfig(theta=10000.0), 16)[0]
+
+
+def _paged(lengths, page, dtype=torch.float32, seed=0):
+    """A scattered paged cache (NaN in unowned slots) and its tables: tests/test_kernel_bsa.py's."""
+    from tests.test_kernel_bsa import _cache
+
+    kc, _, tables = _cache(lengths, 2, 16, page, dtype, torch.Generator().manual_seed(seed))
+    return kc, tables
+
+
+def _build_case(kind, mode, builder, dtype=torch.float32, tiered=False):
+    """Three sequences box chunk ranges [lo, hi) (a partial last chunk, an empty range, a range from the middle)
+    into a pool of 4-chunk pages through scrambled box tables; returns (pool, want) with want the rows of key_boxes
+    of each sequence's keys where they were written, NaN elsewhere."""
+    lengths, page, chunk, per = [70, 33, 130], 4, 8, 4
+    kc, tables = _paged(lengths, page, dtype)
+    lens = torch.tensor(lengths, dtype=torch.int32)
+    lo = torch.tensor([0, 5, 6], dtype=torch.int32)
+    hi = torch.tensor([9, 5, 17], dtype=torch.int32)  # 70 tokens: 9 chunks, the last partial
+    box_tables = torch.tensor([[5, 0, 9, 0, 0], [1, 1, 1, 1, 1], [2, 7, 3, 8, 6]], dtype=torch.int32)
+    pool = torch.full((10 * per, 2, 2, 2, 16), float("nan"), dtype=dtype)
+    rope = None if mode is None else RopeArgs(mode, INV, rope_from=0, n_window=8)
+    cache = kc
+    if tiered:
+        from tests.test_psa import _tiered
+
+        cache, _ = _tiered(kc, kc, torch.Generator().manual_seed(9))
+    if builder == "triton":
+        build_boxes_triton(cache, tables, lens, lo, hi, box_tables, pool, per, chunk, kind, rope, 12)
+    else:
+        build_boxes_reference(cache, tables, lens, lo, hi, box_tables, pool, per, chunk, kind, rope)
+    want = torch.full_like(pool, float("nan"), dtype=torch.float32)
+    for r, n in enumerate(lengths):
+        keys = torch.cat([kc[p] for p in tables[r, :-(-n // page)].tolist()])[:n]
+        boxes = key_boxes(keys, 0, chunk, kind, rope)
+        for j in range(int(lo[r]), int(hi[r])):
+            want[int(box_tables[r, j // per]) * per + j % per] = boxes[j]
+    return pool, want
+
+
+@pytest.mark.parametrize("mode", [None, "rt", "ci", "il"])
+@pytest.mark.parametrize("kind", ["minmax", "cuboid-mean"])
+def test_build_reference_writes_each_chunk_where_its_table_says(kind, mode):
+    """Both flavours (stored; moved to the strategy's position, ci as rt; the stored keys again without a
+    strategy), partial last chunk over its own keys, nothing outside [lo, hi) written."""
+    pool, want = _build_case(kind, mode, "reference")
+    assert torch.equal(torch.isnan(pool), torch.isnan(want))
+    assert torch.allclose(pool.nan_to_num(), want.nan_to_num(), atol=1e-6)
+    written = ~torch.isnan(want[:, 0, 0, 0, 0])
+    assert int(written.sum()) == 9 + 11
+    if mode is None:
+        assert torch.equal(pool[written, 0], pool[written, 1])
+    else:
+        assert not torch.allclose(pool[written, 0], pool[written, 1])
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+@pytest.mark.parametrize("case", [("minmax", "rt", False), ("cuboid-mean", None, False), ("minmax", "il", True)])
+def test_build_kernel_matches_the_reference(case, dtype):
+    """The Triton kernel (interpreter) against the reference, through a two-tier cache too (resident pages from the
+    pool, the rest from host memory)."""
+    kind, mode, tiered = case
+    got, _ = _build_case(kind, mode, "triton", dtype, tiered)
+    want, _ = _build_case(kind, mode, "reference", dtype, tiered)
+    assert torch.equal(torch.isnan(got), torch.isnan(want))
+    tol = 1e-5 if dtype == torch.float32 else 2e-3
+    assert (got.float() - want.float()).nan_to_num().abs().max() <= tol
+
+
+ENGINE_KW = dict(device="cpu", dtype="float32", kv_cache_memory_gb=0.02, max_num_batched_tokens=256,
+                 max_model_len=1024)
+BOX_CFG = '{"n_sink": 8, "n_window": 32, "chunk_sizes": [64, 16], "budgets": [256, 64], "refresh": [2, 1], ' \
+          '"early_last_budget": null, "dense_below": %d, "stage0_scores": "%s"}'
+
+
+@pytest.fixture(scope="module")
+def tiny_long(tmp_path_factory):
     from conftest import make_tiny_hf_model
 
+    return make_tiny_hf_model(tmp_path_factory.mktemp("box") / "m", max_position_embeddings=256)[0]
+
+
+def test_infinitehip_with_a_box_stage0(tiny_long, monkeypatch):
+    """Through the engine past the trained length: a box stage 0 keeps different chunks than SelectRep and selects
+    within budget. The kept boxes (pool, across prefill chunks of 256 tokens and decode steps) give the logits and
+    tokens of boxes built from every key at each call; the pool holds the sequence's pages only while it lives; a
+    bad value is a clear error."""
+    from longreach.attention.sparse import SequenceKeys
     from longreach.engine.llm import LLM
     from longreach.sampling_params import SamplingParams
 
-    path = make_tiny_hf_model(tmp_path / "m", max_position_embeddings=256)[0]
     ids = torch.randint(3, 256, (900,), generator=torch.Generator().manual_seed(1)).tolist()
-    kw = dict(device="cpu", dtype="float32", kv_cache_memory_gb=0.02, max_num_batched_tokens=256, max_model_len=1024)
-    cfg = '{"n_sink": 8, "n_window": 32, "chunk_sizes": [64, 16], "budgets": [256, 64], "refresh": [2, 1], ' \
-          '"early_last_budget": null, "dense_below": 0, "stage0_scores": "%s"}'
-    logits = {}
-    for kind in ("selectrep", "minmax"):
-        llm = LLM(path, attention="infinitehip", attention_config=cfg % kind, **kw)
+    params = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
+    logits, tokens = {}, {}
+    for kind in ("selectrep", "minmax", "fresh"):
+        if kind == "fresh":  # no kept boxes: every call builds them from the keys
+            monkeypatch.setattr(SequenceKeys, "chunk_boxes", lambda self, chunk: None)
+        llm = LLM(tiny_long, attention="infinitehip", attention_config=BOX_CFG % (0, kind.replace("fresh", "minmax")),
+                  **ENGINE_KW)
         logits[kind] = llm.engine.prompt_logits(ids)
         assert torch.isfinite(logits[kind]).all()
-        out = llm.generate([{"prompt_token_ids": ids}], SamplingParams(temperature=0, max_tokens=4), use_tqdm=False)
-        assert len(out[0].token_ids) == 4
-        if kind == "minmax":
-            assert "not graph-capturable" in (llm.engine.backend.graph_unsupported() or "")
+        tokens[kind] = llm.generate([{"prompt_token_ids": ids}], params, use_tqdm=False)[0].token_ids
+        boxes = llm.engine.backend._boxes
+        if kind == "selectrep":
+            assert boxes is None
+        else:
+            assert llm.engine.backend.graph_unsupported() is None
+            assert not boxes.rows and len(boxes._free_pages) == boxes.pool.shape[1] // boxes.per  # all given back
     assert (logits["selectrep"][600:] - logits["minmax"][600:]).abs().max() > 1e-4
-    # the boxes are kept per sequence and layer across prefill chunks (256 tokens here) and decode steps: the same
-    # logits and tokens as boxes rebuilt from every key at each call, reading far fewer keys
-    from longreach.kernels import chunk_box
-
-    reads = {}
-    real = chunk_box.ChunkBoxIndex.boxes
-    params = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
-    for fresh in (False, True):
-        count = reads.setdefault(fresh, [0])
-
-        def boxes(self, read, length, mode=None, rope=None, fresh=fresh, count=count):
-            if fresh:
-                self._full.clear()
-
-            def counted(a, b):
-                count[0] += b - a
-                return read(a, b)
-            return real(self, counted, length, mode, rope)
-        chunk_box.ChunkBoxIndex.boxes = boxes
-        try:
-            llm = LLM(path, attention="infinitehip", attention_config=cfg % "minmax", **kw)
-            reads[fresh].append(llm.generate([{"prompt_token_ids": ids}], params, use_tqdm=False)[0].token_ids)
-            reads[fresh].append(llm.engine.prompt_logits(ids))
-        finally:
-            chunk_box.ChunkBoxIndex.boxes = real
-    assert reads[False][1] == reads[True][1] and torch.equal(reads[False][2], reads[True][2])
-    assert reads[False][0] < reads[True][0] / 2
+    assert torch.equal(logits["minmax"], logits["fresh"]) and tokens["minmax"] == tokens["fresh"]
     with pytest.raises(ValueError, match="stage0_scores must be one of selectrep, minmax, cuboid-mean"):
-        LLM(path, attention="infinitehip", attention_config='{"stage0_scores": "bound"}', **kw)
+        LLM(tiny_long, attention="infinitehip", attention_config='{"stage0_scores": "bound"}', **ENGINE_KW)
+    with pytest.raises(ValueError, match="SelfExtend"):
+        LLM(tiny_long, attention="infinitehip", attention_config='{"stage0_scores": "minmax", "prune_rope": "de"}',
+            **ENGINE_KW)
+
+
+def test_boxes_catch_up_after_another_backends_prefill(tiny_long, monkeypatch):
+    """--attention dense --decode-attention infinitehip with boxes: the prefill backend builds no boxes, so the
+    first decode step boxes the whole prompt (eager, and on the emulated graph path its catch-up variant); the
+    tokens equal those of boxes built from the keys at every call."""
+    from longreach.attention.sparse import SequenceKeys
+    from longreach.engine.llm import LLM
+    from longreach.sampling_params import SamplingParams
+
+    ids = torch.randint(3, 256, (700,), generator=torch.Generator().manual_seed(2)).tolist()
+    params = SamplingParams(temperature=0, max_tokens=10, ignore_eos=True)
+    out = {}
+    for run in ("eager", "graph", "fresh"):
+        if run == "fresh":
+            monkeypatch.setattr(SequenceKeys, "chunk_boxes", lambda self, chunk: None)
+        llm = LLM(tiny_long, attention="dense", decode_attention="infinitehip",
+                  decode_attention_config=BOX_CFG % (0, "minmax"), enforce_eager=run != "graph", **ENGINE_KW)
+        if run == "graph":
+            llm.engine.runner.capture_graphs(emulate=True)
+        out[run] = llm.generate([{"prompt_token_ids": ids}], params, use_tqdm=False)[0].token_ids
+        if run == "graph":
+            assert any(key[4] for _, key in llm.engine.runner._graphs)  # a catch-up variant ran
+    assert out["eager"] == out["fresh"] == out["graph"]

@@ -316,16 +316,18 @@ def test_offloaded_engine_gives_the_same_tokens_and_logits_bit_for_bit(tiny, met
         assert outs[0].metrics.kv_pages_missed > 0 and stats["bytes_h2d"] > 0
 
 
-def test_offloaded_graph_decode_path_equals_eager_one_tier(tiny):
-    """The static-buffer decode path that CUDA graphs capture, with offloading (emulated on CPU)."""
+@pytest.mark.parametrize("method", ["infinitehip", "infinitehip-box"])
+def test_offloaded_graph_decode_path_equals_eager_one_tier(tiny, method):
+    """The static-buffer decode path that CUDA graphs capture, with offloading (emulated on CPU); with a box stage 0
+    the boxes are built inside it from both tiers."""
     from longreach import SamplingParams
 
     g = torch.Generator().manual_seed(6)
     prompts = [{"prompt_token_ids": torch.randint(3, 256, (n,), generator=g).tolist()} for n in (130, 70)]
     params = SamplingParams(temperature=0, max_tokens=10, ignore_eos=True)
-    expected = [o.token_ids for o in _llm(tiny, "infinitehip", False, enforce_eager=True).generate(
+    expected = [o.token_ids for o in _llm(tiny, method, False, enforce_eager=True).generate(
         prompts, params, use_tqdm=False)]
-    llm = _llm(tiny, "infinitehip", True)
+    llm = _llm(tiny, method, True)
     llm.engine.runner.capture_graphs(emulate=True)
     assert [o.token_ids for o in llm.generate(prompts, params, use_tqdm=False)] == expected
     assert llm.engine.kv_cache_stats()["pages_installed"] > 0

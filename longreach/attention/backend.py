@@ -99,6 +99,10 @@ class AttentionBackend(ABC):
         """Why this backend cannot serve this model/config (empty: it can)."""
         return []
 
+    def bind_kv_cache(self, capacity_tokens: int, dtype: torch.dtype) -> None:
+        """The engine made the KV cache: it holds `capacity_tokens` tokens (with offloading, the host tier's) and the
+        model runs in `dtype`. Backends that keep state sized by the cache make it here (sparse.py's box pool)."""
+
     def begin_step(self, meta: AttentionMetadata) -> None:
         """Once per forward pass, before layer 0."""
 

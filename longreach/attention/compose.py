@@ -99,6 +99,10 @@ class ComposedBackend(AttentionBackend):
         self.prefill.free_sequence(seq_id)
         self.decode.free_sequence(seq_id)
 
+    def bind_kv_cache(self, capacity_tokens: int, dtype) -> None:
+        self.prefill.bind_kv_cache(capacity_tokens, dtype)
+        self.decode.bind_kv_cache(capacity_tokens, dtype)
+
     def graph_unsupported(self):
         return self.decode.graph_unsupported()
 

@@ -7,6 +7,9 @@ only every refresh[i] steps, and a short context attends densely. So the step co
   level   the earliest stage any sequence of the batch recomputes this step (len(stages): none does);
   dense   for each distinct `dense_below` limit, whether the longest sequence is within it (those layers
           attend densely, as in an eager step);
+  catchup whether some row boxes more than one chunk this step (a box-scored stage 0, attention/box_pool.py: a
+          sequence just past the shortest limit, or the first decode step after another backend's prefill); the
+          box kernel then covers every chunk of the bucket instead of one per row;
   select  how many rows run the stages (a power of two >= the number of rows longer than the smallest limit): the
           runner orders a batch longest first, so the rows that need a selection are a prefix, and the short rows of
           a mixed batch (a 128K request among short chats) skip the per-row selection entirely. Without this every
@@ -18,7 +21,8 @@ eager run, whatever else is in the batch. The stage outputs live in static per-l
 slot: a slot per running sequence, plus a scratch slot that the graph's padding rows (and capture) write to.
 Host-side bookkeeping mirrors the eager path: a sequence no longer than a layer's limit reads every key block
 there and starts its cache afresh once it is longer. Not capturable: methods without `graph_stage_widths`
-(quest) and SelfExtend positions, whose group size follows the exact context length.
+(quest) and SelfExtend positions, whose group size follows the exact context length. A box-scored stage 0 boxes the
+rows' new chunks inside the graph (inputs in the static "box" buffer, attention/box_pool.py) before any selection.
 """
 from __future__ import annotations
 
@@ -62,6 +66,7 @@ class GraphDecode:
             m, slots, dev = self.method, self.engine_config.max_num_seqs, self.device
             L = self.model_config.num_layers
             self._g = {
+                "box": torch.zeros(4, slots, dtype=torch.int32, device=dev),  # rows, lens, lo, hi (box_pool.py)
                 "slot": torch.full((slots,), slots, dtype=torch.long, device=dev),
                 "first": torch.zeros(L, slots, dtype=torch.long, device=dev),
                 "cache": [[torch.full((slots + 1, m.groups, w), -1, dtype=torch.int32, device=dev)
@@ -77,6 +82,13 @@ class GraphDecode:
         g = self._graph_buffers()
         g["slot"].fill_(self.engine_config.max_num_seqs)
         g["first"].fill_(self._num_stages())
+        self._scratch_boxes(g["box"])
+
+    def _scratch_boxes(self, box: torch.Tensor) -> None:
+        """Box inputs that box nothing: the scratch table row, length 1, no chunks."""
+        box.zero_()
+        box[0].fill_(self._boxes.scratch if self._boxes is not None else 0)
+        box[1].fill_(1)
 
     @contextlib.contextmanager
     def graph_variant(self, key: tuple):
@@ -116,6 +128,7 @@ class GraphDecode:
         if need and any(a < b for a, b in zip(seq_lens, seq_lens[1:])):
             raise ValueError("graph decode needs the batch ordered longest first (engine/model_runner.py)")
         select = 0 if need == 0 else 1 << (need - 1).bit_length()
+        catchup = self._boxes is not None and self._boxes.plan(seq_ids, seq_lens) > 1
 
         def load(rows: int) -> None:
             n = len(slots)
@@ -123,7 +136,11 @@ class GraphDecode:
             g["slot"][n:rows].fill_(self.engine_config.max_num_seqs)
             g["first"][:, :n].copy_(torch.from_numpy(first), non_blocking=True)
             g["first"][:, n:rows].fill_(N)
-        return (bucket, level, dense, select), load
+            if self._boxes is not None:  # the pool exists: a forward (at least the capture's warm-up) made it
+                self._scratch_boxes(g["box"][:, :rows])
+                g["box"][:, :n].copy_(torch.tensor(self._boxes.assign(), dtype=torch.int32), non_blocking=True)
+                self._boxes.commit()
+        return (bucket, level, dense, select, catchup), load
 
     def _limits(self) -> list[int]:
         return sorted({self.dense_below(layer) for layer in range(self.model_config.num_layers)})
@@ -131,11 +148,17 @@ class GraphDecode:
     def _graph_forward(self, layer, q, k, v, k_cache, v_cache, meta: AttentionMetadata):
         from .sparse import BlockQueries, SequenceKeys, use_kernels  # sparse.py imports this module
 
-        bucket, level, dense, select = self._variant
+        bucket, level, dense, select, catchup = self._variant
+        n = q.shape[0]
+        box_tables = None
+        if self._boxes is not None:  # box this step's new chunks (one per row; every chunk of the bucket to catch up)
+            b = self._g["box"][:, :n]
+            most = -(-bucket // self._boxes.chunk) if catchup else 1
+            box_tables = self._build_boxes(layer, q, k_cache, meta, step=(b[0], b[1], b[2], b[3], most))
         limit = self.dense_below(layer)
         if layer in self.config.dense_layers or dense[self._limits().index(limit)]:
             return self.dense.forward(layer, q, k, v, k_cache, v_cache, meta)
-        m, g, n, dev = self.method, self._g, q.shape[0], q.device
+        m, g, dev = self.method, self._g, q.device
         caches = g["cache"][layer]
         slot = g["slot"][:n]
         cached = [c[slot] for c in caches]  # (n, G, w_i)
@@ -147,7 +170,8 @@ class GraphDecode:
         fresh: list[list[torch.Tensor]] = [[] for _ in caches[level:]]
         for i in range(sel):
             blocks = BlockQueries(zero, one, ends[i:i + 1], 1, bucket)
-            keys = SequenceKeys(k_cache, meta.block_tables[i], bucket)
+            boxes = None if box_tables is None else (self._boxes.pool[layer], box_tables[i], self._boxes.per)
+            keys = SequenceKeys(k_cache, meta.block_tables[i], bucket, boxes)
             outs = m.graph_select(layer, q[i:i + 1], blocks, keys, [c[i:i + 1] for c in cached], first[i:i + 1],
                                   level)
             for j, o in enumerate(outs):

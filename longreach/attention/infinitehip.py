@@ -40,8 +40,9 @@ Settled ambiguities (digest §8):
     from a box around each chunk's keys instead (kernels/chunk_box.py), so that stage 0 does not search inside its
     chunks; exact scoring still wins where `exact_below` covers stage 0. The ladder (docs/quality.md) located the
     needle's loss past 64K in stage 0's SelectRep, and the box keeps it: preset `3k-box` (64-token chunks, minmax)
-    answers passkey in 90/100% at 64K/128K (20 prompts each; 3k: 40/20). Eager decode only; the boxes are kept per
-    sequence and layer across prefill chunks and decode steps (kernels/chunk_box.ChunkBoxIndex), scored by torch ops.
+    answers passkey in 90/100% at 64K/128K (20 prompts each; 3k: 40/20). The boxes are kept per sequence in a
+    pool paged like the KV cache (attention/box_pool.py): each step boxes only the chunks its new keys touch, and
+    decode reads them through a box table inside the CUDA graph; scoring is torch ops. Not with de positions.
 RoPE (§1.5): the paper's strategies by default — chunk-indexed positions while pruning in layers 0-2, relative in the
 rest, rolling (StreamingLLM) positions in the attention — applied to query blocks past the model's trained length
 (`rope_from`); inside it true positions are exact and score better (rope/strategies.py).
@@ -53,6 +54,7 @@ from dataclasses import dataclass
 import torch
 
 from ..kernels.prune_stage import chunk_bounds
+from ..rope.strategies import PRUNE_CODES, parse_layer_spec
 from .sparse import (
     BlockQueries,
     SelectionMethod,
@@ -96,6 +98,11 @@ class InfiniteHiPConfig(SparseConfig):
             raise ValueError(f"refresh intervals must be >= 1, got {self.refresh}")
         if self.stage0_scores not in STAGE0_SCORES:
             raise ValueError(f"stage0_scores must be one of {', '.join(STAGE0_SCORES)}, got {self.stage0_scores!r}")
+        if self.stage0_scores != "selectrep" and any(
+                name == "de" for name, _, _ in parse_layer_spec(self.prune_rope, PRUNE_CODES, "prune_rope")):
+            raise ValueError(f"stage0_scores {self.stage0_scores!r} keeps boxes of keys at fixed pruning positions; "
+                             f"SelfExtend (de) positions change with the context length: use another prune_rope "
+                             f"than {self.prune_rope!r} (none, rt, ci, il) or stage0_scores 'selectrep'")
 
 
 _3K = InfiniteHiPConfig()
@@ -114,7 +121,7 @@ class InfiniteHiP(SelectionMethod):
         # stage 0 reads every candidate key, so its cost grows with the square of the context
         "3k-exact": InfiniteHiPConfig(chunk_sizes=(64, 32, 8), exact_below=64),
         # 3k-exact with stage 0 scored from Quest's min/max box of each 64-token chunk (kernels/chunk_box.py) instead
-        # of every key: one centre and one radius per chunk, 1/32 of exact's reads (torch ops, eager decode)
+        # of every key: one centre and one radius per chunk, 1/32 of exact's reads (boxes kept in a paged pool)
         "3k-box": InfiniteHiPConfig(chunk_sizes=(64, 32, 8), stage0_scores="minmax"),
         # rungs of the retrieval ladder (docs/quality.md), for evaluation, not speed:
         # the best selection of 3k's size: the top 2048 tokens (4096 in layers 0-2) in 8-token chunks ranked by their
@@ -186,23 +193,25 @@ class InfiniteHiP(SelectionMethod):
         return out
 
     def graph_stage_widths(self, layer: int) -> tuple[int, ...] | None:
-        if self.cfg.stage0_scores != "selectrep":
-            return None  # the box scorer's shapes follow the context's length and it syncs with the host
         return tuple(k // l for k, l in zip(self.stage_budgets(layer), self.cfg.chunk_sizes))
 
+    def box_spec(self) -> tuple[int, str] | None:
+        cfg = self.cfg
+        if cfg.stage0_scores == "selectrep" or cfg.chunk_sizes[0] <= cfg.exact_below:
+            return None
+        return cfg.chunk_sizes[0], cfg.stage0_scores
+
     def box_scores(self, layer, q, blocks, keys, ids, chunk, cand_end):
-        """Stage 0's scores from boxes around each chunk's keys (kernels/chunk_box.py), torch ops on any device. The
-        boxes are kept per sequence and layer (`keys.indexes`) across prefill chunks and decode steps, so a call
-        reads only the keys that arrived since the last one."""
-        from ..kernels.chunk_box import ChunkBoxIndex, chunk_box_scores
+        """Stage 0's scores from boxes around each chunk's keys (kernels/chunk_box.py), torch ops on any device:
+        the engine's kept boxes (attention/box_pool.py, read through the sequence's box table without host syncs),
+        else boxes built from the keys."""
+        from ..kernels.chunk_box import chunk_box_scores
 
         qs, ok = self.query_rows(q, blocks)
-        store = keys.indexes if keys.indexes is not None else keys.prune_tables
-        index = store.setdefault(("boxes", chunk, self.cfg.stage0_scores),
-                                 ChunkBoxIndex(chunk, self.cfg.stage0_scores))
-        return chunk_box_scores(qs, ok, (keys.length, keys.tokens), ids, chunk, self.cfg.n_sink, cand_end,
-                                self.groups, self.cfg.stage0_scores, self.rope_args(layer, "prune", blocks.max_end),
-                                index=index)
+        boxes = keys.chunk_boxes(chunk)
+        return chunk_box_scores(qs, ok, keys.dense() if boxes is None else None, ids, chunk, self.cfg.n_sink,
+                                cand_end, self.groups, self.cfg.stage0_scores,
+                                self.rope_args(layer, "prune", blocks.max_end), boxes=boxes)
 
     def refresh_from(self, step: int) -> int:
         return next((i for i, r in enumerate(self.cfg.refresh) if step % r == 0), len(self.cfg.refresh))

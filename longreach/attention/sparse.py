@@ -43,14 +43,15 @@ class SequenceKeys:
 
     Kernels read through the table; reference code calls `dense()`, which gathers (L, H_kv, D) once and keeps it,
     or `tokens(a, b)` for a range, and the reference scorer keeps its position-moved copies of those keys in
-    `prune_tables`. One object serves one layer of one step (the keys do not change while it lives); `indexes` is
-    storage that outlives the step (the backend's per sequence and layer, across prefill chunks and decode steps;
-    None outside the engine), for indexes over complete chunks, which later steps only extend.
+    `prune_tables`. One object serves one layer of one step (the keys do not change while it lives). `boxes`: the
+    engine's kept chunk boxes of this sequence in this layer (attention/box_pool.py): (the layer's pool, the
+    sequence's box table row, chunks per box page), or None (built from the keys when needed).
     """
 
-    def __init__(self, k_cache: torch.Tensor, block_table: torch.Tensor, length: int, indexes: dict | None = None):
+    def __init__(self, k_cache: torch.Tensor, block_table: torch.Tensor, length: int,
+                 boxes: tuple[torch.Tensor, torch.Tensor, int] | None = None):
         self.k_cache, self.block_table, self.length = k_cache, block_table, length
-        self.indexes = indexes
+        self.boxes = boxes
         self._dense: torch.Tensor | None = None
         self.prune_tables: dict = {}  # the reference scorer's moved keys, per strategy (valid while this object is)
 
@@ -71,6 +72,16 @@ class SequenceKeys:
         if self._dense is not None:
             return self._dense[a:b]
         return gather_tokens(self.k_cache, self.block_table, b, start=a)
+
+    def chunk_boxes(self, chunk: int) -> torch.Tensor | None:
+        """The kept boxes of chunks [0, ceil(length / chunk)) (n, 2, 2, H_kv, D) in the pool's dtype, read through
+        the box table (static shapes: graph-capturable), or None without kept boxes."""
+        if self.boxes is None:
+            return None
+        pool, table, per = self.boxes
+        n = -(-self.length // chunk)
+        pages = table[:-(-n // per)].long()
+        return pool.view(-1, per, *pool.shape[1:])[pages].reshape(-1, *pool.shape[1:])[:n]
 
 
 @dataclass
@@ -237,6 +248,10 @@ class SelectionMethod(ABC):
         keeps no state, None when the method's decode step cannot be captured (the default)."""
         return None
 
+    def box_spec(self) -> tuple[int, str] | None:
+        """(chunk, kind) of the chunk boxes the engine keeps for this method (attention/box_pool.py), or None."""
+        return None
+
     def refresh_from(self, step: int) -> int:
         """First stage recomputed at decode step `step` of a sequence whose cache is filled (len(widths): none)."""
         return 0
@@ -322,9 +337,8 @@ class SparseBackend(GraphDecode, AttentionBackend):
         self._num_sms = torch.cuda.get_device_properties(device).multi_processor_count if cuda else 1
         self._decode_step: dict[int, int] = {}
         self._state: dict[tuple[int, int], dict] = {}
-        # indexes over complete chunks of a sequence's keys, per (seq, layer): kept across prefill chunks and decode
-        # steps (SequenceKeys.indexes), started afresh by a prefill from position 0, dropped with the sequence
-        self._indexes: dict[tuple[int, int], dict] = {}
+        self._boxes = self._box_pool(model_config, engine_config, device)  # stage-0 boxes, kept (box_pool.py)
+        self._box_step = None  # (meta, rows, lens, lo, hi, most) of the current eager step, see _build_boxes
         self._step_layout = None  # (meta, layout) of the current step, see _layout
         self._init_graph_decode()
 
@@ -346,19 +360,45 @@ class SparseBackend(GraphDecode, AttentionBackend):
         c = self.config.dense_below
         return self.method.token_budget(layer) if c is None else c
 
+    def _box_pool(self, model_config, engine_config, device):
+        spec = self.method.box_spec()
+        if spec is None:
+            return None
+        from .box_pool import BoxPool
+
+        L = model_config.num_layers
+        min_len = min([self.dense_below(layer) for layer in range(L) if layer not in self.config.dense_layers] or [0])
+        return BoxPool(L, *spec, model_config.num_kv_heads, model_config.head_dim, min_len,
+                       engine_config.max_num_seqs, engine_config.max_model_len, device)
+
+    def bind_kv_cache(self, capacity_tokens: int, dtype: torch.dtype) -> None:
+        if self._boxes is not None:
+            self._boxes.ensure(capacity_tokens, dtype)
+
+    def page_state_bytes(self, dtype: torch.dtype) -> int:
+        """GPU bytes of stage-0 boxes per KV page (all layers; 0 without a box stage 0): the engine counts them in
+        the KV budget."""
+        if self._boxes is None:
+            return 0
+        return int(-(-self._boxes.bytes_per_token(dtype) * self.engine_config.block_size // 1))
+
     def begin_step(self, meta: AttentionMetadata) -> None:
         for seq_id, context in zip(meta.seq_ids, meta.context_lens):
-            if meta.is_prefill:  # a (re)prefill starts a fresh mask cache; from position 0, fresh indexes too
+            if meta.is_prefill:  # a (re)prefill starts a fresh mask cache; from position 0, fresh boxes too
                 self._free_masks(seq_id)
-                if context == 0:
-                    self._drop(self._indexes, seq_id)
+                if context == 0 and self._boxes is not None:
+                    self._boxes.reset(seq_id)
                 self._decode_step[seq_id] = -1
             else:
                 self._decode_step[seq_id] = self._decode_step.get(seq_id, -1) + 1
+        if self._boxes is not None:
+            self._boxes.plan(meta.seq_ids, [c + n for c, n in zip(meta.context_lens, meta.query_lens)])
+            self._box_step = None
 
     def free_sequence(self, seq_id: int) -> None:
         self._free_masks(seq_id)
-        self._drop(self._indexes, seq_id)
+        if self._boxes is not None:
+            self._boxes.free(seq_id)
 
     def _free_masks(self, seq_id: int) -> None:
         self._decode_step.pop(seq_id, None)
@@ -370,9 +410,38 @@ class SparseBackend(GraphDecode, AttentionBackend):
         for key in [k for k in per_layer if k[0] == seq_id]:
             del per_layer[key]
 
+    def _build_boxes(self, layer, q, k_cache, meta: AttentionMetadata, step=None) -> torch.Tensor | None:
+        """Box this step's new chunks of `layer` into the pool (before any selection reads them); returns the rows'
+        box tables (n, width), or None without boxes. `step`: a graph step's (rows, lens, lo, hi) device tensors and
+        its most chunks per row; None: the eager step's, assigned at its first forward."""
+        pool = self._boxes
+        if pool is None or layer in self.config.dense_layers:
+            return None
+        pool.ensure(k_cache.shape[0] * k_cache.shape[1], q.dtype)  # made by bind_kv_cache in the engine
+        if step is None:
+            if self._box_step is None or self._box_step[0] is not meta:
+                cols = pool.assign()
+                pool.commit()
+                t = torch.tensor(cols, dtype=torch.int32).to(q.device)
+                self._box_step = (meta, t[0], t[1], t[2], t[3], max([b - a for a, b in zip(cols[2], cols[3])] + [0]))
+            step = self._box_step[1:]
+        rows, lens, lo, hi, most = step
+        tables = pool.tables[rows.long()]
+        rope = self.method.rope_args(layer, "prune", meta.max_seq_len)
+        from ..kernels.chunk_box import build_boxes_reference, build_boxes_triton
+
+        if use_kernels(q):
+            build_boxes_triton(k_cache, meta.block_tables[:rows.shape[0]], lens, lo, hi, tables, pool.pool[layer],
+                               pool.per, pool.chunk, pool.kind, rope, most)
+        elif most > 0:
+            build_boxes_reference(k_cache, meta.block_tables, lens, lo, hi, tables, pool.pool[layer], pool.per,
+                                  pool.chunk, pool.kind, rope)
+        return tables
+
     def forward(self, layer, q, k, v, k_cache, v_cache, meta: AttentionMetadata):
         if self._variant is not None:
             return self._graph_forward(layer, q, k, v, k_cache, v_cache, meta)
+        box_tables = self._build_boxes(layer, q, k_cache, meta)
         limit = self.dense_below(layer)
         if layer in self.config.dense_layers or meta.max_seq_len <= limit:
             return self.dense.forward(layer, q, k, v, k_cache, v_cache, meta)
@@ -387,8 +456,8 @@ class SparseBackend(GraphDecode, AttentionBackend):
             else:
                 decoding = not meta.is_prefill
                 state = self._state.setdefault((seq_id, layer), {}) if decoding else None
-                keys = SequenceKeys(k_cache, meta.block_tables[i], length,
-                                    self._indexes.setdefault((seq_id, layer), {}))
+                boxes = None if box_tables is None else (self._boxes.pool[layer], box_tables[i], self._boxes.per)
+                keys = SequenceKeys(k_cache, meta.block_tables[i], length, boxes)
                 step = self._decode_step.get(seq_id, 0) if decoding else None
                 selections.append(m.select(layer, q[row0:row0 + n], local, keys, state, step))
         blocks, counts = SparseIndex.pack(selections, q.device)

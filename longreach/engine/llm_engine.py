@@ -119,6 +119,7 @@ class LLMEngine:
                 logger.info("KV cache: %s keeps every sequence in at most %d pages (%d slots: its bounded cache plus "
                             "one prefill chunk), whatever its length; %d pages serve %d such sequences at once",
                             config.attention, per_seq, layout.max_slots, num_blocks, num_blocks // per_seq)
+        self.backend.bind_kv_cache(self.blocks.num_blocks * config.block_size, self.dtype)
         self.runner = ModelRunner(self.model, config, self.kv_cache, self.blocks, self.backend, self.device)
         self.runner.capture_graphs()
         self.scheduler = Scheduler(self.blocks, config.max_num_seqs, config.max_num_batched_tokens,

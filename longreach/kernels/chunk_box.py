@@ -8,123 +8,256 @@ the context. A box keeps one summary per chunk instead: per KV head, a centre c 
 q.c + |q|.r is an upper bound of q.k over the chunk; `cuboid-mean` shrinks r to the keys' mean distance from c, an
 estimate). A chunk's score is the max over the group's heads and the block's rows of q.c + |q|.r.
 
-Positions: the box is taken over the keys *as the pruning strategy places them*, so a bound at relative positions
-(rt) bounds the exact scores at those positions: for rt, il and de the moved keys depend on the key alone
-(prune_stage.moved_key_tables, the right-branch table: what an exactly scored key gets); blocks inside the trained
-length use the stored keys (true positions). Chunk-indexed positions (ci) depend on the block's candidate list, which
-a box per chunk cannot follow: the box scorer uses rt in its place (decision; on SmolLM2 rt in layers 0-2 changed
-passkey by at most one prompt in 20 per cell, docs/quality.md).
-Edges: a box covers the whole chunk [j*chunk, (j+1)*chunk), also keys before n_sink or at or past the block's
-candidate end (the first and last candidate chunks). The bound then covers a superset: still a bound, looser there.
+Two flavours per chunk, [0] and [1] of a box's second axis:
+  0  the keys as stored (true positions), read by query blocks that end inside the trained length;
+  1  the keys moved to the pruning position of the layer's strategy, read by blocks past it. For rt and il that
+     position depends on the key alone (rt: 1, the right-branch position an exactly scored key gets; il: 0), so a
+     bound at those positions bounds the exact scores there. Chunk-indexed positions (ci) depend on the block's
+     candidate list, which a box per chunk cannot follow: the box uses rt in its place (decision; on SmolLM2 rt in
+     layers 0-2 changed passkey by at most one prompt in 20 per cell, docs/quality.md). SelfExtend groups (de) change
+     with the context length, so a kept box would go stale: the engine refuses de with a box stage 0 (the reference
+     below still takes it, for tests).
+A query block reads the flavour its position picks, chosen per block with a `where` (no host sync).
+Edges: a box covers the chunk's keys [j*chunk, min((j+1)*chunk, length)), also keys before n_sink or at or past the
+block's candidate end (the first and last candidate chunks): a superset, still a bound, looser there.
 
-The boxes live in a `ChunkBoxIndex`: complete chunks are boxed once, from their keys alone, and the index grows as
-the sequence does; the partial last chunk is boxed again on every call. The engine keeps the index per (sequence,
-layer) across prefill chunks and decode steps (SequenceKeys.indexes), so a call reads only the keys that arrived
-since the last one, not the whole context (which, with KV offload, sits in host memory). Memory: two fp32
-vectors per chunk and KV head, 1/16 of the keys' bf16 size at 64-token chunks per flavour (true / moved positions).
-This is plain PyTorch on GPU tensors (scoring is einsum); no Triton kernel yet, and decode stays eager.
+Where the boxes live: in the engine, a pool paged like the KV cache (attention/box_pool.py): a sequence's chunk j
+sits at row box_table[j // per] * per + j % per of each layer's pool, at stable addresses, so a captured decode
+step reads them through the table with static shapes. Each step boxes only the chunks its new keys touch
+(`build_boxes_*`: in decode one chunk per sequence, the one holding the newest key), from the keys in whichever tier
+holds them (KV offload: straight from host memory for a missing page). Outside the engine (tests, the recall tool)
+the boxes are built from the keys on each call (`key_boxes`). Scoring is torch ops in both (gather + einsum).
+
+Kernel (with its PyTorch reference, tested in the interpreter: tests/test_chunk_box.py; bf16 at real sizes in
+scripts/gpu_check.py --only box):
+  * `_chunk_box_kernel`, grid (rows, NC, H_kv): row r boxes its chunks lo[r] + t for t < NC below hi[r], both
+    flavours, reading keys through the block table (and the offload page table), fp8 rows dequantised. Programs
+    past hi[r] load and store nothing.
 """
 from __future__ import annotations
 
 import torch
 
-from ..rope.strategies import RopeArgs
-from .block_meta import block_metadata_reference
-from .prune_stage import chunk_bounds, moved_keys, prune_queries
+from ..rope.strategies import RopeArgs, prune_query_pos, rotate
+from .block_meta import METADATA_KINDS
+from .prune_stage import chunk_bounds, moved_keys
+
+try:
+    import triton
+    import triton.language as tl
+
+    from .paged import kv_format, load_kv, page_slots, row_base, tier_args
+    from .rope import rotate_rows, swap_halves
+except ImportError:  # pragma: no cover - CPU installs without Triton use the references
+    triton = None
+
+MOVE_TO = {"rt": 1, "ci": 1, "il": 0}  # flavour 1's key position per pruning strategy (ci: rt's, see above)
+
+
+def box_mode(mode: str | None) -> str | None:
+    """The strategy flavour 1 follows for a layer pruned with `mode` (None: no moved flavour)."""
+    if mode is None or mode == "none":
+        return None
+    return "rt" if mode == "ci" else mode
 
 
 def chunk_boxes(keys: torch.Tensor, chunk: int, kind: str) -> torch.Tensor:
-    """keys (L, H_kv, D) -> boxes (ceil(L / chunk), 2, H_kv, D) fp32: centre and radius of each chunk's keys. The
-    last chunk, when partial, is padded with copies of the last key (no change to its min and max)."""
-    L = keys.shape[0]
+    """keys (L, H_kv, D) -> boxes (ceil(L / chunk), 2, H_kv, D) fp32: centre and radius of each chunk's keys, a
+    partial last chunk over its own keys only."""
+    L, H, D = keys.shape
     n = -(-L // chunk)
     k = keys.float()
-    if n * chunk > L:
-        k = torch.cat([k, k[-1:].expand(n * chunk - L, *k.shape[1:])])
-    return block_metadata_reference(k.reshape(n, chunk, *k.shape[1:]), kind)
+    pad = n * chunk - L
+    valid = torch.arange(n * chunk, device=k.device) < L
+    k = torch.cat([k, k.new_zeros(pad, H, D)]).reshape(n, chunk, H, D)
+    ok = valid.reshape(n, chunk, 1, 1)
+    kmax = k.masked_fill(~ok, float("-inf")).amax(dim=1)
+    kmin = k.masked_fill(~ok, float("inf")).amin(dim=1)
+    centre = (kmax + kmin) / 2
+    if kind == "cuboid-mean":
+        count = ok.sum(dim=1).clamp(min=1)
+        radius = ((k - centre[:, None]).abs() * ok).sum(dim=1) / count
+    else:
+        radius = (kmax - kmin) / 2
+    return torch.stack([centre, radius], dim=1)
 
 
-class ChunkBoxIndex:
-    """Boxes of one sequence's key chunks in one layer: as stored (true positions) and moved to the pruning positions
-    (`moved`: a strategy whose key positions depend on the key alone, rt/il/de), each extended as the sequence grows.
-
-    Valid while the keys of complete chunks do not change: prefill chunks and decode append keys; a prefill from
-    position 0 (also after a preemption) starts a fresh index. A call with fewer keys than indexed starts over.
-    """
-
-    def __init__(self, chunk: int, kind: str):
-        self.chunk, self.kind = chunk, kind
-        self._full: dict = {}  # flavour (None, or (mode, group)) -> (complete chunks, 2, H_kv, D) fp32
-
-    def boxes(self, read, length: int, mode: str | None = None, rope: RopeArgs | None = None) -> torch.Tensor:
-        """(ceil(length / chunk), 2, H_kv, D) fp32 boxes of keys [0, length): stored keys (mode None) or moved by
-        `mode`. read(a, b) -> keys [a, b) (b - a, H_kv, D) as stored; only keys not yet in a complete box are read."""
-        flavour = None if mode is None else (mode, rope.group)
-        done = self._full.get(flavour)
-        n_done = 0 if done is None else done.shape[0]
-        n_full = length // self.chunk
-        if n_done > n_full:  # fewer keys than indexed: not the sequence this index was built on
-            done, n_done = None, 0
-        if n_full > n_done:
-            new = self._box(read, n_done * self.chunk, n_full * self.chunk, mode, rope)
-            done = new if done is None else torch.cat([done, new])
-            self._full[flavour] = done
-        if n_full * self.chunk == length:
-            return done
-        tail = self._box(read, n_full * self.chunk, length, mode, rope)
-        return tail if done is None else torch.cat([done, tail])
-
-    def _box(self, read, a: int, b: int, mode: str | None, rope: RopeArgs | None) -> torch.Tensor:
-        k = read(a, b).float()
-        if mode is not None:  # at the exactly scored (right-branch) position
-            k = moved_keys(k, a, mode, True, rope)
-        return chunk_boxes(k, self.chunk, self.kind)
+def key_boxes(keys: torch.Tensor, first: int, chunk: int, kind: str, rope: RopeArgs | None) -> torch.Tensor:
+    """Boxes (n, 2 flavours, 2, H_kv, D) fp32 of keys [first, first + L) (first a multiple of chunk): as stored, and
+    moved by `rope`'s strategy (module docstring; ci as rt; the stored keys again when rope is None)."""
+    k = keys.float()
+    stored = chunk_boxes(k, chunk, kind)
+    mode = box_mode(rope.mode if rope is not None else None)
+    moved = stored if mode is None else chunk_boxes(moved_keys(k, first, mode, True, rope), chunk, kind)
+    return torch.stack([stored, moved], dim=1)
 
 
-def chunk_box_scores(qs: torch.Tensor, row_ok: torch.Tensor, keys, ids: torch.Tensor, chunk: int,
-                     n_sink: int, cand_end: torch.Tensor, groups: int, kind: str, rope: RopeArgs | None = None,
-                     index: ChunkBoxIndex | None = None, max_bytes: int = 256 << 20) -> torch.Tensor:
-    """Scores (nb, G, C) of candidate chunks `ids` (nb, G, C) from their boxes, -inf if invalid; the arguments are
-    prune_stage.chunk_scores_reference's (qs (nb, R, H_q, D), row_ok (nb, R)), with `keys` the sequence's keys as
-    stored: a tensor (L, H_kv, D), or (length, read) with read(a, b) -> keys [a, b). `index`: boxes kept from
-    earlier calls over the same keys (a fresh one when None)."""
+def box_queries(qs: torch.Tensor, row_ok: torch.Tensor, cand_end: torch.Tensor, rope: RopeArgs | None):
+    """(q (nb, R, H_q, D) fp32 at true positions, q moved to the strategy's query position (ci as rt), moved (nb,)
+    bool: blocks that end at or past rope.rope_from read flavour 1). No host sync. Rows past a block's length repeat
+    its first row, so a max over rows is the max over its real rows."""
+    nb, R = row_ok.shape
+    q32 = torch.where(row_ok[:, :, None, None], qs.float(), qs[:, :1].float())
+    mode = box_mode(rope.mode if rope is not None else None)
+    if mode is None:
+        return q32, q32, torch.zeros(nb, dtype=torch.bool, device=qs.device)
+    end = cand_end + rope.n_window
+    p = (end - row_ok.sum(1))[:, None] + torch.arange(R, device=qs.device)  # (nb, R) row positions
+    moved_q = rotate(q32, (prune_query_pos(mode, p, rope.n_window, rope.group) - p)[:, :, None], rope.inv_freq)
+    return q32, torch.where(row_ok[:, :, None, None], moved_q, moved_q[:, :1]), end - 1 >= rope.rope_from
+
+
+def score_boxes(q32: torch.Tensor, q_moved: torch.Tensor, moved: torch.Tensor, boxes: torch.Tensor, ids: torch.Tensor,
+                chunk: int, n_sink: int, cand_end: torch.Tensor, groups: int, max_bytes: int = 256 << 20
+                ) -> torch.Tensor:
+    """Scores (nb, G, C) of candidate chunks `ids` (nb, G, C), -inf if invalid, from `boxes` (>= max id + 1, 2, 2,
+    H_kv, D) (`key_boxes`' layout, any float dtype) and the queries of `box_queries`. Host syncs only outside a CUDA
+    graph capture, to skip a flavour no block reads."""
     from ..attention.executor import head_pairs
 
-    if isinstance(keys, torch.Tensor):
-        L, read = keys.shape[0], (lambda a, b, k=keys: k[a:b])
-    else:
-        L, read = keys
-    index = index if index is not None else ChunkBoxIndex(chunk, kind)
-    nb, R, Hq, D = qs.shape
-    dev = qs.device
-    mode = None if rope is None or rope.mode != "ci" else "rt"
-    q32, mode, remap = prune_queries(qs, row_ok, cand_end, rope, mode)
-    moved_all = remap[:, 0, 0] if remap is not None else torch.zeros(nb, dtype=torch.bool, device=dev)
-    flavours = [m for m in (False, True) if bool((moved_all == m).any())]  # only the boxes some block reads
-    boxes = {m: index.boxes(read, L, mode if m else None, rope) for m in flavours}
-    n_chunks, _, Hkv = boxes[flavours[0]].shape[:3]
+    nb, R, Hq, D = q32.shape
+    dev = q32.device
+    n_chunks, Hkv = boxes.shape[0], boxes.shape[3]
+    capturing = dev.type == "cuda" and torch.cuda.is_current_stream_capturing()
+    flavours = [0, 1] if capturing else [f for f in (0, 1) if bool((moved == bool(f)).any())]
     pairs, hpp = head_pairs(Hq, Hkv, groups)
     P = len(pairs)
-    pair_group = torch.tensor([g for g, _ in pairs], device=dev)
-    pair_kv = torch.tensor([kv for _, kv in pairs], device=dev)
-    q32 = q32.reshape(nb, R, P, hpp, D)
-    per_block = R * Hq * n_chunks * 4 * 3
-    step = max(1, max_bytes // max(1, per_block))
+    pair_group, pair_kv = pair_index(P, Hkv, groups, dev)
+    qf = {0: q32.reshape(nb, R, P, hpp, D), 1: q_moved.reshape(nb, R, P, hpp, D)}
+    cr = {f: (boxes[:, f, 0][:, pair_kv].float(), boxes[:, f, 1][:, pair_kv].float()) for f in flavours}
+    step = max(1, max_bytes // max(1, R * Hq * n_chunks * 4 * 3))
     out = torch.empty(nb, P, n_chunks, device=dev)
     for lo in range(0, nb, step):
         hi = min(nb, lo + step)
-        u = q32[lo:hi]  # (n, R, P, hpp, D)
-        moved = moved_all[lo:hi]
-        best = torch.full((hi - lo, P, n_chunks), float("-inf"), device=dev)
-        for m in flavours:
-            sel = moved == m
-            if not bool(sel.any()):
-                continue
-            c, r = boxes[m][:, 0][:, pair_kv], boxes[m][:, 1][:, pair_kv]  # (n_chunks, P, D)
-            s = torch.einsum("nrphd,cpd->nphrc", u[sel], c) + torch.einsum("nrphd,cpd->nphrc", u[sel].abs(), r)
-            best[sel] = s.amax(dim=(2, 3))
+        best = None
+        for f in flavours:
+            u = qf[f][lo:hi]
+            c, r = cr[f]
+            s = (torch.einsum("nrphd,cpd->nphrc", u, c) + torch.einsum("nrphd,cpd->nphrc", u.abs(), r)).amax(dim=(2, 3))
+            best = s if best is None else torch.where(moved[lo:hi, None, None], s, best)
         out[lo:hi] = best
     _, _, valid = chunk_bounds(ids, chunk, n_sink, cand_end)
     ids_p, valid_p = ids[:, pair_group], valid[:, pair_group]  # (nb, P, C)
     s = torch.gather(out, 2, ids_p.clamp(0, n_chunks - 1).long()).masked_fill(~valid_p, float("-inf"))
     return s.reshape(nb, groups, P // groups, -1).amax(dim=2)
+
+
+def pair_index(P: int, Hkv: int, groups: int, dev) -> tuple[torch.Tensor, torch.Tensor]:
+    """(group, KV head) of each of the P (group, KV head) pairs of executor.head_pairs, built on the device from
+    their pattern (a host-to-device copy may not run inside a CUDA graph capture): pair i reads KV head i // (P /
+    H_kv); its group is i, or 0 when there is one group."""
+    i = torch.arange(P, device=dev)
+    return (i if groups == P else torch.zeros_like(i)), i // (P // Hkv)
+
+
+def chunk_box_scores(qs: torch.Tensor, row_ok: torch.Tensor, keys: torch.Tensor | None, ids: torch.Tensor, chunk: int,
+                     n_sink: int, cand_end: torch.Tensor, groups: int, kind: str, rope: RopeArgs | None = None,
+                     boxes: torch.Tensor | None = None, max_bytes: int = 256 << 20) -> torch.Tensor:
+    """Scores (nb, G, C) of candidate chunks `ids` (nb, G, C) from their boxes, -inf if invalid; the arguments are
+    prune_stage.chunk_scores_reference's (qs (nb, R, H_q, D), row_ok (nb, R), keys (L, H_kv, D) as stored). `boxes`:
+    the sequence's boxes kept by the engine (`key_boxes`' layout); None builds them from `keys`."""
+    if kind not in METADATA_KINDS:
+        raise ValueError(f"box kind must be one of {', '.join(METADATA_KINDS)}, got {kind!r}")
+    if boxes is None:
+        boxes = key_boxes(keys, 0, chunk, kind, rope)
+    q32, q_moved, moved = box_queries(qs, row_ok, cand_end, rope)
+    return score_boxes(q32, q_moved, moved, boxes, ids, chunk, n_sink, cand_end, groups, max_bytes)
+
+
+# ---- building the engine's boxes ------------------------------------------------------------------------------------
+def build_boxes_reference(k_cache, block_tables: torch.Tensor, lens: torch.Tensor, lo: torch.Tensor, hi: torch.Tensor,
+                          box_tables: torch.Tensor, pool: torch.Tensor, per: int, chunk: int, kind: str,
+                          rope: RopeArgs | None) -> None:
+    """pool[row of chunk j of row r] = key_boxes of its keys, for lo[r] <= j < hi[r] (host syncs: the CPU path).
+
+    k_cache (pages, block_size, H_kv, D), a `TierView` or fp8 rows; block_tables (n, >= pages of lens[r]); lens (n,)
+    each row's keys; box_tables (n, >= ceil(hi / per)) pool pages of `per` chunks each; pool (pages * per, 2, 2,
+    H_kv, D)."""
+    from ..kvcache.paged import gather_tokens
+
+    for r, (n, a, b) in enumerate(zip(lens.tolist(), lo.tolist(), hi.tolist())):
+        if b <= a:
+            continue
+        keys = gather_tokens(k_cache, block_tables[r], min(n, b * chunk), start=a * chunk)
+        j = torch.arange(a, b, device=pool.device)
+        rows = box_tables[r, j // per].long() * per + j % per
+        pool[rows] = key_boxes(keys, a * chunk, chunk, kind, rope).to(pool.dtype)
+
+
+if triton is not None:
+
+    @triton.jit
+    def _box_store(out, k, valid, count, d, MEAN: tl.constexpr, stride_pk, HEAD_DIM: tl.constexpr, ok):
+        kmax = tl.max(tl.where(valid[:, None], k, float("-inf")), axis=0)
+        kmin = tl.min(tl.where(valid[:, None], k, float("inf")), axis=0)
+        centre = (kmax + kmin) * 0.5
+        if MEAN:
+            radius = tl.sum(tl.where(valid[:, None], tl.abs(k - centre[None, :]), 0.0), axis=0) / count
+        else:
+            radius = (kmax - kmin) * 0.5
+        tl.store(out, centre.to(out.dtype.element_ty), mask=(d < HEAD_DIM) & ok)
+        tl.store(out + stride_pk, radius.to(out.dtype.element_ty), mask=(d < HEAD_DIM) & ok)
+
+    @triton.jit
+    def _chunk_box_kernel(
+        K, KH, Slots, BlockTables, Lens, Lo, Hi, BoxTables, Pool, InvFreq,
+        stride_kp, stride_ko, stride_kh, stride_khp, stride_btb, stride_bxb, stride_pr, stride_pf, stride_pk,
+        stride_ph, move_to,
+        CHUNK: tl.constexpr, PAGE: tl.constexpr, PER: tl.constexpr, HEAD_DIM: tl.constexpr, MEAN: tl.constexpr,
+        MOVE: tl.constexpr, TIERED: tl.constexpr, FP8: tl.constexpr,
+    ):
+        r = tl.program_id(0)
+        j = tl.load(Lo + r) + tl.program_id(1)
+        h = tl.program_id(2)
+        ok = j < tl.load(Hi + r)
+        t = tl.arange(0, CHUNK)
+        d = tl.arange(0, HEAD_DIM)
+        pos = j * CHUNK + t
+        valid = ok & (pos < tl.load(Lens + r))
+        count = tl.maximum(tl.sum(valid.to(tl.float32), axis=0), 1.0)
+        page = tl.load(BlockTables + r * stride_btb + pos // PAGE, mask=valid, other=0).to(tl.int64)
+        base = row_base(K, KH, page, page_slots(Slots, page, TIERED), stride_kp, stride_khp, TIERED)
+        k = load_kv(base, pos % PAGE, h, stride_ko, stride_kh, d, valid, HEAD_DIM, FP8).to(tl.float32)
+        box_page = tl.load(BoxTables + r * stride_bxb + j // PER, mask=ok, other=0).to(tl.int64)
+        out = Pool + (box_page * PER + j % PER) * stride_pr + h * stride_ph + d
+        _box_store(out, k, valid, count, d, MEAN, stride_pk, HEAD_DIM, ok)
+        if MOVE:
+            k_sw = load_kv(base, pos % PAGE, h, stride_ko, stride_kh, swap_halves(d, HEAD_DIM), valid, HEAD_DIM,
+                           FP8).to(tl.float32)
+            inv = tl.load(InvFreq + d % (HEAD_DIM // 2))
+            km = rotate_rows(k, k_sw, move_to - pos, inv, d, HEAD_DIM)
+        else:
+            km = k
+        _box_store(out + stride_pf, km, valid, count, d, MEAN, stride_pk, HEAD_DIM, ok)
+
+
+def build_boxes_triton(k_cache, block_tables: torch.Tensor, lens: torch.Tensor, lo: torch.Tensor, hi: torch.Tensor,
+                       box_tables: torch.Tensor, pool: torch.Tensor, per: int, chunk: int, kind: str,
+                       rope: RopeArgs | None, max_chunks: int) -> None:
+    """`build_boxes_reference` as one launch (no host sync, graph-capturable): chunks lo[r] + t for t < max_chunks
+    that are below hi[r]. All index tensors int32; pool (rows, 2, 2, H_kv, D) contiguous in D."""
+    if triton is None:
+        raise RuntimeError("build_boxes_triton needs Triton")
+    if kind not in METADATA_KINDS:
+        raise ValueError(f"box kind must be one of {', '.join(METADATA_KINDS)}, got {kind!r}")
+    K, KH, slots, stride_khp, tiered = tier_args(k_cache)
+    D = pool.shape[-1]
+    fp8 = kv_format(K, D)
+    if any(x.dtype != torch.int32 for x in (block_tables, lens, lo, hi, box_tables)):
+        raise ValueError("block_tables, lens, lo, hi and box_tables must be int32")
+    if pool.shape[1:] != (2, 2, K.shape[2], D) or pool.stride(-1) != 1:
+        raise ValueError(f"pool must be (rows, 2, 2, {K.shape[2]}, {D}) contiguous in D, got {tuple(pool.shape)}")
+    if chunk & (chunk - 1) or chunk < 1:
+        raise ValueError(f"chunk must be a power of two, got {chunk}")
+    n = lo.shape[0]
+    if n == 0 or max_chunks < 1:
+        return
+    mode = box_mode(rope.mode if rope is not None else None)
+    inv = rope.inv_freq.to(device=pool.device, dtype=torch.float32) if mode else lens  # unused without a move
+    _chunk_box_kernel[(n, max_chunks, K.shape[2])](
+        K, KH, slots, block_tables, lens, lo, hi, box_tables, pool, inv,
+        K.stride(0), K.stride(1), K.stride(2), stride_khp, block_tables.stride(0), box_tables.stride(0),
+        pool.stride(0), pool.stride(1), pool.stride(2), pool.stride(3), MOVE_TO.get(mode, 0),
+        CHUNK=chunk, PAGE=K.shape[1], PER=per, HEAD_DIM=D, MEAN=kind == "cuboid-mean",
+        MOVE=mode is not None, TIERED=tiered, FP8=fp8, num_warps=4,
+    )

@@ -1,0 +1,144 @@
+"""The chunk boxes of a box-scored stage 0 (kernels/chunk_box.py), kept per sequence in a pool paged like the KV cache.
+
+Stage 0 of `infinitehip:3k-box` scores every candidate chunk from a box around its keys. The boxes of complete chunks
+never change, so they are built once and kept: each step boxes only the chunks its new keys touch (a prefill chunk's
+range; in decode, the chunk that holds the newest key) and writes them in place.
+
+Layout: per layer a pool of `pages * per` rows of (2 flavours, centre / radius, H_kv, D) in the run dtype; a page holds
+the boxes of `per` consecutive chunks of one sequence (PER_PAGE = 16: 1,024 tokens at 64-token chunks). Each
+sequence with boxes has a row in `tables` (its box pages, in order), so chunk j of the sequence sits at pool row
+tables[row, j // per] * per + j % per. The addresses are stable while the sequence lives: a captured decode step
+reads and writes them through the table with static shapes.
+
+Which sequences: those longer than `min_len` (the shortest context any layer selects in; a shorter one attends
+densely everywhere and needs no boxes). A sequence crossing it, or the first decode step after another backend's
+prefill (`--decode-attention`), boxes every chunk it has at once ("catch-up": a graph variant of its own).
+
+Size, decided once from the KV cache's capacity in tokens T (with offloading, the host tier's): ceil(T / (per *
+chunk)) pages for the chunks themselves plus one partly filled page per sequence that can hold boxes at once (at most
+T / min_len of them), so the pool cannot run out while the KV cache has room. The engine reserves it per KV page
+(`page_state_bytes`). Memory: two flavours of two vectors per chunk and KV head, 1/16 of the keys' size at 64-token
+chunks (an 8B model at 1M tokens: 4 GiB in bf16), all on the GPU: stage 0 never reads host memory.
+
+Bookkeeping is host-side and per step: `plan` notes which chunks each sequence boxes (lo, hi), `assign` gives it
+its table row and pages once the pool exists (the first forward of the step, or a graph's input loading), and
+`commit` records the complete chunks once the step's forward has built them, so a step the backend does not run (a
+composed backend's prefill) boxes nothing and the next step catches up.
+"""
+from __future__ import annotations
+
+import logging
+
+import torch
+
+logger = logging.getLogger("longreach")
+
+PER_PAGE = 16  # chunks per box page
+
+
+class BoxPool:
+    def __init__(self, num_layers: int, chunk: int, kind: str, num_kv_heads: int, head_dim: int, min_len: int,
+                 max_seqs: int, max_model_len: int, device: torch.device):
+        self.num_layers, self.chunk, self.kind = num_layers, chunk, kind
+        self.shape = (2, 2, num_kv_heads, head_dim)
+        self.min_len, self.max_seqs = min_len, max_seqs
+        self.device = device
+        self.capacity: int | None = None  # KV capacity in tokens, known at the first forward
+        self.per = PER_PAGE
+        self.width = -(-max_model_len // (self.per * chunk))  # box pages of the longest sequence
+        self.pool: torch.Tensor | None = None  # (L, pages * per, 2, 2, H_kv, D), made on first use
+        # row max_seqs is the scratch row (short sequences, graph padding): it points at page 0 and boxes nothing
+        self.tables = torch.zeros(max_seqs + 1, self.width, dtype=torch.int32, device=device)
+        self._free_rows = list(range(max_seqs))[::-1]
+        self._free_pages: list[int] = []
+        self.rows: dict[int, int] = {}  # seq_id -> row of tables
+        self.pages: dict[int, list[int]] = {}  # seq_id -> its box pages
+        self.done: dict[int, int] = {}  # seq_id -> complete chunks boxed
+        self._pending: dict[int, int] = {}  # seq_id -> complete chunks once this step's boxes are built
+        self._step: list[tuple] = []  # this step's (seq_id or None, length, lo, hi), see plan
+
+    @property
+    def scratch(self) -> int:
+        return self.max_seqs
+
+    def bytes_per_token(self, dtype: torch.dtype) -> float:
+        """Pool bytes per token of KV capacity (pages for the chunks plus one partial page per sequence)."""
+        row = self.num_layers * 4 * self.shape[2] * self.shape[3] * torch.empty((), dtype=dtype).element_size()
+        return row / self.chunk * (1 + self.per * self.chunk / max(1, self.min_len))
+
+    def ensure(self, capacity_tokens: int, dtype: torch.dtype) -> None:
+        """Make the pool in `dtype`, sized for a KV cache of `capacity_tokens` tokens (module docstring)."""
+        if self.pool is not None:
+            return
+        self.capacity = capacity_tokens
+        span = self.per * self.chunk
+        seqs = min(self.max_seqs, capacity_tokens // max(1, self.min_len) + 1)
+        pages = -(-capacity_tokens // span) + seqs
+        self.pool = torch.zeros(self.num_layers, pages * self.per, *self.shape, dtype=dtype, device=self.device)
+        self._free_pages = list(range(pages))[::-1]
+        logger.info("stage-0 boxes: %d pages of %d chunks x %d layers, %.2f GiB on the %s", pages, self.per,
+                    self.num_layers, self.pool.numel() * self.pool.element_size() / 2**30, self.device.type.upper())
+
+    # ---- per sequence -------------------------------------------------------------------------------------------------
+    def reset(self, seq_id: int) -> None:
+        """A prefill from position 0: the sequence's boxes are built again (its pages are kept)."""
+        self.done.pop(seq_id, None)
+        self._pending.pop(seq_id, None)
+
+    def free(self, seq_id: int) -> None:
+        self.reset(seq_id)
+        if seq_id in self.rows:
+            self._free_rows.append(self.rows.pop(seq_id))
+            self._free_pages.extend(self.pages.pop(seq_id))
+
+    def plan(self, seq_ids, seq_lens) -> int:
+        """Note this step's sequences and lengths (host only); returns the most chunks any row boxes (> 1: a
+        catch-up). Rows and pages are assigned by `assign`, once the pool exists."""
+        self._step = []
+        self._pending = {}
+        most = 0
+        for seq_id, length in zip(seq_ids, seq_lens):
+            if length <= self.min_len:
+                self._step.append((None, length, 0, 0))
+                continue
+            lo, hi = self.done.get(seq_id, 0), -(-length // self.chunk)
+            self._step.append((seq_id, length, lo, hi))
+            self._pending[seq_id] = length // self.chunk
+            most = max(most, hi - lo)
+        return most
+
+    def assign(self) -> list[list[int]]:
+        """[rows, lens, lo, hi] of the planned step, one entry per sequence: its table row (its box pages allocated),
+        length and the chunks [lo, hi) it boxes; short sequences get the scratch row and nothing to box. Needs the
+        pool (`ensure`)."""
+        if self.pool is None:
+            raise RuntimeError("the box pool is made at the first forward; assign() came before it")
+        out: list[list[int]] = [[], [], [], []]
+        for seq_id, length, lo, hi in self._step:
+            row = self.scratch if seq_id is None else self._grow(seq_id, length)
+            for col, x in zip(out, (row, length, lo, hi)):
+                col.append(x)
+        return out
+
+    def commit(self) -> None:
+        """This step's boxes are built: complete chunks need no rebuilding."""
+        self.done.update(self._pending)
+        self._pending = {}
+
+    def _grow(self, seq_id: int, length: int) -> int:
+        if seq_id not in self.rows:
+            if not self._free_rows:
+                raise RuntimeError(f"no box-table row left for sequence {seq_id} (max_num_seqs={self.max_seqs})")
+            self.rows[seq_id], self.pages[seq_id] = self._free_rows.pop(), []
+        row, pages = self.rows[seq_id], self.pages[seq_id]
+        need = -(-length // (self.per * self.chunk))
+        if need > self.width:
+            raise ValueError(f"sequence {seq_id} has {length} tokens, more than max_model_len allows boxes for")
+        if need > len(pages):
+            if need - len(pages) > len(self._free_pages):
+                raise RuntimeError(f"the box pool is full ({self.pool.shape[1] // self.per} pages): it is sized for "
+                                   "the KV cache's capacity, so this is a bug")
+            new = [self._free_pages.pop() for _ in range(need - len(pages))]
+            self.tables[row, len(pages):need] = torch.tensor(new, dtype=torch.int32).to(self.device)
+            pages.extend(new)
+        return row

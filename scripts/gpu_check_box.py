@@ -1,0 +1,111 @@
+"""GPU checks of the box-scored stage 0 (kernels/chunk_box.py, attention/box_pool.py), for scripts/gpu_check.py."""
+from __future__ import annotations
+
+import gc
+
+import torch
+
+from gpu_check_common import _inv_freq, _median_us, _tier
+
+
+def box_matrix(dev: str = "cuda", L: int = 131072 + 37, shapes=((32, 8, 128), (9, 3, 64)), page: int = 16,
+               chunk: int = 64, per: int = 16, timing: bool = True):
+    """The box-build kernel against its reference at real sizes in bf16 (8B and SmolLM2 shapes, 128K tokens, every
+    chunk of two sequences, stored and moved flavours, one tier and two tiers), then, at the 8B shape, the time of
+    what a decode step adds per layer: boxing one chunk, and stage 0's box scores over 2,048 chunks (gather + einsum,
+    torch ops) captured in a CUDA graph."""
+    from longreach.kernels.chunk_box import build_boxes_reference, build_boxes_triton, chunk_box_scores
+    from longreach.rope.strategies import RopeArgs
+
+    notes, worst, build_us = [], 0.0, None
+    for Hq, Hkv, D in shapes:
+        g = torch.Generator(device=dev).manual_seed(Hkv)
+        lens = [L, L // 3]
+        need = [-(-n // page) for n in lens]
+        perm = torch.randperm(sum(need), device=dev, generator=g).int()
+        tables = torch.zeros(2, max(need), dtype=torch.int32, device=dev)
+        tables[0, :need[0]], tables[1, :need[1]] = perm[:need[0]], perm[need[0]:]
+        kc = torch.randn(sum(need), page, Hkv, D, device=dev, generator=g).to(torch.bfloat16)
+        chunks = [-(-n // chunk) for n in lens]
+        span = -(-max(chunks) // per)
+        box_tables = torch.stack([torch.randperm(2 * span, device=dev, generator=g)[:span] for _ in lens]).int()
+        lens_t = torch.tensor(lens, dtype=torch.int32, device=dev)
+        lo = torch.zeros(2, dtype=torch.int32, device=dev)
+        hi = torch.tensor(chunks, dtype=torch.int32, device=dev)
+        for mode, tiered in (("rt", False), (None, False), ("rt", True)):
+            rope = None if mode is None else RopeArgs(mode, _inv_freq(D), rope_from=0, n_window=1024)
+            cache = _tier(kc, kc, 0.5, g)[0] if tiered else kc
+            got = torch.zeros(2 * span * per, 2, 2, Hkv, D, dtype=torch.bfloat16, device=dev)
+            build_boxes_triton(cache, tables, lens_t, lo, hi, box_tables, got, per, chunk, "minmax", rope,
+                               max(chunks))
+            ref = torch.zeros(got.shape, dtype=torch.float32, device=dev)
+            build_boxes_reference(kc, tables, lens_t, lo, hi, box_tables, ref, per, chunk, "minmax", rope)
+            err = ((got.float() - ref).abs() / ref.abs().clamp(min=1.0)).max().item()
+            worst = max(worst, err)
+            if err > 1e-2:  # bf16 rounding of the stored centre and radius: 2^-8 relative
+                raise AssertionError(f"H={Hq}/{Hkv} D={D} rope={mode} tiered={tiered}: box error {err:.3g}")
+        notes.append(f"{Hq}/{Hkv}x{D}")
+        if timing and build_us is None:  # the first shape (8B's): one chunk per row, as a decode step boxes
+            rope = RopeArgs("rt", _inv_freq(D), rope_from=0, n_window=1024)
+            one_lo = (hi - 1).contiguous()
+            build_us = _median_us(lambda: build_boxes_triton(kc, tables, lens_t, one_lo, hi, box_tables, got, per,
+                                                             chunk, "minmax", rope, 1))
+    out = f"build kernel == reference at {L} tokens ({', '.join(notes)}; rt/none, 1-2 tiers), worst rel. {worst:.1e}"
+    if not timing:
+        return out
+    # decode-step costs at the 8B shape, 128K: one chunk boxed per row; the box scores of one query over every chunk
+    Hq, Hkv, D = shapes[0]
+    g = torch.Generator(device=dev).manual_seed(0)
+    n_chunks = -(-L // chunk)
+    span = -(-n_chunks // per)
+    pool = torch.randn(span * per, 2, 2, Hkv, D, device=dev, generator=g).to(torch.bfloat16)
+    table = torch.randperm(span, device=dev, generator=g)
+    rope = RopeArgs("rt", _inv_freq(D), rope_from=0, n_window=1024)
+    q = torch.randn(1, 1, Hq, D, device=dev, generator=g).to(torch.bfloat16)
+    ok = torch.ones(1, 1, dtype=torch.bool, device=dev)
+    ids = torch.arange(n_chunks, device=dev).view(1, 1, -1).expand(1, Hkv, -1).contiguous()
+    cand_end = torch.full((1,), L - 1024, device=dev)
+
+    def scores():
+        boxes = pool.view(-1, per, *pool.shape[1:])[table[:-(-n_chunks // per)]].reshape(-1, *pool.shape[1:])
+        return chunk_box_scores(q, ok, None, ids, chunk, 256, cand_end, Hkv, "minmax", rope, boxes=boxes[:n_chunks])
+
+    scores()
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        scores()
+    score_us = _median_us(graph.replay)
+    del pool
+    gc.collect()
+    torch.cuda.empty_cache()
+    return out + f"; per layer at 8B/128K: box one chunk {build_us:.1f} us, score {n_chunks} chunks {score_us:.1f} us" \
+        " (graph)"
+
+
+def box_engine(model: str):
+    """`infinitehip:3k-box` on SmolLM2 past its trained length (12K tokens): CUDA-graph decode (boxes built and
+    scored inside the graph) == eager decode, greedy tokens; a batch of two with a catch-up (one prompt just under
+    the shortest limit, growing past it)."""
+    from longreach import LLM, SamplingParams
+    from longreach.eval.data import paul_graham_text
+
+    text = paul_graham_text()
+    outs = {}
+    for eager in (False, True):
+        gc.collect()
+        torch.cuda.empty_cache()
+        llm = LLM(model, attention="infinitehip:3k-box", max_model_len=16384, kv_cache_memory_gb=2, max_num_seqs=4,
+                  enforce_eager=eager)
+        ids = llm.get_tokenizer().encode(text)
+        prompts = [{"prompt_token_ids": ids[:12000]}, {"prompt_token_ids": ids[:3320]}]
+        params = SamplingParams(temperature=0, max_tokens=48, ignore_eos=True)
+        outs[eager] = [o.token_ids for o in llm.generate(prompts, params, use_tqdm=False)]
+        if not eager:
+            variants = {key for _, key in llm.engine.runner._graphs}
+        del llm
+    same = [sum(a == b for a, b in zip(x, y)) for x, y in zip(outs[False], outs[True])]
+    if same != [48, 48]:
+        raise AssertionError(f"graph vs eager greedy tokens equal: {same} of 48 each")
+    catchup = any(key[4] for key in variants)
+    return f"graph == eager, 48/48 tokens for both prompts (12K; 3.3K crossing the limit), catch-up ran: {catchup}"
