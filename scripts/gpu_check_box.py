@@ -28,7 +28,7 @@ def box_matrix(dev: str = "cuda", L: int = 131072 + 37, shapes=((32, 8, 128), (9
         kc = torch.randn(sum(need), page, Hkv, D, device=dev, generator=g).to(torch.bfloat16)
         chunks = [-(-n // chunk) for n in lens]
         span = -(-max(chunks) // per)
-        box_tables = torch.stack([torch.randperm(2 * span, device=dev, generator=g)[:span] for _ in lens]).int()
+        box_tables = torch.randperm(2 * span, device=dev, generator=g).view(2, span).int()  # disjoint pages
         lens_t = torch.tensor(lens, dtype=torch.int32, device=dev)
         lo = torch.zeros(2, dtype=torch.int32, device=dev)
         hi = torch.tensor(chunks, dtype=torch.int32, device=dev)
@@ -95,7 +95,7 @@ def box_engine(model: str):
     for eager in (False, True):
         gc.collect()
         torch.cuda.empty_cache()
-        llm = LLM(model, attention="infinitehip:3k-box", max_model_len=16384, kv_cache_memory_gb=2, max_num_seqs=4,
+        llm = LLM(model, attention="infinitehip", preset="3k-box", max_model_len=16384, kv_cache_memory_gb=2, max_num_seqs=4,
                   enforce_eager=eager)
         ids = llm.get_tokenizer().encode(text)
         prompts = [{"prompt_token_ids": ids[:12000]}, {"prompt_token_ids": ids[:3320]}]
