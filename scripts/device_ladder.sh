@@ -28,7 +28,7 @@ ladder() {  # ladder HAYSTACK LABEL [eval args...]: one method at 128K, then 4K-
     done
 }
 rungs() {  # the rungs, on haystack $1
-    ladder "$1" infinitehip --attention infinitehip
+    ladder "$1" infinitehip --attention infinitehip:3k
     ladder "$1" infinitehip-3k-exact --attention infinitehip:3k-exact
     ladder "$1" infinitehip-3k-box --attention infinitehip:3k-box
     ladder "$1" dense --attention dense
@@ -49,18 +49,18 @@ ladder filler streaming --attention streaming
 ladder filler hip --attention hip
 ladder filler quest --attention quest
 ladder filler infinitehip-5k --attention infinitehip:5k
-ladder filler infinitehip-w2048 --attention infinitehip --attention-config '{"n_window": 2048}'
+ladder filler infinitehip-w2048 --attention infinitehip:3k --attention-config '{"n_window": 2048}'
 # what separates infinitehip 3k from the oracle (which finds the key at 16K-128K): the chunk-indexed positions of
 # layers 0-2, the decode refresh intervals, stage 0's SelectRep (infinitehip-3k-exact, in the rungs)
 # and stage 0 scored from a box around each chunk's keys instead of SelectRep (kernels/chunk_box.py; eager decode)
-ladder filler infinitehip-box-minmax --attention infinitehip --attention-config '{"stage0_scores": "minmax"}'
-ladder filler infinitehip-box-cuboid --attention infinitehip --attention-config '{"stage0_scores": "cuboid-mean"}'
-ladder filler infinitehip-rt --attention infinitehip --attention-config '{"prune_rope": "rt"}'
-ladder filler infinitehip-refresh1 --attention infinitehip --attention-config '{"refresh": [1, 1, 1]}'
+ladder filler infinitehip-box-minmax --attention infinitehip:3k --attention-config '{"stage0_scores": "minmax"}'
+ladder filler infinitehip-box-cuboid --attention infinitehip:3k --attention-config '{"stage0_scores": "cuboid-mean"}'
+ladder filler infinitehip-rt --attention infinitehip:3k --attention-config '{"prune_rope": "rt"}'
+ladder filler infinitehip-refresh1 --attention infinitehip:3k --attention-config '{"refresh": [1, 1, 1]}'
 ruler dense dense "4k 8k"
-ruler infinitehip infinitehip "4k 8k"
-ruler infinitehip infinitehip 64k
-ruler infinitehip infinitehip 128k
+ruler infinitehip infinitehip:3k "4k 8k"
+ruler infinitehip infinitehip:3k 64k
+ruler infinitehip infinitehip:3k 128k
 ruler infinitehip-3k-exact infinitehip:3k-exact "4k 8k"
 ruler infinitehip-3k-exact infinitehip:3k-exact 64k
 ruler infinitehip-3k-exact infinitehip:3k-exact 128k
@@ -72,14 +72,17 @@ rungs squad
 # multi-key NIAH (the goal: infinitehip at 32K >= dense at 4K) and the long cells (>= 10 prompts at 256K, >= 5 at 1M;
 # SmolLM2's KV is 22.5 KiB per token: 1M needs ~23 GiB)
 job "ruler__niah_multikey_1__dense__4k" ruler --tasks niah_multikey_1 --lengths 4k --samples 20 --attention dense
-for m in infinitehip infinitehip:3k-box; do
-    job "ruler__niah_multikey_1__${m/:/-}__32k" ruler --tasks niah_multikey_1 --lengths 32k --samples 20 --attention "$m"
+# (label method): rows named "infinitehip" are the 3k preset, the default until 2026-11-25 (now 3k-box)
+for pair in "infinitehip infinitehip:3k" "infinitehip-3k-box infinitehip:3k-box"; do
+    set -- $pair
+    job "ruler__niah_multikey_1__${1}__32k" ruler --tasks niah_multikey_1 --lengths 32k --samples 20 --attention "$2"
+    job "passkey__filler__${1}__256k" passkey --haystack filler --lengths 256k --seeds 2 --attention "$2"
 done
-for m in infinitehip-3k-box infinitehip; do
-    job "passkey__filler__${m}__256k" passkey --haystack filler --lengths 256k --seeds 2 --attention "${m/-/:}"
+# 1M: one job per depth (one prompt each, ~23 GiB of KV), so that each fits a call and several run at once
+for depth in 0.1 0.3 0.5 0.7 0.9; do
+    job "passkey__filler__infinitehip-3k-box__1M-d${depth#0.}" passkey --haystack filler --lengths 1M --seeds 1 \
+        --depths "$depth" --attention infinitehip:3k-box --kv-cache-memory-gb 24
 done
-job "passkey__filler__infinitehip-3k-box__1M" passkey --haystack filler --lengths 1M --seeds 1 \
-    --attention infinitehip:3k-box --kv-cache-memory-gb 30
 
 start=$SECONDS
 launch() {  # launch NAME KIND ARGS...

@@ -12,9 +12,9 @@ def box_matrix(dev: str = "cuda", L: int = 131072 + 37, shapes=((32, 8, 128), (9
                chunk: int = 64, per: int = 16, timing: bool = True):
     """The box-build kernel against its reference at real sizes in bf16 (8B and SmolLM2 shapes, 128K tokens, every
     chunk of two sequences, stored and moved flavours, one tier and two tiers), then, at the 8B shape, the time of
-    what a decode step adds per layer: boxing one chunk, and stage 0's box scores over 2,048 chunks (gather + einsum,
-    torch ops) captured in a CUDA graph."""
-    from longreach.kernels.chunk_box import build_boxes_reference, build_boxes_triton, chunk_box_scores
+    what a step adds per layer: boxing one chunk, and stage 0's box scores over 2,048 chunks by the Triton kernel
+    against the torch reference (values, top-k sets, time in CUDA graphs), for a decode query and a prefill step."""
+    from longreach.kernels.chunk_box import build_boxes_reference, build_boxes_triton
     from longreach.rope.strategies import RopeArgs
 
     notes, worst, build_us = [], 0.0, None
@@ -53,34 +53,50 @@ def box_matrix(dev: str = "cuda", L: int = 131072 + 37, shapes=((32, 8, 128), (9
     out = f"build kernel == reference at {L} tokens ({', '.join(notes)}; rt/none, 1-2 tiers), worst rel. {worst:.1e}"
     if not timing:
         return out
-    # decode-step costs at the 8B shape, 128K: one chunk boxed per row; the box scores of one query over every chunk
+    # decode-step costs at the 8B shape, 128K: one chunk boxed per row (above); stage 0's box scores of one query
+    # over every chunk, and of a prefill step's 128 blocks of 64 rows, by the kernel and by the torch reference
+    from longreach.kernels.chunk_box import BoxView, _box_scores_torch, box_queries, box_scores_triton, pair_index
+
     Hq, Hkv, D = shapes[0]
     g = torch.Generator(device=dev).manual_seed(0)
     n_chunks = -(-L // chunk)
     span = -(-n_chunks // per)
     pool = torch.randn(span * per, 2, 2, Hkv, D, device=dev, generator=g).to(torch.bfloat16)
-    table = torch.randperm(span, device=dev, generator=g)
-    rope = RopeArgs("rt", _inv_freq(D), rope_from=0, n_window=1024)
-    q = torch.randn(1, 1, Hq, D, device=dev, generator=g).to(torch.bfloat16)
-    ok = torch.ones(1, 1, dtype=torch.bool, device=dev)
-    ids = torch.arange(n_chunks, device=dev).view(1, 1, -1).expand(1, Hkv, -1).contiguous()
-    cand_end = torch.full((1,), L - 1024, device=dev)
-
-    def scores():
-        boxes = pool.view(-1, per, *pool.shape[1:])[table[:-(-n_chunks // per)]].reshape(-1, *pool.shape[1:])
-        return chunk_box_scores(q, ok, None, ids, chunk, 256, cand_end, Hkv, "minmax", rope, boxes=boxes[:n_chunks])
-
-    scores()
-    torch.cuda.synchronize()
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        scores()
-    score_us = _median_us(graph.replay)
+    pool[:, :, 1] = pool[:, :, 1].abs()
+    view = BoxView(pool, torch.randperm(span, device=dev, generator=g).int(), per, n_chunks)
+    rope = RopeArgs("rt", _inv_freq(D), rope_from=65536, n_window=1024)
+    times, worst_rel, worst_set = {}, 0.0, 1.0
+    for nb, rows in ((1, 1), (128, 64)):
+        qs = torch.randn(nb, rows, Hq, D, device=dev, generator=g).to(torch.bfloat16)
+        ok = torch.ones(nb, rows, dtype=torch.bool, device=dev)
+        cand_end = torch.linspace(40000, L - 1024, nb, device=dev).long()  # some blocks inside rope_from, some past
+        q32, q_moved, moved = box_queries(qs, ok, cand_end, rope)
+        P, hpp = Hkv, Hq // Hkv
+        kern = lambda: box_scores_triton(q32, q_moved, moved, view, Hkv)  # noqa: E731
+        ref = lambda: _box_scores_torch(q32, q_moved, moved, view.gather(), P, hpp,  # noqa: E731
+                                        pair_index(P, Hkv, Hkv, q32.device)[1], 256 << 20)
+        got, want = kern(), ref()
+        worst_rel = max(worst_rel, ((got - want).abs() / want.abs().clamp(min=1.0)).max().item())
+        k = 512
+        a, b = got.topk(k, -1).indices, want.topk(k, -1).indices
+        overlap = sum(len(set(x.tolist()) & set(y.tolist())) for x, y in zip(a.flatten(0, 1), b.flatten(0, 1)))
+        worst_set = min(worst_set, overlap / a.numel())
+        for name, fn in (("kernel", kern), ("torch", ref)):
+            fn()
+            torch.cuda.synchronize()
+            graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(graph):
+                fn()
+            times[(nb, name)] = _median_us(graph.replay, reps=20)
+    if worst_rel > 2e-2 or worst_set < 0.97:
+        raise AssertionError(f"score kernel vs torch: rel. error {worst_rel:.2e}, top-512 overlap {worst_set:.3f}")
     del pool
     gc.collect()
     torch.cuda.empty_cache()
-    return out + f"; per layer at 8B/128K: box one chunk {build_us:.1f} us, score {n_chunks} chunks {score_us:.1f} us" \
-        " (graph)"
+    return out + (f"; score kernel == torch (tf32 vs fp32: rel. {worst_rel:.1e}, top-512 overlap {worst_set:.3f}); "
+                  f"per layer at 8B/128K: box one chunk {build_us:.1f} us; score {n_chunks} chunks, decode "
+                  f"{times[(1, 'kernel')]:.1f} us (torch {times[(1, 'torch')]:.1f}), a prefill step of 128 blocks x 64 "
+                  f"rows {times[(128, 'kernel')] / 1000:.2f} ms (torch {times[(128, 'torch')] / 1000:.2f}), graphs")
 
 
 def box_engine(model: str):

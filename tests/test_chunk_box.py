@@ -156,6 +156,33 @@ def test_build_kernel_matches_the_reference(case, dtype):
     assert (got.float() - want.float()).nan_to_num().abs().max() <= tol
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+@pytest.mark.parametrize("groups", [2, 1, 8])
+def test_score_kernel_matches_the_torch_scores(dtype, groups):
+    """The Triton scorer (interpreter) reads the kept boxes through a scrambled box table and takes each block's
+    flavour; the torch path scores the gathered boxes. Blocks of 1-8 rows (decode and prefill), some moved."""
+    from longreach.kernels.chunk_box import BoxView, _box_scores_torch, box_scores_triton, pair_index
+
+    g = torch.Generator().manual_seed(groups)
+    nb, R, Hq, Hkv, D, per, n = 4, 8, 8, 2, 16, 4, 37
+    q32, q_moved = torch.randn(2, nb, R, Hq, D, generator=g)
+    q32[1, 1:] = q32[1, :1]  # a one-row block: rows past it repeat its first (box_queries)
+    q_moved[1, 1:] = q_moved[1, :1]
+    moved = torch.tensor([False, True, False, True])
+    pool = torch.randn(12 * per, 2, 2, Hkv, D, generator=g).to(dtype)
+    pool[:, :, 1] = pool[:, :, 1].abs()
+    table = torch.randperm(12, generator=g)[:10].int()
+    view = BoxView(pool, table, per, n)
+    got = box_scores_triton(q32, q_moved, moved, view, groups)
+    P = Hkv if groups != Hq else Hq
+    hpp = Hq // P
+    want = _box_scores_torch(q32, q_moved, moved, view.gather(), P, hpp, pair_index(P, Hkv, groups, q32.device)[1],
+                             1 << 20)
+    tol = 1e-4 if dtype == torch.float32 else 2e-2
+    assert got.shape == want.shape == (nb, P, n)
+    assert (got - want).abs().max() <= tol
+
+
 ENGINE_KW = dict(device="cpu", dtype="float32", kv_cache_memory_gb=0.02, max_num_batched_tokens=256,
                  max_model_len=1024)
 BOX_CFG = '{"n_sink": 8, "n_window": 32, "chunk_sizes": [64, 16], "budgets": [256, 64], "refresh": [2, 1], ' \

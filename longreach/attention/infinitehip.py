@@ -42,7 +42,8 @@ Settled ambiguities (digest §8):
     needle's loss past 64K in stage 0's SelectRep, and the box keeps it: preset `3k-box` (64-token chunks, minmax)
     answers passkey in 90/100% at 64K/128K (20 prompts each; 3k: 40/20). The boxes are kept per sequence in a
     pool paged like the KV cache (attention/box_pool.py): each step boxes only the chunks its new keys touch, and
-    decode reads them through a box table inside the CUDA graph; scoring is torch ops. Not with de positions.
+    decode reads them through a box table inside the CUDA graph; a Triton kernel scores them on a GPU. Not with
+    de positions.
 RoPE (§1.5): the paper's strategies by default — chunk-indexed positions while pruning in layers 0-2, relative in the
 rest, rolling (StreamingLLM) positions in the attention — applied to query blocks past the model's trained length
 (`rope_from`); inside it true positions are exact and score better (rope/strategies.py).
@@ -137,7 +138,11 @@ class InfiniteHiP(SelectionMethod):
         "positions-de": InfiniteHiPConfig(chunk_sizes=(64,), budgets=(1 << 20,), early_last_budget=None,
                                           refresh=(1,), prune_rope="none", attend_rope="de"),
     }
-    default_preset = "3k"
+    # 3k-box since 2026-11-25: on the full retrieval suite (docs/quality.md, 20 prompts per cell) it equals or beats
+    # 3k in every cell but one (multi-key NIAH at 32K: 20 vs 25%, one prompt), e.g. passkey 90/100/100% at
+    # 64K/128K/256K (3k: 40/20/60) and RULER niah_single_1 95/100% at 64K/128K (3k: 65/55); its decode at 128K on
+    # the 8B shape is 87.5 tok/s against 3k's 93.2 and its prefill 22 s against 70 (docs/benchmarks.md)
+    default_preset = "3k-box"
 
     @property
     def block_k(self) -> int:
@@ -202,9 +207,9 @@ class InfiniteHiP(SelectionMethod):
         return cfg.chunk_sizes[0], cfg.stage0_scores
 
     def box_scores(self, layer, q, blocks, keys, ids, chunk, cand_end):
-        """Stage 0's scores from boxes around each chunk's keys (kernels/chunk_box.py), torch ops on any device:
-        the engine's kept boxes (attention/box_pool.py, read through the sequence's box table without host syncs),
-        else boxes built from the keys."""
+        """Stage 0's scores from boxes around each chunk's keys (kernels/chunk_box.py): the engine's kept boxes
+        (attention/box_pool.py, read through the sequence's box table without host syncs; the Triton kernel on a
+        GPU), else boxes built from the keys (torch ops)."""
         from ..kernels.chunk_box import chunk_box_scores
 
         qs, ok = self.query_rows(q, blocks)

@@ -73,15 +73,15 @@ class SequenceKeys:
             return self._dense[a:b]
         return gather_tokens(self.k_cache, self.block_table, b, start=a)
 
-    def chunk_boxes(self, chunk: int) -> torch.Tensor | None:
-        """The kept boxes of chunks [0, ceil(length / chunk)) (n, 2, 2, H_kv, D) in the pool's dtype, read through
-        the box table (static shapes: graph-capturable), or None without kept boxes."""
+    def chunk_boxes(self, chunk: int):
+        """The kept boxes of chunks [0, ceil(length / chunk)) as a kernels.chunk_box.BoxView (read through the box
+        table with static shapes: graph-capturable), or None without kept boxes."""
         if self.boxes is None:
             return None
+        from ..kernels.chunk_box import BoxView
+
         pool, table, per = self.boxes
-        n = -(-self.length // chunk)
-        pages = table[:-(-n // per)].long()
-        return pool.view(-1, per, *pool.shape[1:])[pages].reshape(-1, *pool.shape[1:])[:n]
+        return BoxView(pool, table, per, -(-self.length // chunk))
 
 
 @dataclass

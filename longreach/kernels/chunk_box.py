@@ -26,15 +26,21 @@ sits at row box_table[j // per] * per + j % per of each layer's pool, at stable 
 step reads them through the table with static shapes. Each step boxes only the chunks its new keys touch
 (`build_boxes_*`: in decode one chunk per sequence, the one holding the newest key), from the keys in whichever tier
 holds them (KV offload: straight from host memory for a missing page). Outside the engine (tests, the recall tool)
-the boxes are built from the keys on each call (`key_boxes`). Scoring is torch ops in both (gather + einsum).
+the boxes are built from the keys on each call (`key_boxes`). Scoring: the kept boxes on a GPU by a Triton kernel
+that reads them through the table (`box_scores_triton`); elsewhere torch ops (gather + einsum, its reference).
 
-Kernel (with its PyTorch reference, tested in the interpreter: tests/test_chunk_box.py; bf16 at real sizes in
-scripts/gpu_check.py --only box):
+Kernels (each with its PyTorch reference, tested in the interpreter: tests/test_chunk_box.py; bf16 at real sizes
+in scripts/gpu_check.py --only box):
   * `_chunk_box_kernel`, grid (rows, NC, H_kv): row r boxes its chunks lo[r] + t for t < NC below hi[r], both
     flavours, reading keys through the block table (and the offload page table), fp8 rows dequantised. Programs
     past hi[r] load and store nothing.
+  * `_box_score_kernel`, grid (blocks, (group, KV head) pairs, chunks / BLOCK_C): each chunk's max over the pair's
+    heads and the block's rows of q.c + |q|.r in the block's flavour, the boxes read through the box table, two
+    tensor-core dots per tile of rows (tf32 for a bf16 pool; the torch reference is fp32).
 """
 from __future__ import annotations
+
+from typing import NamedTuple
 
 import torch
 
@@ -107,22 +113,57 @@ def box_queries(qs: torch.Tensor, row_ok: torch.Tensor, cand_end: torch.Tensor, 
     return q32, torch.where(row_ok[:, :, None, None], moved_q, moved_q[:, :1]), end - 1 >= rope.rope_from
 
 
-def score_boxes(q32: torch.Tensor, q_moved: torch.Tensor, moved: torch.Tensor, boxes: torch.Tensor, ids: torch.Tensor,
-                chunk: int, n_sink: int, cand_end: torch.Tensor, groups: int, max_bytes: int = 256 << 20
-                ) -> torch.Tensor:
-    """Scores (nb, G, C) of candidate chunks `ids` (nb, G, C), -inf if invalid, from `boxes` (>= max id + 1, 2, 2,
-    H_kv, D) (`key_boxes`' layout, any float dtype) and the queries of `box_queries`. Host syncs only outside a CUDA
-    graph capture, to skip a flavour no block reads."""
+class BoxView(NamedTuple):
+    """A sequence's kept boxes in the engine's pool (attention/box_pool.py): chunk j at row table[j // per] * per +
+    j % per of `pool` (rows, 2, 2, H_kv, D), for chunks [0, n)."""
+
+    pool: torch.Tensor
+    table: torch.Tensor
+    per: int
+    n: int
+
+    def gather(self) -> torch.Tensor:
+        """The boxes of chunks [0, n) as one (n, 2, 2, H_kv, D) tensor (static shapes: graph-capturable)."""
+        pages = self.table[:-(-self.n // self.per)].long()
+        rows = self.pool.view(-1, self.per, *self.pool.shape[1:])[pages]
+        return rows.reshape(-1, *self.pool.shape[1:])[:self.n]
+
+
+def score_boxes(q32: torch.Tensor, q_moved: torch.Tensor, moved: torch.Tensor, boxes: "torch.Tensor | BoxView",
+                ids: torch.Tensor, chunk: int, n_sink: int, cand_end: torch.Tensor, groups: int,
+                max_bytes: int = 256 << 20) -> torch.Tensor:
+    """Scores (nb, G, C) of candidate chunks `ids` (nb, G, C), -inf if invalid, from `boxes` ((>= max id + 1, 2, 2,
+    H_kv, D), `key_boxes`' layout, any float dtype; or a `BoxView` of the engine's pool) and the queries of
+    `box_queries`. Kept boxes on a GPU are scored by the Triton kernel straight from the pool; else torch ops."""
     from ..attention.executor import head_pairs
 
     nb, R, Hq, D = q32.shape
     dev = q32.device
-    n_chunks, Hkv = boxes.shape[0], boxes.shape[3]
-    capturing = dev.type == "cuda" and torch.cuda.is_current_stream_capturing()
-    flavours = [0, 1] if capturing else [f for f in (0, 1) if bool((moved == bool(f)).any())]
+    Hkv = boxes.pool.shape[3] if isinstance(boxes, BoxView) else boxes.shape[3]
     pairs, hpp = head_pairs(Hq, Hkv, groups)
     P = len(pairs)
     pair_group, pair_kv = pair_index(P, Hkv, groups, dev)
+    if isinstance(boxes, BoxView) and triton is not None and dev.type == "cuda":
+        out = box_scores_triton(q32, q_moved, moved, boxes, groups)
+    else:
+        out = _box_scores_torch(q32, q_moved, moved, boxes.gather() if isinstance(boxes, BoxView) else boxes, P,
+                                hpp, pair_kv, max_bytes)
+    n_chunks = out.shape[2]
+    _, _, valid = chunk_bounds(ids, chunk, n_sink, cand_end)
+    ids_p, valid_p = ids[:, pair_group], valid[:, pair_group]  # (nb, P, C)
+    s = torch.gather(out, 2, ids_p.clamp(0, n_chunks - 1).long()).masked_fill(~valid_p, float("-inf"))
+    return s.reshape(nb, groups, P // groups, -1).amax(dim=2)
+
+
+def _box_scores_torch(q32, q_moved, moved, boxes, P, hpp, pair_kv, max_bytes) -> torch.Tensor:
+    """(nb, P, n_chunks) fp32: per block and (group, KV head) pair, each chunk's max over the pair's heads and the
+    block's rows of q.c + |q|.r, in the block's flavour. Host syncs only outside a CUDA graph capture, to skip a
+    flavour no block reads."""
+    nb, R, Hq, D = q32.shape
+    dev = q32.device
+    n_chunks = boxes.shape[0]
+    capturing = dev.type == "cuda" and torch.cuda.is_current_stream_capturing()
+    flavours = [0, 1] if capturing else [f for f in (0, 1) if bool((moved == bool(f)).any())]
     qf = {0: q32.reshape(nb, R, P, hpp, D), 1: q_moved.reshape(nb, R, P, hpp, D)}
     cr = {f: (boxes[:, f, 0][:, pair_kv].float(), boxes[:, f, 1][:, pair_kv].float()) for f in flavours}
     step = max(1, max_bytes // max(1, R * Hq * n_chunks * 4 * 3))
@@ -136,10 +177,7 @@ def score_boxes(q32: torch.Tensor, q_moved: torch.Tensor, moved: torch.Tensor, b
             s = (torch.einsum("nrphd,cpd->nphrc", u, c) + torch.einsum("nrphd,cpd->nphrc", u.abs(), r)).amax(dim=(2, 3))
             best = s if best is None else torch.where(moved[lo:hi, None, None], s, best)
         out[lo:hi] = best
-    _, _, valid = chunk_bounds(ids, chunk, n_sink, cand_end)
-    ids_p, valid_p = ids[:, pair_group], valid[:, pair_group]  # (nb, P, C)
-    s = torch.gather(out, 2, ids_p.clamp(0, n_chunks - 1).long()).masked_fill(~valid_p, float("-inf"))
-    return s.reshape(nb, groups, P // groups, -1).amax(dim=2)
+    return out
 
 
 def pair_index(P: int, Hkv: int, groups: int, dev) -> tuple[torch.Tensor, torch.Tensor]:
@@ -152,10 +190,11 @@ def pair_index(P: int, Hkv: int, groups: int, dev) -> tuple[torch.Tensor, torch.
 
 def chunk_box_scores(qs: torch.Tensor, row_ok: torch.Tensor, keys: torch.Tensor | None, ids: torch.Tensor, chunk: int,
                      n_sink: int, cand_end: torch.Tensor, groups: int, kind: str, rope: RopeArgs | None = None,
-                     boxes: torch.Tensor | None = None, max_bytes: int = 256 << 20) -> torch.Tensor:
+                     boxes: "torch.Tensor | BoxView | None" = None, max_bytes: int = 256 << 20) -> torch.Tensor:
     """Scores (nb, G, C) of candidate chunks `ids` (nb, G, C) from their boxes, -inf if invalid; the arguments are
     prune_stage.chunk_scores_reference's (qs (nb, R, H_q, D), row_ok (nb, R), keys (L, H_kv, D) as stored). `boxes`:
-    the sequence's boxes kept by the engine (`key_boxes`' layout); None builds them from `keys`."""
+    the sequence's boxes kept by the engine (a `BoxView`, or a tensor in `key_boxes`' layout); None builds them from
+    `keys`."""
     if kind not in METADATA_KINDS:
         raise ValueError(f"box kind must be one of {', '.join(METADATA_KINDS)}, got {kind!r}")
     if boxes is None:
@@ -229,6 +268,70 @@ if triton is not None:
         else:
             km = k
         _box_store(out + stride_pf, km, valid, count, d, MEAN, stride_pk, HEAD_DIM, ok)
+
+
+if triton is not None:
+
+    @triton.jit
+    def _box_score_kernel(
+        Q, Moved, Pool, Table, Out,
+        stride_qf, stride_qb, stride_qr, stride_qh, stride_pr, stride_pf, stride_pk, stride_ph, stride_ob, stride_op,
+        n_chunks, n_rows,
+        HPP: tl.constexpr, PAIRS_PER_KV: tl.constexpr, PER: tl.constexpr, BLOCK_M: tl.constexpr,
+        BLOCK_C: tl.constexpr, HEAD_DIM: tl.constexpr, DOT_PRECISION: tl.constexpr,
+    ):
+        b = tl.program_id(0)
+        p = tl.program_id(1)
+        c = tl.program_id(2) * BLOCK_C + tl.arange(0, BLOCK_C)
+        d = tl.arange(0, HEAD_DIM)
+        cok = c < n_chunks
+        f = tl.load(Moved + b).to(tl.int64)  # the block's flavour: 0 stored, 1 moved
+        row = tl.load(Table + c // PER, mask=cok, other=0).to(tl.int64) * PER + c % PER
+        base = Pool + row[:, None] * stride_pr + f * stride_pf + (p // PAIRS_PER_KV) * stride_ph + d[None, :]
+        cen = tl.load(base, mask=cok[:, None], other=0.0).to(tl.float32)  # (BLOCK_C, D)
+        rad = tl.load(base + stride_pk, mask=cok[:, None], other=0.0).to(tl.float32)
+        best = tl.full((BLOCK_C,), float("-inf"), tl.float32)
+        for m0 in range(0, n_rows, BLOCK_M):
+            m = m0 + tl.arange(0, BLOCK_M)
+            mok = m < n_rows
+            q = tl.load(Q + f * stride_qf + b * stride_qb + (m // HPP)[:, None] * stride_qr +
+                        (p * HPP + m % HPP)[:, None] * stride_qh + d[None, :], mask=mok[:, None], other=0.0)
+            s = tl.dot(q, tl.trans(cen), input_precision=DOT_PRECISION) + \
+                tl.dot(tl.abs(q), tl.trans(rad), input_precision=DOT_PRECISION)  # (BLOCK_M, BLOCK_C)
+            best = tl.maximum(best, tl.max(tl.where(mok[:, None], s, float("-inf")), axis=0))
+        tl.store(Out + b * stride_ob + p * stride_op + c, best, mask=cok)
+
+
+def box_scores_triton(q32: torch.Tensor, q_moved: torch.Tensor, moved: torch.Tensor, boxes: BoxView,
+                      groups: int, block_c: int = 64) -> torch.Tensor:
+    """`_box_scores_torch` as one launch, reading the kept boxes through the box table (no gather, no host sync):
+    (nb, P, n) fp32. Queries fp32 (box_queries'); dots in tf32 for a bf16/fp16 pool, exact fp32 for an fp32 one."""
+    if triton is None:
+        raise RuntimeError("box_scores_triton needs Triton")
+    from ..attention.executor import head_pairs
+
+    nb, R, Hq, D = q32.shape
+    pool = boxes.pool
+    Hkv = pool.shape[3]
+    if pool.shape[1:] != (2, 2, Hkv, D) or pool.stride(-1) != 1:
+        raise ValueError(f"pool must be (rows, 2, 2, H_kv, {D}) contiguous in D, got {tuple(pool.shape)}")
+    if D & (D - 1) or not 16 <= D <= 256:
+        raise ValueError(f"head_dim must be a power of two in [16, 256], got {D}")
+    pairs, hpp = head_pairs(Hq, Hkv, groups)
+    P = len(pairs)
+    qq = torch.stack([q32, q_moved]).float().contiguous()
+    out = torch.empty(nb, P, boxes.n, dtype=torch.float32, device=q32.device)
+    if nb == 0 or boxes.n == 0:
+        return out
+    rows = R * hpp
+    _box_score_kernel[(nb, P, triton.cdiv(boxes.n, block_c))](
+        qq, moved.to(torch.int32), pool, boxes.table, out,
+        qq.stride(0), qq.stride(1), qq.stride(2), qq.stride(3), pool.stride(0), pool.stride(1), pool.stride(2),
+        pool.stride(3), out.stride(0), out.stride(1), boxes.n, rows,
+        HPP=hpp, PAIRS_PER_KV=P // Hkv, PER=boxes.per, BLOCK_M=max(16, min(64, triton.next_power_of_2(rows))),
+        BLOCK_C=block_c, HEAD_DIM=D, DOT_PRECISION="ieee" if pool.dtype == torch.float32 else "tf32", num_warps=4,
+    )
+    return out
 
 
 def build_boxes_triton(k_cache, block_tables: torch.Tensor, lens: torch.Tensor, lo: torch.Tensor, hi: torch.Tensor,
