@@ -78,10 +78,19 @@ for pair in "infinitehip infinitehip:3k" "infinitehip-3k-box infinitehip:3k-box"
     job "ruler__niah_multikey_1__${1}__32k" ruler --tasks niah_multikey_1 --lengths 32k --samples 20 --attention "$2"
     job "passkey__filler__${1}__256k" passkey --haystack filler --lengths 256k --seeds 2 --attention "$2"
 done
+# where multi-key NIAH is lost: inside the trained length (dense and 3k-box at 4K/8K) and the oracle at 32K
+job "ruler__niah_multikey_1__dense__8k" ruler --tasks niah_multikey_1 --lengths 8k --samples 20 --attention dense
+job "ruler__niah_multikey_1__infinitehip-3k-box__4k-8k" ruler --tasks niah_multikey_1 --lengths 4k 8k --samples 20 \
+    --attention infinitehip:3k-box
+job "ruler__niah_multikey_1__oracle__32k" ruler --tasks niah_multikey_1 --lengths 32k --samples 20 \
+    --attention infinitehip:oracle
 # 1M: one job per depth (one prompt each, ~23 GiB of KV), so that each fits a call and several run at once
-for depth in 0.1 0.3 0.5 0.7 0.9; do
-    job "passkey__filler__infinitehip-3k-box__1M-d${depth#0.}" passkey --haystack filler --lengths 1M --seeds 1 \
-        --depths "$depth" --attention infinitehip:3k-box --kv-cache-memory-gb 24
+for pair in "infinitehip-3k-box infinitehip:3k-box" "infinitehip infinitehip:3k"; do
+    set -- $pair
+    for depth in 0.1 0.3 0.5 0.7 0.9; do
+        job "passkey__filler__${1}__1M-d${depth#0.}" passkey --haystack filler --lengths 1M --seeds 1 \
+            --depths "$depth" --attention "$2" --kv-cache-memory-gb 24
+    done
 done
 
 start=$SECONDS
