@@ -13,6 +13,7 @@
 set -u
 budget=${1:-560}
 P=${P:-3}  # 4 evals at 12 GiB of KV each ran out of GPU memory on an H100 beside hip
+KV_GB=${KV_GB:-12}  # KV per eval; 128K of SmolLM2 is 2.8 GiB, so 6 lets P=6 share an H100
 out=${OUT:-out}; mkdir -p "$out" /tmp/ladder
 export PYTHONUNBUFFERED=1
 model=${MODEL:-/tmp/m/model.gguf}
@@ -69,6 +70,12 @@ ruler infinitehip-3k-box infinitehip:3k-box 128k
 ruler infinitehip-3k-box infinitehip:3k-box "4k 8k"
 rungs paul-graham
 rungs squad
+# every method's row on the natural-text haystacks too (the rungs above decide; these complete the tables)
+for hay in squad paul-graham; do
+    ladder "$hay" streaming --attention streaming
+    ladder "$hay" hip --attention hip
+    ladder "$hay" quest --attention quest
+done
 # multi-key NIAH (the goal: infinitehip at 32K >= dense at 4K) and the long cells (>= 10 prompts at 256K, >= 5 at 1M;
 # SmolLM2's KV is 22.5 KiB per token: 1M needs ~23 GiB)
 job "ruler__niah_multikey_1__dense__4k" ruler --tasks niah_multikey_1 --lengths 4k --samples 20 --attention dense
@@ -99,7 +106,7 @@ launch() {  # launch NAME KIND ARGS...
     local left=$((budget - (SECONDS - start)))
     local extra=()
     [ "$kind" = passkey ] && extra=(--depths 0.1 0.3 0.5 0.7 0.9 --seeds 4 --needles classic secret code)
-    ( timeout "$left" python3 -m longreach eval "$kind" --model "$model" --kv-cache-memory-gb 12 "${extra[@]}" "$@" \
+    ( timeout "$left" python3 -m longreach eval "$kind" --model "$model" --kv-cache-memory-gb "$KV_GB" "${extra[@]}" "$@" \
           --out "/tmp/ladder/$name.part" > "/tmp/ladder/$name.log" 2>&1
       rc=$?
       [ $rc = 0 ] && mv "/tmp/ladder/$name.part" "/tmp/ladder/$name.json"
