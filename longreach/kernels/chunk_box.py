@@ -57,7 +57,7 @@ try:
 except ImportError:  # pragma: no cover - CPU installs without Triton use the references
     triton = None
 
-MOVE_TO = {"rt": 1, "ci": 1, "il": 0}  # flavour 1's key position per pruning strategy (ci: rt's, see above)
+MOVE_TO = {"rt": 1, "il": 0}  # flavour 1's key position per pruning strategy (box_mode: ci boxes as rt)
 
 
 def box_mode(mode: str | None) -> str | None:
