@@ -97,12 +97,16 @@ def _paged(lengths, page, dtype=torch.float32, seed=0):
     return kc, tables
 
 
-def _build_case(kind, mode, builder, dtype=torch.float32, tiered=False):
+def _build_case(kind, mode, builder, dtype=torch.float32, tiered=False, fp8=False):
     """Three sequences box chunk ranges [lo, hi) (a partial last chunk, an empty range, a range from the middle)
     into a pool of 4-chunk pages through scrambled box tables; returns (pool, want) with want the rows of key_boxes
     of each sequence's keys where they were written, NaN elsewhere."""
     lengths, page, chunk, per = [70, 33, 130], 4, 8, 4
     kc, tables = _paged(lengths, page, dtype)
+    if fp8:  # fp8 rows with per-row scales (kvcache/fp8.py); the boxes come from the dequantised values
+        from longreach.kvcache.fp8 import quantize, values
+
+        kc = quantize(kc.nan_to_num(0.0))
     lens = torch.tensor(lengths, dtype=torch.int32)
     lo = torch.tensor([0, 5, 6], dtype=torch.int32)
     hi = torch.tensor([9, 5, 17], dtype=torch.int32)  # 70 tokens: 9 chunks, the last partial
@@ -119,8 +123,9 @@ def _build_case(kind, mode, builder, dtype=torch.float32, tiered=False):
     else:
         build_boxes_reference(cache, tables, lens, lo, hi, box_tables, pool, per, chunk, kind, rope)
     want = torch.full_like(pool, float("nan"), dtype=torch.float32)
+    plain = values(kc, torch.float32) if fp8 else kc
     for r, n in enumerate(lengths):
-        keys = torch.cat([kc[p] for p in tables[r, :-(-n // page)].tolist()])[:n]
+        keys = torch.cat([plain[p] for p in tables[r, :-(-n // page)].tolist()])[:n]
         boxes = key_boxes(keys, 0, chunk, kind, rope)
         for j in range(int(lo[r]), int(hi[r])):
             want[int(box_tables[r, j // per]) * per + j % per] = boxes[j]
@@ -144,13 +149,14 @@ def test_build_reference_writes_each_chunk_where_its_table_says(kind, mode):
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
-@pytest.mark.parametrize("case", [("minmax", "rt", False), ("cuboid-mean", None, False), ("minmax", "il", True)])
+@pytest.mark.parametrize("case", [("minmax", "rt", False, False), ("cuboid-mean", None, False, False),
+                                  ("minmax", "il", True, False), ("minmax", "rt", True, True)])
 def test_build_kernel_matches_the_reference(case, dtype):
     """The Triton kernel (interpreter) against the reference, through a two-tier cache too (resident pages from the
-    pool, the rest from host memory)."""
-    kind, mode, tiered = case
-    got, _ = _build_case(kind, mode, "triton", dtype, tiered)
-    want, _ = _build_case(kind, mode, "reference", dtype, tiered)
+    pool, the rest from host memory) and on fp8 rows (the pool in the run dtype)."""
+    kind, mode, tiered, fp8 = case
+    got, _ = _build_case(kind, mode, "triton", dtype, tiered, fp8)
+    want, _ = _build_case(kind, mode, "reference", dtype, tiered, fp8)
     assert torch.equal(torch.isnan(got), torch.isnan(want))
     tol = 1e-5 if dtype == torch.float32 else 2e-3
     assert (got.float() - want.float()).nan_to_num().abs().max() <= tol
@@ -229,6 +235,29 @@ def test_infinitehip_with_a_box_stage0(tiny_long, monkeypatch):
     with pytest.raises(ValueError, match="SelfExtend"):
         LLM(tiny_long, attention="infinitehip", attention_config='{"stage0_scores": "minmax", "prune_rope": "de"}',
             **ENGINE_KW)
+
+
+def test_the_pool_never_runs_out_while_the_kv_cache_has_room():
+    """Sized from the KV capacity: as many of the shortest sequences that hold boxes as fit in it (each one token past
+    the limit, so each needs a page of its own), or max_num_seqs of them, all get their pages; the reservation per
+    token stays bounded for a limit of 0."""
+    from longreach.attention.box_pool import BoxPool
+
+    for min_len, max_seqs in ((100, 64), (0, 8), (3328, 4)):
+        pool = BoxPool(2, 64, "minmax", 2, 16, min_len, max_seqs, 1 << 16, torch.device("cpu"))
+        capacity = 6000
+        pool.ensure(capacity, torch.float32)
+        n = min(max_seqs, capacity // (min_len + 1))
+        lengths = [min_len + 1] * n
+        lengths[0] += capacity - sum(lengths)  # the rest of the capacity in one long sequence
+        pool.plan(list(range(n)), lengths)
+        rows, lens, lo, hi = pool.assign()
+        assert len(set(rows)) == n and lens == lengths and hi[0] == -(-lengths[0] // 64)
+        assert sum(len(p) for p in pool.pages.values()) <= pool.pool.shape[1] // pool.per
+        assert pool.bytes_per_token(torch.float32) <= 2 * 2 * 4 * 2 * 16 * 4 / 64 * 2
+        for seq in range(n):
+            pool.free(seq)
+        assert not pool.rows and len(pool._free_pages) == pool.pool.shape[1] // pool.per
 
 
 def test_boxes_catch_up_after_another_backends_prefill(tiny_long, monkeypatch):

@@ -16,8 +16,9 @@ prefill (`--decode-attention`), boxes every chunk it has at once ("catch-up": a 
 
 Size, decided once from the KV cache's capacity in tokens T (with offloading, the host tier's): ceil(T / (per *
 chunk)) pages for the chunks themselves plus one partly filled page per sequence that can hold boxes at once (at most
-T / min_len of them), so the pool cannot run out while the KV cache has room. The engine reserves it per KV page
-(`page_state_bytes`). Memory: two flavours of two vectors per chunk and KV head, 1/16 of the keys' size at 64-token
+T / (min_len + 1) of them, and at most max_num_seqs), so the pool cannot run out while the KV cache has room. The
+engine reserves it per KV page (`page_state_bytes`; for a limit under one page, as if each sequence filled one).
+Memory: two flavours of two vectors per chunk and KV head, 1/16 of the keys' size at 64-token
 chunks (an 8B model at 1M tokens: 4 GiB in bf16), all on the GPU: stage 0 never reads host memory.
 
 Bookkeeping is host-side and per step: `plan` notes which chunks each sequence boxes (lo, hi), `assign` gives it
@@ -62,9 +63,12 @@ class BoxPool:
         return self.max_seqs
 
     def bytes_per_token(self, dtype: torch.dtype) -> float:
-        """Pool bytes per token of KV capacity (pages for the chunks plus one partial page per sequence)."""
+        """Pool bytes per token of KV capacity: pages for the chunks plus a partial page per sequence, counting a
+        sequence as at least min_len + 1 tokens and at least a page long (a `dense_below` under 1,024 tokens would
+        otherwise reserve a page for every few tokens; `ensure` then allocates the exact bound, a little more)."""
         row = self.num_layers * 4 * self.shape[2] * self.shape[3] * torch.empty((), dtype=dtype).element_size()
-        return row / self.chunk * (1 + self.per * self.chunk / max(1, self.min_len))
+        span = self.per * self.chunk
+        return row / self.chunk * (1 + span / max(self.min_len + 1, span))
 
     def ensure(self, capacity_tokens: int, dtype: torch.dtype) -> None:
         """Make the pool in `dtype`, sized for a KV cache of `capacity_tokens` tokens (module docstring)."""
@@ -72,7 +76,7 @@ class BoxPool:
             return
         self.capacity = capacity_tokens
         span = self.per * self.chunk
-        seqs = min(self.max_seqs, capacity_tokens // max(1, self.min_len) + 1)
+        seqs = min(self.max_seqs, capacity_tokens // (self.min_len + 1) + 1)  # sequences that can hold boxes
         pages = -(-capacity_tokens // span) + seqs
         self.pool = torch.zeros(self.num_layers, pages * self.per, *self.shape, dtype=dtype, device=self.device)
         self._free_pages = list(range(pages))[::-1]
