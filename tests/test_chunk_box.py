@@ -227,6 +227,7 @@ def test_infinitehip_with_a_box_stage0(tiny_long, monkeypatch):
             assert boxes is None
         else:
             assert llm.engine.backend.graph_unsupported() is None
+            boxes.check_integrity()
             assert not boxes.rows and len(boxes._free_pages) == boxes.pool.shape[1] // boxes.per  # all given back
     assert (logits["selectrep"][600:] - logits["minmax"][600:]).abs().max() > 1e-4
     assert torch.equal(logits["minmax"], logits["fresh"]) and tokens["minmax"] == tokens["fresh"]
@@ -254,10 +255,15 @@ def test_the_pool_never_runs_out_while_the_kv_cache_has_room():
         rows, lens, lo, hi = pool.assign()
         assert len(set(rows)) == n and lens == lengths and hi[0] == -(-lengths[0] // 64)
         assert sum(len(p) for p in pool.pages.values()) <= pool.pool.shape[1] // pool.per
+        pool.check_integrity()
         assert pool.bytes_per_token(torch.float32) <= 2 * 2 * 4 * 2 * 16 * 4 / 64 * 2
         for seq in range(n):
             pool.free(seq)
+        pool.check_integrity()
         assert not pool.rows and len(pool._free_pages) == pool.pool.shape[1] // pool.per
+        pool.pages[0], pool.rows[0] = [3], pool._free_rows.pop()  # a page both owned and free: caught
+        with pytest.raises(AssertionError, match="lost or duplicated"):
+            pool.check_integrity()
 
 
 def test_boxes_catch_up_after_another_backends_prefill(tiny_long, monkeypatch):

@@ -129,6 +129,20 @@ class BoxPool:
         self.done.update(self._pending)
         self._pending = {}
 
+    def check_integrity(self) -> None:
+        """Every page free or owned by one sequence, each sequence's table row listing its pages in order, rows
+        unique; raises AssertionError. Cheap enough for tests and an idle engine."""
+        owned = [p for pages in self.pages.values() for p in pages]
+        assert len(owned) == len(set(owned)), "a box page is owned twice"
+        if self.pool is not None:
+            total = self.pool.shape[1] // self.per
+            assert sorted(owned + self._free_pages) == list(range(total)), "box pages lost or duplicated"
+        assert len(set(self.rows.values())) == len(self.rows) and self.scratch not in self.rows.values()
+        assert sorted(list(self.rows.values()) + self._free_rows) == list(range(self.max_seqs)), "table rows lost"
+        for seq_id, row in self.rows.items():
+            pages = self.pages[seq_id]
+            assert self.tables[row, :len(pages)].tolist() == pages, f"sequence {seq_id}'s box table is stale"
+
     def _grow(self, seq_id: int, length: int) -> int:
         if seq_id not in self.rows:
             if not self._free_rows:
@@ -146,3 +160,78 @@ class BoxPool:
             self.tables[row, len(pages):need] = torch.tensor(new, dtype=torch.int32).to(self.device)
             pages.extend(new)
         return row
+
+
+class KeptBoxes:
+    """The box half of `SparseBackend` (attention/sparse.py, a mixin like graph_decode.GraphDecode): the pool of a
+    method whose stage 0 scores boxes (`SelectionMethod.box_spec`), its per-step plan and the kernel launches."""
+
+    def _init_boxes(self, model_config, engine_config, device) -> None:
+        self._boxes: BoxPool | None = None
+        self._box_step = None  # (meta, rows, lens, lo, hi, most) of the current eager step, see _build_boxes
+        spec = self.method.box_spec()
+        if spec is None:
+            return
+        L = model_config.num_layers
+        min_len = min([self.dense_below(layer) for layer in range(L) if layer not in self.config.dense_layers] or [0])
+        self._boxes = BoxPool(L, *spec, model_config.num_kv_heads, model_config.head_dim, min_len,
+                              engine_config.max_num_seqs, engine_config.max_model_len, device)
+
+    def bind_kv_cache(self, capacity_tokens: int, dtype: torch.dtype) -> None:
+        if self._boxes is not None:
+            self._boxes.ensure(capacity_tokens, dtype)
+
+    def page_state_bytes(self, dtype: torch.dtype) -> int:
+        """GPU bytes of stage-0 boxes per KV page (all layers; 0 without a box stage 0): the engine counts them in
+        the KV budget."""
+        if self._boxes is None:
+            return 0
+        return int(-(-self._boxes.bytes_per_token(dtype) * self.engine_config.block_size // 1))
+
+    def _plan_boxes(self, meta) -> None:
+        """An eager step begins: a prefill from position 0 builds its boxes afresh; note every row's new chunks."""
+        if self._boxes is None:
+            return
+        if meta.is_prefill:
+            for seq_id, context in zip(meta.seq_ids, meta.context_lens):
+                if context == 0:
+                    self._boxes.reset(seq_id)
+        self._boxes.plan(meta.seq_ids, [c + n for c, n in zip(meta.context_lens, meta.query_lens)])
+        self._box_step = None
+
+    def _free_boxes(self, seq_id: int) -> None:
+        if self._boxes is not None:
+            self._boxes.free(seq_id)
+
+    def _seq_boxes(self, layer: int, box_tables: torch.Tensor | None, row: int):
+        """SequenceKeys.boxes of batch row `row` in `layer`, or None."""
+        return None if box_tables is None else (self._boxes.pool[layer], box_tables[row], self._boxes.per)
+
+    def _build_boxes(self, layer, q, k_cache, meta, step=None) -> torch.Tensor | None:
+        """Box this step's new chunks of `layer` into the pool (before any selection reads them); returns the rows'
+        box tables (n, width), or None without boxes. `step`: a graph step's (rows, lens, lo, hi) device tensors and
+        its most chunks per row; None: the eager step's, assigned at its first forward."""
+        from ..kernels.chunk_box import build_boxes_reference, build_boxes_triton
+        from .sparse import use_kernels
+
+        pool = self._boxes
+        if pool is None or layer in self.config.dense_layers:
+            return None
+        pool.ensure(k_cache.shape[0] * k_cache.shape[1], q.dtype)  # made by bind_kv_cache in the engine
+        if step is None:
+            if self._box_step is None or self._box_step[0] is not meta:
+                cols = pool.assign()
+                pool.commit()
+                t = torch.tensor(cols, dtype=torch.int32).to(q.device)
+                self._box_step = (meta, t[0], t[1], t[2], t[3], max([b - a for a, b in zip(cols[2], cols[3])] + [0]))
+            step = self._box_step[1:]
+        rows, lens, lo, hi, most = step
+        tables = pool.tables[rows.long()]
+        rope = self.method.rope_args(layer, "prune", meta.max_seq_len)
+        if use_kernels(q):
+            build_boxes_triton(k_cache, meta.block_tables[:rows.shape[0]], lens, lo, hi, tables, pool.pool[layer],
+                               pool.per, pool.chunk, pool.kind, rope, most)
+        elif most > 0:
+            build_boxes_reference(k_cache, meta.block_tables, lens, lo, hi, tables, pool.pool[layer], pool.per,
+                                  pool.chunk, pool.kind, rope)
+        return tables

@@ -170,8 +170,7 @@ class GraphDecode:
         fresh: list[list[torch.Tensor]] = [[] for _ in caches[level:]]
         for i in range(sel):
             blocks = BlockQueries(zero, one, ends[i:i + 1], 1, bucket)
-            boxes = None if box_tables is None else (self._boxes.pool[layer], box_tables[i], self._boxes.per)
-            keys = SequenceKeys(k_cache, meta.block_tables[i], bucket, boxes)
+            keys = SequenceKeys(k_cache, meta.block_tables[i], bucket, self._seq_boxes(layer, box_tables, i))
             outs = m.graph_select(layer, q[i:i + 1], blocks, keys, [c[i:i + 1] for c in cached], first[i:i + 1],
                                   level)
             for j, o in enumerate(outs):

@@ -32,6 +32,7 @@ from ..rope.strategies import (
 from .backend import AttentionBackend, AttentionMetadata
 from .dense import DenseBackend
 from .executor import block_sparse_attention
+from .box_pool import KeptBoxes
 from .graph_decode import GraphDecode
 from .index import QueryBlocks, SparseIndex
 
@@ -315,7 +316,7 @@ class SelectionMethod(ABC):
         return self.top_k(ids, scores, k)[0]
 
 
-class SparseBackend(GraphDecode, AttentionBackend):
+class SparseBackend(GraphDecode, KeptBoxes, AttentionBackend):
     """Engine backend for a `SelectionMethod` (set `method_cls` in the subclass)."""
 
     method_cls: ClassVar[type[SelectionMethod]]
@@ -337,8 +338,7 @@ class SparseBackend(GraphDecode, AttentionBackend):
         self._num_sms = torch.cuda.get_device_properties(device).multi_processor_count if cuda else 1
         self._decode_step: dict[int, int] = {}
         self._state: dict[tuple[int, int], dict] = {}
-        self._boxes = self._box_pool(model_config, engine_config, device)  # stage-0 boxes, kept (box_pool.py)
-        self._box_step = None  # (meta, rows, lens, lo, hi, most) of the current eager step, see _build_boxes
+        self._init_boxes(model_config, engine_config, device)  # stage-0 boxes, kept (box_pool.py)
         self._step_layout = None  # (meta, layout) of the current step, see _layout
         self._init_graph_decode()
 
@@ -360,45 +360,18 @@ class SparseBackend(GraphDecode, AttentionBackend):
         c = self.config.dense_below
         return self.method.token_budget(layer) if c is None else c
 
-    def _box_pool(self, model_config, engine_config, device):
-        spec = self.method.box_spec()
-        if spec is None:
-            return None
-        from .box_pool import BoxPool
-
-        L = model_config.num_layers
-        min_len = min([self.dense_below(layer) for layer in range(L) if layer not in self.config.dense_layers] or [0])
-        return BoxPool(L, *spec, model_config.num_kv_heads, model_config.head_dim, min_len,
-                       engine_config.max_num_seqs, engine_config.max_model_len, device)
-
-    def bind_kv_cache(self, capacity_tokens: int, dtype: torch.dtype) -> None:
-        if self._boxes is not None:
-            self._boxes.ensure(capacity_tokens, dtype)
-
-    def page_state_bytes(self, dtype: torch.dtype) -> int:
-        """GPU bytes of stage-0 boxes per KV page (all layers; 0 without a box stage 0): the engine counts them in
-        the KV budget."""
-        if self._boxes is None:
-            return 0
-        return int(-(-self._boxes.bytes_per_token(dtype) * self.engine_config.block_size // 1))
-
     def begin_step(self, meta: AttentionMetadata) -> None:
         for seq_id, context in zip(meta.seq_ids, meta.context_lens):
-            if meta.is_prefill:  # a (re)prefill starts a fresh mask cache; from position 0, fresh boxes too
+            if meta.is_prefill:  # a (re)prefill starts a fresh mask cache
                 self._free_masks(seq_id)
-                if context == 0 and self._boxes is not None:
-                    self._boxes.reset(seq_id)
                 self._decode_step[seq_id] = -1
             else:
                 self._decode_step[seq_id] = self._decode_step.get(seq_id, -1) + 1
-        if self._boxes is not None:
-            self._boxes.plan(meta.seq_ids, [c + n for c, n in zip(meta.context_lens, meta.query_lens)])
-            self._box_step = None
+        self._plan_boxes(meta)
 
     def free_sequence(self, seq_id: int) -> None:
         self._free_masks(seq_id)
-        if self._boxes is not None:
-            self._boxes.free(seq_id)
+        self._free_boxes(seq_id)
 
     def _free_masks(self, seq_id: int) -> None:
         self._decode_step.pop(seq_id, None)
@@ -409,34 +382,6 @@ class SparseBackend(GraphDecode, AttentionBackend):
     def _drop(per_layer: dict, seq_id: int) -> None:
         for key in [k for k in per_layer if k[0] == seq_id]:
             del per_layer[key]
-
-    def _build_boxes(self, layer, q, k_cache, meta: AttentionMetadata, step=None) -> torch.Tensor | None:
-        """Box this step's new chunks of `layer` into the pool (before any selection reads them); returns the rows'
-        box tables (n, width), or None without boxes. `step`: a graph step's (rows, lens, lo, hi) device tensors and
-        its most chunks per row; None: the eager step's, assigned at its first forward."""
-        pool = self._boxes
-        if pool is None or layer in self.config.dense_layers:
-            return None
-        pool.ensure(k_cache.shape[0] * k_cache.shape[1], q.dtype)  # made by bind_kv_cache in the engine
-        if step is None:
-            if self._box_step is None or self._box_step[0] is not meta:
-                cols = pool.assign()
-                pool.commit()
-                t = torch.tensor(cols, dtype=torch.int32).to(q.device)
-                self._box_step = (meta, t[0], t[1], t[2], t[3], max([b - a for a, b in zip(cols[2], cols[3])] + [0]))
-            step = self._box_step[1:]
-        rows, lens, lo, hi, most = step
-        tables = pool.tables[rows.long()]
-        rope = self.method.rope_args(layer, "prune", meta.max_seq_len)
-        from ..kernels.chunk_box import build_boxes_reference, build_boxes_triton
-
-        if use_kernels(q):
-            build_boxes_triton(k_cache, meta.block_tables[:rows.shape[0]], lens, lo, hi, tables, pool.pool[layer],
-                               pool.per, pool.chunk, pool.kind, rope, most)
-        elif most > 0:
-            build_boxes_reference(k_cache, meta.block_tables, lens, lo, hi, tables, pool.pool[layer], pool.per,
-                                  pool.chunk, pool.kind, rope)
-        return tables
 
     def forward(self, layer, q, k, v, k_cache, v_cache, meta: AttentionMetadata):
         if self._variant is not None:
@@ -456,8 +401,7 @@ class SparseBackend(GraphDecode, AttentionBackend):
             else:
                 decoding = not meta.is_prefill
                 state = self._state.setdefault((seq_id, layer), {}) if decoding else None
-                boxes = None if box_tables is None else (self._boxes.pool[layer], box_tables[i], self._boxes.per)
-                keys = SequenceKeys(k_cache, meta.block_tables[i], length, boxes)
+                keys = SequenceKeys(k_cache, meta.block_tables[i], length, self._seq_boxes(layer, box_tables, i))
                 step = self._decode_step.get(seq_id, 0) if decoding else None
                 selections.append(m.select(layer, q[row0:row0 + n], local, keys, state, step))
         blocks, counts = SparseIndex.pack(selections, q.device)
