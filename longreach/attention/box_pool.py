@@ -44,7 +44,6 @@ class BoxPool:
         self.shape = (2, 2, num_kv_heads, head_dim)
         self.min_len, self.max_seqs = min_len, max_seqs
         self.device = device
-        self.capacity: int | None = None  # KV capacity in tokens, known at the first forward
         self.per = PER_PAGE
         self.width = -(-max_model_len // (self.per * chunk))  # box pages of the longest sequence
         self.pool: torch.Tensor | None = None  # (L, pages * per, 2, 2, H_kv, D), made on first use
@@ -74,7 +73,6 @@ class BoxPool:
         """Make the pool in `dtype`, sized for a KV cache of `capacity_tokens` tokens (module docstring)."""
         if self.pool is not None:
             return
-        self.capacity = capacity_tokens
         span = self.per * self.chunk
         seqs = min(self.max_seqs, capacity_tokens // (self.min_len + 1) + 1)  # sequences that can hold boxes
         pages = -(-capacity_tokens // span) + seqs

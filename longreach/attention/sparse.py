@@ -43,7 +43,7 @@ class SequenceKeys:
     """One sequence's keys as the selection sees them: the paged cache and the sequence's block table.
 
     Kernels read through the table; reference code calls `dense()`, which gathers (L, H_kv, D) once and keeps it,
-    or `tokens(a, b)` for a range, and the reference scorer keeps its position-moved copies of those keys in
+    and the reference scorer keeps its position-moved copies of those keys in
     `prune_tables`. One object serves one layer of one step (the keys do not change while it lives). `boxes`: the
     engine's kept chunk boxes of this sequence in this layer (attention/box_pool.py): (the layer's pool, the
     sequence's box table row, chunks per box page), or None (built from the keys when needed).
@@ -67,12 +67,6 @@ class SequenceKeys:
         if self._dense is None:
             self._dense = gather_tokens(self.k_cache, self.block_table, self.length)
         return self._dense
-
-    def tokens(self, a: int, b: int) -> torch.Tensor:
-        """Keys [a, b) (b - a, H_kv, D), from the gathered copy when there is one, else only their pages."""
-        if self._dense is not None:
-            return self._dense[a:b]
-        return gather_tokens(self.k_cache, self.block_table, b, start=a)
 
     def chunk_boxes(self, chunk: int):
         """The kept boxes of chunks [0, ceil(length / chunk)) as a kernels.chunk_box.BoxView (read through the box
@@ -361,7 +355,7 @@ class SparseBackend(GraphDecode, KeptBoxes, AttentionBackend):
         return self.method.token_budget(layer) if c is None else c
 
     def begin_step(self, meta: AttentionMetadata) -> None:
-        for seq_id, context in zip(meta.seq_ids, meta.context_lens):
+        for seq_id in meta.seq_ids:
             if meta.is_prefill:  # a (re)prefill starts a fresh mask cache
                 self._free_masks(seq_id)
                 self._decode_step[seq_id] = -1
@@ -376,12 +370,8 @@ class SparseBackend(GraphDecode, KeptBoxes, AttentionBackend):
     def _free_masks(self, seq_id: int) -> None:
         self._decode_step.pop(seq_id, None)
         self._free_graph_state(seq_id)
-        self._drop(self._state, seq_id)
-
-    @staticmethod
-    def _drop(per_layer: dict, seq_id: int) -> None:
-        for key in [k for k in per_layer if k[0] == seq_id]:
-            del per_layer[key]
+        for key in [k for k in self._state if k[0] == seq_id]:
+            del self._state[key]
 
     def forward(self, layer, q, k, v, k_cache, v_cache, meta: AttentionMetadata):
         if self._variant is not None:

@@ -44,11 +44,20 @@ def page_keys(k_cache, pages: torch.Tensor) -> torch.Tensor:
     return values(rows, torch.float32).float()
 
 
-def block_metadata_reference(keys: torch.Tensor, kind: str) -> torch.Tensor:
-    """keys (n, block_size, H_kv, D) -> metadata (n, 2, H_kv, D) fp32: centre and radius (module docstring)."""
-    kmax, kmin = keys.amax(dim=1), keys.amin(dim=1)
+def block_metadata_reference(keys: torch.Tensor, kind: str, valid: torch.Tensor | None = None) -> torch.Tensor:
+    """keys (n, block_size, H_kv, D) -> metadata (n, 2, H_kv, D) fp32: centre and radius (module docstring), over
+    the keys where `valid` (n, block_size) holds (all of them when None; kernels/chunk_box.py's partial chunks)."""
+    keys = keys.float()
+    if valid is None:
+        valid = torch.ones(keys.shape[:2], dtype=torch.bool, device=keys.device)
+    ok = valid[:, :, None, None]
+    kmax = keys.masked_fill(~ok, float("-inf")).amax(dim=1)
+    kmin = keys.masked_fill(~ok, float("inf")).amin(dim=1)
     centre = (kmax + kmin) / 2
-    radius = (keys - centre[:, None]).abs().mean(dim=1) if kind == "cuboid-mean" else (kmax - kmin) / 2
+    if kind == "cuboid-mean":
+        radius = ((keys - centre[:, None]).abs() * ok).sum(dim=1) / ok.sum(dim=1).clamp(min=1)
+    else:
+        radius = (kmax - kmin) / 2
     return torch.stack([centre, radius], dim=1)
 
 
@@ -86,6 +95,21 @@ def block_scores_reference(q: torch.Tensor, meta: torch.Tensor, block_tables: to
 if triton is not None:
 
     @triton.jit
+    def box_store(out, k, valid, count, d, stride_k, ok, MEAN: tl.constexpr, HEAD_DIM: tl.constexpr):
+        """Store the box of rows k (N, D) fp32 where `valid` (N,): centre at out, radius at out + stride_k (`count`
+        valid rows, for the mean), both masked by `ok`. `block_metadata_reference` is its reference; the PSA
+        metadata kernel and kernels/chunk_box.py's chunk boxes share it."""
+        kmax = tl.max(tl.where(valid[:, None], k, float("-inf")), axis=0)
+        kmin = tl.min(tl.where(valid[:, None], k, float("inf")), axis=0)
+        centre = (kmax + kmin) * 0.5
+        if MEAN:
+            radius = tl.sum(tl.where(valid[:, None], tl.abs(k - centre[None, :]), 0.0), axis=0) / count
+        else:
+            radius = (kmax - kmin) * 0.5
+        tl.store(out, centre.to(out.dtype.element_ty), mask=(d < HEAD_DIM) & ok)
+        tl.store(out + stride_k, radius.to(out.dtype.element_ty), mask=(d < HEAD_DIM) & ok)
+
+    @triton.jit
     def _block_meta_kernel(
         K, KH, Slots, BlockTables, Lo, Hi, Meta,
         stride_kp, stride_ko, stride_kh, stride_khp, stride_btb, stride_mp, stride_mk, stride_mh,
@@ -101,15 +125,10 @@ if triton is not None:
         pages = page + t * 0  # (PAGE,): every row of the block lives in the same page
         slot = page_slots(Slots, pages, TIERED)
         base = row_base(K, KH, pages, slot, stride_kp, stride_khp, TIERED)
-        k = load_kv(base, t, h, stride_ko, stride_kh, d, (t < PAGE) & ok, HEAD_DIM, FP8).to(tl.float32)
-        centre = (tl.max(k, axis=0) + tl.min(k, axis=0)) * 0.5
-        if MEAN:
-            radius = tl.sum(tl.abs(k - centre[None, :]), axis=0) / PAGE
-        else:
-            radius = (tl.max(k, axis=0) - tl.min(k, axis=0)) * 0.5
-        out = Meta + page * stride_mp + h * stride_mh + d
-        tl.store(out, centre.to(Meta.dtype.element_ty), mask=(d < HEAD_DIM) & ok)
-        tl.store(out + stride_mk, radius.to(Meta.dtype.element_ty), mask=(d < HEAD_DIM) & ok)
+        valid = (t < PAGE) & ok
+        k = load_kv(base, t, h, stride_ko, stride_kh, d, valid, HEAD_DIM, FP8).to(tl.float32)
+        box_store(Meta + page * stride_mp + h * stride_mh + d, k, valid, PAGE * 1.0, d, stride_mk, ok, MEAN,
+                  HEAD_DIM)
 
     @triton.jit
     def _block_score_kernel(

@@ -45,13 +45,14 @@ from typing import NamedTuple
 import torch
 
 from ..rope.strategies import RopeArgs, prune_query_pos, rotate
-from .block_meta import METADATA_KINDS
+from .block_meta import METADATA_KINDS, block_metadata_reference
 from .prune_stage import chunk_bounds, moved_keys
 
 try:
     import triton
     import triton.language as tl
 
+    from .block_meta import box_store
     from .paged import kv_format, load_kv, page_slots, row_base, tier_args
     from .rope import rotate_rows, swap_halves
 except ImportError:  # pragma: no cover - CPU installs without Triton use the references
@@ -72,20 +73,9 @@ def chunk_boxes(keys: torch.Tensor, chunk: int, kind: str) -> torch.Tensor:
     partial last chunk over its own keys only."""
     L, H, D = keys.shape
     n = -(-L // chunk)
-    k = keys.float()
-    pad = n * chunk - L
-    valid = torch.arange(n * chunk, device=k.device) < L
-    k = torch.cat([k, k.new_zeros(pad, H, D)]).reshape(n, chunk, H, D)
-    ok = valid.reshape(n, chunk, 1, 1)
-    kmax = k.masked_fill(~ok, float("-inf")).amax(dim=1)
-    kmin = k.masked_fill(~ok, float("inf")).amin(dim=1)
-    centre = (kmax + kmin) / 2
-    if kind == "cuboid-mean":
-        count = ok.sum(dim=1).clamp(min=1)
-        radius = ((k - centre[:, None]).abs() * ok).sum(dim=1) / count
-    else:
-        radius = (kmax - kmin) / 2
-    return torch.stack([centre, radius], dim=1)
+    k = torch.cat([keys.float(), keys.new_zeros(n * chunk - L, H, D, dtype=torch.float32)])
+    valid = (torch.arange(n * chunk, device=keys.device) < L).reshape(n, chunk)
+    return block_metadata_reference(k.reshape(n, chunk, H, D), kind, valid)
 
 
 def key_boxes(keys: torch.Tensor, first: int, chunk: int, kind: str, rope: RopeArgs | None) -> torch.Tensor:
@@ -226,18 +216,6 @@ def build_boxes_reference(k_cache, block_tables: torch.Tensor, lens: torch.Tenso
 if triton is not None:
 
     @triton.jit
-    def _box_store(out, k, valid, count, d, MEAN: tl.constexpr, stride_pk, HEAD_DIM: tl.constexpr, ok):
-        kmax = tl.max(tl.where(valid[:, None], k, float("-inf")), axis=0)
-        kmin = tl.min(tl.where(valid[:, None], k, float("inf")), axis=0)
-        centre = (kmax + kmin) * 0.5
-        if MEAN:
-            radius = tl.sum(tl.where(valid[:, None], tl.abs(k - centre[None, :]), 0.0), axis=0) / count
-        else:
-            radius = (kmax - kmin) * 0.5
-        tl.store(out, centre.to(out.dtype.element_ty), mask=(d < HEAD_DIM) & ok)
-        tl.store(out + stride_pk, radius.to(out.dtype.element_ty), mask=(d < HEAD_DIM) & ok)
-
-    @triton.jit
     def _chunk_box_kernel(
         K, KH, Slots, BlockTables, Lens, Lo, Hi, BoxTables, Pool, InvFreq,
         stride_kp, stride_ko, stride_kh, stride_khp, stride_btb, stride_bxb, stride_pr, stride_pf, stride_pk,
@@ -259,7 +237,7 @@ if triton is not None:
         k = load_kv(base, pos % PAGE, h, stride_ko, stride_kh, d, valid, HEAD_DIM, FP8).to(tl.float32)
         box_page = tl.load(BoxTables + r * stride_bxb + j // PER, mask=ok, other=0).to(tl.int64)
         out = Pool + (box_page * PER + j % PER) * stride_pr + h * stride_ph + d
-        _box_store(out, k, valid, count, d, MEAN, stride_pk, HEAD_DIM, ok)
+        box_store(out, k, valid, count, d, stride_pk, ok, MEAN, HEAD_DIM)
         if MOVE:
             k_sw = load_kv(base, pos % PAGE, h, stride_ko, stride_kh, swap_halves(d, HEAD_DIM), valid, HEAD_DIM,
                            FP8).to(tl.float32)
@@ -267,7 +245,7 @@ if triton is not None:
             km = rotate_rows(k, k_sw, move_to - pos, inv, d, HEAD_DIM)
         else:
             km = k
-        _box_store(out + stride_pf, km, valid, count, d, MEAN, stride_pk, HEAD_DIM, ok)
+        box_store(out + stride_pf, km, valid, count, d, stride_pk, ok, MEAN, HEAD_DIM)
 
 
 if triton is not None:
