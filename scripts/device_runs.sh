@@ -15,6 +15,12 @@
 #   bash scripts/device_runs.sh cascadecheck # needs the model: gpu_check's cascading checks (engine, passkey, prefill)
 #   bash scripts/device_runs.sh fp8quality  # needs the model: the same prompts, infinitehip with fp8 KV
 #   bash scripts/device_runs.sh cascading   # needs the model: passkey 128K and 1M, cascading 65K vs streaming
+#   bash scripts/device_runs.sh psa1m       # needs the model: SmolLM2 at 1M offloaded, infinitehip vs its prefill +
+#                                           # psa decode (loop and waves kernels)
+#   bash scripts/device_runs.sh prefill1m   # needs the model: SmolLM2 1M prefill on the GPU, infinitehip vs cascading
+#   bash scripts/device_runs.sh box1m       # bench decode, 8B shape, fp8 + offload: 1M, infinitehip (3k-box)
+#   bash scripts/device_runs.sh seeds8b     # 8B shape: cascading 16k at 1M (bf16, bounded: no offload); psa (both
+#                                           # kernels) vs infinitehip vs dense at 128K
 # A group's first command compiles kernels (~30-60 s); bench decode runs an untimed warm-up prompt first.
 set -u
 out=${OUT:-out}; mkdir -p "$out"
@@ -93,9 +99,35 @@ cascading)  # needs the model: the blog's 65K cache (8 sub-caches) vs streaming 
         --depths 0.1 0.5 0.9 --attention cascading:65k streaming --max-num-batched-tokens 65536 \
         --attention-config '{"streaming": {"n_sink": 64, "n_window": 65472}}' --out "$out/passkey-cascading.json"
     ;;
+psa1m)  # needs the model: PSA's decode at 1M through the offloaded store, after infinitehip's prefill (psa's own
+    # prefill is dense: ~minutes at 1M), against infinitehip's own decode; real weights, so real attention mass
+    sm="python3 -m longreach bench decode --model $model --text-source paul-graham --lengths 1M --dense-lengths \
+        --max-num-batched-tokens 65536 --kv-offloading-size 26 --kv-cache-memory-gb 2 --attention infinitehip"
+    run smollm2_1m_ih 200 $sm --out "$out/bench-decode-smollm2-1m-ih.json"
+    run smollm2_1m_psa 200 $sm --decode-attention psa --out "$out/bench-decode-smollm2-1m-psa.json"
+    run smollm2_1m_psa_waves 200 $sm --decode-attention psa --decode-attention-config '{"decode_kernel": "waves"}' \
+        --out "$out/bench-decode-smollm2-1m-psa-waves.json"
+    ;;
+prefill1m)  # needs the model: 1M prefill on the GPU (SmolLM2's 23 GiB of KV fit), the bounded cache vs infinitehip
+    run smollm2_1m_prefill 400 python3 -m longreach bench decode --model "$model" --text-source paul-graham \
+        --lengths 1M --dense-lengths --max-num-batched-tokens 65536 --decode-tokens 64 \
+        --attention infinitehip cascading:16k --out "$out/bench-prefill-smollm2-1m.json"
+    ;;
+box1m)
+    run decode_1m_box 590 $bd --kv-offloading-size 76 --lengths 1M --attention infinitehip --dense-lengths \
+        --out "$out/bench-decode-1m-box.json"
+    ;;
+seeds8b)
+    run cascading_1m 300 python3 -m longreach bench decode --lengths 1M --attention cascading:16k --dense-lengths \
+        --max-num-batched-tokens 65536 --decode-tokens 64 --out "$out/bench-decode-1m-cascading.json"
+    run psa_128k 280 $bd --kv-offloading-size 12 --lengths 128k --attention infinitehip psa --dense-lengths 128k \
+        --decode-tokens 64 --out "$out/bench-decode-128k-psa.json"
+    run psa_waves_128k 120 $bd --kv-offloading-size 12 --lengths 128k --attention psa --dense-lengths \
+        --attention-config '{"decode_kernel": "waves"}' --decode-tokens 64 --out "$out/bench-decode-128k-psa-waves.json"
+    ;;
 *)
     echo "usage: bash scripts/device_runs.sh GROUP... (kernels recheck decode1m decode128k engine smollm1m serve" \
-        "quality lowq prefill128k cascadecheck fp8quality cascading)" >&2
+        "quality lowq prefill128k cascadecheck fp8quality cascading psa1m prefill1m box1m seeds8b)" >&2
     exit 2
     ;;
 esac
