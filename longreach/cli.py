@@ -230,7 +230,9 @@ def _bench_parser(sub) -> None:
     dc.add_argument("--lengths", type=context_length, nargs="+", default=[131072, 524288, 1048576], metavar="N",
                     help="context lengths in tokens, e.g. 128k 1M (default: 131072 524288 1048576)")
     dc.add_argument("--attention", nargs="+", default=["infinitehip:3k-fast", "infinitehip:3k-flash"],
-                    metavar="METHOD[:PRESET]", help="methods (default: infinitehip:3k-fast infinitehip:3k-flash)")
+                    metavar="METHOD[:PRESET]", help="methods (default: infinitehip:3k-fast infinitehip:3k-flash); "
+                    "PREFILL+DECODE composes two (infinitehip+psa: infinitehip prefills, psa decodes), @VARIANT names "
+                    "a repeat whose --attention-config is keyed by its label (psa@waves)")
     dc.add_argument("--batch", type=int, default=1, help="sequences decoding together (default: 1)")
     dc.add_argument("--decode-tokens", type=int, default=128, help="tokens generated per sequence (default: 128)")
     dc.add_argument("--dense-lengths", type=context_length, nargs="*", default=None, metavar="N",

@@ -19,6 +19,8 @@
 #                                           # psa decode (loop and waves kernels)
 #   bash scripts/device_runs.sh prefill1m   # needs the model: SmolLM2 1M prefill on the GPU, infinitehip vs cascading
 #   bash scripts/device_runs.sh box1m       # bench decode, 8B shape, fp8 + offload: 1M, infinitehip (3k-box)
+#   bash scripts/device_runs.sh psa128k     # 8B shape, bf16: the psa step's parts in CUDA graphs (128K, 1M); bench
+#                                           # decode 128K, infinitehip vs psa (loop and waves kernels) vs dense
 #   bash scripts/device_runs.sh seeds8b     # 8B shape: cascading 16k at 1M (bf16, bounded: no offload); psa (both
 #                                           # kernels) vs infinitehip vs dense at 128K
 # A group's first command compiles kernels (~30-60 s); bench decode runs an untimed warm-up prompt first.
@@ -101,12 +103,9 @@ cascading)  # needs the model: the blog's 65K cache (8 sub-caches) vs streaming 
     ;;
 psa1m)  # needs the model: PSA's decode at 1M through the offloaded store, after infinitehip's prefill (psa's own
     # prefill is dense: ~minutes at 1M), against infinitehip's own decode; real weights, so real attention mass
-    sm="python3 -m longreach bench decode --model $model --text-source paul-graham --lengths 1M --dense-lengths \
-        --max-num-batched-tokens 65536 --kv-offloading-size 26 --kv-cache-memory-gb 2 --attention infinitehip"
-    run smollm2_1m_ih 200 $sm --out "$out/bench-decode-smollm2-1m-ih.json"
-    run smollm2_1m_psa 200 $sm --decode-attention psa --out "$out/bench-decode-smollm2-1m-psa.json"
-    run smollm2_1m_psa_waves 200 $sm --decode-attention psa --decode-attention-config '{"decode_kernel": "waves"}' \
-        --out "$out/bench-decode-smollm2-1m-psa-waves.json"
+    run smollm2_1m_psa ${SECS:-560} python3 -m longreach bench decode --model $model --text-source paul-graham --lengths 1M \
+        --dense-lengths --max-num-batched-tokens 65536 --kv-offloading-size 26 --kv-cache-memory-gb 2 \
+        --attention infinitehip infinitehip+psa --profile-steps 4 --out "$out/bench-decode-smollm2-1m-psa.json"
     ;;
 prefill1m)  # needs the model: 1M prefill on the GPU (SmolLM2's 23 GiB of KV fit), the bounded cache vs infinitehip
     run smollm2_1m_prefill 400 python3 -m longreach bench decode --model "$model" --text-source paul-graham \
@@ -116,6 +115,12 @@ prefill1m)  # needs the model: 1M prefill on the GPU (SmolLM2's 23 GiB of KV fit
 box1m)
     run decode_1m_box 590 $bd --kv-offloading-size 76 --lengths 1M --attention infinitehip --dense-lengths \
         --out "$out/bench-decode-1m-box.json"
+    ;;
+psa128k)
+    run gpu_check_psa_step 150 python3 scripts/gpu_check.py --out "$out" --only "psa step"
+    run psa_128k 400 python3 -m longreach bench decode --lengths 128k --attention ${PSA_METHODS:-infinitehip psa \
+        psa@waves} --attention-config '{"psa@waves": {"decode_kernel": "waves"}}' --dense-lengths ${DENSE-128k} \
+        --decode-tokens 64 --profile-steps 4 --out "$out/bench-decode-128k-psa.json"
     ;;
 seeds8b)
     run cascading_1m 300 python3 -m longreach bench decode --lengths 1M --attention cascading:16k --dense-lengths \
@@ -127,7 +132,7 @@ seeds8b)
     ;;
 *)
     echo "usage: bash scripts/device_runs.sh GROUP... (kernels recheck decode1m decode128k engine smollm1m serve" \
-        "quality lowq prefill128k cascadecheck fp8quality cascading psa1m prefill1m box1m seeds8b)" >&2
+        "quality lowq prefill128k cascadecheck fp8quality cascading psa1m prefill1m box1m psa128k seeds8b)" >&2
     exit 2
     ;;
 esac

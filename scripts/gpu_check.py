@@ -30,6 +30,7 @@ from gpu_check_methods import (  # noqa: E402
     minference_engine,
     minference_matrix,
     psa_matrix,
+    psa_step_times,
 )
 from gpu_check_box import box_engine, box_matrix  # noqa: E402
 from gpu_check_offload import fused_kernels, offload_engine, offload_kernels  # noqa: E402
@@ -285,6 +286,7 @@ def main():
     check("fused model kernels and the fused KV write (bf16, fp8)")(fused_kernels)
     check("cascading kernels: cache-RoPE attention, key mass (bf16)")(cascading_kernels)
     check("psa decode, metadata, scoring kernels vs reference (bf16, 8B shape, 128K)")(psa_matrix)
+    check("psa step times in CUDA graphs (8B shape, 128K, 1M)")(psa_step_times)
     check("box: stage-0 box build kernel vs reference (bf16, 128K), decode costs")(box_matrix)
     if args.model:
         check("engine: offloaded KV == GPU KV (SmolLM2, 128K)")(lambda: offload_engine(args.model))

@@ -381,3 +381,73 @@ def psa_matrix(dev: str = "cuda", lengths=(131072 + 5, 40000, 777), shape=(32, 8
     return (f"kernels == references (worst output rel err loop {worst['loop']:.2e} / waves {worst['waves']:.2e}, "
             f"reads equal in {pairs - mismatched['loop']} / {pairs - mismatched['waves']} of {pairs} pairs; "
             f"waves == loop reads in {pairs - disagree}/{pairs}); fp8{gpu_only}. " + "; ".join(notes))
+
+
+def psa_step_times(dev: str = "cuda", lengths=(131072 + 5, 1048576 + 5), shape=(32, 8, 128), page: int = 16,
+                   dtype=torch.bfloat16) -> str:
+    """Where a PSA decode step's time goes, every part captured in a CUDA graph and timed by its replays (batch 1,
+    8B shape, random keys with a few hot blocks, eps 0.95): block scores, the stable sort, the loop and waves
+    kernels alone, the whole step (`PSA.attend`) with either kernel, and dense paged decode over the same cache.
+    The width is the engine's: the graph bucket (a power of two >= the length) in pages. psa_matrix checks the
+    results; this only times them."""
+    from longreach.attention.psa import PSA, PSAConfig
+    from longreach.kernels.block_meta import block_scores_triton, build_block_meta_triton
+    from longreach.kernels.paged_decode import default_num_splits, paged_decode
+
+    Hq, Hkv, D = shape
+    rows = []
+
+    def timed(fn) -> float:
+        fn()
+        torch.cuda.synchronize()
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            fn()
+        return _median_us(graph.replay)
+
+    for length in lengths:
+        g = torch.Generator(device=dev).manual_seed(length)
+        need = -(-length // page)
+        width = -(-(1 << (length - 1).bit_length()) // page)  # the graph bucket's blocks
+        tables = torch.zeros(1, width, dtype=torch.int32, device=dev)
+        tables[0, :need] = torch.randperm(need, device=dev, generator=g).int()
+        seq_lens = torch.tensor([length], dtype=torch.int32, device=dev)
+        kc = torch.randn(need, page, Hkv, D, device=dev, generator=g, dtype=dtype)
+        vc = torch.randn(need, page, Hkv, D, device=dev, generator=g, dtype=dtype)
+        q = torch.randn(1, Hq, D, device=dev, generator=g, dtype=dtype)
+        u = torch.randn(Hkv, D, device=dev, generator=g, dtype=dtype)
+        q += u.repeat_interleave(Hq // Hkv, 0)
+        kc[tables[0, torch.randint(8, need * 3 // 4, (64,), device=dev, generator=g)].long()] += u * 1.5
+        meta = torch.zeros(need, 2, Hkv, D, dtype=dtype, device=dev)
+        zero = torch.zeros(1, dtype=torch.int32, device=dev)
+        build_block_meta_triton(kc, tables, zero, ((seq_lens - 1) // page).int(), need, meta, "cuboid-mean")
+        scale = D ** -0.5
+        methods = {k: PSA(PSAConfig(decode_kernel=k), Hq, Hkv) for k in ("loop", "waves")}
+        m = methods["loop"]
+        cand_lo, cand_hi = m.candidates(seq_lens, page)
+        from longreach.kernels.psa_decode import psa_decode_triton
+        from longreach.kernels.psa_waves import psa_decode_waves
+        splits = default_num_splits(1, Hkv, length)
+        t_dense = timed(lambda: paged_decode(q, kc, vc, tables, seq_lens, scale, num_splits=splits))
+        # "hot": a shared direction and hot blocks; "flat": q scaled down, attention near uniform (as with random
+        # weights), so the stop rule reads ~eps of the candidates
+        for case, qq in (("hot", q), ("flat", q * 0.01)):
+            scores = block_scores_triton(qq, meta, tables, cand_lo, cand_hi, width)
+            ranked = scores.sort(dim=-1, descending=True, stable=True).indices.int()
+            t = {"scores": timed(lambda: block_scores_triton(qq, meta, tables, cand_lo, cand_hi, width)),
+                 "sort": timed(lambda: scores.sort(dim=-1, descending=True, stable=True).indices.int())}
+            dec = (qq, kc, vc, tables, seq_lens, ranked, cand_lo, cand_hi, 0.95, 4, scale)
+            t["loop"] = timed(lambda: psa_decode_triton(*dec))
+            t["waves"] = timed(lambda: psa_decode_waves(*dec))
+            for name, method in methods.items():
+                t[f"step({name})"] = timed(lambda method=method: method.attend(qq, kc, vc, tables, seq_lens, meta,
+                                                                               width, scale, True))
+            t["dense"] = t_dense
+            keys = (psa_decode_waves(*dec)[2].float() * page).mean().item()
+            rows.append(f"{length} {case}: " + ", ".join(f"{k} {v:.0f}" for k, v in t.items())
+                        + f" us; dense / step(waves) = {t['dense'] / t['step(waves)']:.2f}x; {keys:.0f} ranked keys "
+                        f"read per KV head of {(int(cand_hi) - cand_lo) * page}")
+            print(rows[-1], flush=True)
+        del kc, vc, meta
+        torch.cuda.empty_cache()
+    return "; ".join(rows)

@@ -159,6 +159,21 @@ def test_bench_kv_bytes_per_token_match_the_stores(kv_dtype):
     assert _kv_bytes_per_token(mc, kv_dtype, torch.bfloat16) * 16 == PagedKVCache.bytes_per_block(*args)
 
 
+def test_composed_method_decodes_with_its_decode_method(tmp_path):
+    """"streaming+psa" in --attention: streaming prefills, psa decodes (the engine's backend says so and psa's block
+    metadata exists); before this was wired, bench decode dropped the "+psa" part and measured streaming twice."""
+    from longreach.cli import main
+
+    out = tmp_path / "bd.json"
+    rc = main(["bench", "decode", "--model", "random:tiny", "--lengths", "256", "--attention", "streaming",
+               "streaming+psa", "--attention-config", SMALL, "--decode-tokens", "4", "--dense-lengths",
+               "--device", "cpu", "--warmup-tokens", "0", "--out", str(out)])
+    assert rc == 0
+    runs = json.loads(out.read_text())["runs"]
+    assert [(x["attention"], x["backend"], x["decode_attention"]) for x in runs] == [
+        ("streaming", "streaming", None), ("streaming+psa", "streaming+psa", "psa")], runs
+
+
 def test_profile_steps_are_profiled_and_left_out_of_the_rate(tmp_path):
     """--profile-steps 3: the last 3 decode steps run under torch.profiler (a kernel table in the JSON) and count as
     warm-up steps, not in the rate."""

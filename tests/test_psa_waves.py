@@ -42,7 +42,9 @@ def test_waves_match_reference_and_loop_kernel(case):
     scale = D ** -0.5
     n_cand = (cand_hi.long() - cand_lo).clamp(min=0)[:, None].expand(len(lengths), Hkv)
     assert len(wave_plan(-(-ranked.shape[2] // mb), 1, 2)) >= 4
-    for eps, tuning in ((0.01, SMALL_WAVES), (0.9, SMALL_WAVES), (1.0, SMALL_WAVES), (0.9, {})):
+    strided = dict(SMALL_WAVES, max_programs=3)  # fewer programs than a wave's micro-batches: each strides over them
+    for eps, tuning in ((0.01, SMALL_WAVES), (0.9, SMALL_WAVES), (1.0, SMALL_WAVES), (0.9, {}), (0.9, strided),
+                        (1.0, dict(max_programs=1)), (0.9, dict(max_programs=2))):
         args = (q, kc, vc, tables, seq_lens, ranked, cand_lo, cand_hi, eps, mb, scale)
         ref, loop = psa_decode_reference(*args), psa_decode_triton(*args)
         got = psa_decode_waves(*args, **_poisoned(q, D, Hkv), **tuning)
@@ -52,7 +54,7 @@ def test_waves_match_reference_and_loop_kernel(case):
             assert torch.equal(counts, n_cand.clamp(max=mb))
         elif eps == 1.0:
             assert torch.equal(counts, n_cand)
-        elif tuning:
+        elif tuning.get("first_wave") == 1:
             assert (counts > 3 * mb).any()  # some pair stops past the second wave (1 + 2 micro-batches)
             assert (counts < n_cand).any()  # and some stops early
 
@@ -74,7 +76,7 @@ def test_blocks_past_the_stop_point_are_never_merged():
                 kp[page, :, g] = vp[page, :, g] = float("nan")
                 poisoned += 1
     assert poisoned > 10
-    for tuning in (SMALL_WAVES, {}):
+    for tuning in (SMALL_WAVES, {}, dict(SMALL_WAVES, max_programs=2), dict(max_programs=1)):
         out, lse, counts = psa_decode_waves(q, kp, vp, *args, **tuning)
         assert torch.equal(counts, ref[2]) and (out - ref[0]).abs().max() < 1e-5 and (lse - ref[1]).abs().max() < 1e-4
 
@@ -110,7 +112,7 @@ def test_attend_routes_to_the_waves_kernel_and_rows_stop_independently():
     returns what it does in the batch."""
     case = (8, 2, 32, 8, 2, [200, 97, 41])
     q, kc, vc, tables, seq_lens, _, _, _, meta = _setup(case, torch.float32, 3)
-    loop = PSA(PSAConfig(epsilon=0.9, microbatch=2, n_sink=9, n_window=11), 8, 2)
+    loop = PSA(PSAConfig(epsilon=0.9, microbatch=2, n_sink=9, n_window=11, decode_kernel="loop"), 8, 2)
     waves = PSA(PSAConfig(epsilon=0.9, microbatch=2, n_sink=9, n_window=11, decode_kernel="waves"), 8, 2)
     W = tables.shape[1]
     out, counts, _, _ = waves.attend(q, kc, vc, tables, seq_lens, meta, W, 0.2, True)
@@ -135,7 +137,7 @@ def test_wave_plan_and_argument_errors():
     q, kc, vc, tables, seq_lens, ranked, cand_lo, cand_hi, _ = _setup((4, 2, 16, 4, 4, [40]), torch.float32, 1)
     args = (q, kc, vc, tables, seq_lens, ranked, cand_lo, cand_hi)
     for kw, msg in (({"first_wave": 0}, "first_wave"), ({"chunk": 3}, "powers of two"),
-                    ({"merge_cols": 12}, "powers of two")):
+                    ({"merge_cols": 12}, "powers of two"), ({"max_programs": 0}, "max_programs")):
         with pytest.raises(ValueError, match=msg):
             psa_decode_waves(*args, 0.9, 4, 0.25, **kw)
     with pytest.raises(ValueError, match="microbatch"):
@@ -144,4 +146,4 @@ def test_wave_plan_and_argument_errors():
         psa_decode_waves(*args, 0.0, 4, 0.25)
     with pytest.raises(ValueError, match="decode_kernel must be one of loop, waves, got 'fast'"):
         PSAConfig(decode_kernel="fast")
-    assert PSAConfig().decode_kernel == "loop"
+    assert PSAConfig().decode_kernel == "waves"

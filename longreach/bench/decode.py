@@ -323,6 +323,8 @@ def _measure(model: str, context: int, spec, engine_kwargs: dict, batch: int, de
             "kv_cache_dtype": kv_dtype if kv_dtype != "auto" else str(engine.dtype).replace("torch.", ""),
             "offload": bool(offload), "kv_offloading_size_gib": offload,
             "kv_cache_memory_gb": cfg.kv_cache_memory_gb, "attention_config": cfg.attention_config,
+            "decode_attention": getattr(cfg, "decode_attention", None),
+            "backend": engine.backend.name,  # "A+B" when composed: B decodes
             "prefill_s": run["prefill_s"], "prefill_tok_s": run["prefill_tokens"] / run["prefill_s"],
             "prefill_first_step_s": run["prefill_first_step_s"],
             "warmup_tokens": warm, "warmup_s": warmup_s,
@@ -398,7 +400,7 @@ def run(model: str, lengths: list[int], methods: list, engine_kwargs: dict, batc
 
     from .. import __version__
     from ..engine.llm_engine import resolve_device, resolve_dtype
-    from ..eval.common import method_config
+    from ..eval.common import decode_kwargs, method_config
     from ..models.random_init import is_random_model, random_shape, weights_note
 
     lengths = sorted(set(lengths))
@@ -434,7 +436,8 @@ def run(model: str, lengths: list[int], methods: list, engine_kwargs: dict, batc
 
     for context in sorted(set(lengths) | set(dense_lengths)):
         for spec in methods if context in lengths else ():
-            kw = {**engine_kwargs, "attention_config": method_config(spec, engine_kwargs.get("attention_config"))}
+            kw = {**engine_kwargs, "attention_config": method_config(spec, engine_kwargs.get("attention_config")),
+                  **decode_kwargs(spec, engine_kwargs.get("attention_config"))}  # "A+B": B decodes
             mc = state.get("model_config")
             need = None if mc is None else _kv_budget_gb(_kv_need_bytes(mc, context, decode_tokens, batch, kw,
                                                                         run_dtype))

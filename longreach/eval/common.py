@@ -107,15 +107,22 @@ def engine_kwargs(args: argparse.Namespace) -> dict:
             "rope_scaling": args.rope_scaling, "enforce_eager": args.enforce_eager}
 
 
+def decode_kwargs(spec: MethodSpec, attention_config: str | None) -> dict:
+    """The engine arguments of a composed spec ("prefill+decode"): its decode method and that method's overrides
+    (keyed by its name in `attention_config`); {} for a spec that is one method."""
+    if not spec.decode:
+        return {}
+    name, _, preset = spec.decode.partition(":")
+    return {"decode_attention": spec.decode,
+            "decode_attention_config": method_config(MethodSpec(name, preset or None, spec.decode), attention_config)}
+
+
 def make_llm(model: str, spec: MethodSpec, attention_config: str | None, device: str, dtype: str,
              max_model_len: int, **engine_kwargs):
     """An `LLM` running one method (`attention_config`: the eval-wide option, see `method_config`)."""
     from ..engine.llm import LLM
 
-    if spec.decode:  # prefill and decode methods composed; the decode method's overrides are keyed by its name
-        name, _, preset = spec.decode.partition(":")
-        engine_kwargs = {**engine_kwargs, "decode_attention": spec.decode, "decode_attention_config": method_config(
-            MethodSpec(name, preset or None, spec.decode), attention_config)}
+    engine_kwargs = {**engine_kwargs, **decode_kwargs(spec, attention_config)}
     return LLM(model, attention=spec.name, preset=spec.preset, attention_config=method_config(spec, attention_config),
                device=device, dtype=dtype, max_model_len=max_model_len, **engine_kwargs)
 

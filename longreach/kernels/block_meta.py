@@ -115,8 +115,8 @@ if triton is not None:
         stride_kp, stride_ko, stride_kh, stride_khp, stride_btb, stride_mp, stride_mk, stride_mh,
         PAGE: tl.constexpr, HEAD_DIM: tl.constexpr, MEAN: tl.constexpr, TIERED: tl.constexpr, FP8: tl.constexpr,
     ):
-        r = tl.program_id(0)
-        j = tl.load(Lo + r) + tl.program_id(1)
+        r = tl.program_id(1)
+        j = tl.load(Lo + r) + tl.program_id(0)  # blocks on axis 0: grid axes 1 and 2 stop at 65,535 (1M tokens)
         h = tl.program_id(2)
         ok = j < tl.load(Hi + r)
         t = tl.arange(0, PAGE)
@@ -174,7 +174,7 @@ def build_block_meta_triton(k_cache, block_tables: torch.Tensor, lo: torch.Tenso
     n = lo.shape[0]
     if n == 0 or max_blocks < 1:
         return
-    _block_meta_kernel[(n, max_blocks, K.shape[2])](
+    _block_meta_kernel[(max_blocks, n, K.shape[2])](
         K, KH, slots, block_tables, lo, hi, meta,
         K.stride(0), K.stride(1), K.stride(2), stride_khp, block_tables.stride(0),
         meta.stride(0), meta.stride(1), meta.stride(2),

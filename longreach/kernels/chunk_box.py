@@ -223,8 +223,8 @@ if triton is not None:
         CHUNK: tl.constexpr, PAGE: tl.constexpr, PER: tl.constexpr, HEAD_DIM: tl.constexpr, MEAN: tl.constexpr,
         MOVE: tl.constexpr, TIERED: tl.constexpr, FP8: tl.constexpr,
     ):
-        r = tl.program_id(0)
-        j = tl.load(Lo + r) + tl.program_id(1)
+        r = tl.program_id(1)
+        j = tl.load(Lo + r) + tl.program_id(0)  # chunks on axis 0: grid axes 1 and 2 stop at 65,535
         h = tl.program_id(2)
         ok = j < tl.load(Hi + r)
         t = tl.arange(0, CHUNK)
@@ -335,7 +335,7 @@ def build_boxes_triton(k_cache, block_tables: torch.Tensor, lens: torch.Tensor, 
         return
     mode = box_mode(rope.mode if rope is not None else None)
     inv = rope.inv_freq.to(device=pool.device, dtype=torch.float32) if mode else lens  # unused without a move
-    _chunk_box_kernel[(n, max_chunks, K.shape[2])](
+    _chunk_box_kernel[(max_chunks, n, K.shape[2])](
         K, KH, slots, block_tables, lens, lo, hi, box_tables, pool, inv,
         K.stride(0), K.stride(1), K.stride(2), stride_khp, block_tables.stride(0), box_tables.stride(0),
         pool.stride(0), pool.stride(1), pool.stride(2), pool.stride(3), MOVE_TO.get(mode, 0),

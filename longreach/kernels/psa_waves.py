@@ -7,10 +7,14 @@ number follows from the shapes, so the launches need no host sync and are CUDA-g
 pair that stops in wave w has read the whole wave: start_w + size_w micro-batches where it needed more than start_w,
 so (growth 2) up to 3x what it needed when it stops early in wave 1, tending to 2x in later waves, and at most
 first_wave micro-batches in wave 0. Each wave is two launches:
-  A. grid (size_w, rows, KV heads), plus one program per pair in wave 0: program z attends to micro-batch
-     start_w + z on its own (the loop kernel's tile code) and writes its partial: per head the base-2 softmax state
-     m, l, the unnormalised output acc (D fp32) and its smallest block log-mass. A pair already stopped (a flag set
-     by the previous merge) or a micro-batch past the row's candidates reads nothing. The extra program of wave 0
+  A. grid (min(size_w, max_programs), rows, KV heads), plus one program per pair in wave 0: program z attends to
+     micro-batches start_w + z, start_w + z + P, ... (P programs stride over the wave) each on its own (the loop
+     kernel's tile code) and writes their partials: per head the base-2 softmax state m, l, the unnormalised
+     output acc (D fp32) and the smallest block log-mass. A pair already stopped (a flag set by the previous
+     merge) or a micro-batch past the row's candidates reads nothing. The cap keeps the late waves of a long
+     context (16,384 micro-batches in the last wave at 1M) from launching a program per micro-batch that only
+     reads a flag: measured on an H100 at 1M, such launches made the waves kernel 3x slower than the loop kernel
+     when a pair stops early (docs/kernel-notes.md v13). The extra program of wave 0
      attends to the fixed keys and writes the pair's running state.
   B. grid (rows, KV heads, D / merge_cols): merge the wave's partials into the running state in rank order. The
      scalars go first, a chunk at a time: a prefix scan of the associative merge of (m, l, lse_min), the stop test
@@ -63,9 +67,12 @@ if triton is not None:
         BLOCK_N: tl.constexpr, HEAD_DIM: tl.constexpr, DOT_PRECISION: tl.constexpr, TIERED: tl.constexpr,
         FP8: tl.constexpr, FIRST: tl.constexpr,
     ):
-        """Kernel A of a wave: program z attends to micro-batch start + z of pair (n, g) on its own and writes its
-        partial state; in the first wave, program `size` attends to the fixed keys and writes the pair's state."""
-        z = tl.program_id(0)
+        """Kernel A of a wave: programs [0, P) (P = the grid's axis 0, less the extra one of the first wave) stride
+        over the wave's micro-batches: program z attends to micro-batches start + z, start + z + P, ... of pair
+        (n, g), each on its own, and writes their partial states; in the first wave, program P attends to the fixed
+        keys and writes the pair's state."""
+        z0 = tl.program_id(0)
+        nprog = tl.num_programs(0) - (1 if FIRST else 0)
         n = tl.program_id(1)
         g = tl.program_id(2)
         pair = n * tl.num_programs(2) + g
@@ -78,25 +85,28 @@ if triton is not None:
         bt = BlockTables + n * stride_btb
         kv = (K, V, KH, VH, Slots)
         strides = (stride_kp, stride_ko, stride_kh, stride_vp, stride_vo, stride_vh, stride_khp, stride_vhp)
-        go = (z < size) & ((start + z) * MB < n_cand)
+        live = z0 < nprog
         if not FIRST:
-            go = go & (tl.load(Flags + par * pairs + pair) == 0)  # stopped in an earlier wave: read nothing
-        if go:
+            live = live & (tl.load(Flags + par * pairs + pair) == 0)  # stopped in an earlier wave: read nothing
+        if live:
             q = tl.load(qp, mask=row_ok[:, None], other=0.0)
-            s, v, bmin = _ranked_blocks(q, kv, strides, bt, Ranked + n * stride_rn + g * stride_rg, g,
-                                        (start + z) * MB, n_cand, qk_scale, BLOCK_M, MB, PAGE, HEAD_DIM,
-                                        DOT_PRECISION, TIERED, FP8)
-            m_b, l_b, acc = online_softmax_step(s, v, tl.full([BLOCK_M], float("-inf"), tl.float32),
-                                                tl.zeros([BLOCK_M], tl.float32),
-                                                tl.zeros([BLOCK_M, HEAD_DIM], tl.float32), DOT_PRECISION)
-            slot = (pair * wave_max + z).to(tl.int64)  # (pairs, wave_max, {m, l, lse_min}, BLOCK_H)
-            ps = Part + slot * 3 * BLOCK_H + hh
-            tl.store(ps, m_b, mask=row_ok)
-            tl.store(ps + BLOCK_H, l_b, mask=row_ok)
-            tl.store(ps + 2 * BLOCK_H, bmin, mask=row_ok)
-            tl.store(PartAcc + (slot * BLOCK_H + hh[:, None]) * HEAD_DIM + d[None, :], acc, mask=row_ok[:, None])
+            z = z0
+            while (z < size) & ((start + z) * MB < n_cand):  # past the row's candidates: nothing more to read
+                s, v, bmin = _ranked_blocks(q, kv, strides, bt, Ranked + n * stride_rn + g * stride_rg, g,
+                                            (start + z) * MB, n_cand, qk_scale, BLOCK_M, MB, PAGE, HEAD_DIM,
+                                            DOT_PRECISION, TIERED, FP8)
+                m_b, l_b, acc = online_softmax_step(s, v, tl.full([BLOCK_M], float("-inf"), tl.float32),
+                                                    tl.zeros([BLOCK_M], tl.float32),
+                                                    tl.zeros([BLOCK_M, HEAD_DIM], tl.float32), DOT_PRECISION)
+                slot = (pair * wave_max + z).to(tl.int64)  # (pairs, wave_max, {m, l, lse_min}, BLOCK_H)
+                ps = Part + slot * 3 * BLOCK_H + hh
+                tl.store(ps, m_b, mask=row_ok)
+                tl.store(ps + BLOCK_H, l_b, mask=row_ok)
+                tl.store(ps + 2 * BLOCK_H, bmin, mask=row_ok)
+                tl.store(PartAcc + (slot * BLOCK_H + hh[:, None]) * HEAD_DIM + d[None, :], acc, mask=row_ok[:, None])
+                z += nprog
         if FIRST:  # (a constexpr: the other waves do not compile the fixed keys)
-            if z == size:
+            if z0 == nprog:
                 q = tl.load(qp, mask=row_ok[:, None], other=0.0)
                 p = tl.load(SeqLens + n) - 1
                 m_i, l_i, acc = _fixed_keys(q, kv, strides, bt, g, p, hi, cand_lo, qk_scale, BLOCK_M, BLOCK_N, PAGE,
@@ -209,6 +219,13 @@ if triton is not None:
                 tl.store(Flags + (1 - par) * pairs + pair, 0, mask=first)
 
 
+def _sm_count(device: torch.device) -> int:
+    """Streaming multiprocessors of a CUDA device (132 elsewhere: the interpreter's grids follow the H100's)."""
+    if device.type != "cuda":
+        return 132
+    return torch.cuda.get_device_properties(device).multi_processor_count
+
+
 def wave_plan(n_mb: int, first_wave: int, growth: int) -> list[tuple[int, int]]:
     """(start, size) in micro-batches of each wave over [0, n_mb): sizes first_wave x growth^w, the last cut at n_mb.
     Never empty: with no micro-batch, one wave of size 0 still attends to the fixed keys."""
@@ -222,18 +239,22 @@ def wave_plan(n_mb: int, first_wave: int, growth: int) -> list[tuple[int, int]]:
 def psa_decode_waves(q, k_cache, v_cache, block_tables, seq_lens, ranked, cand_lo: int, cand_hi, epsilon: float,
                      microbatch: int, scale: float, out: torch.Tensor | None = None, lse: torch.Tensor | None = None,
                      counts: torch.Tensor | None = None, block_n: int = 64, num_warps: int = 4, first_wave: int = 32,
-                     growth: int = 2, chunk: int = 32, merge_cols: int = 32):
+                     growth: int = 2, chunk: int = 32, merge_cols: int = 32, max_programs: int | None = None):
     """`psa_decode_triton` with the ranked blocks read in parallel waves (module docstring): same arguments and
     results. Tuning: `first_wave` micro-batches in the first wave, each next one `growth` times larger; the merge
-    walks `chunk` partials per step and `merge_cols` output columns per program (powers of two)."""
+    walks `chunk` partials per step and `merge_cols` output columns per program (powers of two). A wave launches at
+    most `max_programs` programs per (row, KV head), each striding over the wave's micro-batches (default: about
+    8 x the GPU's SMs in all, 1056 on an H100; a wave of 16,384 micro-batches at 1M would otherwise launch that many
+    programs per pair, most of which only read a flag and leave)."""
     kv, out, lse, counts, inputs, strides, meta = _prepare(q, k_cache, v_cache, block_tables, seq_lens, ranked,
                                                            cand_hi, epsilon, microbatch, out, lse, counts,
                                                            "psa_decode_waves")
     n, D = q.shape[0], q.shape[2]
     pow2 = all(x >= 1 and not x & (x - 1) for x in (chunk, merge_cols))
-    if first_wave < 1 or growth < 1 or not pow2 or chunk < 2:
+    if first_wave < 1 or growth < 1 or not pow2 or chunk < 2 or (max_programs is not None and max_programs < 1):
         raise ValueError(f"first_wave ({first_wave}) and growth ({growth}) must be >= 1, chunk ({chunk}) and "
-                         f"merge_cols ({merge_cols}) powers of two (chunk >= 2)")
+                         f"merge_cols ({merge_cols}) powers of two (chunk >= 2), max_programs ({max_programs}) None "
+                         "or >= 1")
     if n == 0:
         return out, lse, counts
     Hkv, hpg, cols = kv.num_kv_heads, meta["HPG"], min(merge_cols, D)
@@ -241,6 +262,8 @@ def psa_decode_waves(q, k_cache, v_cache, block_tables, seq_lens, ranked, cand_l
     waves = wave_plan(-(-ranked.shape[2] // microbatch), first_wave, growth)
     wave_max = max(size for _, size in waves)
     pairs = n * Hkv
+    if max_programs is None:
+        max_programs = max(1, 8 * _sm_count(q.device) // pairs)
     f32 = dict(dtype=torch.float32, device=q.device)
     part = torch.empty(pairs, wave_max, 3, block_h, **f32)  # per micro-batch: m, l, lse_min per head
     part_acc = torch.empty(pairs, wave_max, block_h, D, **f32)
@@ -250,7 +273,7 @@ def psa_decode_waves(q, k_cache, v_cache, block_tables, seq_lens, ranked, cand_l
     qk_scale, log2_odds = scale * math.log2(math.e), log_odds(epsilon) * math.log2(math.e)
     for w, (start, size) in enumerate(waves):
         first, last, par = w == 0, w == len(waves) - 1, w % 2
-        _psa_wave_kernel[(size + first, n, Hkv)](  # micro-batches on axis 0: up to 2^31 - 1 (the others 65,535)
+        _psa_wave_kernel[(min(size, max_programs) + first, n, Hkv)](  # strided micro-batches on axis 0
             *inputs, part, part_acc, state, state_acc, flags, *strides,
             qk_scale, cand_lo, start, size, wave_max, pairs, par,
             BLOCK_H=block_h, BLOCK_N=block_n, FIRST=first, num_warps=num_warps, num_stages=2, **meta,

@@ -190,27 +190,23 @@ class CascadeRings:
         L = occ + A
         k_out = max(0, L - W)
         k_ring = min(k_out, occ)
-        old_c = list(range(k_ring))
-        old_chal = [-1] * k_ring
+        old_c = np.arange(k_ring, dtype=np.int64)
+        old_chal = np.full(k_ring, -1, dtype=np.int64)
         if newest_challenged:
             if occ - 1 < k_ring:
                 old_chal[occ - 1] = 0
             else:
-                old_c.append(occ - 1)
-                old_chal.append(0)
+                old_c, old_chal = np.append(old_c, occ - 1), np.append(old_chal, 0)
         r = len(old_c)
-        ring_slot = lambda c: base + (start + c) % W  # noqa: E731 - combined index -> local slot
-        old_slots = np.array([ring_slot(c) for c in old_c], dtype=np.int64)
+        ring_slot = lambda c: base + (start + c) % W  # noqa: E731 - combined index -> local slot (arrays too)
+        old_slots = ring_slot(old_c)
         # combined = previous ring tokens (occ) ++ entries (A); pool = [old_c ..., entries ...]
-        out_idx = np.array([c if c < occ else r + c - occ for c in range(k_out)], dtype=np.int64)
-        dst, src = [], []
-        for c in range(k_out, L):
-            if c >= occ:
-                dst.append(ring_slot(c))
-                src.append(r + c - occ)
+        c = np.arange(k_out, dtype=np.int64)
+        out_idx = np.where(c < occ, c, r + c - occ)
+        kept = np.arange(max(k_out, occ), L, dtype=np.int64)  # entries that stay: written into the ring
+        dst, src = ring_slot(kept), r + kept - occ
         if newest_challenged and occ - 1 >= k_out:
-            dst.append(ring_slot(occ - 1))
-            src.append(r - 1)
+            dst, src = np.append(dst, ring_slot(occ - 1)), np.append(src, r - 1)
         fills = int(min(A, W - occ)) if j > 0 else int(min(m, W - occ))
         self.stats["rule1"] += fills
         self.stats["rule2"] += A - fills if j > 0 else 0
@@ -218,8 +214,8 @@ class CascadeRings:
         self.start[j] = (start + k_out) % W
         self.fill[j] = min(L, W)
         self.offers[j] = k0 + m
-        return LevelPlan(m, pidx, cidx, old_slots, np.array(old_chal, dtype=np.int64), out_idx,
-                         np.array(dst, dtype=np.int64), np.array(src, dtype=np.int64), fills, int(compare.sum()))
+        return LevelPlan(m, pidx, cidx, old_slots, old_chal, out_idx, dst.astype(np.int64), src.astype(np.int64),
+                         fills, int(compare.sum()))
 
     def check_integrity(self) -> None:
         """Structural invariants; raises AssertionError. Rings fill in order, each from its first slot; sizes bound
