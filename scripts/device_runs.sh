@@ -17,6 +17,8 @@
 #   bash scripts/device_runs.sh cascading   # needs the model: passkey 128K and 1M, cascading 65K vs streaming
 #   bash scripts/device_runs.sh psa1m       # needs the model: SmolLM2 at 1M offloaded, infinitehip vs its prefill +
 #                                           # psa decode (loop and waves kernels)
+#   bash scripts/device_runs.sh psarecall   # needs the model: eval recall at 32K and 128K, psa 0.9-0.98 vs infinitehip
+#                                           # 3k and quest 3k: keys read per query beside mass recall (issue 15)
 #   bash scripts/device_runs.sh prefill1m   # needs the model: SmolLM2 1M prefill on the GPU, infinitehip vs cascading
 #   bash scripts/device_runs.sh box1m       # bench decode, 8B shape, fp8 + offload: 1M, infinitehip (3k-box)
 #   bash scripts/device_runs.sh psa128k     # 8B shape, bf16: the psa step's parts in CUDA graphs (128K, 1M); bench
@@ -107,6 +109,12 @@ psa1m)  # needs the model: PSA's decode at 1M through the offloaded store, after
         --dense-lengths --max-num-batched-tokens 65536 --kv-offloading-size 26 --kv-cache-memory-gb 2 \
         --attention infinitehip infinitehip+psa --profile-steps 4 --out "$out/bench-decode-smollm2-1m-psa.json"
     ;;
+psarecall)  # needs the model: the budget each method reads past the trained length (true positions for psa)
+    for n in 32768 131072; do
+        run recall_$n 280 python3 -m longreach eval recall --model "$model" --text-source paul-graham --length $n \
+            --queries 128 --attention psa:0.9 psa:0.95 psa:0.98 infinitehip:3k quest:3k --out "$out/recall-$n.json"
+    done
+    ;;
 prefill1m)  # needs the model: 1M prefill on the GPU (SmolLM2's 23 GiB of KV fit), the bounded cache vs infinitehip
     run smollm2_1m_prefill 400 python3 -m longreach bench decode --model "$model" --text-source paul-graham \
         --lengths 1M --dense-lengths --max-num-batched-tokens 65536 --decode-tokens 64 \
@@ -132,7 +140,7 @@ seeds8b)
     ;;
 *)
     echo "usage: bash scripts/device_runs.sh GROUP... (kernels recheck decode1m decode128k engine smollm1m serve" \
-        "quality lowq prefill128k cascadecheck fp8quality cascading psa1m prefill1m box1m psa128k seeds8b)" >&2
+        "quality lowq prefill128k cascadecheck fp8quality cascading psa1m psarecall prefill1m box1m psa128k seeds8b)" >&2
     exit 2
     ;;
 esac

@@ -3,7 +3,8 @@
 A decode-time method whose budget is a threshold on attended attention mass instead of a top-k: per decode query and
 KV group, rank the context's blocks by a metadata score, attend to them in rank order in micro-batches of m blocks,
 and stop once the estimated attended share P_acc = AS_acc / (AS_acc + AS_min * N_left) reaches epsilon (Alg. 1;
-kernels/psa_decode.py has the loop, kernels/block_meta.py the metadata). The number of keys read therefore varies per
+kernels/psa_waves.py has the default decode kernel, ranked blocks read in parallel waves, kernels/psa_decode.py the
+loop kernel and the reference, kernels/block_meta.py the metadata). The number of keys read therefore varies per
 query, layer and KV head, which is the method's point; `longreach eval recall` reports its distribution.
 
 Decisions on what the paper leaves open (digest §5.3, §8.9; docs/sparse.md has the reasons at length):
@@ -34,6 +35,10 @@ Device side (CUDA): metadata build, scoring, sort, the decode kernel and the off
 device ops with static shapes, so the decode step is captured in CUDA graphs: variants per context bucket, plus a
 "catch-up" variant for steps in which a sequence has more than one block to build (its first decode step). Tested
 on CPU through the runner's emulated graph path, and captured through the engine on an H100 (docs/benchmarks.md).
+The stop test runs on the device, inside the decode kernels, not in a verifying kernel that signals the host (the
+paper's): no host round trip per micro-batch. `decode_kernel: waves` (default) reads a wave of micro-batches in
+parallel and merges them in rank order; `loop` walks them in one program per (row, KV head), which is as fast when a
+query stops early and 17-20x slower when it reads most blocks (H100, docs/kernel-notes.md v13).
 """
 from __future__ import annotations
 
