@@ -140,8 +140,17 @@ def evaluate(methods: dict[str, SelectionMethod | None], cap: Capture, scale: fl
     """Per-layer and mean metrics of each method (None: dense) on a capture; a method's dense layers count as dense."""
     per_layer: dict[str, list[dict]] = {name: [] for name in methods}
     budgets: dict[str, list[tuple[bool, torch.Tensor]]] = {name: [] for name in methods}  # (dense, keys per row/head)
+    import time
+
+    from .common import note
+
     R = cap.positions.numel()
+    t0 = time.perf_counter()
     for layer, (q, k, v) in enumerate(zip(cap.q, cap.k, cap.v)):
+        if layer:  # selections at long contexts take minutes on a CPU: say how far it is
+            done = time.perf_counter() - t0
+            note(f"recall: layer {layer + 1}/{len(cap.q)}, {done:.0f} s so far, "
+                 f"~{done / layer * (len(cap.q) - layer):.0f} s left")
         ref = LayerReference(q, k, v, cap.positions, scale)
         for name, method in methods.items():
             dense = method is None or layer in method.cfg.dense_layers
