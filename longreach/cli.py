@@ -246,6 +246,9 @@ def _bench_parser(sub) -> None:
     dc.add_argument("--profile-steps", type=int, default=0, metavar="N",
                     help="run the last N decode steps of each run under torch.profiler and print where a step's "
                          "time goes (wall vs device ms, top kernels); they are left out of the rate (default: 0)")
+    dc.add_argument("--profile-prefill-steps", type=int, default=0, metavar="N",
+                    help="run prefill steps 2..N+1 of each run under torch.profiler and print their top kernels "
+                         "(their seconds stay in the prefill time, profiler overhead included) (default: 0)")
     src = dc.add_mutually_exclusive_group()
     src.add_argument("--text-file", metavar="PATH", help="prompt: this text repeated to each length (default: random "
                      "token ids; a text needs a model with a tokenizer)")
@@ -403,6 +406,8 @@ def _cmd_bench_decode(args) -> int:
     if not 0 <= args.profile_steps < args.decode_tokens - 1:
         raise ValueError(f"--profile-steps must be in [0, --decode-tokens - 1) = [0, {args.decode_tokens - 1}) (the "
                          f"first token comes from the prefill), got {args.profile_steps}")
+    if args.profile_prefill_steps < 0:
+        raise ValueError(f"--profile-prefill-steps must be >= 0, got {args.profile_prefill_steps}")
     if is_random_model(args.model):
         random_shape(args.model)  # an unknown shape fails here, before any engine is built
     methods = parse_methods(args.attention)
@@ -425,7 +430,8 @@ def _cmd_bench_decode(args) -> int:
     report = run(args.model, args.lengths, methods, engine, batch=args.batch, decode_tokens=args.decode_tokens,
                  dense_lengths=args.dense_lengths, out_path=args.out,
                  command=shlex.join(["longreach", *getattr(args, "argv", [])]), text=text, text_label=label,
-                 warmup_tokens=args.warmup_tokens, profile_steps=args.profile_steps)
+                 warmup_tokens=args.warmup_tokens, profile_steps=args.profile_steps,
+                 profile_prefill_steps=args.profile_prefill_steps)
     return 1 if any("error" in r for r in report["runs"]) else 0
 
 

@@ -119,6 +119,10 @@ prefill1m)  # needs the model: 1M prefill on the GPU (SmolLM2's 23 GiB of KV fit
     run smollm2_1m_prefill 400 python3 -m longreach bench decode --model "$model" --text-source paul-graham \
         --lengths 1M --dense-lengths --max-num-batched-tokens 65536 --decode-tokens 64 \
         --attention infinitehip cascading:16k --out "$out/bench-prefill-smollm2-1m.json"
+    # where a prefill step's time goes (profiled steps 2-3 at 128K; their seconds include the profiler's overhead)
+    run smollm2_128k_prefill_profile 150 python3 -m longreach bench decode --model "$model" --text-source \
+        paul-graham --lengths 128k --dense-lengths --max-num-batched-tokens 65536 --decode-tokens 8 \
+        --attention infinitehip cascading:16k --profile-prefill-steps 2 --out "$out/bench-prefill-profile-128k.json"
     ;;
 box1m)
     run decode_1m_box 590 $bd --kv-offloading-size 76 --lengths 1M --attention infinitehip --dense-lengths \

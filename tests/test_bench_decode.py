@@ -191,3 +191,23 @@ def test_profile_steps_are_profiled_and_left_out_of_the_rate(tmp_path):
     assert prof["steps"] == 3 and prof["clock"] == "cpu" and prof["top"]
     assert prof["top"][0]["ms_per_step"] >= prof["top"][-1]["ms_per_step"] > 0
     assert json.loads(out.read_text())["runs"][0]["profile"]["steps"] == 3
+
+
+def test_profile_prefill_steps_profile_prefill_steps_two_on(tmp_path, capsys):
+    """--profile-prefill-steps 2 over a 4-chunk prefill: prefill steps 2 and 3 run under the profiler (a kernel table
+    of its own in the JSON), decode is not profiled, and a negative count is a clear error."""
+    from longreach.bench.decode import run
+    from longreach.cli import main
+    from longreach.eval.common import MethodSpec
+
+    report = run("random:tiny", [512], [MethodSpec("streaming", None, "streaming")],
+                 {"device": "cpu", "kv_cache_memory_gb": 0.01, "max_num_batched_tokens": 128}, decode_tokens=4,
+                 dense_lengths=[], out_path=str(tmp_path / "bd.json"), warmup_tokens=0, profile_prefill_steps=2)
+    row = report["runs"][0]
+    assert "error" not in row, row
+    prof = row["prefill_profile"]
+    assert prof["steps"] == 2 and prof["clock"] == "cpu" and prof["top"] and row["profile"] is None
+    assert prof["wall_ms_per_step"] > 0 and row["decode_steps"] == 3
+    assert main(["bench", "decode", "--model", "random:tiny", "--lengths", "256", "--profile-prefill-steps", "-1",
+                 "--device", "cpu"]) == 2
+    assert "--profile-prefill-steps must be >= 0, got -1" in capsys.readouterr().err

@@ -211,9 +211,12 @@ def _note(msg: str) -> None:
 
 
 # ---- one run ---------------------------------------------------------------------------------------------------------
-def _drive(engine, prompts: list[list[int]], decode_tokens: int, label: str, profile_steps: int = 0) -> dict:
+def _drive(engine, prompts: list[list[int]], decode_tokens: int, label: str, profile_steps: int = 0,
+           profile_prefill_steps: int = 0) -> dict:
     """Prefill and decode every prompt through `engine`, one timed step at a time; the last `profile_steps` decode
-    steps run under the profiler (bench/profile.py) and are left out of the rate."""
+    steps run under the profiler (bench/profile.py) and are left out of the rate; so do the prefill steps from the
+    second one on, `profile_prefill_steps` of them (their time stays in the prefill seconds, profiler overhead
+    included: a run that profiles its prefill says where the time goes, not how much there is)."""
     from ..sampling_params import SamplingParams
     from .profile import StepProfiler
 
@@ -228,14 +231,18 @@ def _drive(engine, prompts: list[list[int]], decode_tokens: int, label: str, pro
     snaps: list = []  # offload counters before decode step 0, then after each decode step
     prefill_before = snap = _kv_stats(engine)
     last_note = time.perf_counter()
-    prof = StepProfiler(dev)
+    prof, prof_prefill = StepProfiler(dev), StepProfiler(dev)
+    prefill_steps = 0
     try:
         while engine.has_unfinished_requests():
             n_graphs, prev = len(runner._graphs), engine.last_step
             profiled = profile_steps > 0 and engine.last_step is not None and not engine.last_step.is_prefill \
                 and len(steps) >= decode_tokens - 1 - profile_steps  # the prefill samples the first token
+            profiled_prefill = prefill_tokens < total and 1 <= prefill_steps <= profile_prefill_steps
             if profiled:
                 prof.start()
+            if profiled_prefill:
+                prof_prefill.start()
             _sync(dev)
             t0 = time.perf_counter()
             engine.step()
@@ -246,6 +253,11 @@ def _drive(engine, prompts: list[list[int]], decode_tokens: int, label: str, pro
                 raise RuntimeError("the engine scheduled nothing: the KV cache cannot hold the batch")
             before, snap = snap, _kv_stats(engine)
             if st.is_prefill:
+                prefill_steps += 1
+                if profiled_prefill:
+                    prof_prefill.record(dt)
+                    if prefill_steps > profile_prefill_steps:
+                        prof_prefill.stop()
                 prefill_s += dt
                 prefill_tokens += st.num_tokens
                 first_step = dt if first_step is None else first_step
@@ -255,6 +267,7 @@ def _drive(engine, prompts: list[list[int]], decode_tokens: int, label: str, pro
                     _note(f"{label}: prefill {prefill_tokens:,}/{total:,} tokens in {prefill_s:.0f} s "
                           f"({rate:,.0f} tok/s, ~{max(total - prefill_tokens, 0) / rate:.0f} s left)")
                 continue
+            prof_prefill.stop()  # a decode step: the prefill's profile ends, whatever it had
             if not snaps:
                 snaps.append(before)
             # warm-up: a graph variant captured in this step, or without graphs the first decode step
@@ -268,9 +281,10 @@ def _drive(engine, prompts: list[list[int]], decode_tokens: int, label: str, pro
             engine.abort_request(rid)
         raise
     finally:
-        profile = prof.report()
+        profile, prefill_profile = prof.report(), prof_prefill.report()
     return {"prefill_s": prefill_s, "prefill_tokens": prefill_tokens, "prefill_first_step_s": first_step,
-            "steps": steps, "snaps": snaps, "prefill_before": prefill_before, "profile": profile}
+            "steps": steps, "snaps": snaps, "prefill_before": prefill_before, "profile": profile,
+            "prefill_profile": prefill_profile}
 
 
 def _measure(model: str, context: int, spec, engine_kwargs: dict, batch: int, decode_tokens: int, seed: int,
@@ -303,10 +317,13 @@ def _measure(model: str, context: int, spec, engine_kwargs: dict, batch: int, de
             warmup_s = time.perf_counter() - t0
         if dev.type == "cuda":
             torch.cuda.reset_peak_memory_stats(dev)
-        run = _drive(engine, prompts, decode_tokens, label, state.get("profile_steps") or 0)
-        if run["profile"]:
-            from .profile import format_report
+        run = _drive(engine, prompts, decode_tokens, label, state.get("profile_steps") or 0,
+                     state.get("profile_prefill_steps") or 0)
+        from .profile import format_report
 
+        if run["prefill_profile"]:
+            print(format_report(f"{label} prefill", run["prefill_profile"]), flush=True)
+        if run["profile"]:
             print(format_report(label, run["profile"]), flush=True)
         peak = torch.cuda.max_memory_allocated(dev) if dev.type == "cuda" else None
         kv_gpu, kv_staging, kv_staging_decode, kv_host = _kv_store_bytes(engine)
@@ -347,7 +364,7 @@ def _measure(model: str, context: int, spec, engine_kwargs: dict, batch: int, de
             },
             "host": _host_memory(),
             "offload_stats": _offload_summary(run["snaps"], steps, run["prefill_before"], steady_s),
-            "profile": run["profile"],
+            "profile": run["profile"], "prefill_profile": run["prefill_profile"],
         }
     finally:
         llm = engine = None  # drop the engine (KV, graphs) before the next one is built
@@ -391,7 +408,7 @@ def _dense_plan(context: int, batch: int, decode_tokens: int, engine_kwargs: dic
 def run(model: str, lengths: list[int], methods: list, engine_kwargs: dict, batch: int = 1, decode_tokens: int = 128,
         dense_lengths: list[int] | None = None, out_path: str | None = None, command: str = "",
         text: str | None = None, text_label: str | None = None, warmup_tokens: int | None = None,
-        profile_steps: int = 0) -> dict:
+        profile_steps: int = 0, profile_prefill_steps: int = 0) -> dict:
     """Every (context, method) of `lengths` x `methods` (eval.common.MethodSpec), then dense at `dense_lengths`
     (None: `lengths` plus the 4K anchor below them; []: no dense). `engine_kwargs`: EngineConfig fields other than
     model / attention / preset / max_model_len / max_num_seqs; its `attention_config` may be keyed by method
@@ -409,7 +426,8 @@ def run(model: str, lengths: list[int], methods: list, engine_kwargs: dict, batc
     dense_lengths = sorted(set(dense_lengths))
     device = resolve_device(engine_kwargs.get("device", "auto"))
     run_dtype = resolve_dtype(engine_kwargs.get("dtype", "auto"), device)
-    state: dict = {"text": text, "warmup_tokens": warmup_tokens, "profile_steps": profile_steps}
+    state: dict = {"text": text, "warmup_tokens": warmup_tokens, "profile_steps": profile_steps,
+                   "profile_prefill_steps": profile_prefill_steps}
     if is_random_model(model):
         state["model_config"] = random_shape(model).config
     report = {

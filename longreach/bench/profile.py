@@ -13,7 +13,7 @@ TOP = 15
 
 
 class StepProfiler:
-    """Profiles the decode steps it is told to; `report()` summarises them (None when none ran)."""
+    """Profiles the engine steps it is told to (decode or prefill); `report()` summarises them (None when none ran)."""
 
     def __init__(self, device) -> None:
         import torch
@@ -24,6 +24,7 @@ class StepProfiler:
             acts.append(torch.profiler.ProfilerActivity.CUDA)
         self._acts = acts
         self._prof = None
+        self._stopped = False
         self.steps = 0
         self.wall_s = 0.0
 
@@ -38,10 +39,16 @@ class StepProfiler:
         self.steps += 1
         self.wall_s += seconds
 
+    def stop(self) -> None:
+        """End profiling (the steps recorded so far are what `report` summarises); a no-op when not started."""
+        if self._prof is not None and not self._stopped:
+            self._prof.__exit__(None, None, None)
+            self._stopped = True
+
     def report(self) -> dict | None:
         if self._prof is None:
             return None
-        self._prof.__exit__(None, None, None)
+        self.stop()
         n = max(1, self.steps)
         rows = []
         for evt in self._prof.key_averages():
@@ -60,7 +67,7 @@ class StepProfiler:
 
 
 def format_report(label: str, rep: dict) -> str:
-    lines = [f"{label}: {rep['steps']} profiled decode steps, wall {rep['wall_ms_per_step']:.2f} ms/step, "
+    lines = [f"{label}: {rep['steps']} profiled steps, wall {rep['wall_ms_per_step']:.2f} ms/step, "
              f"{rep['clock']} busy {rep['busy_ms_per_step']:.2f} ms/step"]
     for r in rep["top"]:
         lines.append(f"  {r['ms_per_step']:8.3f} ms  {r['calls_per_step']:7.1f}x  {r['name'][:90]}")
