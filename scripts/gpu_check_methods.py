@@ -393,6 +393,8 @@ def psa_step_times(dev: str = "cuda", lengths=(131072 + 5, 1048576 + 5), shape=(
     from longreach.attention.psa import PSA, PSAConfig
     from longreach.kernels.block_meta import block_scores_triton, build_block_meta_triton
     from longreach.kernels.paged_decode import default_num_splits, paged_decode
+    from longreach.kernels.psa_decode import psa_decode_triton
+    from longreach.kernels.psa_waves import psa_decode_waves
 
     Hq, Hkv, D = shape
     rows = []
@@ -425,8 +427,6 @@ def psa_step_times(dev: str = "cuda", lengths=(131072 + 5, 1048576 + 5), shape=(
         methods = {k: PSA(PSAConfig(decode_kernel=k), Hq, Hkv) for k in ("loop", "waves")}
         m = methods["loop"]
         cand_lo, cand_hi = m.candidates(seq_lens, page)
-        from longreach.kernels.psa_decode import psa_decode_triton
-        from longreach.kernels.psa_waves import psa_decode_waves
         splits = default_num_splits(1, Hkv, length)
         t_dense = timed(lambda: paged_decode(q, kc, vc, tables, seq_lens, scale, num_splits=splits))
         # "hot": a shared direction and hot blocks; "flat": q scaled down, attention near uniform (as with random
@@ -448,6 +448,4 @@ def psa_step_times(dev: str = "cuda", lengths=(131072 + 5, 1048576 + 5), shape=(
                         + f" us; dense / step(waves) = {t['dense'] / t['step(waves)']:.2f}x; {keys:.0f} ranked keys "
                         f"read per KV head of {(int(cand_hi) - cand_lo) * page}")
             print(rows[-1], flush=True)
-        del kc, vc, meta
-        torch.cuda.empty_cache()
     return "; ".join(rows)
