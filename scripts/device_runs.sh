@@ -17,6 +17,8 @@
 #   bash scripts/device_runs.sh cascading   # needs the model: passkey 128K and 1M, cascading 65K vs streaming
 #   bash scripts/device_runs.sh psa1m       # needs the model: SmolLM2 at 1M offloaded, infinitehip vs its prefill +
 #                                           # psa decode (loop and waves kernels)
+#   bash scripts/device_runs.sh psarank     # needs the model: gpu_check psa rank rope (kernels, bf16); passkey
+#                                           # 8K-128K, infinitehip vs infinitehip prefill + psa decode at rank positions
 #   bash scripts/device_runs.sh psarecall   # needs the model: eval recall at 32K and 128K, psa 0.9-0.98 vs infinitehip
 #                                           # 3k and quest 3k: keys read per query beside mass recall (issue 15)
 #   bash scripts/device_runs.sh prefill1m   # needs the model: SmolLM2 1M prefill on the GPU, infinitehip vs cascading
@@ -109,6 +111,12 @@ psa1m)  # needs the model: PSA's decode at 1M through the offloaded store, after
         --dense-lengths --max-num-batched-tokens 65536 --kv-offloading-size 26 --kv-cache-memory-gb 2 \
         --attention infinitehip infinitehip+psa --profile-steps 4 --out "$out/bench-decode-smollm2-1m-psa.json"
     ;;
+psarank)  # needs the model: PSA past the trained length (rope "rank", attention/psa.py), after a sparse prefill
+    run gpu_check_psa_rank 200 python3 scripts/gpu_check.py --out "$out" --only "psa rank"
+    run passkey_psa_rank 380 python3 -m longreach eval passkey --model "$model" --lengths 8k 16k 32k 64k 128k \
+        --depths 0.1 0.5 0.9 --seeds 2 --attention infinitehip infinitehip+psa infinitehip+psa:0.98 \
+        --attention-config '{"psa": {"rope": "rank"}}' --out "$out/passkey-psa-rank.json"
+    ;;
 psarecall)  # needs the model: the budget each method reads past the trained length (true positions for psa)
     for n in 32768 131072; do
         run recall_$n 280 python3 -m longreach eval recall --model "$model" --text-source paul-graham --length $n \
@@ -144,7 +152,7 @@ seeds8b)
     ;;
 *)
     echo "usage: bash scripts/device_runs.sh GROUP... (kernels recheck decode1m decode128k engine smollm1m serve" \
-        "quality lowq prefill128k cascadecheck fp8quality cascading psa1m psarecall prefill1m box1m psa128k seeds8b)" >&2
+        "quality lowq prefill128k cascadecheck fp8quality cascading psa1m psarank psarecall prefill1m box1m psa128k seeds8b)" >&2
     exit 2
     ;;
 esac

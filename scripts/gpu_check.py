@@ -30,6 +30,7 @@ from gpu_check_methods import (  # noqa: E402
     minference_engine,
     minference_matrix,
     psa_matrix,
+    psa_rank_rope,
     psa_step_times,
 )
 from gpu_check_box import box_engine, box_matrix  # noqa: E402
@@ -287,6 +288,7 @@ def main():
     check("cascading kernels: cache-RoPE attention, key mass (bf16)")(cascading_kernels)
     check("psa decode, metadata, scoring kernels vs reference (bf16, 8B shape, 128K)")(psa_matrix)
     check("psa step times in CUDA graphs (8B shape, 128K, 1M)")(psa_step_times)
+    check("psa rank rope: moved metadata and decode kernels vs reference (bf16, 128K)")(psa_rank_rope)
     check("box: stage-0 box build kernel vs reference (bf16, 128K), decode costs")(box_matrix)
     if args.model:
         check("engine: offloaded KV == GPU KV (SmolLM2, 128K)")(lambda: offload_engine(args.model))

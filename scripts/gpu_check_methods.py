@@ -234,6 +234,23 @@ def cascading_prefill(model: str, lengths=(131072, 1048576)):
     return ", ".join(f"{a} {n // 1024}K {s:.1f} s" for a, n, s in res) + extra
 
 
+def _random_paged(dev, g, lengths, page: int, Hkv: int, D: int, dtype):
+    """Random K/V for sequences of `lengths`, their pages scattered through a pool (two spare pages) by a random block
+    table: (tables, seq_lens, kc, vc)."""
+    need = [-(-x // page) for x in lengths]
+    P = sum(need) + 2
+    perm = torch.randperm(P, device=dev, generator=g).int()
+    tables = torch.zeros(len(lengths), max(need), dtype=torch.int32, device=dev)
+    o = 0
+    for i, k in enumerate(need):
+        tables[i, :k] = perm[o:o + k]
+        o += k
+    seq_lens = torch.tensor(lengths, dtype=torch.int32, device=dev)
+    kc = torch.randn(P, page, Hkv, D, device=dev, generator=g, dtype=dtype)
+    vc = torch.randn(P, page, Hkv, D, device=dev, generator=g, dtype=dtype)
+    return tables, seq_lens, kc, vc
+
+
 def psa_matrix(dev: str = "cuda", lengths=(131072 + 5, 40000, 777), shape=(32, 8, 128), pages=(16, 32),
                dtype=torch.bfloat16, timing: bool = True):
     """PSA at Llama-8B's shape and 128K (attention/psa.py): the metadata, scoring and both decode kernels (loop and
@@ -265,17 +282,8 @@ def psa_matrix(dev: str = "cuda", lengths=(131072 + 5, 40000, 777), shape=(32, 8
 
     for page in pages:
         g = torch.Generator(device=dev).manual_seed(page)
-        need = [-(-x // page) for x in lengths]
-        P = sum(need) + 2
-        perm = torch.randperm(P, device=dev, generator=g).int()
-        tables = torch.zeros(len(lengths), max(need), dtype=torch.int32, device=dev)
-        o = 0
-        for i, k in enumerate(need):
-            tables[i, :k] = perm[o:o + k]
-            o += k
-        seq_lens = torch.tensor(lengths, dtype=torch.int32, device=dev)
-        kc = torch.randn(P, page, Hkv, D, device=dev, generator=g, dtype=dtype)
-        vc = torch.randn(P, page, Hkv, D, device=dev, generator=g, dtype=dtype)
+        tables, seq_lens, kc, vc = _random_paged(dev, g, lengths, page, Hkv, D, dtype)
+        need, P = [-(-x // page) for x in lengths], kc.shape[0]
         q = torch.randn(len(lengths), Hq, D, device=dev, generator=g, dtype=dtype)
         u = torch.randn(Hkv, D, device=dev, generator=g, dtype=dtype)
         q += u.repeat_interleave(Hq // Hkv, 0)  # some structure: a shared direction and a few hot blocks
@@ -449,3 +457,50 @@ def psa_step_times(dev: str = "cuda", lengths=(131072 + 5, 1048576 + 5), shape=(
                         f"read per KV head of {(int(cand_hi) - cand_lo) * page}")
             print(rows[-1], flush=True)
     return "; ".join(rows)
+
+
+def psa_rank_rope(dev: str = "cuda", lengths=(131072 + 5, 40000, 777), shape=(32, 8, 128), page: int = 16,
+                  rope_from: int = 8192, dtype=torch.bfloat16) -> str:
+    """PSA's `rope: rank` positions in bf16 at the 8B shape: the moved-key metadata kernel and both decode kernels
+    against their PyTorch references (fp32 math on the same bf16 inputs); rows past and before rope_from."""
+    from longreach.attention.psa import PSA, PSAConfig
+    from longreach.kernels.block_meta import (block_scores_triton, build_block_meta_reference,
+                                              build_block_meta_triton)
+    from longreach.kernels.psa_decode import psa_decode_reference, psa_decode_triton
+    from longreach.kernels.psa_waves import psa_decode_waves
+
+    Hq, Hkv, D = shape
+    g = torch.Generator(device=dev).manual_seed(11)
+    tables, seq_lens, kc, vc = _random_paged(dev, g, lengths, page, Hkv, D, dtype)
+    P = kc.shape[0]
+    q = torch.randn(len(lengths), Hq, D, device=dev, generator=g, dtype=dtype)
+    inv = _inv_freq(D).float()
+    lo = torch.zeros(len(lengths), dtype=torch.int32, device=dev)
+    hi = ((seq_lens - 1) // page).int()
+    meta = torch.zeros(P, 2, Hkv, D, dtype=dtype, device=dev)
+    build_block_meta_triton(kc, tables, lo, hi, int(hi.max()), meta, "cuboid-mean", inv)
+    ref_meta = torch.zeros(P, 2, Hkv, D, dtype=torch.float32, device=dev)
+    build_block_meta_reference(kc, tables, lo, hi, ref_meta, "cuboid-mean", inv)
+    built = torch.cat([tables[i, :int(hi[i])] for i in range(len(lengths))]).long()
+    err_meta = _rel(meta[built].float(), ref_meta[built])
+    if err_meta > 1e-2:
+        raise AssertionError(f"moved metadata rel err {err_meta:.2e}")
+    m = PSA(PSAConfig(), Hq, Hkv)
+    cand_lo, cand_hi = m.candidates(seq_lens, page)
+    ranked = block_scores_triton(q, meta, tables, cand_lo, cand_hi, tables.shape[1]).sort(
+        dim=-1, descending=True, stable=True).indices.int()
+    rope, notes, scale = (inv, rope_from), [], D ** -0.5
+    for eps in (0.9, 0.95):
+        args = (q, kc, vc, tables, seq_lens, ranked, cand_lo, cand_hi, eps, 4, scale)
+        _, _, ref_counts = psa_decode_reference(*args, rope=rope)
+        for name, run in (("loop", psa_decode_triton), ("waves", psa_decode_waves)):
+            out, _, counts = run(*args, rope=rope)
+            forced = psa_decode_reference(*args, counts=counts, rope=rope)[0]
+            err = _rel(out, forced)
+            if torch.isnan(out).any() or err > 1e-2:
+                raise AssertionError(f"{name}, eps {eps}: rel err {err:.2e} against the reference on its reads")
+            agree = int((counts == ref_counts).sum())
+            if agree < 0.95 * counts.numel():
+                raise AssertionError(f"{name}, eps {eps}: reads equal the reference in {agree}/{counts.numel()}")
+            notes.append(f"{name} eps {eps}: rel err {err:.1e}, reads equal {agree}/{counts.numel()}")
+    return f"moved metadata rel err {err_meta:.1e}; " + "; ".join(notes)

@@ -31,6 +31,14 @@ Decisions on what the paper leaves open (digest §5.3, §8.9; docs/sparse.md has
   * Prefill is dense (the paper's: prefill unchanged); compose a sparse prefill with `--attention M
     --decode-attention psa`. RoPE positions stay true (no strategies: PSA targets long-context models).
   * Ranking ties go to the lower block id (a stable sort).
+  * Positions past the trained length (`rope: rank`; an extension, not the paper's: PSA keeps true positions, and
+    past a model's trained length its attention is out of distribution and diffuse, docs/sparse.md). Rows at or
+    past rope_from (default: the trained length) attend at rank-order positions: the tail at true distances, the
+    ranked block of rank i just before the tail (i + 1 blocks back), clamped nearer than the sink, and the sink
+    rope_from - 1 - s back, so every key lies within the trained distance and each block's move is known when the
+    kernel reads it (the stop rule's masses and the output use the same positions). Ranking uses boxes of the keys
+    moved to position 0 and each query moved to rank 0's distance (every row, so the metadata is built once per
+    block). Not measured for quality yet.
 Device side (CUDA): metadata build, scoring, sort, the decode kernel and the offloaded store's read report are all
 device ops with static shapes, so the decode step is captured in CUDA graphs: variants per context bucket, plus a
 "catch-up" variant for steps in which a sequence has more than one block to build (its first decode step). Tested
@@ -61,6 +69,7 @@ from ..kernels.psa_waves import psa_decode_waves
 from .backend import AttentionBackend, AttentionMetadata
 from .dense import DenseBackend
 from .index import QueryBlocks, SparseIndex
+from ..rope.strategies import RopeFrame, rotate
 from .sparse import config_from, preset_and_overrides, use_kernels
 
 logger = logging.getLogger("longreach")
@@ -81,6 +90,10 @@ class PSAConfig:
     # same reads and outputs (fp32 rounding). waves by default: on flat attention, where a query reads most blocks,
     # the loop's H_kv programs are serial (8B shape at 128K, H100: 4.8 tok/s with loop, 44.2 with waves)
     decode_kernel: str = "waves"
+    # positions: "none" (the paper's: true positions) or "rank" (past rope_from, attend at rank-order positions
+    # within the trained distance and rank by keys moved to a fixed distance; module docstring)
+    rope: str = "none"
+    rope_from: int | None = None  # rows at or past this position move (rope "rank"); None: the trained length
 
     def __post_init__(self) -> None:
         eps = self.epsilon
@@ -103,6 +116,12 @@ class PSAConfig:
             raise ValueError(f"dense_layers must be layer indices >= 0, got {self.dense_layers}")
         if not isinstance(self.decode_kernel, str) or self.decode_kernel not in DECODE_KERNELS:
             raise ValueError(f"decode_kernel must be one of {', '.join(DECODE_KERNELS)}, got {self.decode_kernel!r}")
+        if self.rope not in ("none", "rank"):
+            raise ValueError(f"rope must be 'none' (true positions) or 'rank' (rank-order positions past rope_from), "
+                             f"got {self.rope!r}")
+        r = self.rope_from
+        if r is not None and (isinstance(r, bool) or not isinstance(r, int) or r < 1):
+            raise ValueError(f"rope_from must be None (the model's trained length) or an integer >= 1, got {r!r}")
 
 
 class PSA:
@@ -117,6 +136,14 @@ class PSA:
     def __init__(self, cfg: PSAConfig, num_heads: int, num_kv_heads: int):
         self.cfg, self.num_heads, self.num_kv_heads = cfg, num_heads, num_kv_heads
         self.groups = num_kv_heads  # one ranking and one loop per KV head (module docstring)
+        self.rope_frame: RopeFrame | None = None  # set by the backend (the model's frequencies); None: true positions
+
+    def rope(self) -> tuple[torch.Tensor, int] | None:
+        """(inv_freq, rope_from) when `rope: rank` applies (a backend gave the model's frame), else None."""
+        f = self.rope_frame
+        if self.cfg.rope != "rank" or f is None:
+            return None
+        return f.inv_freq, f.rope_from
 
     def sink_blocks(self, page: int) -> int:
         """Blocks of the sink: n_sink tokens rounded up to whole blocks."""
@@ -138,12 +165,16 @@ class PSA:
         Returns out (n, H_q, D), counts (n, H_kv) blocks read, ranked (n, H_kv, width) int32 and cand_hi (n,)."""
         page = k_cache.shape[1]
         cand_lo, cand_hi = self.candidates(seq_lens, page)
-        score = (block_scores_triton if kernels else block_scores_reference)(q, meta, block_tables, cand_lo, cand_hi,
+        rope = self.rope()
+        qs = q
+        if rope is not None:  # moved metadata (keys at position 0): the query at rank 0's distance, page - T0 away
+            qs = rotate(q, page - cand_hi.long()[:, None] * page, rope[0]).to(q.dtype)
+        score = (block_scores_triton if kernels else block_scores_reference)(qs, meta, block_tables, cand_lo, cand_hi,
                                                                               width)
         ranked = score.sort(dim=-1, descending=True, stable=True).indices.to(torch.int32)
         run = DECODE_KERNELS[self.cfg.decode_kernel] if kernels else psa_decode_reference
         out, _, counts = run(q, k_cache, v_cache, block_tables, seq_lens, ranked, cand_lo, cand_hi,
-                             self.cfg.epsilon, self.cfg.microbatch, scale)
+                             self.cfg.epsilon, self.cfg.microbatch, scale, rope=rope)
         return out, counts, ranked, cand_hi
 
     def read_blocks(self, ranked: torch.Tensor, counts: torch.Tensor, cand_hi: torch.Tensor, seq_lens: torch.Tensor,
@@ -179,8 +210,10 @@ class PSA:
         cache = torch.nn.functional.pad(k.float(), (0, 0, 0, 0, 0, n_pages * page - L)).view(n_pages, page, Hkv, D)
         tables = torch.arange(n_pages, dtype=torch.int32)[None].expand(R, n_pages).contiguous()
         meta = torch.zeros(n_pages, 2, Hkv, D)
+        rope = self.rope()
         build_block_meta_reference(cache, tables[:1], torch.zeros(1, dtype=torch.int32),
-                                   torch.tensor([L // page], dtype=torch.int32), meta, self.cfg.metadata)
+                                   torch.tensor([L // page], dtype=torch.int32), meta, self.cfg.metadata,
+                                   None if rope is None else rope[0])
         seq_lens = (positions + 1).to(torch.int32)
         scale = D ** -0.5  # the model's softmax scale (AttentionBackend.scale): the stop rule depends on it
         _, counts, ranked, cand_hi = self.attend(q.float(), cache, cache, tables, seq_lens, meta, n_pages, scale,
@@ -206,6 +239,13 @@ class PSABackend(AttentionBackend):
         super().__init__(model_config, engine_config, device)
         self.config = self.resolve_config(engine_config)
         self.method = PSA(self.config, model_config.num_heads, model_config.num_kv_heads)
+        if self.config.rope == "rank":
+            from ..rope.scaling import rope_inv_freq
+
+            trained = model_config.max_position_embeddings
+            rope_from = trained if self.config.rope_from is None else self.config.rope_from
+            self.method.rope_frame = RopeFrame(rope_inv_freq(model_config.rope, model_config.head_dim)[0].float()
+                                               .to(device), rope_from, trained)
         self.dense = DenseBackend(model_config, engine_config, device)
         self._meta: torch.Tensor | None = None  # (L, P, 2, H_kv, D) block metadata by page, made on first decode
         self._built: dict[int, int] = {}  # seq_id -> its blocks [0, n) have metadata
@@ -230,6 +270,9 @@ class PSABackend(AttentionBackend):
         if cfg.microbatch * page < 16:
             out.append(f"microbatch x block size = {cfg.microbatch} x {page} < 16 (the kernel's tile); raise "
                        "microbatch or --block-size")
+        if cfg.rope == "rank" and model_config.rope.rope_type == "dynamic" and model_config.rope.freq_factors is None:
+            out.append("psa rope 'rank' moves stored keys with fixed frequencies; dynamic NTK RoPE changes them with "
+                       "the sequence length: use rope 'none'")
         bad = [layer for layer in cfg.dense_layers if layer >= model_config.num_layers]
         if bad:
             out.append(f"dense_layers {bad} do not exist (the model has {model_config.num_layers} layers)")
@@ -288,10 +331,12 @@ class PSABackend(AttentionBackend):
             lo, hi, most = self._step
         kernels = use_kernels(q)
         store = self._store(k_cache, q.dtype)[layer]
+        rope = self.method.rope()
+        inv = None if rope is None else rope[0]  # rope "rank": boxes of the keys moved to position 0
         if kernels:
-            build_block_meta_triton(k_cache, meta.block_tables, lo, hi, most, store, self.config.metadata)
+            build_block_meta_triton(k_cache, meta.block_tables, lo, hi, most, store, self.config.metadata, inv)
         elif most > 0:
-            build_block_meta_reference(k_cache, meta.block_tables, lo, hi, store, self.config.metadata)
+            build_block_meta_reference(k_cache, meta.block_tables, lo, hi, store, self.config.metadata, inv)
         m = self.method
         out, counts, ranked, cand_hi = m.attend(q, k_cache, v_cache, meta.block_tables, meta.seq_lens, store, width,
                                                 self.scale, kernels)

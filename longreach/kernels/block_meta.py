@@ -29,6 +29,7 @@ try:
     import triton.language as tl
 
     from .paged import kv_format, load_kv, page_slots, row_base, tier_args
+    from .rope import rotate_rows, swap_halves
 except ImportError:  # pragma: no cover - CPU installs without Triton use the references
     triton = None
 
@@ -62,8 +63,10 @@ def block_metadata_reference(keys: torch.Tensor, kind: str, valid: torch.Tensor 
 
 
 def build_block_meta_reference(k_cache, block_tables: torch.Tensor, lo: torch.Tensor, hi: torch.Tensor,
-                               meta: torch.Tensor, kind: str) -> None:
-    """meta[page of block j of row r] = the block's metadata, for lo[r] <= j < hi[r] (host sync: CPU path)."""
+                               meta: torch.Tensor, kind: str, inv_freq: torch.Tensor | None = None) -> None:
+    """meta[page of block j of row r] = the block's metadata, for lo[r] <= j < hi[r] (host sync: CPU path).
+    inv_freq (D/2,): box the keys *moved* to position 0 (each rotated back by its position j * block_size + t),
+    PSA's `rope: rank` ranking (attention/psa.py); None: the keys as stored."""
     lo, hi = lo.long().cpu(), hi.long().cpu()
     rows = torch.repeat_interleave(torch.arange(lo.numel()), (hi - lo).clamp(min=0))
     if rows.numel() == 0:
@@ -73,7 +76,14 @@ def build_block_meta_reference(k_cache, block_tables: torch.Tensor, lo: torch.Te
                                     (hi - lo).clamp(min=0))
     blocks = starts + torch.arange(rows.numel()) - first
     pages = block_tables.cpu()[rows, blocks].long()
-    meta[pages.to(meta.device)] = block_metadata_reference(page_keys(k_cache, pages), kind).to(meta.dtype)
+    keys = page_keys(k_cache, pages)
+    if inv_freq is not None:
+        from ..rope.strategies import rotate
+
+        page = keys.shape[1]
+        pos = blocks[:, None] * page + torch.arange(page)  # (n, block_size)
+        keys = rotate(keys, -pos[:, :, None].to(keys.device), inv_freq)
+    meta[pages.to(meta.device)] = block_metadata_reference(keys, kind).to(meta.dtype)
 
 
 def block_scores_reference(q: torch.Tensor, meta: torch.Tensor, block_tables: torch.Tensor, cand_lo: int,
@@ -111,9 +121,10 @@ if triton is not None:
 
     @triton.jit
     def _block_meta_kernel(
-        K, KH, Slots, BlockTables, Lo, Hi, Meta,
+        K, KH, Slots, BlockTables, Lo, Hi, Meta, InvFreq,
         stride_kp, stride_ko, stride_kh, stride_khp, stride_btb, stride_mp, stride_mk, stride_mh,
         PAGE: tl.constexpr, HEAD_DIM: tl.constexpr, MEAN: tl.constexpr, TIERED: tl.constexpr, FP8: tl.constexpr,
+        MOVE: tl.constexpr,
     ):
         r = tl.program_id(1)
         j = tl.load(Lo + r) + tl.program_id(0)  # blocks on axis 0: grid axes 1 and 2 stop at 65,535 (1M tokens)
@@ -127,6 +138,9 @@ if triton is not None:
         base = row_base(K, KH, pages, slot, stride_kp, stride_khp, TIERED)
         valid = (t < PAGE) & ok
         k = load_kv(base, t, h, stride_ko, stride_kh, d, valid, HEAD_DIM, FP8).to(tl.float32)
+        if MOVE:  # each key rotated back to position 0 (PSA's rope: rank)
+            k_sw = load_kv(base, t, h, stride_ko, stride_kh, swap_halves(d, HEAD_DIM), valid, HEAD_DIM, FP8)
+            k = rotate_rows(k, k_sw, -(j * PAGE + t), tl.load(InvFreq + d % (HEAD_DIM // 2)), d, HEAD_DIM)
         box_store(Meta + page * stride_mp + h * stride_mh + d, k, valid, PAGE * 1.0, d, stride_mk, ok, MEAN,
                   HEAD_DIM)
 
@@ -157,9 +171,10 @@ if triton is not None:
 
 
 def build_block_meta_triton(k_cache, block_tables: torch.Tensor, lo: torch.Tensor, hi: torch.Tensor,
-                           max_blocks: int, meta: torch.Tensor, kind: str) -> None:
+                           max_blocks: int, meta: torch.Tensor, kind: str, inv_freq: torch.Tensor | None = None) -> None:
     """`build_block_meta_reference` as one kernel launch (no host sync, graph-capturable): blocks lo[r] + t for
-    t < max_blocks that are below hi[r]. k_cache: (P, block_size, H_kv, D), a two-tier `TierView`, or fp8 rows."""
+    t < max_blocks that are below hi[r]. k_cache: (P, block_size, H_kv, D), a two-tier `TierView`, or fp8 rows;
+    inv_freq (D/2,) fp32: box the keys moved to position 0."""
     if triton is None:
         raise RuntimeError("build_block_meta_triton needs Triton")
     if kind not in METADATA_KINDS:
@@ -174,11 +189,12 @@ def build_block_meta_triton(k_cache, block_tables: torch.Tensor, lo: torch.Tenso
     n = lo.shape[0]
     if n == 0 or max_blocks < 1:
         return
+    move = inv_freq is not None
     _block_meta_kernel[(max_blocks, n, K.shape[2])](
-        K, KH, slots, block_tables, lo, hi, meta,
+        K, KH, slots, block_tables, lo, hi, meta, inv_freq.float() if move else meta,
         K.stride(0), K.stride(1), K.stride(2), stride_khp, block_tables.stride(0),
         meta.stride(0), meta.stride(1), meta.stride(2),
-        PAGE=K.shape[1], HEAD_DIM=D, MEAN=kind == "cuboid-mean", TIERED=tiered, FP8=fp8, num_warps=4,
+        PAGE=K.shape[1], HEAD_DIM=D, MEAN=kind == "cuboid-mean", TIERED=tiered, FP8=fp8, MOVE=move, num_warps=4,
     )
 
 

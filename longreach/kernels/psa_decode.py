@@ -40,6 +40,7 @@ try:
     import triton.language as tl
 
     from .paged import kv_args, load_kv, page_slots, row_base
+    from .rope import rotate_rows, swap_halves
     from .softmax import online_softmax_finish, online_softmax_step
 except ImportError:  # pragma: no cover - CPU installs without Triton use the reference
     triton = None
@@ -73,15 +74,37 @@ def _gather(cache: torch.Tensor, block_tables: torch.Tensor, pos: torch.Tensor, 
     return (flat[slots] if heads is None else flat[slots, heads]).to(dtype)
 
 
+def rank_order_deltas(p: torch.Tensor, cand_lo: int, cand_hi: torch.Tensor, page: int, rope_from: int):
+    """`rope: rank` (attention/psa.py): for rows at positions p (n,) >= rope_from, the key moves that put the
+    attended keys within the trained distance. Returns (sink_delta (n,), ranked(rank, block, t) -> delta): the sink
+    moves by p - rope_from + 1 (its token s then sits rope_from - 1 - s before the query); the ranked block of rank i
+    and id b, token t, moves to max(T0 - (i + 1) * page + t, p - rope_from + 1 + S) (T0 = cand_hi * page, the tail's
+    first key; S = cand_lo * page, the sink), i.e. just before the tail in rank order, clamped nearer than the sink;
+    the tail keeps its true positions. Rows before rope_from move nothing."""
+    p = p.long()
+    active = p >= rope_from
+    shift = torch.where(active, p - rope_from + 1, 0)
+    T0, S = cand_hi.long() * page, cand_lo * page
+
+    def ranked(rank: torch.Tensor, block: torch.Tensor, t: torch.Tensor) -> torch.Tensor:
+        """rank, block, t broadcast against (n, ...): each token's delta."""
+        extra = (1,) * (block.dim() - 1)
+        new = torch.maximum(T0.view(-1, *extra) - (rank + 1) * page + t, (p - rope_from + 1 + S).view(-1, *extra))
+        return torch.where(active.view(-1, *extra), new - (block * page + t), 0)
+    return shift, ranked
+
+
 def psa_decode_reference(q, k_cache, v_cache, block_tables, seq_lens, ranked, cand_lo: int, cand_hi, epsilon: float,
-                         microbatch: int, scale: float, counts: torch.Tensor | None = None, trace: list | None = None):
+                         microbatch: int, scale: float, counts: torch.Tensor | None = None, trace: list | None = None,
+                         rope: tuple[torch.Tensor, int] | None = None):
     """The progressive loop in plain PyTorch (fp32 math; fp64 for fp64 inputs). See the module docstring.
 
     q (n, H_q, D), row r's query at position seq_lens[r] - 1; k_cache / v_cache (P, block_size, H_kv, D), two-tier
     or fp8; block_tables (n, >= W) int; ranked (n, H_kv, W): block ids by descending criticality, the first
     cand_hi[r] - cand_lo are the candidates; cand_hi (n,). `counts` (n, H_kv): read exactly that many ranked blocks
     (no stop rule). `trace`: receives after each micro-batch a dict of as_acc, as_min, p_acc (n, H_q) and n_left,
-    active (n, H_kv) (active: the pairs that took part in this micro-batch).
+    active (n, H_kv) (active: the pairs that took part in this micro-batch). `rope` (inv_freq (D/2,), rope_from):
+    rows at or past rope_from attend at rank-order positions (`rank_order_deltas`); None: true positions.
     """
     from ..kvcache.offload import as_tensor
 
@@ -97,6 +120,12 @@ def psa_decode_reference(q, k_cache, v_cache, block_tables, seq_lens, ranked, ca
     pos, ok = fixed_positions(seq_lens, cand_lo, cand_hi, page)
     safe = torch.where(ok, pos, 0)
     kf, vf = _gather(kc, block_tables, safe, None, cdt), _gather(vc, block_tables, safe, None, cdt)  # (n, F, Hkv, D)
+    if rope is not None:
+        from ..rope.strategies import rotate
+
+        shift, ranked_delta = rank_order_deltas(seq_lens - 1, cand_lo, cand_hi, page, rope[1])
+        sink = torch.arange(pos.shape[1], device=dev)[None, :] < cand_lo * page
+        kf = rotate(kf, torch.where(sink, shift[:, None], 0)[:, :, None], rope[0]).to(cdt)
     s = (qg @ kf.permute(0, 2, 3, 1)) * scale  # (n, G, h, F)
     s = s.masked_fill(~ok[:, None, None, :], float("-inf"))
     mx = s.amax(dim=-1)
@@ -123,6 +152,9 @@ def psa_decode_reference(q, k_cache, v_cache, block_tables, seq_lens, ranked, ca
         tok = (ranked[:, :, i:i + m, None] * page + t).reshape(n, Hkv, m * page)
         tok = torch.where(tok_ok, tok, 0)
         kk = _gather(kc, block_tables, tok, heads, cdt)  # (n, G, m * page, D)
+        if rope is not None:
+            rank = (i + torch.arange(m * page, device=dev) // page)[None, None, :]
+            kk = rotate(kk, ranked_delta(rank, tok // page, tok % page), rope[0]).to(cdt)
         vv = _gather(vc, block_tables, tok, heads, cdt)
         s = ((qg @ kk.transpose(-1, -2)) * scale).masked_fill(~tok_ok[:, :, None, :], float("-inf"))  # (n,G,h,T)
         block_lse = s.view(n, Hkv, hpg, m, page).logsumexp(dim=-1)  # (n, G, h, m): each block's own mass, log
@@ -156,26 +188,34 @@ def psa_decode_reference(q, k_cache, v_cache, block_tables, seq_lens, ranked, ca
 if triton is not None:
 
     @triton.jit
-    def _keys_at(q, kv, strides, g, page, off, ok, qk_scale, HEAD_DIM: tl.constexpr, DOT_PRECISION: tl.constexpr,
-                 TIERED: tl.constexpr, FP8: tl.constexpr):
+    def _keys_at(q, kv, strides, g, page, off, ok, qk_scale, delta, inv, HEAD_DIM: tl.constexpr,
+                 DOT_PRECISION: tl.constexpr, TIERED: tl.constexpr, FP8: tl.constexpr, ROPE: tl.constexpr):
         """Scores (BLOCK_M, N) of the group's queries against KV head g's keys at (page, off) (N,), in log2 units and
-        -inf outside `ok`, and their values (N, D). kv = (K, V, KH, VH, Slots) and strides as in kernels/paged.py."""
+        -inf outside `ok`, and their values (N, D). kv = (K, V, KH, VH, Slots) and strides as in kernels/paged.py.
+        ROPE: each key first rotated by delta (N,) positions (inv: the (D,) inverse frequencies)."""
         K, V, KH, VH, Slots = kv
         stride_kp, stride_ko, stride_kh, stride_vp, stride_vo, stride_vh, stride_khp, stride_vhp = strides
         d = tl.arange(0, HEAD_DIM)
         slot = page_slots(Slots, page, TIERED)
-        k = load_kv(row_base(K, KH, page, slot, stride_kp, stride_khp, TIERED), off, g, stride_ko, stride_kh, d, ok,
-                    HEAD_DIM, FP8).to(q.dtype)
+        kb = row_base(K, KH, page, slot, stride_kp, stride_khp, TIERED)
+        k = load_kv(kb, off, g, stride_ko, stride_kh, d, ok, HEAD_DIM, FP8)
+        if ROPE:
+            k_sw = load_kv(kb, off, g, stride_ko, stride_kh, swap_halves(d, HEAD_DIM), ok, HEAD_DIM, FP8)
+            k = rotate_rows(k, k_sw, delta, inv, d, HEAD_DIM)
+        k = k.to(q.dtype)
         v = load_kv(row_base(V, VH, page, slot, stride_vp, stride_vhp, TIERED), off, g, stride_vo, stride_vh, d, ok,
                     HEAD_DIM, FP8).to(q.dtype)
         s = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * qk_scale
         return tl.where(ok[None, :], s, float("-inf")), v
 
     @triton.jit
-    def _fixed_keys(q, kv, strides, bt, g, p, hi, cand_lo, qk_scale, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+    def _fixed_keys(q, kv, strides, bt, g, p, hi, cand_lo, qk_scale, rp, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
                     PAGE: tl.constexpr, HEAD_DIM: tl.constexpr, DOT_PRECISION: tl.constexpr, TIERED: tl.constexpr,
-                    FP8: tl.constexpr):
-        """Softmax state (m, l, acc) over the fixed keys: the sink [0, cand_lo * PAGE), then the tail [hi * PAGE, p]."""
+                    FP8: tl.constexpr, ROPE: tl.constexpr):
+        """Softmax state (m, l, acc) over the fixed keys: the sink [0, cand_lo * PAGE), then the tail [hi * PAGE, p].
+        rp = (inv, rope_from): with ROPE, a row at or past rope_from sees its sink moved (`rank_order_deltas`)."""
+        inv, rope_from = rp
+        shift = tl.where(p >= rope_from, p - rope_from + 1, 0)
         m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
         l_i = tl.zeros([BLOCK_M], tl.float32)
         acc = tl.zeros([BLOCK_M, HEAD_DIM], tl.float32)
@@ -189,23 +229,31 @@ if triton is not None:
             ok = (idx < n_fixed) & (pos <= p)
             safe = tl.where(ok, pos, 0)
             page = tl.load(bt + safe // PAGE).to(tl.int64)
-            s, v = _keys_at(q, kv, strides, g, page, safe % PAGE, ok, qk_scale, HEAD_DIM, DOT_PRECISION, TIERED, FP8)
+            delta = tl.where(idx < S, shift, 0)
+            s, v = _keys_at(q, kv, strides, g, page, safe % PAGE, ok, qk_scale, delta, inv, HEAD_DIM, DOT_PRECISION,
+                            TIERED, FP8, ROPE)
             m_i, l_i, acc = online_softmax_step(s, v, m_i, l_i, acc, DOT_PRECISION)
         return m_i, l_i, acc
 
     @triton.jit
-    def _ranked_blocks(q, kv, strides, bt, ranked, g, i, n_cand, qk_scale, BLOCK_M: tl.constexpr, MB: tl.constexpr,
-                       PAGE: tl.constexpr, HEAD_DIM: tl.constexpr, DOT_PRECISION: tl.constexpr, TIERED: tl.constexpr,
-                       FP8: tl.constexpr):
+    def _ranked_blocks(q, kv, strides, bt, ranked, g, i, n_cand, qk_scale, rp, p, hi, cand_lo, BLOCK_M: tl.constexpr,
+                       MB: tl.constexpr, PAGE: tl.constexpr, HEAD_DIM: tl.constexpr, DOT_PRECISION: tl.constexpr,
+                       TIERED: tl.constexpr, FP8: tl.constexpr, ROPE: tl.constexpr):
         """Scores and values of the ranked blocks [i, i + MB) that are candidates (rank < n_cand), and each head's
         smallest block log-mass (log2, +inf without a block), reduced in registers: AS_min needs blocks, not the
-        micro-batch."""
+        micro-batch. With ROPE, a row at or past rope_from (rp = (inv, rope_from)) sees each block at its rank-order
+        position (`rank_order_deltas`)."""
         tt = tl.arange(0, MB * PAGE)
         jb = i + tt // PAGE  # rank of each token's block
         ok = jb < n_cand
         blk = tl.load(ranked + jb, mask=ok, other=0)
         page = tl.load(bt + blk, mask=ok, other=0).to(tl.int64)  # a block is one page
-        s, v = _keys_at(q, kv, strides, g, page, tt % PAGE, ok, qk_scale, HEAD_DIM, DOT_PRECISION, TIERED, FP8)
+        inv, rope_from = rp
+        t = tt % PAGE
+        new = tl.maximum(hi * PAGE - (jb + 1) * PAGE + t, p - rope_from + 1 + cand_lo * PAGE)
+        delta = tl.where(p >= rope_from, new - (blk * PAGE + t), 0)
+        s, v = _keys_at(q, kv, strides, g, page, t, ok, qk_scale, delta, inv, HEAD_DIM, DOT_PRECISION, TIERED, FP8,
+                        ROPE)
         s3 = tl.reshape(s, [BLOCK_M, MB, PAGE])
         bmax = tl.max(s3, axis=2)
         bmax = tl.where(bmax == float("-inf"), 0.0, bmax)
@@ -221,16 +269,17 @@ if triton is not None:
 
     @triton.jit
     def _psa_decode_kernel(
-        Q, K, V, KH, VH, Slots, BlockTables, SeqLens, Ranked, CandHi, Out, Lse, Count,
+        Q, K, V, KH, VH, Slots, BlockTables, SeqLens, Ranked, CandHi, InvFreq, Out, Lse, Count,
         stride_qn, stride_qh,
         stride_kp, stride_ko, stride_kh,
         stride_vp, stride_vo, stride_vh,
         stride_khp, stride_vhp,
         stride_btb, stride_rn, stride_rg,
         stride_on, stride_oh, stride_ln, stride_cn,
-        qk_scale, log2_odds, cand_lo,
+        qk_scale, log2_odds, cand_lo, rope_from,
         HPG: tl.constexpr, BLOCK_M: tl.constexpr, MB: tl.constexpr, PAGE: tl.constexpr, BLOCK_N: tl.constexpr,
         HEAD_DIM: tl.constexpr, DOT_PRECISION: tl.constexpr, TIERED: tl.constexpr, FP8: tl.constexpr,
+        ROPE: tl.constexpr,
     ):
         n = tl.program_id(0)
         g = tl.program_id(1)
@@ -245,10 +294,15 @@ if triton is not None:
         bt = BlockTables + n * stride_btb
         kv = (K, V, KH, VH, Slots)
         strides = (stride_kp, stride_ko, stride_kh, stride_vp, stride_vo, stride_vh, stride_khp, stride_vhp)
+        if ROPE:
+            inv = tl.load(InvFreq + d % (HEAD_DIM // 2))
+        else:
+            inv = tl.zeros([HEAD_DIM], tl.float32)
+        rp = (inv, rope_from)
 
         # 1. fixed keys: sink [0, S) then tail [T0, p]
-        m_i, l_i, acc = _fixed_keys(q, kv, strides, bt, g, p, hi, cand_lo, qk_scale, BLOCK_M, BLOCK_N, PAGE, HEAD_DIM,
-                                    DOT_PRECISION, TIERED, FP8)
+        m_i, l_i, acc = _fixed_keys(q, kv, strides, bt, g, p, hi, cand_lo, qk_scale, rp, BLOCK_M, BLOCK_N, PAGE,
+                                    HEAD_DIM, DOT_PRECISION, TIERED, FP8, ROPE)
 
         # 2. ranked blocks, MB per iteration, until every head of the group has P_acc >= epsilon
         ranked = Ranked + n * stride_rn + g * stride_rg
@@ -257,8 +311,8 @@ if triton is not None:
         i = n_cand * 0
         go = n_cand > 0
         while go:
-            s, v, bmin = _ranked_blocks(q, kv, strides, bt, ranked, g, i, n_cand, qk_scale, BLOCK_M, MB, PAGE,
-                                        HEAD_DIM, DOT_PRECISION, TIERED, FP8)
+            s, v, bmin = _ranked_blocks(q, kv, strides, bt, ranked, g, i, n_cand, qk_scale, rp, p, hi, cand_lo,
+                                        BLOCK_M, MB, PAGE, HEAD_DIM, DOT_PRECISION, TIERED, FP8, ROPE)
             lse_min = tl.minimum(lse_min, bmin)
             m_i, l_i, acc = online_softmax_step(s, v, m_i, l_i, acc, DOT_PRECISION)
             n_left = n_left - tl.minimum(n_cand - i, MB).to(tl.float32)
@@ -274,9 +328,10 @@ if triton is not None:
 
 
 def _prepare(q, k_cache, v_cache, block_tables, seq_lens, ranked, cand_hi, epsilon, microbatch, out, lse, counts,
-             name: str):
+             name: str, rope: tuple[torch.Tensor, int] | None = None):
     """The checks and outputs both launchers share. Returns (kv_args, out, lse, counts, inputs, strides, meta):
-    the kernels' leading pointer arguments, their strides and the constexprs both kernels take."""
+    the kernels' leading pointer arguments, their strides and the constexprs both kernels take. `rope`: (inv_freq,
+    rope_from) of `rope: rank` (psa_decode_reference), None: true positions."""
     if triton is None:
         raise RuntimeError(f"{name} needs Triton")
     n, Hq, D = q.shape
@@ -295,30 +350,35 @@ def _prepare(q, k_cache, v_cache, block_tables, seq_lens, ranked, cand_hi, epsil
     out = torch.empty_like(q) if out is None else out
     lse = torch.empty(n, Hq, dtype=torch.float32, device=q.device) if lse is None else lse
     counts = torch.empty(n, Hkv, dtype=torch.int32, device=q.device) if counts is None else counts
-    inputs = (q, kv.K, kv.V, kv.KH, kv.VH, kv.slots, block_tables, seq_lens, ranked, cand_hi)
+    if rope is not None and (tuple(rope[0].shape) != (D // 2,) or rope[0].dtype != torch.float32):
+        raise ValueError(f"rope's inv_freq must be ({D // 2},) fp32, got {tuple(rope[0].shape)} {rope[0].dtype}")
+    inv = rope[0] if rope is not None else q  # without ROPE the kernels read nothing through it
+    inputs = (q, kv.K, kv.V, kv.KH, kv.VH, kv.slots, block_tables, seq_lens, ranked, cand_hi, inv)
     strides = (q.stride(0), q.stride(1), *kv.K.stride()[:3], *kv.V.stride()[:3], kv.stride_khp, kv.stride_vhp,
                block_tables.stride(0), ranked.stride(0), ranked.stride(1))
     hpg = Hq // Hkv
     meta = dict(HPG=hpg, BLOCK_M=max(16, triton.next_power_of_2(hpg)), MB=microbatch, PAGE=page, HEAD_DIM=D,
-                DOT_PRECISION="ieee" if q.dtype == torch.float32 else "tf32", TIERED=kv.tiered, FP8=kv.fp8)
+                DOT_PRECISION="ieee" if q.dtype == torch.float32 else "tf32", TIERED=kv.tiered, FP8=kv.fp8,
+                ROPE=rope is not None)
     return kv, out, lse, counts, inputs, strides, meta
 
 
 def psa_decode_triton(q, k_cache, v_cache, block_tables, seq_lens, ranked, cand_lo: int, cand_hi, epsilon: float,
                       microbatch: int, scale: float, out: torch.Tensor | None = None, lse: torch.Tensor | None = None,
-                      counts: torch.Tensor | None = None, block_n: int = 64, num_warps: int = 4):
+                      counts: torch.Tensor | None = None, block_n: int = 64, num_warps: int = 4,
+                      rope: tuple[torch.Tensor, int] | None = None):
     """`psa_decode_reference` (without trace / forced counts) as one kernel launch over (rows, KV heads).
 
     `out` / `lse` / `counts` may be passed preallocated (e.g. poisoned by tests). Integer inputs are int32."""
     kv, out, lse, counts, inputs, strides, meta = _prepare(q, k_cache, v_cache, block_tables, seq_lens, ranked,
                                                            cand_hi, epsilon, microbatch, out, lse, counts,
-                                                           "psa_decode_triton")
+                                                           "psa_decode_triton", rope)
     if q.shape[0] == 0:
         return out, lse, counts
     _psa_decode_kernel[(q.shape[0], kv.num_kv_heads)](
         *inputs, out, lse, counts, *strides,
         out.stride(0), out.stride(1), lse.stride(0), counts.stride(0),
-        scale * math.log2(math.e), log_odds(epsilon) * math.log2(math.e), cand_lo,
+        scale * math.log2(math.e), log_odds(epsilon) * math.log2(math.e), cand_lo, rope[1] if rope else 0,
         BLOCK_N=block_n, num_warps=num_warps, num_stages=2, **meta,
     )
     return out, lse, counts

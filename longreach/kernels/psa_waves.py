@@ -56,16 +56,16 @@ except ImportError:  # pragma: no cover - CPU installs without Triton use the re
 if triton is not None:
     @triton.jit
     def _psa_wave_kernel(
-        Q, K, V, KH, VH, Slots, BlockTables, SeqLens, Ranked, CandHi, Part, PartAcc, State, StateAcc, Flags,
+        Q, K, V, KH, VH, Slots, BlockTables, SeqLens, Ranked, CandHi, InvFreq, Part, PartAcc, State, StateAcc, Flags,
         stride_qn, stride_qh,
         stride_kp, stride_ko, stride_kh,
         stride_vp, stride_vo, stride_vh,
         stride_khp, stride_vhp,
         stride_btb, stride_rn, stride_rg,
-        qk_scale, cand_lo, start, size, wave_max, pairs, par,
+        qk_scale, cand_lo, rope_from, start, size, wave_max, pairs, par,
         HPG: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_H: tl.constexpr, MB: tl.constexpr, PAGE: tl.constexpr,
         BLOCK_N: tl.constexpr, HEAD_DIM: tl.constexpr, DOT_PRECISION: tl.constexpr, TIERED: tl.constexpr,
-        FP8: tl.constexpr, FIRST: tl.constexpr,
+        FP8: tl.constexpr, FIRST: tl.constexpr, ROPE: tl.constexpr,
     ):
         """Kernel A of a wave: programs [0, P) (P = the grid's axis 0, less the extra one of the first wave) stride
         over the wave's micro-batches: program z attends to micro-batches start + z, start + z + P, ... of pair
@@ -85,6 +85,12 @@ if triton is not None:
         bt = BlockTables + n * stride_btb
         kv = (K, V, KH, VH, Slots)
         strides = (stride_kp, stride_ko, stride_kh, stride_vp, stride_vo, stride_vh, stride_khp, stride_vhp)
+        if ROPE:
+            inv = tl.load(InvFreq + d % (HEAD_DIM // 2))
+        else:
+            inv = tl.zeros([HEAD_DIM], tl.float32)
+        rp = (inv, rope_from)
+        p = tl.load(SeqLens + n) - 1
         live = z0 < nprog
         if not FIRST:
             live = live & (tl.load(Flags + par * pairs + pair) == 0)  # stopped in an earlier wave: read nothing
@@ -93,8 +99,8 @@ if triton is not None:
             z = z0
             while (z < size) & ((start + z) * MB < n_cand):  # past the row's candidates: nothing more to read
                 s, v, bmin = _ranked_blocks(q, kv, strides, bt, Ranked + n * stride_rn + g * stride_rg, g,
-                                            (start + z) * MB, n_cand, qk_scale, BLOCK_M, MB, PAGE, HEAD_DIM,
-                                            DOT_PRECISION, TIERED, FP8)
+                                            (start + z) * MB, n_cand, qk_scale, rp, p, hi, cand_lo, BLOCK_M, MB, PAGE,
+                                            HEAD_DIM, DOT_PRECISION, TIERED, FP8, ROPE)
                 m_b, l_b, acc = online_softmax_step(s, v, tl.full([BLOCK_M], float("-inf"), tl.float32),
                                                     tl.zeros([BLOCK_M], tl.float32),
                                                     tl.zeros([BLOCK_M, HEAD_DIM], tl.float32), DOT_PRECISION)
@@ -108,9 +114,8 @@ if triton is not None:
         if FIRST:  # (a constexpr: the other waves do not compile the fixed keys)
             if z0 == nprog:
                 q = tl.load(qp, mask=row_ok[:, None], other=0.0)
-                p = tl.load(SeqLens + n) - 1
-                m_i, l_i, acc = _fixed_keys(q, kv, strides, bt, g, p, hi, cand_lo, qk_scale, BLOCK_M, BLOCK_N, PAGE,
-                                            HEAD_DIM, DOT_PRECISION, TIERED, FP8)
+                m_i, l_i, acc = _fixed_keys(q, kv, strides, bt, g, p, hi, cand_lo, qk_scale, rp, BLOCK_M, BLOCK_N,
+                                            PAGE, HEAD_DIM, DOT_PRECISION, TIERED, FP8, ROPE)
                 st = State + pair * BLOCK_H + hh  # parity 0 of (2, {m, l, lse_min}, pairs, BLOCK_H)
                 tl.store(st, m_i, mask=row_ok)
                 tl.store(st + pairs * BLOCK_H, l_i, mask=row_ok)
@@ -239,7 +244,8 @@ def wave_plan(n_mb: int, first_wave: int, growth: int) -> list[tuple[int, int]]:
 def psa_decode_waves(q, k_cache, v_cache, block_tables, seq_lens, ranked, cand_lo: int, cand_hi, epsilon: float,
                      microbatch: int, scale: float, out: torch.Tensor | None = None, lse: torch.Tensor | None = None,
                      counts: torch.Tensor | None = None, block_n: int = 64, num_warps: int = 4, first_wave: int = 32,
-                     growth: int = 2, chunk: int = 32, merge_cols: int = 32, max_programs: int | None = None):
+                     growth: int = 2, chunk: int = 32, merge_cols: int = 32, max_programs: int | None = None,
+                     rope: tuple[torch.Tensor, int] | None = None):
     """`psa_decode_triton` with the ranked blocks read in parallel waves (module docstring): same arguments and
     results. Tuning: `first_wave` micro-batches in the first wave, each next one `growth` times larger; the merge
     walks `chunk` partials per step and `merge_cols` output columns per program (powers of two). A wave launches at
@@ -248,7 +254,7 @@ def psa_decode_waves(q, k_cache, v_cache, block_tables, seq_lens, ranked, cand_l
     programs per pair, most of which only read a flag and leave)."""
     kv, out, lse, counts, inputs, strides, meta = _prepare(q, k_cache, v_cache, block_tables, seq_lens, ranked,
                                                            cand_hi, epsilon, microbatch, out, lse, counts,
-                                                           "psa_decode_waves")
+                                                           "psa_decode_waves", rope)
     n, D = q.shape[0], q.shape[2]
     pow2 = all(x >= 1 and not x & (x - 1) for x in (chunk, merge_cols))
     if first_wave < 1 or growth < 1 or not pow2 or chunk < 2 or (max_programs is not None and max_programs < 1):
@@ -275,7 +281,7 @@ def psa_decode_waves(q, k_cache, v_cache, block_tables, seq_lens, ranked, cand_l
         first, last, par = w == 0, w == len(waves) - 1, w % 2
         _psa_wave_kernel[(min(size, max_programs) + first, n, Hkv)](  # strided micro-batches on axis 0
             *inputs, part, part_acc, state, state_acc, flags, *strides,
-            qk_scale, cand_lo, start, size, wave_max, pairs, par,
+            qk_scale, cand_lo, rope[1] if rope else 0, start, size, wave_max, pairs, par,
             BLOCK_H=block_h, BLOCK_N=block_n, FIRST=first, num_warps=num_warps, num_stages=2, **meta,
         )
         _psa_wave_merge_kernel[(n, Hkv, D // cols)](
