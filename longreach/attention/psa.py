@@ -29,7 +29,7 @@ Decisions on what the paper leaves open (digest §5.3, §8.9; docs/sparse.md has
   * Numerics: log-sum-exp throughout (base 2 in the kernel); the stop test is
     log N_left + lse_min - lse_acc <= log((1 - eps) / eps).
   * Prefill is dense (the paper's: prefill unchanged); compose a sparse prefill with `--attention M
-    --decode-attention psa`. RoPE positions stay true (no strategies: PSA targets long-context models).
+    --decode-attention psa`. RoPE positions stay true by default (PSA targets long-context models); see `rope`.
   * Ranking ties go to the lower block id (a stable sort).
   * Positions past the trained length (`rope: rank`; an extension, not the paper's: PSA keeps true positions, and
     past a model's trained length its attention is out of distribution and diffuse, docs/sparse.md). Rows at or
@@ -66,10 +66,10 @@ from ..kernels.block_meta import (
 )
 from ..kernels.psa_decode import psa_decode_reference, psa_decode_triton
 from ..kernels.psa_waves import psa_decode_waves
+from ..rope.strategies import RopeFrame, rotate
 from .backend import AttentionBackend, AttentionMetadata
 from .dense import DenseBackend
 from .index import QueryBlocks, SparseIndex
-from ..rope.strategies import RopeFrame, rotate
 from .sparse import config_from, preset_and_overrides, use_kernels
 
 logger = logging.getLogger("longreach")
