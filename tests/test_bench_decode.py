@@ -147,7 +147,7 @@ def test_dense_extrapolation_is_the_line_through_the_largest_and_smallest_dense_
 def test_bench_kv_bytes_per_token_match_the_stores(kv_dtype):
     """bench decode sizes each run's host tier (and the dense GPU KV) from its own per-token bytes: they must be the
     stores' (an fp8 row is 128 values + a 16-byte scale area, not + 4: the first GPU run refused its own tier)."""
-    from longreach.bench.decode import _kv_bytes_per_token
+    from longreach.bench.decode_memory import _kv_bytes_per_token
     from longreach.engine.llm_engine import resolve_kv_dtype
     from longreach.kvcache.offload import OffloadedKVCache
     from longreach.kvcache.paged import PagedKVCache

@@ -1,0 +1,116 @@
+"""`longreach bench decode`'s accounting of what a run holds and moves: host and GPU memory, the KV bytes a context
+needs (the dense fit check and the KV budget per run) and the KV store's offload counters (bench/decode.py)."""
+from __future__ import annotations
+
+GiB = 1 << 30
+
+
+def _host_memory() -> dict:
+    """Bytes: the process RSS and its peak, and the machine's RAM."""
+    status = {}
+    try:
+        with open("/proc/self/status") as f:
+            for line in f:
+                key, _, value = line.partition(":")
+                if key in ("VmRSS", "VmHWM"):
+                    status[key] = int(value.split()[0]) * 1024
+    except OSError:
+        pass
+    rss, total = status.get("VmRSS"), None
+    try:
+        import psutil
+
+        rss, total = psutil.Process().memory_info().rss, psutil.virtual_memory().total
+    except ImportError:
+        pass
+    return {"rss_bytes": rss, "peak_rss_bytes": status.get("VmHWM"), "host_total_bytes": total}
+
+
+def _kv_store_bytes(engine) -> tuple[int, int, int, int]:
+    """(GPU tier, prefill staging area on the GPU, the staging area's bytes still allocated now, host tier) bytes of
+    the engine's KV store. Called after decode: the staging area is then released (kvcache/offload.py)."""
+    store = getattr(engine, "kv_cache", None)
+    gpu = getattr(store, "gpu_nbytes", None)
+    if gpu is None:
+        gpu = getattr(store, "nbytes", 0)
+    staging = getattr(store, "staging_nbytes", 0)  # allocated by every prefill step
+    now = getattr(store, "staging_allocated_nbytes", staging)
+    return int(gpu), int(staging or 0), int(now or 0), int(getattr(store, "host_nbytes", 0) or 0)
+
+
+def _kv_stats(engine) -> dict | None:
+    """`engine.kv_cache_stats()` as plain numbers, or None when the engine has no such method."""
+    fn = getattr(engine, "kv_cache_stats", None)
+    if not callable(fn):
+        return None
+    out = {}
+    for key, value in (fn() or {}).items():
+        out[key] = value.item() if hasattr(value, "item") else value
+    return out
+
+
+def _counter_deltas(before: dict | None, after: dict | None) -> dict | None:
+    if before is None or after is None:
+        return None
+    keys = ("pages_hit", "pages_missed", "pages_evicted", "pages_installed", "bytes_h2d")
+    return {k: after[k] - before[k] for k in keys if isinstance(after.get(k), (int, float))
+            and isinstance(before.get(k), (int, float))}
+
+
+def _offload_summary(snaps: list, steps: list[dict], prefill_before: dict | None, seconds: float) -> dict | None:
+    """Counters over the steady decode steps (`snaps[i]` is the snapshot before decode step i, `snaps[-1]` after
+    the last) and over the prefill."""
+    if not snaps or snaps[0] is None:
+        return None
+    total: dict = {}
+    for i, step in enumerate(steps):
+        if step["warmup"]:
+            continue
+        for k, v in (_counter_deltas(snaps[i], snaps[i + 1]) or {}).items():
+            total[k] = total.get(k, 0) + v
+    hit, miss = total.get("pages_hit"), total.get("pages_missed")
+    h2d = total.get("bytes_h2d")
+    return {
+        "decode": total,
+        "hit_ratio": hit / (hit + miss) if hit is not None and miss is not None and hit + miss else None,
+        "h2d_gb_s": h2d / seconds / 1e9 if h2d is not None and seconds > 0 else None,
+        "prefill": _counter_deltas(prefill_before, snaps[0]),
+        "max_gpu_pages_used": max((x.get("gpu_pages_used", 0) for x in snaps), default=None),
+        "max_host_pages_used": max((x.get("host_pages_used", 0) for x in snaps), default=None),
+        "final": snaps[-1],
+    }
+
+
+def _kv_bytes_per_token(mc, kv_cache_dtype: str, run_dtype) -> int:
+    """KV bytes per token, all layers, as the engine stores them: K and V rows (fp8 rows carry their scale in 16
+    bytes after the values, kvcache/fp8.py)."""
+    from ..engine.llm_engine import resolve_kv_dtype
+    from ..kvcache.fp8 import row_bytes
+
+    return 2 * mc.num_layers * mc.num_kv_heads * row_bytes(mc.head_dim, resolve_kv_dtype(kv_cache_dtype, run_dtype))
+
+
+def _kv_need_bytes(mc, context: int, decode_tokens: int, batch: int, kw: dict, run_dtype) -> int:
+    """KV bytes that `batch` sequences of context + decode tokens occupy, in whole pages."""
+    block = kw.get("block_size", 16)
+    pages = batch * -(-(context + decode_tokens) // block)
+    return pages * block * _kv_bytes_per_token(mc, kw.get("kv_cache_dtype", "auto"), run_dtype)
+
+
+def _kv_budget_gb(need: int) -> float:
+    """A --kv-cache-memory-gb that holds `need` bytes: 2% and 64 MiB of slack (the store's exact page layout, e.g.
+    its fp8 scales, is its own)."""
+    return (need * 1.02 + 64 * 2**20) / GiB
+
+
+def _weights_bytes(model) -> int:
+    return sum(p.numel() * p.element_size() for p in model.parameters())
+
+
+def _estimate_weights_bytes(mc, run_dtype) -> int:
+    import torch
+
+    from ..models.llama import LlamaForCausalLM
+
+    with torch.device("meta"):  # shapes only, no memory
+        return sum(p.numel() for p in LlamaForCausalLM(mc).parameters()) * run_dtype.itemsize
