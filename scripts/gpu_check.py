@@ -29,11 +29,9 @@ from gpu_check_methods import (  # noqa: E402
     cascading_prefill,
     minference_engine,
     minference_matrix,
-    psa_matrix,
-    psa_rank_rope,
-    psa_step_times,
 )
 from gpu_check_box import box_engine, box_matrix  # noqa: E402
+from gpu_check_psa import psa_matrix, psa_rank_rope, psa_step_times  # noqa: E402
 from gpu_check_offload import fused_kernels, offload_engine, offload_kernels  # noqa: E402
 
 RESULTS: list[dict] = []
