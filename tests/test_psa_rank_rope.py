@@ -16,7 +16,7 @@ from longreach.kernels.psa_waves import psa_decode_waves
 from longreach.models.config import RopeConfig
 from longreach.rope.scaling import rope_inv_freq
 from longreach.rope.strategies import rotate
-from tests.test_psa import _setup
+from tests.test_psa import _setup, tiny  # noqa: F401 - tiny: test_psa's model fixture
 
 CASE = (6, 2, 16, 4, 4, [150, 61, 9])  # GQA 3; rows past, near and before rope_from
 ROPE_FROM = 60
@@ -134,7 +134,7 @@ def test_inv_freq_shape_is_checked():
                           rope=(torch.ones(16), 60))
 
 
-def test_engine_rank_rope_graph_path_equals_eager_and_changes_decode(tiny_psa):
+def test_engine_rank_rope_graph_path_equals_eager_and_changes_decode(tiny):
     """`rope: rank` through the engine on the tiny model with rope_from 64: the static-buffer (graph) path equals eager
     decoding, and past rope_from the logits differ from true positions (the keys moved)."""
     from longreach import SamplingParams
@@ -147,7 +147,7 @@ def test_engine_rank_rope_graph_path_equals_eager_and_changes_decode(tiny_psa):
     params = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True)
 
     def llm(config, **kw):
-        return LLM(tiny_psa, device="cpu", dtype="float32", attention="psa", attention_config=config,
+        return LLM(tiny, device="cpu", dtype="float32", attention="psa", attention_config=config,
                    kv_cache_memory_gb=0.01, **kw)
     eager = llm(rank, enforce_eager=True)
     logits_rank = _record_logits(eager)
@@ -177,10 +177,3 @@ def test_rope_config_errors():
         PSAConfig(rope="st")
     with pytest.raises(ValueError, match="rope_from must be None"):
         PSAConfig(rope="rank", rope_from=0)
-
-
-@pytest.fixture(scope="module")
-def tiny_psa(tmp_path_factory):
-    from conftest import make_tiny_hf_model
-
-    return make_tiny_hf_model(tmp_path_factory.mktemp("tiny") / "m", arch="llama", max_position_embeddings=512)[0]

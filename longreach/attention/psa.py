@@ -240,12 +240,7 @@ class PSABackend(AttentionBackend):
         self.config = self.resolve_config(engine_config)
         self.method = PSA(self.config, model_config.num_heads, model_config.num_kv_heads)
         if self.config.rope == "rank":
-            from ..rope.scaling import rope_inv_freq
-
-            trained = model_config.max_position_embeddings
-            rope_from = trained if self.config.rope_from is None else self.config.rope_from
-            self.method.rope_frame = RopeFrame(rope_inv_freq(model_config.rope, model_config.head_dim)[0].float()
-                                               .to(device), rope_from, trained)
+            self.method.rope_frame = RopeFrame.of_model(model_config, self.config.rope_from, device)
         self.dense = DenseBackend(model_config, engine_config, device)
         self._meta: torch.Tensor | None = None  # (L, P, 2, H_kv, D) block metadata by page, made on first decode
         self._built: dict[int, int] = {}  # seq_id -> its blocks [0, n) have metadata

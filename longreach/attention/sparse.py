@@ -321,12 +321,7 @@ class SparseBackend(GraphDecode, KeptBoxes, AttentionBackend):
         super().__init__(model_config, engine_config, device)
         self.config = self.resolve_config(engine_config)
         self.method = self.method_cls(self.config, model_config.num_heads, model_config.num_kv_heads)
-        from ..rope.scaling import rope_inv_freq
-
-        trained = model_config.max_position_embeddings
-        rope_from = trained if self.config.rope_from is None else self.config.rope_from
-        self.method.rope_frame = RopeFrame(rope_inv_freq(model_config.rope, model_config.head_dim)[0].to(device),
-                                           rope_from, trained)
+        self.method.rope_frame = RopeFrame.of_model(model_config, self.config.rope_from, device)
         self.dense = DenseBackend(model_config, engine_config, device)
         cuda = device.type == "cuda"
         self._num_sms = torch.cuda.get_device_properties(device).multi_processor_count if cuda else 1

@@ -103,6 +103,16 @@ class RopeFrame:
     rope_from: int  # query blocks ending at or past this position are remapped
     trained_len: int
 
+    @classmethod
+    def of_model(cls, model_config, rope_from: int | None, device) -> "RopeFrame":
+        """The model's frame: its RoPE frequencies on `device`, remapping from `rope_from` (None: the trained
+        length)."""
+        from .scaling import rope_inv_freq
+
+        trained = model_config.max_position_embeddings
+        inv = rope_inv_freq(model_config.rope, model_config.head_dim)[0].float().to(device)
+        return cls(inv, trained if rope_from is None else rope_from, trained)
+
 
 def rotate(x: torch.Tensor, delta: torch.Tensor, inv_freq: torch.Tensor) -> torch.Tensor:
     """Rotate x (..., D) (rotate-half layout) by `delta` positions (broadcast to x.shape[:-1]); fp32 out."""
