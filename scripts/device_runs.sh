@@ -25,8 +25,8 @@
 #   bash scripts/device_runs.sh box1m       # bench decode, 8B shape, fp8 + offload: 1M, infinitehip (3k-box)
 #   bash scripts/device_runs.sh psa128k     # 8B shape, bf16: the psa step's parts in CUDA graphs (128K, 1M); bench
 #                                           # decode 128K, infinitehip vs psa (loop and waves kernels) vs dense
-#   bash scripts/device_runs.sh seeds8b     # 8B shape: cascading 16k at 1M (bf16, bounded: no offload); psa (both
-#                                           # kernels) vs infinitehip vs dense at 128K
+#   bash scripts/device_runs.sh seeds8b     # 8B shape: cascading 16k at 1M (bf16, bounded: no offload); psa with
+#                                           # fp8 + offload vs infinitehip vs dense at 128K
 # A group's first command compiles kernels (~30-60 s); bench decode runs an untimed warm-up prompt first.
 set -u
 out=${OUT:-out}; mkdir -p "$out"
@@ -147,8 +147,6 @@ seeds8b)
         --max-num-batched-tokens 65536 --decode-tokens 64 --out "$out/bench-decode-1m-cascading.json"
     run psa_128k 280 $bd --kv-offloading-size 12 --lengths 128k --attention infinitehip psa --dense-lengths 128k \
         --decode-tokens 64 --out "$out/bench-decode-128k-psa.json"
-    run psa_waves_128k 120 $bd --kv-offloading-size 12 --lengths 128k --attention psa --dense-lengths \
-        --attention-config '{"decode_kernel": "waves"}' --decode-tokens 64 --out "$out/bench-decode-128k-psa-waves.json"
     ;;
 *)
     echo "usage: bash scripts/device_runs.sh GROUP... (kernels recheck decode1m decode128k engine smollm1m serve" \
