@@ -16,9 +16,10 @@
 #   bash scripts/device_runs.sh fp8quality  # needs the model: the same prompts, infinitehip with fp8 KV
 #   bash scripts/device_runs.sh cascading   # needs the model: passkey 128K and 1M, cascading 65K vs streaming
 #   bash scripts/device_runs.sh psa1m       # needs the model: SmolLM2 at 1M offloaded, infinitehip vs its prefill +
-#                                           # psa decode (loop and waves kernels)
+#                                           # psa decode (true positions, and rank positions), keys read metered
 #   bash scripts/device_runs.sh psarank     # needs the model: gpu_check psa rank rope (kernels, bf16); passkey
-#                                           # 8K-128K, infinitehip vs infinitehip prefill + psa decode at rank positions
+#                                           # 16K-128K, infinitehip vs infinitehip prefill + psa decode at rank
+#                                           # positions, keys read per decode query metered
 #   bash scripts/device_runs.sh psarecall   # needs the model: eval recall at 32K and 128K, psa 0.9-0.98 vs infinitehip
 #                                           # 3k and quest 3k: keys read per query beside mass recall (issue 15)
 #   bash scripts/device_runs.sh prefill1m   # needs the model: SmolLM2 1M prefill on the GPU, infinitehip vs cascading
@@ -106,16 +107,20 @@ cascading)  # needs the model: the blog's 65K cache (8 sub-caches) vs streaming 
         --attention-config '{"streaming": {"n_sink": 64, "n_window": 65472}}' --out "$out/passkey-cascading.json"
     ;;
 psa1m)  # needs the model: PSA's decode at 1M through the offloaded store, after infinitehip's prefill (psa's own
-    # prefill is dense: ~minutes at 1M), against infinitehip's own decode; real weights, so real attention mass
+    # prefill is dense: ~minutes at 1M), against infinitehip's own decode; real weights, so real attention mass.
+    # psa (0.95) at true positions (the paper's) and psa:0.95 at rank positions; both meter their keys per query
     run smollm2_1m_psa ${SECS:-560} python3 -m longreach bench decode --model $model --text-source paul-graham --lengths 1M \
         --dense-lengths --max-num-batched-tokens 65536 --kv-offloading-size 26 --kv-cache-memory-gb 2 \
-        --attention infinitehip infinitehip+psa --profile-steps 4 --out "$out/bench-decode-smollm2-1m-psa.json"
+        --attention infinitehip infinitehip+psa infinitehip+psa:0.95 --profile-steps 4 --attention-config \
+        '{"psa": {"count_reads": true}, "psa:0.95": {"rope": "rank", "count_reads": true}}' \
+        --out "$out/bench-decode-smollm2-1m-psa.json"
     ;;
-psarank)  # needs the model: PSA past the trained length (rope "rank", attention/psa.py), after a sparse prefill
-    run gpu_check_psa_rank 200 python3 scripts/gpu_check.py --out "$out" --only "psa rank"
-    run passkey_psa_rank 380 python3 -m longreach eval passkey --model "$model" --lengths 8k 16k 32k 64k 128k \
-        --depths 0.1 0.5 0.9 --seeds 2 --attention infinitehip infinitehip+psa infinitehip+psa:0.98 \
-        --attention-config '{"psa": {"rope": "rank"}}' --out "$out/passkey-psa-rank.json"
+psarank)  # needs the model: PSA past the trained length (rope "rank", attention/psa.py), after a sparse prefill;
+    # keys read per decode query metered (count_reads) beside each length's accuracy
+    run gpu_check_psa_rank 150 python3 scripts/gpu_check.py --out "$out" --only "psa rank"
+    run passkey_psa_rank 420 python3 -m longreach eval passkey --model "$model" --lengths 16k 32k 64k 128k \
+        --depths 0.1 0.5 0.9 --seeds 2 --attention infinitehip infinitehip+psa ${RANK_METHODS:-} \
+        --attention-config '{"psa": {"rope": "rank", "count_reads": true}}' --out "$out/passkey-psa-rank.json"
     ;;
 psarecall)  # needs the model: the budget each method reads past the trained length (true positions for psa)
     for n in 32768 131072; do
@@ -131,6 +136,16 @@ prefill1m)  # needs the model: 1M prefill on the GPU (SmolLM2's 23 GiB of KV fit
     run smollm2_128k_prefill_profile 150 python3 -m longreach bench decode --model "$model" --text-source \
         paul-graham --lengths 128k --dense-lengths --max-num-batched-tokens 65536 --decode-tokens 8 \
         --attention infinitehip cascading:16k --profile-prefill-steps 2 --out "$out/bench-prefill-profile-128k.json"
+    ;;
+psa1mdiag)  # needs the model: where PSA's 1M decode time goes: on the GPU alone (SmolLM2's 23 GiB of KV fit), then
+    # offloaded; 12 decode tokens each (8 warm-up), keys read metered
+    for off in none 26; do
+        flags=$([ $off = none ] && echo "" || echo "--kv-offloading-size $off --kv-cache-memory-gb 2")
+        run smollm2_1m_psa_$off 280 python3 -m longreach bench decode --model "$model" --text-source paul-graham \
+            --lengths 1M --dense-lengths --max-num-batched-tokens 65536 --decode-tokens 12 $flags \
+            --attention infinitehip+psa --attention-config '{"psa": {"count_reads": true}}' \
+            --out "$out/bench-decode-smollm2-1m-psa-$off.json"
+    done
     ;;
 box1m)
     run decode_1m_box 590 $bd --kv-offloading-size 76 --lengths 1M --attention infinitehip --dense-lengths \
@@ -150,7 +165,7 @@ seeds8b)
     ;;
 *)
     echo "usage: bash scripts/device_runs.sh GROUP... (kernels recheck decode1m decode128k engine smollm1m serve" \
-        "quality lowq prefill128k cascadecheck fp8quality cascading psa1m psarank psarecall prefill1m box1m psa128k seeds8b)" >&2
+        "quality lowq prefill128k cascadecheck fp8quality cascading psa1m psarank psarecall prefill1m psa1mdiag box1m psa128k seeds8b)" >&2
     exit 2
     ;;
 esac

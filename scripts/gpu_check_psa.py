@@ -231,8 +231,8 @@ def psa_step_times(dev: str = "cuda", lengths=(131072 + 5, 1048576 + 5), shape=(
     return "; ".join(rows)
 
 
-def psa_rank_rope(dev: str = "cuda", lengths=(131072 + 5, 40000, 777), shape=(32, 8, 128), page: int = 16,
-                  rope_from: int = 8192, dtype=torch.bfloat16) -> str:
+def psa_rank_rope(dev: str = "cuda", lengths=(131072 + 5, 100003, 65536, 40000, 9000, 777), shape=(32, 8, 128),
+                  page: int = 16, rope_from: int = 8192, dtype=torch.bfloat16) -> str:
     """PSA's `rope: rank` positions in bf16 at the 8B shape: the moved-key metadata kernel and both decode kernels
     against their PyTorch references (fp32 math on the same bf16 inputs); rows past and before rope_from."""
     from longreach.attention.psa import PSA, PSAConfig
@@ -271,8 +271,15 @@ def psa_rank_rope(dev: str = "cuda", lengths=(131072 + 5, 40000, 777), shape=(32
             err = _rel(out, forced)
             if torch.isnan(out).any() or err > 1e-2:
                 raise AssertionError(f"{name}, eps {eps}: rel err {err:.2e} against the reference on its reads")
+            # The stop test compares a running estimate with epsilon: a row near it stops one micro-batch earlier
+            # or later under another fp32 summation order (bf16 keys rotated in the kernel, in torch for the
+            # reference). Most rows must agree exactly, and none may be more than one micro-batch (4 blocks) off.
             agree = int((counts == ref_counts).sum())
-            if agree < 0.95 * counts.numel():
-                raise AssertionError(f"{name}, eps {eps}: reads equal the reference in {agree}/{counts.numel()}")
-            notes.append(f"{name} eps {eps}: rel err {err:.1e}, reads equal {agree}/{counts.numel()}")
+            off = int((counts.long() - ref_counts.long()).abs().max())
+            if agree < 0.9 * counts.numel() or off > 4:
+                raise AssertionError(f"{name}, eps {eps}: reads equal the reference in {agree}/{counts.numel()}, "
+                                     f"at most {off} blocks apart; blocks read {counts.tolist()} vs reference "
+                                     f"{ref_counts.tolist()}")
+            notes.append(f"{name} eps {eps}: rel err {err:.1e}, reads equal {agree}/{counts.numel()} (at most "
+                         f"{off} blocks apart)")
     return f"moved metadata rel err {err_meta:.1e}; " + "; ".join(notes)

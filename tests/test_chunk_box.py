@@ -266,6 +266,33 @@ def test_the_pool_never_runs_out_while_the_kv_cache_has_room():
             pool.check_integrity()
 
 
+def test_the_pool_made_for_the_memory_probe_grows_to_the_real_cache():
+    """The engine's GPU memory probe runs a prefill on a cache of one step's pages before it sizes the real cache
+    (the H100 run that found it: 12 box pages for a 3M-token cache, then "the box pool is full"): the real cache's
+    bind makes the pool again at its size; a pool with sequences in it refuses to grow."""
+    from longreach.attention.box_pool import BoxPool
+
+    def pages(pool):
+        return pool.pool.shape[1] // pool.per
+
+    pool = BoxPool(2, 64, "minmax", 2, 16, 100, 4, 1 << 16, torch.device("cpu"))
+    fresh = BoxPool(2, 64, "minmax", 2, 16, 100, 4, 1 << 16, torch.device("cpu"))
+    fresh.ensure(50_000, torch.float32)
+    pool.ensure(8192, torch.float32)  # the probe's cache
+    pool.plan([-1], [8192])
+    pool.assign()
+    pool.free(-1)  # the probe's sequence is freed
+    small = pages(pool)
+    pool.ensure(50_000, torch.float32)  # the engine binds the real cache
+    assert pages(pool) == pages(fresh) > small
+    pool.ensure(8192, torch.float32)  # a smaller cache later (a forward's k_cache): kept
+    assert pages(pool) == pages(fresh)
+    pool.plan([0], [40_000])
+    pool.assign()
+    with pytest.raises(RuntimeError, match="cannot grow"):
+        pool.ensure(100_000, torch.float32)
+
+
 def test_boxes_catch_up_after_another_backends_prefill(tiny_long, monkeypatch):
     """--attention dense --decode-attention infinitehip with boxes: the prefill backend builds no boxes, so the
     first decode step boxes the whole prompt (eager, and on the emulated graph path its catch-up variant); the

@@ -131,3 +131,20 @@ def test_natural_haystacks_and_needle_phrasings(tok, haystack):
         passkey_prompt(tok, 3000, 0.4, 0, haystack, ("nope",))
     with pytest.raises(ValueError, match="unknown haystack 'novel'"):
         passkey_prompt(tok, 3000, 0.4, 0, "novel")
+
+
+def test_summary_sums_metered_decode_reads_per_length_once_per_batch():
+    """Each cell holds its batch's decode-read totals; a length's summary counts each batch once."""
+    from longreach.eval.passkey import summarize, table
+
+    batch = {"keys": 600.0, "queries": 4.0, "context_keys": 2000.0}
+    cells = [{"length": 1000, "correct": c, "prefill_seconds": 1.0, "decode_reads_batch": batch, "batch_size": 2}
+             for c in (True, False)]
+    cells.append({"length": 2000, "correct": True, "prefill_seconds": 2.0,
+                  "decode_reads_batch": {"keys": 500.0, "queries": 2.0, "context_keys": 4000.0}, "batch_size": 1})
+    m = summarize(cells, [1000, 2000])
+    assert m["decode_reads"] == {"1000": {"keys_per_query": 150.0, "share": 0.3, "queries": 4},
+                                 "2000": {"keys_per_query": 250.0, "share": 0.125, "queries": 2}}
+    report = {"lengths": [1000, 2000], "methods": {"psa": m}}
+    assert re.search(r"psa keys read per decode query +150 +250", table(report))
+    assert "decode_reads" not in summarize([{"length": 1000, "correct": True, "prefill_seconds": 1.0}], [1000])

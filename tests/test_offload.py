@@ -374,12 +374,14 @@ def test_offload_sizing_errors_name_the_fix(tiny):
         EngineConfig(kv_cache_dtype="int4")
 
 
-@pytest.mark.parametrize("block_k,bs,n_sink,n_window,max_rows", [(8, 16, 4, 64, 1), (64, 16, 64, 1024, 1),
-                                                                   (16, 16, 0, 0, 1), (64, 16, 16, 40, 64)])
-def test_mark_reads_kernel_marks_the_pages_the_pytorch_path_marks(block_k, bs, n_sink, n_window, max_rows):
+@pytest.mark.parametrize("block_k,bs,n_sink,n_window,max_rows,chunk", [
+    (8, 16, 4, 64, 1, 1024), (64, 16, 64, 1024, 1, 1024), (16, 16, 0, 0, 1, 1024), (64, 16, 16, 40, 64, 1024),
+    (64, 16, 16, 40, 1, 4), (16, 16, 0, 8, 1, 2)])
+def test_mark_reads_kernel_marks_the_pages_the_pytorch_path_marks(block_k, bs, n_sink, n_window, max_rows, chunk):
     """kernels/page_reads.py (the GPU's note_reads) in the interpreter: the same `wanted` bits as the PyTorch
     note_reads, for random query blocks (several sequences, positions near the start and far in, selections with
-    -1 padding, block tables with padding pointing at the scratch page)."""
+    -1 padding, block tables with padding pointing at the scratch page). A small `chunk` spreads a selection over
+    several programs (grid axis 2), as a 1M-token PSA step's 65K ranked blocks are."""
     from longreach.kernels.page_reads import mark_reads
 
     g = torch.Generator().manual_seed(block_k + n_window)
@@ -403,6 +405,6 @@ def test_mark_reads_kernel_marks_the_pages_the_pytorch_path_marks(block_k, bs, n
         want[-1] = False  # the PyTorch path's trash entry
         got = torch.zeros_like(st.wanted)
         mark_reads(got, 1, P, tables, seq[part], first[part], last[part], max_rows, blocks[part].to(torch.int32),
-                   block_k, bs, n_sink, n_window)
+                   block_k, bs, n_sink, n_window, chunk)
         assert torch.equal(got, want), (part, got.nonzero().squeeze(1).tolist(), want.nonzero().squeeze(1).tolist())
     assert got.any()

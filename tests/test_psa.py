@@ -473,3 +473,36 @@ def test_recall_selection_mask_reads_what_the_decode_path_reads():
         for h in range(Hq):
             keys = index.attended_positions(r, h // (Hq // Hkv), int(positions[r]))
             assert torch.equal(mask[r, h].nonzero().squeeze(1), keys.sort().values), (r, h)
+
+
+def test_decode_read_meter_counts_keys_per_query_eager_and_under_graphs(tiny):
+    """count_reads meters (keys read, queries, context keys) over decode rows x layers x KV groups: epsilon 1 reads
+    every key of the context; a lower epsilon reads fewer, and the graph path (3 rows in a 4-row graph: one padding
+    row, plus the capture's scratch run) meters exactly what eager decode meters. Off by default: None."""
+    from longreach import SamplingParams
+    from longreach.eval.common import reads_between
+
+    lengths, steps = (150, 90, 120), 4
+    prompts = _prompts(7, lengths)
+    params = SamplingParams(temperature=0, max_tokens=steps + 1, ignore_eos=True)  # token 1 comes from the prefill
+    metered = SMALL.replace("}", ', "count_reads": true}')
+    layers, groups = 3, 2  # the tiny model's
+    full = _llm(tiny, metered.replace('"epsilon": 0.8', '"epsilon": 1.0'), enforce_eager=True)
+    full.generate(prompts, params, use_tqdm=False)
+    got = full.engine.backend.decode_reads()
+    context = sum(n + j for n in lengths for j in range(1, steps + 1)) * layers * groups
+    assert got == {"keys": context, "queries": len(lengths) * steps * layers * groups, "context_keys": context}
+    eager = _llm(tiny, metered, enforce_eager=True)
+    eager.generate(prompts, params, use_tqdm=False)
+    graph = _llm(tiny, metered).engine
+    graph.runner.capture_graphs(emulate=True)
+    for i, p in enumerate(prompts):
+        graph.add_request(str(i), p["prompt_token_ids"], params)
+    while graph.has_unfinished_requests():
+        graph.step()
+    assert {rows for rows, _ in graph.runner._graphs} == {4}  # the 4-row graph ran
+    e, g = eager.engine.backend.decode_reads(), graph.backend.decode_reads()
+    assert g == e and e["queries"] == got["queries"] and e["context_keys"] == context and 0 < e["keys"] < context
+    summary = reads_between({"keys": 0.0, "queries": 0.0, "context_keys": 0.0}, e)
+    assert summary["share"] == round(e["keys"] / context, 5) and summary["queries"] == e["queries"]
+    assert _llm(tiny).engine.backend.decode_reads() is None

@@ -141,5 +141,10 @@ class AttentionBackend(ABC):
         """While active, `forward` runs decode as variant `key` from the static buffers (captured or emulated)."""
         yield
 
+    def decode_reads(self) -> dict | None:
+        """Cumulative keys read by decode queries, for backends that meter them (psa with count_reads): {"keys",
+        "queries", "context_keys"}; None otherwise. Reading it syncs the device."""
+        return None
+
     def free_sequence(self, seq_id: int) -> None:
         """Drop per-sequence state (mask caches, counters) of a finished or preempted sequence."""

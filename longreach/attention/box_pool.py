@@ -47,6 +47,7 @@ class BoxPool:
         self.per = PER_PAGE
         self.width = -(-max_model_len // (self.per * chunk))  # box pages of the longest sequence
         self.pool: torch.Tensor | None = None  # (L, pages * per, 2, 2, H_kv, D), made on first use
+        self._capacity = 0  # KV tokens the pool is sized for
         # row max_seqs is the scratch row (short sequences, graph padding): it points at page 0 and boxes nothing
         self.tables = torch.zeros(max_seqs + 1, self.width, dtype=torch.int32, device=device)
         self._free_rows = list(range(max_seqs))[::-1]
@@ -70,9 +71,18 @@ class BoxPool:
         return row / self.chunk * (1 + span / max(self.min_len + 1, span))
 
     def ensure(self, capacity_tokens: int, dtype: torch.dtype) -> None:
-        """Make the pool in `dtype`, sized for a KV cache of `capacity_tokens` tokens (module docstring)."""
+        """Make the pool in `dtype`, sized for a KV cache of `capacity_tokens` tokens (module docstring). A pool made
+        for a smaller cache is made again while no sequence holds boxes: the engine's memory probe runs a prefill on
+        a cache of one step's pages before it sizes the real one (engine/llm_engine.py), and the real one binds
+        after it."""
         if self.pool is not None:
-            return
+            if capacity_tokens <= self._capacity:
+                return
+            if self.rows:
+                raise RuntimeError(f"the box pool was made for {self._capacity} tokens of KV and sequences hold "
+                                   f"boxes in it; it cannot grow to {capacity_tokens} tokens now")
+            self.pool = None
+        self._capacity = capacity_tokens
         span = self.per * self.chunk
         seqs = min(self.max_seqs, capacity_tokens // (self.min_len + 1) + 1)  # sequences that can hold boxes
         pages = -(-capacity_tokens // span) + seqs
@@ -215,7 +225,8 @@ class KeptBoxes:
         pool = self._boxes
         if pool is None or layer in self.config.dense_layers:
             return None
-        pool.ensure(k_cache.shape[0] * k_cache.shape[1], q.dtype)  # made by bind_kv_cache in the engine
+        if pool.pool is None:  # made by bind_kv_cache in the engine; a forward before it (the memory probe) makes it
+            pool.ensure(k_cache.shape[0] * k_cache.shape[1], q.dtype)
         if step is None:
             if self._box_step is None or self._box_step[0] is not meta:
                 cols = pool.assign()

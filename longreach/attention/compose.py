@@ -95,6 +95,9 @@ class ComposedBackend(AttentionBackend):
         backend = self.prefill if meta.is_prefill else self.decode
         return backend.forward(layer, q, k, v, k_cache, v_cache, meta)
 
+    def decode_reads(self) -> dict | None:
+        return self.decode.decode_reads()
+
     def free_sequence(self, seq_id: int) -> None:
         self.prefill.free_sequence(seq_id)
         self.decode.free_sequence(seq_id)

@@ -38,7 +38,7 @@ Decisions on what the paper leaves open (digest §5.3, §8.9; docs/sparse.md has
     rope_from - 1 - s back, so every key lies within the trained distance and each block's move is known when the
     kernel reads it (the stop rule's masses and the output use the same positions). Ranking uses boxes of the keys
     moved to position 0 and each query moved to rank 0's distance (every row, so the metadata is built once per
-    block). Not measured for quality yet.
+    block). On SmolLM2 past its 8K it answers passkey as infinitehip does to 64K (H100, docs/sparse.md).
 Device side (CUDA): metadata build, scoring, sort, the decode kernel and the offloaded store's read report are all
 device ops with static shapes, so the decode step is captured in CUDA graphs: variants per context bucket, plus a
 "catch-up" variant for steps in which a sequence has more than one block to build (its first decode step). Tested
@@ -94,6 +94,9 @@ class PSAConfig:
     # within the trained distance and rank by keys moved to a fixed distance; module docstring)
     rope: str = "none"
     rope_from: int | None = None  # rows at or past this position move (rope "rank"); None: the trained length
+    # meter the keys each decode query reads (PSABackend.decode_reads; eval passkey and bench decode report it):
+    # a few device ops per layer and step, so off unless asked for
+    count_reads: bool = False
 
     def __post_init__(self) -> None:
         eps = self.epsilon
@@ -116,6 +119,8 @@ class PSAConfig:
             raise ValueError(f"dense_layers must be layer indices >= 0, got {self.dense_layers}")
         if not isinstance(self.decode_kernel, str) or self.decode_kernel not in DECODE_KERNELS:
             raise ValueError(f"decode_kernel must be one of {', '.join(DECODE_KERNELS)}, got {self.decode_kernel!r}")
+        if not isinstance(self.count_reads, bool):
+            raise ValueError(f"count_reads must be true or false, got {self.count_reads!r}")
         if self.rope not in ("none", "rank"):
             raise ValueError(f"rope must be 'none' (true positions) or 'rank' (rank-order positions past rope_from), "
                              f"got {self.rope!r}")
@@ -188,6 +193,14 @@ class PSA:
         tail = torch.where(tail <= last[:, None], tail, -1).to(torch.int32)
         return torch.cat([sel, tail[:, None, :].expand(n, G, -1)], dim=2)
 
+    def keys_read(self, counts: torch.Tensor, cand_hi: torch.Tensor, seq_lens: torch.Tensor, page: int) -> torch.Tensor:
+        """(n,) keys each row read, summed over its KV groups: the ranked blocks it attended (whole pages), plus the
+        sink and the tail, which every group reads (a row shorter than the sink reads its seq_len keys)."""
+        lens = seq_lens.long()
+        sink = torch.clamp(lens, max=self.sink_blocks(page) * page)
+        tail = (lens - cand_hi.long() * page).clamp(min=0)
+        return counts.long().sum(-1) * page + counts.shape[-1] * (sink + tail)
+
     def read_index(self, ranked, counts, cand_hi, seq_lens, page: int) -> SparseIndex:
         """What the rows read as a `SparseIndex` (one query block of one row per sequence, sink as n_sink, the tail
         among the listed blocks, n_window 0): block_sparse_attention over it equals the PSA output (tested)."""
@@ -245,7 +258,10 @@ class PSABackend(AttentionBackend):
         self._meta: torch.Tensor | None = None  # (L, P, 2, H_kv, D) block metadata by page, made on first decode
         self._built: dict[int, int] = {}  # seq_id -> its blocks [0, n) have metadata
         self._step: tuple[torch.Tensor, torch.Tensor, int] | None = None  # eager decode step: (lo, hi, most blocks)
-        self._g: torch.Tensor | None = None  # graph decode: (2, max_num_seqs) int32 lo / hi per row
+        # graph decode: (3, max_num_seqs) int32 per row: lo, hi, and 1 for a real row (0: padding, capture scratch)
+        self._g: torch.Tensor | None = None
+        # count_reads: float64 (keys read, queries, context keys) summed over decode rows x PSA layers x KV groups
+        self._reads = torch.zeros(3, dtype=torch.float64, device=device) if self.config.count_reads else None
         self._variant: tuple | None = None
 
     @classmethod
@@ -335,6 +351,8 @@ class PSABackend(AttentionBackend):
         m = self.method
         out, counts, ranked, cand_hi = m.attend(q, k_cache, v_cache, meta.block_tables, meta.seq_lens, store, width,
                                                 self.scale, kernels)
+        if self.config.count_reads:
+            self._count_reads(m, counts, cand_hi, meta.seq_lens, page)
         if meta.kv_store is not None:  # offloaded: the store installs the pages this step read (LRU)
             rows = torch.arange(q.shape[0], device=q.device)
             pos = meta.seq_lens.long() - 1
@@ -342,6 +360,22 @@ class PSABackend(AttentionBackend):
             meta.kv_store.note_reads(layer, meta.block_tables, rows, pos, pos, 1, reads, page,
                                      m.sink_blocks(page) * page, 0)
         return out
+
+    def _count_reads(self, m: PSA, counts, cand_hi, seq_lens, page: int) -> None:
+        """Add this layer's reads to the meter, on the device (capturable): real rows only under graphs."""
+        n = counts.shape[0]
+        real = (self._g[2, :n] if self._variant is not None else torch.ones(n, device=counts.device)).double()
+        G = counts.shape[-1]
+        self._reads += torch.stack([(real * m.keys_read(counts, cand_hi, seq_lens, page)).sum(), real.sum() * G,
+                                    (real * seq_lens.double()).sum() * G])
+
+    def decode_reads(self) -> dict | None:
+        """Cumulative decode reads (count_reads), or None when not metered: keys read, queries (decode rows x PSA
+        layers x KV groups) and the keys their contexts held. Syncs the device."""
+        if not self.config.count_reads:
+            return None
+        keys, queries, context = self._reads.tolist()
+        return {"keys": keys, "queries": queries, "context_keys": context}
 
     # ---- graph decode (attention/backend.py) -----------------------------------------------------------------------
     def graph_keys_upfront(self) -> list:
@@ -353,20 +387,20 @@ class PSABackend(AttentionBackend):
         prefill), which launches the metadata kernel over every block of the bucket (programs outside a row's
         range do nothing) instead of one block per row."""
         if self._g is None:
-            self._g = torch.zeros(2, self.engine_config.max_num_seqs, dtype=torch.int32, device=self.device)
+            self._g = torch.zeros(3, self.engine_config.max_num_seqs, dtype=torch.int32, device=self.device)
         lo, hi = self._advance(seq_ids, seq_lens)
         longest = max(seq_lens)
         bucket = min(1 << (longest - 1).bit_length(), max(longest, self.engine_config.max_model_len))
         n = len(seq_ids)
 
         def load(rows: int) -> None:
-            self._g[:, :n].copy_(torch.tensor([lo, hi], dtype=torch.int32), non_blocking=True)
+            self._g[:, :n].copy_(torch.tensor([lo, hi, [1] * n], dtype=torch.int32), non_blocking=True)
             self._g[:, n:rows].zero_()
         return (bucket, any(b - a > 1 for a, b in zip(lo, hi))), load
 
     def graph_scratch(self) -> None:
         if self._g is None:
-            self._g = torch.zeros(2, self.engine_config.max_num_seqs, dtype=torch.int32, device=self.device)
+            self._g = torch.zeros(3, self.engine_config.max_num_seqs, dtype=torch.int32, device=self.device)
         self._g.zero_()
 
     @contextlib.contextmanager

@@ -192,6 +192,7 @@ def _measure(model: str, context: int, spec, engine_kwargs: dict, batch: int, de
     import torch
 
     from ..engine.llm import LLM
+    from ..eval.common import reads_between
 
     label = f"{_fmt_len(context)} {spec.label}"
     _note(f"{label}: building the engine")
@@ -216,8 +217,10 @@ def _measure(model: str, context: int, spec, engine_kwargs: dict, batch: int, de
             warmup_s = time.perf_counter() - t0
         if dev.type == "cuda":
             torch.cuda.reset_peak_memory_stats(dev)
+        reads0 = engine.backend.decode_reads()
         run = _drive(engine, prompts, decode_tokens, label, state.get("profile_steps") or 0,
                      state.get("profile_prefill_steps") or 0)
+        reads = reads_between(reads0, engine.backend.decode_reads())
         from .profile import format_report
 
         if run["prefill_profile"]:
@@ -253,6 +256,7 @@ def _measure(model: str, context: int, spec, engine_kwargs: dict, batch: int, de
             "warmup_step_indices": [i for i, s in enumerate(steps) if s["warmup"]],
             "cuda_graphs": bool(engine.runner._graph_sizes), "graph_variants": len(engine.runner._graphs),
             "preemptions": engine.scheduler.num_preemptions,
+            "decode_reads": reads,  # psa with count_reads: keys per decode query (layer, KV group), share of context
             "memory": {
                 "weights_bytes": weights, "kv_gpu_bytes": kv_gpu, "kv_staging_bytes": kv_staging,
                 "kv_staging_decode_bytes": kv_staging_decode,

@@ -64,7 +64,14 @@ def _summary(row: dict) -> str:
     return (f"{head}: prefill {row['prefill_s']:.1f} s, decode {dec or 0:.1f} tok/s "
             f"({row['warmup_steps']} warm-up steps left out), KV GPU {mem['kv_gpu_bytes'] / GiB:.2f} GiB "
             f"+ staging {mem['kv_staging_bytes'] / GiB:.2f} GiB while prefilling "
-            f"({_staging_decoding(mem) / GiB:.2f} decoding), host {mem['kv_host_bytes'] / GiB:.2f} GiB")
+            f"({_staging_decoding(mem) / GiB:.2f} decoding), host {mem['kv_host_bytes'] / GiB:.2f} GiB"
+            + _reads_note(row.get("decode_reads")))
+
+
+def _reads_note(reads: dict | None) -> str:
+    if not reads or reads["keys_per_query"] is None:
+        return ""
+    return f"; decode read {reads['keys_per_query']:,.0f} keys per query ({100 * reads['share']:.2f}% of the context)"
 
 
 def _staging_decoding(mem: dict) -> int:

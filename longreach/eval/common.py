@@ -179,3 +179,14 @@ def wilson(successes: float, n: int, z: float = 1.96) -> tuple[float, float]:
     mid = (p + z * z / (2 * n)) / d
     half = z * ((p * (1 - p) / n + z * z / (4 * n * n)) ** 0.5) / d
     return max(0.0, mid - half), min(1.0, mid + half)
+
+
+def reads_between(before: dict | None, after: dict | None) -> dict | None:
+    """Decode reads metered between two `AttentionBackend.decode_reads()` snapshots (None when not metered):
+    keys_per_query (mean over decode rows x layers x KV groups), share (of the keys their contexts held), queries."""
+    if before is None or after is None:
+        return None
+    keys, queries, context = (after[k] - before[k] for k in ("keys", "queries", "context_keys"))
+    if queries <= 0:
+        return {"keys_per_query": None, "share": None, "queries": 0}
+    return {"keys_per_query": round(keys / queries, 1), "share": round(keys / context, 5), "queries": int(queries)}

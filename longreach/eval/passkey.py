@@ -174,15 +174,21 @@ def run_method(llm, prompts: list[dict], new_tokens: int, label: str) -> list[di
         else:
             batches.append([p])
     results = []
+    backend = llm.engine.backend
     for group in batches:
+        before = backend.decode_reads()
         outs = llm.generate([{"prompt_token_ids": p["ids"]} for p in group], params,
                             use_tqdm=sys.stderr.isatty())  # the engine's prefill bar, on long prompts
+        after = backend.decode_reads()
         for p, out in zip(group, outs):
             m = out.metrics
             cell = {"length": p["length"], "depth": p["depth"], "seed": p["seed"], "key": p["key"],
                     "correct": score(out.text, p["key"]), "output": out.text[:OUTPUT_CHARS],
                     "seconds": round(m.finished_time - m.first_scheduled_time, 3),
                     "prefill_seconds": round(m.prefill_seconds, 3)}
+            if after is not None:  # metered (psa count_reads): the batch's totals, summed per length by summarize
+                cell["decode_reads_batch"] = {k: after[k] - before[k] for k in after}
+                cell["batch_size"] = len(group)
             results.append(cell)
             note(f"passkey {label} {format_length(p['length'])} depth {p['depth']} seed {p['seed']}: "
                  f"{'right' if cell['correct'] else 'wrong'} (key {p['key']}, got {out.text.strip()[:20]!r}, "
@@ -203,7 +209,21 @@ def summarize(cells: list[dict], lengths: list[int]) -> dict:
             "overall": mean([c["correct"] for c in cells]),
             "prefill_seconds": {str(n): round(mean([c["prefill_seconds"] for c in cs]), 3)
                                 for n, cs in by_length.items()},
+            **({"decode_reads": {str(n): _reads(cs) for n, cs in by_length.items()}}
+               if any("decode_reads_batch" in c for c in cells) else {}),
             "cells": cells}
+
+
+def _reads(cells: list[dict]) -> dict | None:
+    """Decode reads over the cells' batches (each cell holds its batch's totals: counted once per batch)."""
+    from .common import reads_between
+
+    zero = {"keys": 0.0, "queries": 0.0, "context_keys": 0.0}
+    total = dict(zero)
+    for c in cells:
+        for k, v in c.get("decode_reads_batch", zero).items():
+            total[k] += v / c["batch_size"]
+    return reads_between(zero, total)
 
 
 def main(args: argparse.Namespace) -> int:
@@ -288,6 +308,10 @@ def plot(report: dict, path: str) -> None:
     plt.close(fig)
 
 
+def _keys(reads: dict | None) -> str:
+    return "-" if not reads or reads["keys_per_query"] is None else f"{reads['keys_per_query']:,.0f}"
+
+
 def table(report: dict) -> str:
     """Accuracy (%) per method and length, plus overall."""
     lengths = report["lengths"]
@@ -300,6 +324,10 @@ def table(report: dict) -> str:
     lines = [title.ljust(width) + "".join(f"{format_length(n):>15}" for n in lengths) + "    all"]
     for label, m in report["methods"].items():
         lines.append(label.ljust(width) + "".join(f"{cell(m, n):>15}" for n in lengths) + f"{100 * m['overall']:7.0f}")
+    for label, m in report["methods"].items():  # metered decode (psa count_reads): mean keys per query
+        if "decode_reads" in m:
+            lines.append(f"{label} keys read per decode query".ljust(width) + "".join(
+                f"{_keys(m['decode_reads'][str(n)]):>15}" for n in lengths))
     counts = sorted({c for m in report["methods"].values() for c in m.get("n", {}).values()})
     if counts:
         lines.append(f"prompts per cell: {', '.join(map(str, counts))}")

@@ -5,8 +5,8 @@ query block reads — the sink pages, the recent window's pages and the pages of
 `end_step` can install the missed ones. Written with PyTorch ops it is ~25 small kernels per layer in a captured decode
 step; this is one launch with the same result (docs/kernel-notes.md v10).
 
-Grid (query blocks, groups + 1): program (i, g < G) marks the pages of group g's selected blocks of block i; program
-(i, G) marks the sink and window pages. Logical pages past the block's last query are skipped, logical pages are
+Grid (query blocks, groups + 1, slices): program (i, g < G, c) marks slice c (`chunk` pages, 1,024 by default) of the
+pages of group g's selected blocks of block i; program (i, G, 0) marks the sink and window pages. Logical pages past the block's last query are skipped, logical pages are
 clamped into the block table, and the scratch page (the last page, where padded graph rows point) is never marked.
 Several programs may set the same byte: they all write 1.
 Tested: the interpreter against the PyTorch path, random blocks and tables (tests/test_offload.py); GPU: through the
@@ -37,16 +37,17 @@ if triton is not None:
                            BLOCK_SEL: tl.constexpr, BLOCK_FIXED: tl.constexpr):
         i = tl.program_id(0).to(tl.int64)
         g = tl.program_id(1)
+        c = tl.program_id(2)  # which BLOCK_SEL-slice of the selected pages (the sink and window: slice 0 only)
         row = tl.load(Seq + i).to(tl.int64) * stride_t
         first = tl.load(First + i).to(tl.int64)
         last_page = tl.load(Last + i).to(tl.int64) // BS
-        if g == G:  # sink pages, then the window's pages
+        if g == G and c == 0:  # sink pages, then the window's pages
             f = tl.arange(0, BLOCK_FIXED)
             _mark(Wanted, Tables, row, f, (f < SINK_PAGES) & (f <= last_page), base, W, P)
             w0 = tl.maximum(first - n_window + 1, 0) // BS
             _mark(Wanted, Tables, row, w0 + f, (f < SPAN) & (w0 + f <= last_page), base, W, P)
-        else:
-            j = tl.arange(0, BLOCK_SEL)
+        elif g < G:
+            j = c * BLOCK_SEL + tl.arange(0, BLOCK_SEL)
             inside = j < K * PER
             b = tl.load(Blocks + i * stride_bb + g * stride_bg + j // PER, mask=inside, other=-1).to(tl.int64)
             lp = (b * block_k) // BS + j % PER
@@ -55,8 +56,13 @@ if triton is not None:
 
 def mark_reads(wanted: torch.Tensor, layer: int, num_pages: int, block_tables: torch.Tensor, seq: torch.Tensor,
                first: torch.Tensor, last: torch.Tensor, max_rows: int, blocks: torch.Tensor, block_k: int,
-               block_size: int, n_sink: int, n_window: int) -> None:
-    """The kernel behind `OffloadedKVCache.note_reads` (same arguments; wanted (L * P + 1,) bool)."""
+               block_size: int, n_sink: int, n_window: int, chunk: int = 1024) -> None:
+    """The kernel behind `OffloadedKVCache.note_reads` (same arguments; wanted (L * P + 1,) bool). A program marks at
+    most `chunk` selected pages (a power of two); more go to further programs on grid axis 2. One program per
+    selection made a 1M-token PSA step (65K ranked blocks) a single 131,072-wide block in one warp: its compile and
+    run did not finish in minutes on an H100 (2026-11-25)."""
+    if chunk < 1 or chunk & (chunk - 1):
+        raise ValueError(f"chunk must be a power of two (pages per program), got {chunk}")
     nb = seq.shape[0]
     if nb == 0:
         return
@@ -66,9 +72,11 @@ def mark_reads(wanted: torch.Tensor, layer: int, num_pages: int, block_tables: t
     span = -(-(n_window + max_rows - 1) // block_size) + 1 if n_window > 0 else 0
     tables = block_tables if block_tables.stride(-1) == 1 else block_tables.contiguous()
     blocks = blocks if blocks.stride(-1) == 1 else blocks.contiguous()
-    _mark_reads_kernel[(nb, G + 1)](
+    sel = triton.next_power_of_2(max(1, K * per))
+    block_sel = min(sel, chunk)
+    _mark_reads_kernel[(nb, G + 1, -(-sel // block_sel))](
         wanted.view(torch.uint8), tables, seq, first, last, blocks, tables.stride(0), blocks.stride(0),
         blocks.stride(1), layer * num_pages, num_pages, tables.shape[1], G, K, n_window, block_k,
         BS=block_size, PER=per, SINK_PAGES=sink_pages, SPAN=span,
-        BLOCK_SEL=triton.next_power_of_2(max(1, K * per)),
+        BLOCK_SEL=block_sel,
         BLOCK_FIXED=triton.next_power_of_2(max(1, sink_pages, span)), num_warps=1)
