@@ -460,12 +460,23 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+def _stack_dumps_on_sigusr1() -> None:
+    """`kill -USR1 <pid>` prints every thread's Python stack to stderr and the run goes on: where a long run is
+    (scripts/device_runs.sh sends it when a command outlives its time, before killing it)."""
+    import faulthandler
+    import signal
+
+    if hasattr(signal, "SIGUSR1"):
+        faulthandler.register(signal.SIGUSR1, all_threads=True)
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
     args.argv = list(sys.argv[1:] if argv is None else argv)  # the command line, for reports
     level = logging.WARNING if args.quiet else logging.DEBUG if args.verbose else logging.INFO
     logging.basicConfig(level=level, format="[longreach] %(message)s", stream=sys.stderr)
+    _stack_dumps_on_sigusr1()
     try:
         return args.func(args)
     except ValueError as e:

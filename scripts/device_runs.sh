@@ -23,6 +23,7 @@
 #   bash scripts/device_runs.sh psarecall   # needs the model: eval recall at 32K and 128K, psa 0.9-0.98 vs infinitehip
 #                                           # 3k and quest 3k: keys read per query beside mass recall (issue 15)
 #   bash scripts/device_runs.sh prefill1m   # needs the model: SmolLM2 1M prefill on the GPU, infinitehip vs cascading
+#   bash scripts/device_runs.sh psa1mdiag   # needs the model: psa's 1M decode on the GPU alone, then offloaded
 #   bash scripts/device_runs.sh box1m       # bench decode, 8B shape, fp8 + offload: 1M, infinitehip (3k-box)
 #   bash scripts/device_runs.sh psa128k     # 8B shape, bf16: the psa step's parts in CUDA graphs (128K, 1M); bench
 #                                           # decode 128K, infinitehip vs psa (loop and waves kernels) vs dense
@@ -33,10 +34,11 @@ set -u
 out=${OUT:-out}; mkdir -p "$out"
 export PYTHONUNBUFFERED=1
 model=${MODEL:-/tmp/m/model.gguf}
-run() {  # run NAME SECONDS CMD...: the command's output in $out/NAME.log, its tail on stdout
+run() {  # run NAME SECONDS CMD...: the command's output in $out/NAME.log, its tail on stdout. Past SECONDS the
+    # command gets SIGUSR1 (longreach prints its Python stacks: where it was) and SIGKILL 10 s later (exit 137)
     local name=$1 secs=$2; shift 2
     echo "== $name: $*"
-    timeout "$secs" "$@" > "$out/$name.log" 2>&1
+    timeout -s USR1 -k 10 "$secs" "$@" > "$out/$name.log" 2>&1
     echo "== $name: exit $?"
     tail -14 "$out/$name.log"
 }
@@ -111,7 +113,8 @@ psa1m)  # needs the model: PSA's decode at 1M through the offloaded store, after
     # psa (0.95) at true positions (the paper's) and psa:0.95 at rank positions; both meter their keys per query
     run smollm2_1m_psa ${SECS:-560} python3 -m longreach bench decode --model $model --text-source paul-graham --lengths 1M \
         --dense-lengths --max-num-batched-tokens 65536 --kv-offloading-size 26 --kv-cache-memory-gb 2 \
-        --attention infinitehip infinitehip+psa infinitehip+psa:0.95 --profile-steps 4 --attention-config \
+        --attention infinitehip infinitehip+psa infinitehip+psa:0.95 --decode-tokens 24 --profile-steps 2 \
+        --attention-config \
         '{"psa": {"count_reads": true}, "psa:0.95": {"rope": "rank", "count_reads": true}}' \
         --out "$out/bench-decode-smollm2-1m-psa.json"
     ;;

@@ -140,3 +140,23 @@ def test_demo_answers_and_reports(capsys):
     out = capsys.readouterr().out
     assert "magic number" in out and "infinitehip on cpu" in out
     assert out.strip().splitlines()[-1].split()[-3] == "right"  # label, device, answer, verdict, seconds, "s"
+
+
+def test_sigusr1_prints_the_python_stacks_and_the_run_goes_on(capfd):
+    """scripts/device_runs.sh sends SIGUSR1 to a command that outlived its time: every thread's stack goes to stderr
+    (where a stuck run was), and the process is not stopped by it."""
+    import faulthandler
+    import os
+    import signal
+
+    from longreach.cli import _stack_dumps_on_sigusr1
+
+    if not hasattr(signal, "SIGUSR1"):
+        pytest.skip("no SIGUSR1 on this platform")
+    _stack_dumps_on_sigusr1()
+    try:
+        os.kill(os.getpid(), signal.SIGUSR1)
+        err = capfd.readouterr().err
+    finally:
+        faulthandler.unregister(signal.SIGUSR1)
+    assert "test_sigusr1_prints_the_python_stacks" in err and "File" in err
