@@ -466,8 +466,14 @@ def _stack_dumps_on_sigusr1() -> None:
     import faulthandler
     import signal
 
-    if hasattr(signal, "SIGUSR1"):
-        faulthandler.register(signal.SIGUSR1, all_threads=True)
+    if not hasattr(signal, "SIGUSR1"):
+        return
+    for stream in (sys.stderr, sys.__stderr__):  # a stderr without a file descriptor (captured): the process's own
+        try:
+            faulthandler.register(signal.SIGUSR1, file=stream, all_threads=True)
+            return
+        except (AttributeError, ValueError, OSError):  # io.UnsupportedOperation is an OSError and a ValueError
+            continue
 
 
 def main(argv: list[str] | None = None) -> int:

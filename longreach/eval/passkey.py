@@ -316,7 +316,8 @@ def table(report: dict) -> str:
     """Accuracy (%) per method and length, plus overall."""
     lengths = report["lengths"]
     title = "passkey accuracy (%) [95% CI]"
-    width = max(len(label) for label in [title, *report["methods"]]) + 2
+    metered = [f"{label} keys read per decode query" for label, m in report["methods"].items() if "decode_reads" in m]
+    width = max(len(label) for label in [title, *report["methods"], *metered]) + 2
 
     def cell(m, n):
         lo, hi = m["ci95"][str(n)] if "ci95" in m else (float("nan"), float("nan"))
