@@ -32,13 +32,13 @@ fetch .carry/a "$(spec fastapi)" "$(spec starlette)" "$(spec uvicorn)" "$(spec p
 cat > .carry/a/stage.sh <<'SH'
 set -e
 mkdir -p /tmp/m && cp .carry/a/part0 /tmp/m/
-python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site .carry/a/*.whl
+python3 -m pip install -q --upgrade --no-index --no-deps --no-compile --target /tmp/site .carry/a/*.whl
 SH
 # Sourced by the device command: no `set -e` here, it would leak into the caller's shell.
 cat > .carry/b/assemble.sh <<SH
 cat /tmp/m/part0 .carry/b/part1 > /tmp/m/model.gguf || return 1
 echo "$sha  /tmp/m/model.gguf" | sha256sum -c - || return 1
-python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site .carry/b/*.whl || return 1
+python3 -m pip install -q --upgrade --no-index --no-deps --no-compile --target /tmp/site .carry/b/*.whl || return 1
 export PYTHONPATH=/tmp/site:\$PWD
 SH
 du -sh .carry/a .carry/b
