@@ -5,12 +5,13 @@ query block reads — the sink pages, the recent window's pages and the pages of
 `end_step` can install the missed ones. Written with PyTorch ops it is ~25 small kernels per layer in a captured decode
 step; this is one launch with the same result (docs/kernel-notes.md v10).
 
-Grid (query blocks, groups + 1, slices): program (i, g < G, c) marks slice c (`chunk` pages, 1,024 by default) of the
-pages of group g's selected blocks of block i; program (i, G, 0) marks the sink and window pages. Logical pages past the block's last query are skipped, logical pages are
-clamped into the block table, and the scratch page (the last page, where padded graph rows point) is never marked.
-Several programs may set the same byte: they all write 1.
-Tested: the interpreter against the PyTorch path, random blocks and tables (tests/test_offload.py); GPU: through the
-engine checks of scripts/gpu_check.py (not yet run on a GPU).
+Grid (query blocks, groups + 1, slices): program (i, g < G, c) marks slice c (`chunk` pages, 1,024 by default) of
+the pages of group g's selected blocks of block i; program (i, G, 0) marks the sink and window pages. Logical pages
+past the block's last query are skipped, logical pages are clamped into the block table, and the scratch page (the
+last page, where padded graph rows point) is never marked. Several programs may set the same byte: they all write 1.
+Tested: the interpreter against the PyTorch path, random blocks and tables, one slice and several
+(tests/test_offload.py). GPU: every offloaded decode runs it (infinitehip at 1M on an H100, docs/benchmarks.md);
+the slices (kernel-notes v15) have not run on a GPU yet.
 """
 from __future__ import annotations
 
