@@ -24,6 +24,7 @@
 #                                           # 3k and quest 3k: keys read per query beside mass recall (issue 15)
 #   bash scripts/device_runs.sh prefill1m   # needs the model: SmolLM2 1M prefill on the GPU, infinitehip vs cascading
 #   bash scripts/device_runs.sh psa1mdiag   # needs the model: psa's 1M decode on the GPU alone, then offloaded
+#   bash scripts/device_runs.sh cascadedecode # needs the model: cascading's eager decode step under the profiler
 #   bash scripts/device_runs.sh box1m       # bench decode, 8B shape, fp8 + offload: 1M, infinitehip (3k-box)
 #   bash scripts/device_runs.sh psa128k     # 8B shape, bf16: the psa step's parts in CUDA graphs (128K, 1M); bench
 #                                           # decode 128K, infinitehip vs psa (loop and waves kernels) vs dense
@@ -150,6 +151,11 @@ psa1mdiag)  # needs the model: where PSA's 1M decode time goes: on the GPU alone
             --out "$out/bench-decode-smollm2-1m-psa-$off.json"
     done
     ;;
+cascadedecode)  # needs the model: where cascading's eager decode step goes (9.9 tok/s at 1M with a 16K cache)
+    run smollm2_128k_cascading_decode 200 python3 -m longreach bench decode --model "$model" --text-source paul-graham \
+        --lengths 128k --dense-lengths --max-num-batched-tokens 65536 --decode-tokens 24 --profile-steps 4 \
+        --attention cascading:16k --out "$out/bench-decode-smollm2-128k-cascading-profile.json"
+    ;;
 box1m)
     run decode_1m_box 590 $bd --kv-offloading-size 76 --lengths 1M --attention infinitehip --dense-lengths \
         --out "$out/bench-decode-1m-box.json"
@@ -168,7 +174,7 @@ seeds8b)
     ;;
 *)
     echo "usage: bash scripts/device_runs.sh GROUP... (kernels recheck decode1m decode128k engine smollm1m serve" \
-        "quality lowq prefill128k cascadecheck fp8quality cascading psa1m psarank psarecall prefill1m psa1mdiag box1m psa128k seeds8b)" >&2
+        "quality lowq prefill128k cascadecheck fp8quality cascading psa1m psarank psarecall prefill1m psa1mdiag cascadedecode box1m psa128k seeds8b)" >&2
     exit 2
     ;;
 esac
