@@ -16,7 +16,8 @@ from longreach.kernels.psa_waves import psa_decode_waves
 from longreach.models.config import RopeConfig
 from longreach.rope.scaling import rope_inv_freq
 from longreach.rope.strategies import rotate
-from tests.test_psa import _setup, tiny  # noqa: F401 - tiny: test_psa's model fixture
+from tests.test_psa import _setup
+from tests.test_psa_engine import tiny  # noqa: F401 - the engine tests' model fixture
 
 CASE = (6, 2, 16, 4, 4, [150, 61, 9])  # GQA 3; rows past, near and before rope_from
 ROPE_FROM = 60
@@ -139,7 +140,7 @@ def test_engine_rank_rope_graph_path_equals_eager_and_changes_decode(tiny):
     decoding, and past rope_from the logits differ from true positions (the keys moved)."""
     from longreach import SamplingParams
     from longreach.engine.llm import LLM
-    from tests.test_psa import SMALL, _prompts, _record_logits
+    from tests.test_psa_engine import SMALL, _prompts, _record_logits
 
     rank = SMALL.replace('"epsilon": 0.8', '"epsilon": 0.8, "rope": "rank", "rope_from": 64')
     assert rank != SMALL
