@@ -22,6 +22,7 @@ from triton.backends.compiler import GPUTarget  # noqa: E402
 from longreach.kernels import (  # noqa: E402
     block_meta,
     bsa,
+    cascade_insert,
     combine,
     fused,
     key_mass,
@@ -88,6 +89,15 @@ def cascading_cases(bf: str, f32: str, i32: str) -> list:
                            W=f32, InvFreq=f32, Out=f32),
                       dict(HPP=hpp, HPP_PAD=hpp_pad, ROWS=rows, BLOCK_N=64, HEAD_DIM=d, PAGE=1, ROPE=True, FP8=False,
                            DOT_PRECISION="tf32"), ["qk_scale"]))
+    i64 = "*i64"
+    cases.append(("cascade insert", cascade_insert._insert_kernel,
+                  dict(Score=f32, Mass=f32, EmaSlots=i64, EmaKey=i64, EmaDecay=f32, Plan=i64, Cur=i64, Pool=i64,
+                       Src=i64), dict(FIELDS=12, BLOCK=1024), []))
+    for d in (64, 128):
+        for phase in (0, 1):
+            cases.append((f"cascade move d{d} phase {phase}", cascade_insert._move_kernel,
+                          dict(Dst=i64, Src=i64, K=bf, V=bf, Score=f32, Pos=i32, TK=bf, TV=bf, TS=f32, TP=i32),
+                          dict(PHASE=phase, BLOCK_W=32, HEAD_DIM=d), []))
     return cases
 
 

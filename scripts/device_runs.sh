@@ -22,9 +22,11 @@
 #                                           # positions, keys read per decode query metered
 #   bash scripts/device_runs.sh psarecall   # needs the model: eval recall at 32K and 128K, psa 0.9-0.98 vs infinitehip
 #                                           # 3k and quest 3k: keys read per query beside mass recall (issue 15)
-#   bash scripts/device_runs.sh prefill1m   # needs the model: SmolLM2 1M prefill on the GPU, infinitehip vs cascading
+#   bash scripts/device_runs.sh prefill1m   # needs the model: cascading insertion kernels checked, then SmolLM2 1M
+#                                           # prefill on the GPU, infinitehip vs cascading
 #   bash scripts/device_runs.sh psa1mdiag   # needs the model: psa's 1M decode on the GPU alone, then offloaded
-#   bash scripts/device_runs.sh cascadedecode # needs the model: cascading's eager decode step under the profiler
+#   bash scripts/device_runs.sh cascadedecode # needs the model: cascading's eager decode step, then a 128K prefill
+#                                           # (infinitehip vs cascading), under the profiler
 #   bash scripts/device_runs.sh box1m       # bench decode, 8B shape, fp8 + offload: 1M, infinitehip (3k-box)
 #   bash scripts/device_runs.sh psa128k     # 8B shape, bf16: the psa step's parts in CUDA graphs (128K, 1M); bench
 #                                           # decode 128K, infinitehip vs psa (loop and waves kernels) vs dense
@@ -132,14 +134,13 @@ psarecall)  # needs the model: the budget each method reads past the trained len
             --queries 128 --attention psa:0.9 psa:0.95 psa:0.98 infinitehip:3k quest:3k --out "$out/recall-$n.json"
     done
     ;;
-prefill1m)  # needs the model: 1M prefill on the GPU (SmolLM2's 23 GiB of KV fit), the bounded cache vs infinitehip
+prefill1m)  # needs the model: 1M prefill on the GPU (SmolLM2's 23 GiB of KV fit), the bounded cache vs infinitehip;
+    # first the fused insertion kernels against torch (16k sizes) and through the engine against the CPU reference
+    run gpu_check_cascade_insert 240 python3 scripts/gpu_check.py --model "$model" --out "$out" --only \
+        "cascading insert" "cascading engine"
     run smollm2_1m_prefill 400 python3 -m longreach bench decode --model "$model" --text-source paul-graham \
         --lengths 1M --dense-lengths --max-num-batched-tokens 65536 --decode-tokens 64 \
         --attention infinitehip cascading:16k --out "$out/bench-prefill-smollm2-1m.json"
-    # where a prefill step's time goes (profiled steps 2-3 at 128K; their seconds include the profiler's overhead)
-    run smollm2_128k_prefill_profile 150 python3 -m longreach bench decode --model "$model" --text-source \
-        paul-graham --lengths 128k --dense-lengths --max-num-batched-tokens 65536 --decode-tokens 8 \
-        --attention infinitehip cascading:16k --profile-prefill-steps 2 --out "$out/bench-prefill-profile-128k.json"
     ;;
 psa1mdiag)  # needs the model: where PSA's 1M decode time goes: on the GPU alone (SmolLM2's 23 GiB of KV fit), then
     # offloaded; 12 decode tokens each (8 warm-up), keys read metered
@@ -155,6 +156,10 @@ cascadedecode)  # needs the model: where cascading's eager decode step goes (9.9
     run smollm2_128k_cascading_decode 200 python3 -m longreach bench decode --model "$model" --text-source paul-graham \
         --lengths 128k --dense-lengths --max-num-batched-tokens 65536 --decode-tokens 24 --profile-steps 4 \
         --attention cascading:16k --out "$out/bench-decode-smollm2-128k-cascading-profile.json"
+    # where a prefill step's time goes (profiled steps 2-3 at 128K; their seconds include the profiler's overhead)
+    run smollm2_128k_prefill_profile 150 python3 -m longreach bench decode --model "$model" --text-source \
+        paul-graham --lengths 128k --dense-lengths --max-num-batched-tokens 65536 --decode-tokens 8 \
+        --attention infinitehip cascading:16k --profile-prefill-steps 2 --out "$out/bench-prefill-profile-128k.json"
     ;;
 box1m)
     run decode_1m_box 590 $bd --kv-offloading-size 76 --lengths 1M --attention infinitehip --dense-lengths \

@@ -142,6 +142,60 @@ def cascading_kernels():
            f"key mass {worst_m:.2e} (bf16 vs fp32 reference)"
 
 
+def cascading_insert():
+    """Cascading insertion (kernels/cascade_insert.py) vs its PyTorch reference at the `16k` preset's real sizes
+    (64 sink + 8 x 2040, rings full), a 4,096-token prefill stride and a decode step, SmolLM2's and Llama-8B's KV
+    heads: the EMA within fp32 rounding, every source exactly as `execute_plan` resolves it on the kernel's
+    importance, the moves exactly as `apply_moves`; and the time of one (layer, stride) either way (CUDA events
+    around the host calls, so launch overhead counts)."""
+    import numpy as np
+
+    from gpu_check_common import _median_us
+    from longreach.kernels.cascade_insert import cascade_insert_reference, cascade_insert_triton, move_rows_triton
+    from longreach.kvcache.cascade import CascadeRings, apply_moves, batch_plans, execute_plan
+
+    dev, S, sizes = "cuda", 64, [2040] * 8
+    lines = []
+    for H, D in ((3, 64), (8, 128)):
+        for n in (4096, 1):
+            rings = CascadeRings(S, sizes)
+            stage0 = S + sum(sizes)
+            for _ in range(40):  # fill every ring and cascade past it
+                rings.plan(4096, stage0 + np.arange(4096 - max(0, min(S, rings.tokens + 4096) - rings.tokens)))
+            cached = rings.chronological()
+            plan = batch_plans([rings.plan(n, stage0 + np.arange(n))], [lambda a: a], dev)
+            nslots = stage0 + 4096
+            g = torch.Generator(device=dev).manual_seed(H * 7 + n)
+            slots = torch.from_numpy(np.concatenate([cached, stage0 + np.arange(n)])).to(dev)
+            key = torch.randperm(nslots, device=dev, generator=g)[: len(slots)]
+            decay = torch.where(slots < stage0, 0.999 ** n, 0.0).float()
+            mass = torch.rand(1, H, nslots, device=dev, generator=g)
+            score = torch.rand(nslots, H, device=dev, generator=g)
+            kv = [torch.randn(nslots, H, D, device=dev, dtype=torch.bfloat16, generator=g) for _ in range(2)]
+            pos = torch.randint(0, 1 << 20, (nslots, H), device=dev, dtype=torch.int32, generator=g)
+            s_ref, s_got = score.clone(), score.clone()
+            cascade_insert_reference(plan, s_ref, mass, slots, key, decay)
+            src = cascade_insert_triton(plan, s_got, mass, slots, key, decay)
+            torch.cuda.synchronize()
+            if _rel(s_got, s_ref) > 1e-6:
+                raise AssertionError(f"H={H} n={n}: EMA rel err {_rel(s_got, s_ref):.2e}")
+            want_src = execute_plan(plan, s_got)[1]  # the rules on the kernel's own importances
+            if not torch.equal(src, want_src):
+                raise AssertionError(f"H={H} n={n}: {(src != want_src).sum().item()} of {src.numel()} sources differ")
+            want = [t.clone() for t in (*kv, s_got, pos)]
+            apply_moves(plan.dst, src, want)
+            got = [t.clone() for t in (*kv, s_got, pos)]
+            move_rows_triton(plan.dst, src, *got)
+            if not all(torch.equal(a, b) for a, b in zip(got, want)):
+                raise AssertionError(f"H={H} n={n}: moved rows differ from apply_moves")
+            t_torch = _median_us(lambda: apply_moves(
+                plan.dst, cascade_insert_reference(plan, score, mass, slots, key, decay), (*kv, score, pos)))
+            t_kern = _median_us(lambda: move_rows_triton(
+                plan.dst, cascade_insert_triton(plan, score, mass, slots, key, decay), *kv, score, pos))
+            lines.append(f"H{H} d{D} n={n}: {plan.dst.shape[0]} moves, torch {t_torch:.0f} us, kernels {t_kern:.0f} us")
+    return "; ".join(lines)
+
+
 CASCADE_SMALL = '{"n_sink": 64, "num_subcaches": 4, "subcache_size": 256, "stride": 512}'  # 1,088 tokens: drops
 
 

@@ -142,12 +142,14 @@ SMALL = {"n_sink": 2, "num_subcaches": 3, "subcache_size": 3, "ema": 0.8, "strid
 NO_SINK = {"n_sink": 0, "num_subcaches": 2, "subcache_size": 4, "ema": 0.5, "stride": 3, "block_q": 2, "block_k": 3}
 
 
-@pytest.mark.parametrize("cfg", [SMALL, NO_SINK], ids=["small", "no-sink"])
-def test_backend_equals_oracle_with_drops_strides_and_a_batch(cfg):
+@pytest.mark.parametrize("cfg, kernels", [(SMALL, False), (NO_SINK, False), (SMALL, True)],
+                         ids=["small", "no-sink", "small-insert-kernels"])
+def test_backend_equals_oracle_with_drops_strides_and_a_batch(cfg, kernels, monkeypatch):
     """Two sequences in one batch, chunks longer than the stride (strides inside a step), decode steps, hundreds of
     drops: every row's output equals exact attention over the tokens its KV head's cache holds (at StreamingLLM
     positions), the cache holds what the literal rules give with the oracle's importance, and the stored
-    importance equals the brute-force EMA."""
+    importance equals the brute-force EMA. `kernels`: the insertion runs the Triton kernels (interpreter)."""
+    monkeypatch.setattr(CascadingBackend, "insert_kernels", staticmethod(lambda t: kernels))
     d = Driver(cfg)
     d.add(0, 90)
     d.add(1, 60)
@@ -251,3 +253,69 @@ def test_bsa_kernel_with_cache_rope_equals_executor(dtype):
                                                  out=out)
         tol = 2e-5 if dtype == torch.float32 else 3e-3
         assert (got.float() - ref.float()).abs().max() < tol and (lse - lse_ref).abs().max() < tol
+
+
+def _random_stride_plans(seed, H):
+    """Several sequences, random sink/sub-cache sizes, advanced by random strides until their rings are full and
+    cascading; returns the last stride's batched plan, its flat slot count, and EMA inputs over each sequence's slots
+    (like `CascadingBackend._batch`: cached slots decay, the stride's new ones start from 0)."""
+    from longreach.kvcache.cascade import CascadeRings, batch_plans
+
+    rng = random.Random(seed)
+    seqs, off = [], 0
+    for _ in range(3):
+        S, sizes = rng.randrange(0, 4), [rng.randrange(1, 7) for _ in range(rng.randrange(1, 5))]
+        rings = CascadeRings(S, sizes)
+        for _ in range(rng.randrange(0, 12)):  # history: fills the rings, advances the offer parities
+            n = rng.randrange(1, 9)
+            rings.plan(n, np.arange(n - max(0, min(S, rings.tokens + n) - rings.tokens)))
+        seqs.append((rings, off, rng.randrange(1, 14)))
+        off += S + rings.capacity + 16
+    plans, maps, e_slots, e_key = [], [], [], []
+    vmax = max(r.n_sink + r.capacity + n for r, _, n in seqs)
+    for b, (rings, base, n) in enumerate(seqs):
+        past = n - max(0, min(rings.n_sink, rings.tokens + n) - rings.tokens)
+        stage = rings.n_sink + rings.capacity + np.arange(past)
+        cached = rings.chronological()
+        plans.append(rings.plan(n, stage))
+        maps.append(lambda a, base=base: np.asarray(a) + base)
+        slots = np.concatenate([cached, stage])
+        e_slots.append(slots + base)
+        e_key.append(b * vmax + np.array(rng.sample(range(vmax), len(slots)), dtype=np.int64))
+    plan = batch_plans(plans, maps, "cpu")
+    g = torch.Generator().manual_seed(seed)
+    e_slots = torch.from_numpy(np.concatenate(e_slots))
+    # values on a coarse grid, exact in fp32: many ties after the EMA (a tie keeps the token already there)
+    decay = torch.randint(0, 2, (len(e_slots),), generator=g).float()
+    mass = torch.randint(0, 3, (len(seqs), H, vmax), generator=g).float() / 2
+    score = torch.randint(0, 3, (off, H), generator=g).float() / 2
+    return plan, off, score, mass, e_slots, torch.from_numpy(np.concatenate(e_key)), decay
+
+
+@pytest.mark.parametrize("seed", range(3))
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+def test_insert_and_move_kernels_equal_torch(seed, dtype):
+    """The fused insertion (importance EMA + the plan's rules, one program per KV head) gives the same sources and
+    importances as `cascade_insert_reference` (torch EMA + `execute_plan`), and the two-phase move kernel moves K/V
+    rows, importance and positions exactly as `apply_moves`, on random multi-sequence plans with challenges and ties
+    (small blocks: several tiles per level)."""
+    from longreach.kernels.cascade_insert import cascade_insert_reference, cascade_insert_triton, move_rows_triton
+    from longreach.kvcache.cascade import apply_moves
+
+    H, Dk = 3, 16
+    plan, nslots, score, mass, e_slots, e_key, decay = _random_stride_plans(seed, H)
+    assert plan.dst.shape[0] > 0 and any(lv.cidx.ge(0).any() or lv.old_chal.ge(0).any() for lv in plan.levels)
+    s_ref, s_got = score.clone(), score.clone()
+    src_ref = cascade_insert_reference(plan, s_ref, mass, e_slots, e_key, decay)
+    src = cascade_insert_triton(plan, s_got, mass, e_slots, e_key, decay, block=4)
+    assert torch.equal(s_got, s_ref)
+    assert torch.equal(src, src_ref)
+    g = torch.Generator().manual_seed(seed)
+    k, v = (torch.randn(nslots, H, Dk, generator=g).to(dtype) for _ in range(2))
+    pos = torch.randint(0, 1000, (nslots, H), generator=g, dtype=torch.int32)
+    want = [t.clone() for t in (k, v, s_ref, pos)]
+    apply_moves(plan.dst, src_ref, want)
+    got = [t.clone() for t in (k, v, s_ref, pos)]
+    move_rows_triton(plan.dst, src, *got, block_w=4)
+    for a, b in zip(got, want):
+        assert torch.equal(a, b)

@@ -33,8 +33,7 @@ def _planned(n_sink, sizes, tokens, score, strides):
                 tokpos[x] = x
         for i, x in enumerate(past):
             tokpos[stage[i]], sc[stage[i]] = x, score(x)
-        offers, levels = batch_plans([rings.plan(n, stage)], [lambda a: a], "cpu")
-        apply_moves(*execute_plan(offers, levels, sc), [tokpos, sc])
+        apply_moves(*execute_plan(batch_plans([rings.plan(n, stage)], [lambda a: a], "cpu"), sc), [tokpos, sc])
         rings.check_integrity()
         assert rings.cached <= rings.capacity and all(f <= w for f, w in zip(rings.fill, rings.sizes))
         t += n
@@ -121,8 +120,7 @@ def test_batched_strides_equal_token_by_token(seed):
             plans.append(q["rings"].plan(n, stage))
             maps.append(lambda a, b=b: a + b)
             q["t"] += n
-        offers, levels = batch_plans(plans, maps, "cpu")
-        apply_moves(*execute_plan(offers, levels, score), [tokpos, score])
+        apply_moves(*execute_plan(batch_plans(plans, maps, "cpu"), score), [tokpos, score])
     for q, b in zip(seqs, base):
         q["rings"].check_integrity()
         for h in range(H):

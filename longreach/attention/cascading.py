@@ -36,8 +36,8 @@ from typing import ClassVar
 import numpy as np
 import torch
 
-from ..kvcache.cascade import CascadeRings, apply_moves, batch_plans, execute_plan
-from ..rope.strategies import RopeArgs, rotate
+from ..kvcache.cascade import BatchPlan, CascadeRings, apply_moves, batch_plans
+from ..rope.strategies import RopeArgs, rotate_cs, rotation
 from .backend import AttentionBackend, AttentionMetadata
 from .index import QueryBlocks, SparseIndex
 from .sparse import config_from, preset_and_overrides, use_kernels
@@ -123,15 +123,11 @@ class CascadeLayout:
         return np.where(t < self.n_sink, t, self.stage_base(start + n) + t - max(start, self.n_sink))
 
 
-def unrotate(x: torch.Tensor, pos: torch.Tensor, inv_freq: torch.Tensor) -> torch.Tensor:
-    """Undo the model's RoPE (rope/scaling.py: apply_rope) on x (T, H, D) rotated at positions pos (T,): the same
-    fp32 angles, transposed, so the result is exact whatever the position (1M included). fp32 out."""
+def unrotation(pos: torch.Tensor, inv_freq: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """The tables that undo the model's RoPE (rope/scaling.py: apply_rope) at positions pos (T,) with `rotate_cs`:
+    the same fp32 angles, transposed, so the result is exact whatever the position (1M included). (T, 1, D/2)."""
     ang = pos.float()[:, None] * inv_freq[None, :]  # (T, D/2), as the model computed it
-    c, s = ang.cos()[:, None, :], ang.sin()[:, None, :]
-    half = x.shape[-1] // 2
-    x = x.float()
-    x1, x2 = x[..., :half], x[..., half:]
-    return torch.cat((x1 * c + x2 * s, x2 * c - x1 * s), dim=-1)
+    return ang.cos()[:, None, :], -ang.sin()[:, None, :]
 
 
 @dataclass
@@ -152,8 +148,7 @@ class _SubStride:
     ema_slots: torch.Tensor  # (K,) flat slots whose importance this stride updates (everything but the sink)
     ema_key: torch.Tensor  # (K,) their index in the flattened (B_r * V_max) key mass
     ema_decay: torch.Tensor  # (K,) ema^n for cached tokens, 0 for the stride's new ones
-    offers: torch.Tensor  # the insertion plan (kvcache/cascade.py: batch_plans)
-    levels: list
+    plan: BatchPlan  # the insertion plan (kvcache/cascade.py: batch_plans)
     bsa_plan: object | None = None  # kernels/bsa.py BSAPlan, built on first use (CUDA)
 
 
@@ -182,7 +177,8 @@ class CascadingBackend(AttentionBackend):
         self._score: torch.Tensor | None = None  # (L, num_slots, H_kv) fp32 importance
         self._tokpos: torch.Tensor | None = None  # (L, num_slots, H_kv) int32 true position of the token in a slot
         self._subs: list[_SubStride] = []
-        self._positions: torch.Tensor | None = None
+        self._rope_tables: tuple = ()  # the step's RoPE tables (begin_step)
+        self._pos32: torch.Tensor | None = None  # (T, 1) the step's true positions, int32
         if c.stride > engine_config.max_num_batched_tokens:
             logger.info("cascading: stride %d exceeds max_num_batched_tokens %d: prefill strides are %d tokens",
                         c.stride, engine_config.max_num_batched_tokens, self.stride)
@@ -244,9 +240,15 @@ class CascadingBackend(AttentionBackend):
             per_seq.append(subs)
             positions.append(np.arange(c, c + n, dtype=np.int64))
             row0 += n
-        self._positions = torch.from_numpy(np.concatenate(positions)).to(self.device)
+        pos = torch.from_numpy(np.concatenate(positions)).to(self.device)
         depth = max(len(s) for s in per_seq)
         self._subs = [self._batch([s[r] for s in per_seq if len(s) > r], meta.is_prefill) for r in range(depth)]
+        # RoPE tables shared by every layer: true positions (to un-rotate keys and queries), each row's virtual one
+        virt = torch.empty_like(pos)
+        for sub in self._subs:
+            virt[sub.rows] = sub.virt_pos
+        self._rope_tables = unrotation(pos, self.inv_freq), rotation(virt[:, None], self.inv_freq)
+        self._pos32 = pos[:, None].to(torch.int32)
 
     def _batch(self, items: list[dict], prefill: bool) -> _SubStride:
         cfg, dev = self.config, self.device
@@ -279,7 +281,7 @@ class CascadingBackend(AttentionBackend):
         index = SparseIndex(bq, cfg.block_k, cfg.n_sink, cfg.block_q, 1, qb, blocks,
                             (blocks >= 0).sum(-1).to(torch.int32))
         starts = np.cumsum([0] + lens[:-1])
-        offers, levels = batch_plans([it["plan"] for it in items], [it["to_flat"] for it in items], dev)
+        plan = batch_plans([it["plan"] for it in items], [it["to_flat"] for it in items], dev)
         t = lambda x, dt=torch.long: torch.from_numpy(np.concatenate(x)).to(dev, dt)  # noqa: E731
         return _SubStride(
             rows=t(rows), virt_pos=t(virt), table=torch.from_numpy(table).to(dev), index=index,
@@ -289,7 +291,7 @@ class CascadingBackend(AttentionBackend):
             num_keys=torch.tensor([it["V"] for it in items], dtype=torch.int32, device=dev),
             max_keys=vmax, max_rows=max(lens), row_weight=t(weight, torch.float32),
             ema_slots=t(e_slots), ema_key=t(e_key), ema_decay=t(e_decay, torch.float32),
-            offers=offers, levels=levels)
+            plan=plan)
 
     # ---- per-layer execution -------------------------------------------------------------------------------------
     def _side_state(self, num_slots: int) -> None:
@@ -303,23 +305,33 @@ class CascadingBackend(AttentionBackend):
         self._side_state(k_cache.shape[0] * k_cache.shape[1])
         kf, vf = k_cache.view(-1, H, row), v_cache.view(-1, H, row)  # (num_slots, H_kv, D): flat slots
         score, tokpos = self._score[layer], self._tokpos[layer]
-        pos = self._positions
+        un, virt = self._rope_tables
         # the step's keys were stored rotated at their true positions: store them un-rotated instead
-        kf[meta.slot_mapping] = unrotate(k, pos, self.inv_freq).to(kf.dtype)
-        tokpos[meta.slot_mapping] = pos[:, None].to(torch.int32)
-        q_un = unrotate(q, pos, self.inv_freq)
+        kf[meta.slot_mapping] = rotate_cs(k, *un).to(kf.dtype)
+        tokpos[meta.slot_mapping] = self._pos32
+        q_virt = rotate_cs(rotate_cs(q, *un), *virt).to(q.dtype)  # each row at its virtual position
         out = torch.empty_like(q)
         kview, vview = k_cache.view(-1, 1, H, row), v_cache.view(-1, 1, H, row)  # one token per "page"
         for sub in self._subs:
-            qv = rotate(q_un[sub.rows], sub.virt_pos[:, None], self.inv_freq).to(q.dtype)
+            qv = q_virt[sub.rows]
             o, lse = self._attend(qv, kview, vview, sub)
             out[sub.rows] = o
             mass = self._key_mass(qv, kview, lse, sub)  # (B_r, H_kv, V_max)
-            gained = mass.permute(0, 2, 1).reshape(-1, H)[sub.ema_key]
-            score[sub.ema_slots] = sub.ema_decay[:, None] * score[sub.ema_slots] + gained
-            dst, src = execute_plan(sub.offers, sub.levels, score)
-            apply_moves(dst, src, (kf, vf, score, tokpos))
+            self._insert(mass, sub, kf, vf, score, tokpos)
         return out
+
+    insert_kernels = staticmethod(use_kernels)  # tests force the kernels in the interpreter
+
+    def _insert(self, mass, sub: _SubStride, kf, vf, score, tokpos) -> None:
+        """The importance EMA, the plan's rules and the moves of K/V rows, importance and positions: three launches
+        on a GPU (kernels/cascade_insert.py), their PyTorch reference (~10 ops per ring level) elsewhere."""
+        from ..kernels.cascade_insert import cascade_insert_reference, cascade_insert_triton, move_rows_triton
+
+        args = (sub.plan, score, mass, sub.ema_slots, sub.ema_key, sub.ema_decay)
+        if self.insert_kernels(score):
+            move_rows_triton(sub.plan.dst, cascade_insert_triton(*args), kf, vf, score, tokpos)
+        else:
+            apply_moves(sub.plan.dst, cascade_insert_reference(*args), (kf, vf, score, tokpos))
 
     def _attend(self, q, kview, vview, sub: _SubStride):
         if use_kernels(q):

@@ -15,7 +15,7 @@ The oldest token of the last sub-cache, when pushed, leaves the cache (Streaming
 order stays chronological: y is newer than everything in C_{j+1} and older than everything left in C_j, also when it
 replaces z.
 
-Three pieces:
+The pieces:
   * `ReferenceCascade`: the rules literally, one token at a time, on Python lists, with a counter per rule hit. The
     oracle of the tests.
   * `CascadeRings`: the *structure* of one sequence's cache: each ring's slot range, oldest index, fill and offer
@@ -23,9 +23,11 @@ Three pieces:
     what they are, so one instance serves every layer and KV head. `plan(n, ...)` advances it by n tokens at once (a
     stride) and returns a `StridePlan`, level by level: which offers are accepted, which offer challenges which
     (rules 3/4), which tokens leave to the next level and which ring slots get written.
-  * `execute_plan` (torch): resolves the challenges with one layer's importance per (slot, KV head) and returns the
-    slot moves (destination, source per KV head), all sources read from the state before the stride. Applying them
-    moves K/V rows, importance and positions together.
+  * `batch_plans` concatenates a step's stride plans over the batch and packs them into one device buffer
+    (`BatchPlan`); `execute_plan` (torch) resolves the challenges with one layer's importance per (slot, KV head) and
+    returns the slot moves (destination, source per KV head), all sources read from the state before the stride.
+    Applying them (`apply_moves`) moves K/V rows, importance and positions together. On a GPU one Triton kernel walks
+    the packed plan instead (kernels/cascade_insert.py; these ops are its reference).
 Batched stride insertion equals token-by-token insertion when importances are held fixed during the stride (tested):
 at one level, an accepted offer and the odd offer right after it are exactly a pair whose winner stays (rules 3/4),
 and pairs never interleave.
@@ -240,7 +242,7 @@ class CascadeRings:
 @dataclass
 class BatchLevel:
     """A `LevelPlan` of every sequence of a batch, concatenated, with slots made flat (global cache slots) and indices
-    shifted into the batch's offers and pool. Tensors on the cache's device."""
+    shifted into the batch's offers and pool. Tensors on the cache's device (views into `BatchPlan.packed`)."""
 
     pidx: torch.Tensor
     cidx: torch.Tensor
@@ -251,18 +253,35 @@ class BatchLevel:
     src_idx: torch.Tensor
 
 
-def batch_plans(plans: list[StridePlan], to_flat: list[Callable[[np.ndarray], np.ndarray]], device
-                ) -> tuple[torch.Tensor, list[BatchLevel]]:
-    """Concatenate the stride plans of several sequences (each with its local -> flat slot map) level by level.
-    Returns the flat staging slots of every sequence's new tokens (level 0's offers) and the batched levels."""
+# the packed form's header: one row of PLAN_FIELDS int64 per level
+#   [offers in, entries A, old tokens r, leaving k, writes w, then the offsets of pidx, cidx, old_flat, old_chal,
+#    out_idx, src_idx, dst_flat in the packed buffer]
+PLAN_FIELDS = 12
+
+
+@dataclass
+class BatchPlan:
+    """The stride plans of a batch's sequences, level by level, in one device buffer (`packed`, int64: a header of
+    `PLAN_FIELDS` per level, the offers, each level's arrays, then every level's destinations back to back), so the
+    host sends a step's plan in one copy and a kernel (kernels/cascade_insert.py) can walk it. `offers`, `levels` and
+    `dst` are views into it."""
+
+    offers: torch.Tensor  # (m,) flat staging slots of the new tokens (level 0's offers)
+    levels: list[BatchLevel]
+    dst: torch.Tensor  # (w,) every written slot, level by level: the destinations `execute_plan` returns
+    packed: torch.Tensor
+    cur_cap: int  # most offers any level gets (scratch size of a kernel walking the plan)
+    pool_cap: int  # most (old + entries) any level holds
+
+
+def batch_plans(plans: list[StridePlan], to_flat: list[Callable[[np.ndarray], np.ndarray]], device) -> BatchPlan:
+    """Concatenate the stride plans of several sequences (each with its local -> flat slot map) level by level, and
+    pack them (`BatchPlan`)."""
     offers = np.concatenate([f(p.stage_slots) for p, f in zip(plans, to_flat)] + [np.zeros(0, np.int64)])
     cur = [len(p.stage_slots) for p in plans]  # offers per sequence at the current level
-    levels = []
     e = np.zeros(0, np.int64)
-
-    def cat(xs):  # host index arrays -> one device tensor
-        return torch.from_numpy(np.concatenate(xs + [e]).astype(np.int64)).to(device)
-
+    cat = lambda xs: np.concatenate(xs + [e]).astype(np.int64)  # noqa: E731
+    host = []  # per level: (m, [pidx, cidx, old_flat, old_chal, out_idx, src_idx, dst_flat])
     for j in range(max([len(p.levels) for p in plans] + [0])):  # a sequence with fewer sub-caches drops its falls
         lvs = [p.levels[j] if j < len(p.levels) else LevelPlan(cur[i], e, e, e, e, e, e, e)
                for i, p in enumerate(plans)]
@@ -276,27 +295,52 @@ def batch_plans(plans: list[StridePlan], to_flat: list[Callable[[np.ndarray], np
             ix = np.asarray(ix, dtype=np.int64)
             return np.where(ix < r[i], r0[i] + ix, R + a0[i] + ix - r[i])
 
-        levels.append(BatchLevel(
-            pidx=cat([o[i] + lv.pidx for i, lv in enumerate(lvs)]),
-            cidx=cat([np.where(lv.cidx >= 0, o[i] + lv.cidx, -1) for i, lv in enumerate(lvs)]),
-            old_flat=cat([to_flat[i](lv.old_slots) for i, lv in enumerate(lvs)]),
-            old_chal=cat([np.where(lv.old_chal >= 0, o[i] + lv.old_chal, -1) for i, lv in enumerate(lvs)]),
-            out_idx=cat([pool_ix(lv.out_idx, i) for i, lv in enumerate(lvs)]),
-            dst_flat=cat([to_flat[i](lv.dst) for i, lv in enumerate(lvs)]),
-            src_idx=cat([pool_ix(lv.src_idx, i) for i, lv in enumerate(lvs)]),
-        ))
+        host.append((sum(cur), [
+            cat([o[i] + lv.pidx for i, lv in enumerate(lvs)]),
+            cat([np.where(lv.cidx >= 0, o[i] + lv.cidx, -1) for i, lv in enumerate(lvs)]),
+            cat([to_flat[i](lv.old_slots) for i, lv in enumerate(lvs)]),
+            cat([np.where(lv.old_chal >= 0, o[i] + lv.old_chal, -1) for i, lv in enumerate(lvs)]),
+            cat([pool_ix(lv.out_idx, i) for i, lv in enumerate(lvs)]),
+            cat([pool_ix(lv.src_idx, i) for i, lv in enumerate(lvs)]),
+            cat([to_flat[i](lv.dst) for i, lv in enumerate(lvs)]),
+        ]))
         cur = [len(lv.out_idx) for lv in lvs]
-    return torch.from_numpy(offers.astype(np.int64)).to(device), levels
+    # pack: header | offers | per level pidx cidx old_flat old_chal out_idx src_idx | every level's dst_flat
+    L = len(host)
+    header = np.zeros((L, PLAN_FIELDS), np.int64)
+    parts = [header.reshape(-1), offers.astype(np.int64)]
+    at = header.size + len(offers)
+    for j, (m, arrs) in enumerate(host):
+        header[j, :5] = m, len(arrs[0]), len(arrs[2]), len(arrs[4]), len(arrs[6])
+        for f, x in enumerate(arrs[:6]):
+            header[j, 5 + f] = at
+            parts.append(x)
+            at += len(x)
+    dst0 = at
+    for j, (_, arrs) in enumerate(host):
+        header[j, 11] = at
+        parts.append(arrs[6])
+        at += len(arrs[6])
+    packed = torch.from_numpy(np.concatenate(parts)).to(device)
+    view = lambda o, n: packed[o:o + n]  # noqa: E731
+    levels = []
+    for h in header.tolist():
+        m, A, r, k, w, o_p, o_c, o_old, o_ch, o_out, o_src, o_dst = h
+        levels.append(BatchLevel(pidx=view(o_p, A), cidx=view(o_c, A), old_flat=view(o_old, r), old_chal=view(o_ch, r),
+                                 out_idx=view(o_out, k), dst_flat=view(o_dst, w), src_idx=view(o_src, w)))
+    return BatchPlan(offers=view(header.size, len(offers)), levels=levels, dst=packed[dst0:at], packed=packed,
+                     cur_cap=int(max([len(offers)] + [h[0] for h in host])),
+                     pool_cap=int(max([0] + [header[j, 1] + header[j, 2] for j in range(L)])))
 
 
-def execute_plan(offers: torch.Tensor, levels: list[BatchLevel], score: torch.Tensor
-                 ) -> tuple[torch.Tensor, torch.Tensor]:
+def execute_plan(plan: BatchPlan, score: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """Resolve a batched stride plan against one layer's importance `score` (num_slots, H) -> the moves: destination
     slots (w,) and the source slot per KV head (w, H). Every source is a slot as it was before the stride, so apply
-    all reads before any write (`apply_moves`)."""
+    all reads before any write (`apply_moves`). PyTorch ops, a few per level: the reference of
+    kernels/cascade_insert.py and the CPU path."""
     H = score.shape[1]
-    cur = offers[:, None].expand(-1, H)  # (m, H) the token each offer carries, per KV head
-    dsts, srcs = [], []
+    cur = plan.offers[:, None].expand(-1, H)  # (m, H) the token each offer carries, per KV head
+    srcs = [plan.offers.new_zeros(0, H)]
 
     def resolve(base: torch.Tensor, chal_ix: torch.Tensor) -> torch.Tensor:  # rule 4 where the challenger wins
         if base.shape[0] == 0:
@@ -306,18 +350,15 @@ def execute_plan(offers: torch.Tensor, levels: list[BatchLevel], score: torch.Te
         win = has[:, None] & (score.gather(0, chal) > score.gather(0, base))
         return torch.where(win, chal, base)
 
-    for lv in levels:
-        if cur.shape[0] == 0:
+    for lv in plan.levels:
+        if cur.shape[0] == 0:  # no offers here: this level and every later one write nothing
             break
         old = resolve(lv.old_flat[:, None].expand(-1, H), lv.old_chal)
         entries = resolve(cur[lv.pidx], lv.cidx)
         pool = torch.cat([old, entries])
-        dsts.append(lv.dst_flat)
         srcs.append(pool[lv.src_idx])
         cur = pool[lv.out_idx]
-    if not dsts:
-        return offers.new_zeros(0), offers.new_zeros(0, H)
-    return torch.cat(dsts), torch.cat(srcs)
+    return plan.dst, torch.cat(srcs)
 
 
 def apply_moves(dst: torch.Tensor, src: torch.Tensor, tensors: Sequence[torch.Tensor]) -> None:

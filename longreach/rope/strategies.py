@@ -116,9 +116,20 @@ class RopeFrame:
 
 def rotate(x: torch.Tensor, delta: torch.Tensor, inv_freq: torch.Tensor) -> torch.Tensor:
     """Rotate x (..., D) (rotate-half layout) by `delta` positions (broadcast to x.shape[:-1]); fp32 out."""
-    ang = delta.to(torch.float32)[..., None] * inv_freq.to(x.device)
+    return rotate_cs(x, *rotation(delta.to(x.device), inv_freq.to(x.device)))
+
+
+def rotation(delta: torch.Tensor, inv_freq: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """cos and sin (delta.shape + (D/2,)) of a rotation by `delta` positions, angles reduced to [-pi, pi): `rotate`'s
+    tables, for callers that rotate several tensors by the same positions."""
+    ang = delta.to(torch.float32)[..., None] * inv_freq
     ang = ang - (2 * math.pi) * torch.floor(ang / (2 * math.pi) + 0.5)
-    c, s = ang.cos(), ang.sin()
+    return ang.cos(), ang.sin()
+
+
+def rotate_cs(x: torch.Tensor, c: torch.Tensor, s: torch.Tensor) -> torch.Tensor:
+    """Rotate x (..., D) (rotate-half layout) by the angles whose cos and sin (broadcast to x.shape[:-1] + (D/2,))
+    are given; fp32 out. rotate_cs(x, c, -s) undoes rotate_cs(x, c, s)."""
     half = x.shape[-1] // 2
     x = x.float()
     x1, x2 = x[..., :half], x[..., half:]
