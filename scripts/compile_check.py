@@ -12,6 +12,7 @@ import sys
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
 
+import inspect  # noqa: E402
 import re  # noqa: E402
 import subprocess  # noqa: E402
 import tempfile  # noqa: E402
@@ -23,6 +24,7 @@ from longreach.kernels import (  # noqa: E402
     block_meta,
     bsa,
     cascade_insert,
+    chunk_box,
     combine,
     fused,
     key_mass,
@@ -32,12 +34,33 @@ from longreach.kernels import (  # noqa: E402
     paged_decode,
     prune_stage,
     psa_decode,
+    psa_waves,
     topk,
     vertical_slash,
 )
 
 
+def signature_problems(fn, pointer_types: dict[str, str], constexprs: dict, floats=()) -> list[str]:
+    """What a case leaves out or names wrongly: every constexpr of the kernel needs a value and every pointer (the
+    kernels' capitalised arguments; a capitalised integer is named with "i32") a type; names the kernel does not have are errors too. A kernel that gained an
+    argument since its case was written would otherwise compile with the argument as an i32 (a wrong test)."""
+    names = set(fn.arg_names)
+    given = set(pointer_types) | set(constexprs) | set(floats)
+    problems = [f"unknown argument {n}" for n in sorted(given - names)]
+    params = inspect.signature(getattr(fn, "fn", fn)).parameters  # the Python function (JIT or interpreted)
+    for name, p in params.items():
+        if "constexpr" in str(p.annotation):
+            if name not in constexprs:
+                problems.append(f"constexpr {name} has no value")
+        elif name[:1].isupper() and name not in pointer_types:
+            problems.append(f"pointer {name} has no type")
+    return problems
+
+
 def compile_one(fn, pointer_types: dict[str, str], constexprs: dict, floats=(), num_warps: int = 4):
+    problems = signature_problems(fn, pointer_types, constexprs, floats)
+    if problems:
+        raise ValueError(f"{fn.__name__}: " + "; ".join(problems))
     sig = {}
     for name in fn.arg_names:
         if name in constexprs:
@@ -101,7 +124,8 @@ def cascading_cases(bf: str, f32: str, i32: str) -> list:
     return cases
 
 
-def main() -> int:
+def all_cases() -> list:
+    """(label, kernel, pointer types, constexprs, float arguments) of every case."""
     cases = []
     bf, f32, i32, f8 = "*bf16", "*fp32", "*i32", "*fp8e4nv"
     # each attention kernel as a one-tier cache, through the offloading page table (decode only: prefill reads a
@@ -154,44 +178,81 @@ def main() -> int:
                                    PER_HEAD=per_head, N_ITER=max(0, (chunk - 1).bit_length()), BQ_PAD=bq_pad,
                                    HPP_PAD=hpp_pad, BLOCK_C=block_c, TILES=tiles, TILE_FIRST=False, HEAD_DIM=128,
                                    PAGE=16, ROPE=rope, DOT_PRECISION="tf32", TIERED=tiered, FP8=kv == f8), []))
-    cases.append(("topk single tile", topk._topk_kernel, dict(Ids=i32, Scores=f32, Out=i32, Counts=i32),
+    cases.append(("topk single tile", topk._topk_kernel, dict(Ids=i32, Scores=f32, Out=i32, Counts=i32, C="i32", K="i32"),
                   dict(BLOCK=4096, SINGLE=True), []))
-    cases.append(("topk tiled", topk._topk_kernel, dict(Ids=i32, Scores=f32, Out=i32, Counts=i32),
+    cases.append(("topk tiled", topk._topk_kernel, dict(Ids=i32, Scores=f32, Out=i32, Counts=i32, C="i32", K="i32"),
                   dict(BLOCK=4096, SINGLE=False), []))
     for kv in (bf, f8):
         cases.append((f"offload copy_chunks {kv}", offload_copy._copy_chunks_kernel,
-                      dict(Src=kv, SrcIdx="*i64", Dst=kv, DstIdx="*i64"), dict(BLOCK=4096), []))
+                      dict(Src=kv, SrcIdx="*i64", Dst=kv, DstIdx="*i64", E="i32"), dict(BLOCK=4096), []))
         cases.append((f"offload scatter_rows {kv}", offload_copy._scatter_rows_kernel,
-                      dict(Src=kv, Rows="*i64", Dst=kv), dict(BLOCK=1024), []))
+                      dict(Src=kv, Rows="*i64", Dst=kv, R="i32"), dict(BLOCK=1024), []))
     # the model's fused per-layer kernels and the fused KV write (kernels/fused.py, kernels/kv_store.py)
-    cases.append(("fused add_rms_norm h4096", fused._add_rms_norm_kernel, dict(X=bf, R=bf, W=bf, Out=bf, ResOut=bf),
+    cases.append(("fused add_rms_norm h4096", fused._add_rms_norm_kernel, dict(X=bf, R=bf, W=bf, Out=bf, ResOut=bf, N="i32"),
                   dict(HAS_RES=True, BLOCK=4096), ["eps"]))
     cases.append(("fused rope d128", fused._rope_kernel, dict(X=bf, Cos=bf, Sin=bf), dict(HALF=64, BLOCK=64), []))
-    cases.append(("fused silu_mul", fused._silu_mul_kernel, dict(GU=bf, Out=bf), dict(BLOCK=1024), []))
+    cases.append(("fused silu_mul", fused._silu_mul_kernel, dict(GU=bf, Out=bf, N="i32"), dict(BLOCK=1024), []))
     for kv, row, fp8 in ((bf, 128, False), (f8, 144, True)):
         for tiered in (False, True):
             cases.append((f"kv_store {kv}{' tiered' if tiered else ''}", kv_store._store_kv_kernel,
                           dict(K=bf, V=bf, Slots="*i64", KD=kv, VD=kv, KH=kv, VH=kv, SlotOf=i32),
                           dict(BS=16, H=8, ROW=row, D=128, BLOCK_D=128, FP8=fp8, TIERED=tiered), []))
     cases.append(("page_reads mark", page_reads._mark_reads_kernel,
-                  dict(Wanted="*u8", Tables=i32, Seq="*i64", First="*i64", Last="*i64", Blocks=i32),
+                  dict(Wanted="*u8", Tables=i32, Seq="*i64", First="*i64", Last="*i64", Blocks=i32, P="i32",
+                       W="i32", G="i32", K="i32"),
                   dict(BS=16, PER=1, SINK_PAGES=4, SPAN=65, BLOCK_SEL=256, BLOCK_FIXED=128), []))
-    # psa: the progressive decode loop (Llama-8B's GQA 4, pages of 16 and 32), metadata build and block scoring
+    # the box stage 0 (kernels/chunk_box.py): box build per 64-token chunk (both flavours: as stored, and moved to
+    # the pruning position), and box scoring through the box table
+    for suffix, kv, tiered in variants:
+        cases.append(("chunk_box build d128 chunk64" + suffix, chunk_box._chunk_box_kernel,
+                      dict(K=kv, KH=kv, Slots=i32, BlockTables=i32, Lens=i32, Lo=i32, Hi=i32, BoxTables=i32, Pool=bf,
+                           InvFreq=f32),
+                      dict(CHUNK=64, PAGE=16, PER=16, HEAD_DIM=128, MEAN=False, MOVE=True, TIERED=tiered,
+                           FP8=kv == f8), []))
+    cases.append(("chunk_box score d128 g4", chunk_box._box_score_kernel,
+                  dict(Q=f32, Moved=i32, Pool=bf, Table=i32, Out=f32),
+                  dict(HPP=4, PAIRS_PER_KV=1, PER=16, BLOCK_M=64, BLOCK_C=64, HEAD_DIM=128, DOT_PRECISION="tf32"),
+                  []))
+    # psa: the progressive decode loop and the parallel waves (Llama-8B's GQA 4, pages of 16 and 32), metadata build
+    # and block scoring; each decode kernel as stored and with `rope: rank`'s key rotation (ROPE), the metadata build
+    # with keys moved to position 0 (MOVE)
     for suffix, kv, tiered in variants:
         for page, mb in ((16, 4), (32, 4)):
-            cases.append((f"psa decode d128 g4 page{page} m{mb}" + suffix, psa_decode._psa_decode_kernel,
+            for rope in (False, True):
+                label = f"psa decode d128 g4 page{page} m{mb}" + suffix + (" rank" if rope else "")
+                cases.append((label, psa_decode._psa_decode_kernel,
+                              dict(Q=bf, K=kv, V=kv, KH=kv, VH=kv, Slots=i32, BlockTables=i32, SeqLens=i32, Ranked=i32,
+                                   CandHi=i32, InvFreq=f32, Out=bf, Lse=f32, Count=i32),
+                              dict(HPG=4, BLOCK_M=16, MB=mb, PAGE=page, BLOCK_N=64, HEAD_DIM=128, DOT_PRECISION="tf32",
+                                   TIERED=tiered, FP8=kv == f8, ROPE=rope), ["qk_scale", "log2_odds"]))
+        for rope in (False, True):
+            cases.append(("psa waves d128 g4 page16 m4" + suffix + (" rank" if rope else ""), psa_waves._psa_wave_kernel,
                           dict(Q=bf, K=kv, V=kv, KH=kv, VH=kv, Slots=i32, BlockTables=i32, SeqLens=i32, Ranked=i32,
-                               CandHi=i32, Out=bf, Lse=f32, Count=i32),
-                          dict(HPG=4, BLOCK_M=16, MB=mb, PAGE=page, BLOCK_N=64, HEAD_DIM=128, DOT_PRECISION="tf32",
-                               TIERED=tiered, FP8=kv == f8), ["qk_scale", "log2_odds"]))
-        cases.append(("psa block meta d128 page16" + suffix, block_meta._block_meta_kernel,
-                      dict(K=kv, KH=kv, Slots=i32, BlockTables=i32, Lo=i32, Hi=i32, Meta=bf),
-                      dict(PAGE=16, HEAD_DIM=128, MEAN=True, TIERED=tiered, FP8=kv == f8), []))
+                               CandHi=i32, InvFreq=f32, Part=f32, PartAcc=f32, State=f32, StateAcc=f32, Flags=i32),
+                          dict(HPG=4, BLOCK_M=16, BLOCK_H=4, MB=4, PAGE=16, BLOCK_N=64, HEAD_DIM=128,
+                               DOT_PRECISION="tf32", TIERED=tiered, FP8=kv == f8, FIRST=True, ROPE=rope),
+                          ["qk_scale"]))
+        for move in (False, True):
+            cases.append(("psa block meta d128 page16" + suffix + (" moved" if move else ""),
+                          block_meta._block_meta_kernel,
+                          dict(K=kv, KH=kv, Slots=i32, BlockTables=i32, Lo=i32, Hi=i32, Meta=bf, InvFreq=f32),
+                          dict(PAGE=16, HEAD_DIM=128, MEAN=True, TIERED=tiered, FP8=kv == f8, MOVE=move), []))
+    for first, last in ((True, False), (False, True)):
+        cases.append((f"psa waves merge d128 g4{' first' if first else ''}{' last' if last else ''}",
+                      psa_waves._psa_wave_merge_kernel,
+                      dict(CandHi=i32, Part=f32, PartAcc=f32, State=f32, StateAcc=f32, Flags=i32, Out=bf, Lse=f32,
+                           Count=i32),
+                      dict(HPG=4, BLOCK_H=4, MB=4, HEAD_DIM=128, COLS=32, CHUNK=32, FIRST=first, LAST=last),
+                      ["log2_odds"]))
     cases.append(("psa block score d128 g4", block_meta._block_score_kernel,
                   dict(Q=bf, Meta=bf, BlockTables=i32, CandHi=i32, Scores=f32),
                   dict(HPG=4, BLOCK_M=16, BLOCK_W=64, HEAD_DIM=128, DOT_PRECISION="tf32"), []))
+    return cases
+
+
+def main() -> int:
     only = sys.argv[1:]
-    cases = [c for c in cases if not only or any(o in c[0] for o in only)]
+    cases = [c for c in all_cases() if not only or any(o in c[0] for o in only)]
     failed = 0
     ptxas = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "ptxas")
     print(f"{'kernel':<36} {'regs':>5} {'spill B':>8} {'shared':>8}")

@@ -61,7 +61,7 @@ if triton is not None:
     @triton.jit
     def _insert_kernel(Score, Mass, EmaSlots, EmaKey, EmaDecay, Plan, Cur, Pool, Src,
                        stride_s, stride_mb, stride_mh, n_ema, vmax, n_levels, off_offers, n_offers, off_dst,
-                       cur_cap, pool_cap, H,
+                       cur_cap, pool_cap, n_heads,
                        FIELDS: tl.constexpr, BLOCK: tl.constexpr):
         h = tl.program_id(0)
         i_blk = tl.arange(0, BLOCK)
@@ -115,7 +115,7 @@ if triton is not None:
                 i = i0 + i_blk
                 ok = i < w
                 s = tl.load(Plan + o_src + i, mask=ok, other=0)
-                tl.store(Src + (w_at + i) * H + h, tl.load(pool + s, mask=ok, other=0), mask=ok)
+                tl.store(Src + (w_at + i) * n_heads + h, tl.load(pool + s, mask=ok, other=0), mask=ok)
             for i0 in range(0, k, BLOCK):  # tokens leaving the ring: the next level's offers
                 i = i0 + i_blk
                 ok = i < k
@@ -124,14 +124,14 @@ if triton is not None:
             tl.debug_barrier()
 
     @triton.jit
-    def _move_kernel(Dst, Src, K, V, Score, Pos, TK, TV, TS, TP, w, H,
+    def _move_kernel(Dst, Src, K, V, Score, Pos, TK, TV, TS, TP, w, n_heads,
                      stride_ks, stride_kh, stride_vs, stride_vh, stride_s, stride_p,
                      PHASE: tl.constexpr, BLOCK_W: tl.constexpr, HEAD_DIM: tl.constexpr):
         i = tl.program_id(0) * BLOCK_W + tl.arange(0, BLOCK_W)
         h = tl.program_id(1)
         ok = i < w
         d = tl.arange(0, HEAD_DIM)
-        t = (i * H + h).to(tl.int64)  # temporaries are (w, H, ...)
+        t = (i * n_heads + h).to(tl.int64)  # temporaries are (w, H, ...)
         if PHASE == 0:  # gather every source, as the state was before the stride
             s = tl.load(Src + t, mask=ok, other=0)
             kr = tl.load(K + s[:, None] * stride_ks + h * stride_kh + d[None, :], mask=ok[:, None])
