@@ -42,8 +42,9 @@ from longreach.kernels import (  # noqa: E402
 
 def signature_problems(fn, pointer_types: dict[str, str], constexprs: dict, floats=()) -> list[str]:
     """What a case leaves out or names wrongly: every constexpr of the kernel needs a value and every pointer (the
-    kernels' capitalised arguments; a capitalised integer is named with "i32") a type; names the kernel does not have are errors too. A kernel that gained an
-    argument since its case was written would otherwise compile with the argument as an i32 (a wrong test)."""
+    kernels' capitalised arguments; a capitalised integer is named with "i32") a type; names the kernel does not
+    have are errors too. A kernel that gained an argument since its case was written would otherwise compile with
+    the argument as an i32 (a wrong test)."""
     names = set(fn.arg_names)
     given = set(pointer_types) | set(constexprs) | set(floats)
     problems = [f"unknown argument {n}" for n in sorted(given - names)]
@@ -178,8 +179,8 @@ def all_cases() -> list:
                                    PER_HEAD=per_head, N_ITER=max(0, (chunk - 1).bit_length()), BQ_PAD=bq_pad,
                                    HPP_PAD=hpp_pad, BLOCK_C=block_c, TILES=tiles, TILE_FIRST=False, HEAD_DIM=128,
                                    PAGE=16, ROPE=rope, DOT_PRECISION="tf32", TIERED=tiered, FP8=kv == f8), []))
-    cases.append(("topk single tile", topk._topk_kernel, dict(Ids=i32, Scores=f32, Out=i32, Counts=i32, C="i32", K="i32"),
-                  dict(BLOCK=4096, SINGLE=True), []))
+    cases.append(("topk single tile", topk._topk_kernel,
+                  dict(Ids=i32, Scores=f32, Out=i32, Counts=i32, C="i32", K="i32"), dict(BLOCK=4096, SINGLE=True), []))
     cases.append(("topk tiled", topk._topk_kernel, dict(Ids=i32, Scores=f32, Out=i32, Counts=i32, C="i32", K="i32"),
                   dict(BLOCK=4096, SINGLE=False), []))
     for kv in (bf, f8):
@@ -188,8 +189,8 @@ def all_cases() -> list:
         cases.append((f"offload scatter_rows {kv}", offload_copy._scatter_rows_kernel,
                       dict(Src=kv, Rows="*i64", Dst=kv, R="i32"), dict(BLOCK=1024), []))
     # the model's fused per-layer kernels and the fused KV write (kernels/fused.py, kernels/kv_store.py)
-    cases.append(("fused add_rms_norm h4096", fused._add_rms_norm_kernel, dict(X=bf, R=bf, W=bf, Out=bf, ResOut=bf, N="i32"),
-                  dict(HAS_RES=True, BLOCK=4096), ["eps"]))
+    cases.append(("fused add_rms_norm h4096", fused._add_rms_norm_kernel,
+                  dict(X=bf, R=bf, W=bf, Out=bf, ResOut=bf, N="i32"), dict(HAS_RES=True, BLOCK=4096), ["eps"]))
     cases.append(("fused rope d128", fused._rope_kernel, dict(X=bf, Cos=bf, Sin=bf), dict(HALF=64, BLOCK=64), []))
     cases.append(("fused silu_mul", fused._silu_mul_kernel, dict(GU=bf, Out=bf, N="i32"), dict(BLOCK=1024), []))
     for kv, row, fp8 in ((bf, 128, False), (f8, 144, True)):
@@ -226,7 +227,8 @@ def all_cases() -> list:
                               dict(HPG=4, BLOCK_M=16, MB=mb, PAGE=page, BLOCK_N=64, HEAD_DIM=128, DOT_PRECISION="tf32",
                                    TIERED=tiered, FP8=kv == f8, ROPE=rope), ["qk_scale", "log2_odds"]))
         for rope in (False, True):
-            cases.append(("psa waves d128 g4 page16 m4" + suffix + (" rank" if rope else ""), psa_waves._psa_wave_kernel,
+            cases.append(("psa waves d128 g4 page16 m4" + suffix + (" rank" if rope else ""),
+                          psa_waves._psa_wave_kernel,
                           dict(Q=bf, K=kv, V=kv, KH=kv, VH=kv, Slots=i32, BlockTables=i32, SeqLens=i32, Ranked=i32,
                                CandHi=i32, InvFreq=f32, Part=f32, PartAcc=f32, State=f32, StateAcc=f32, Flags=i32),
                           dict(HPG=4, BLOCK_M=16, BLOCK_H=4, MB=4, PAGE=16, BLOCK_N=64, HEAD_DIM=128,
