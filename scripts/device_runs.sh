@@ -113,10 +113,11 @@ cascading)  # needs the model: the blog's 65K cache (8 sub-caches) vs streaming 
     ;;
 psa1m)  # needs the model: PSA's decode at 1M through the offloaded store, after infinitehip's prefill (psa's own
     # prefill is dense: ~minutes at 1M), against infinitehip's own decode; real weights, so real attention mass.
-    # psa (0.95) at true positions (the paper's) and psa:0.95 at rank positions; both meter their keys per query
+    # psa:0.95 at rank positions, then psa (0.95) at true positions (the paper's: ~42% of the keys at 1M, so the
+    # slow one goes last; the JSON is written after each row); both meter their keys per query
     run smollm2_1m_psa ${SECS:-560} python3 -m longreach bench decode --model $model --text-source paul-graham --lengths 1M \
         --dense-lengths --max-num-batched-tokens 65536 --kv-offloading-size 26 --kv-cache-memory-gb 2 \
-        --attention infinitehip infinitehip+psa infinitehip+psa:0.95 --decode-tokens 24 --profile-steps 2 \
+        --attention infinitehip infinitehip+psa:0.95 infinitehip+psa --decode-tokens 24 --profile-steps 2 \
         --attention-config \
         '{"psa": {"count_reads": true}, "psa:0.95": {"rope": "rank", "count_reads": true}}' \
         --out "$out/bench-decode-smollm2-1m-psa.json"
