@@ -117,6 +117,11 @@ def cascading_cases(bf: str, f32: str, i32: str) -> list:
     cases.append(("cascade insert", cascade_insert._insert_kernel,
                   dict(Score=f32, Mass=f32, EmaSlots=i64, EmaKey=i64, EmaDecay=f32, Plan=i64, Cur=i64, Pool=i64,
                        Src=i64), dict(FIELDS=12, BLOCK=1024), []))
+    for hq, hkv, d in ((9, 3, 64), (32, 8, 128)):
+        cases.append((f"cascade rope h{hq}/{hkv} d{d}", cascade_insert._rope_kernel,
+                      dict(Q=bf, K=bf, KS=bf, PS=i32, Slots="*i64", Pos=i32, UC=f32, US=f32, VC=f32, VS=f32,
+                           QOut=bf), dict(BLOCK_HQ=triton.next_power_of_2(hq), BLOCK_HKV=triton.next_power_of_2(hkv),
+                                           HALF=d // 2), []))
     for d in (64, 128):
         for phase in (0, 1):
             cases.append((f"cascade move d{d} phase {phase}", cascade_insert._move_kernel,

@@ -143,15 +143,18 @@ def cascading_kernels():
 
 
 def cascading_insert():
-    """Cascading insertion (kernels/cascade_insert.py) vs its PyTorch reference at the `16k` preset's real sizes
-    (64 sink + 8 x 2040, rings full), a 4,096-token prefill stride and a decode step, SmolLM2's and Llama-8B's KV
-    heads: the EMA within fp32 rounding, every source exactly as `execute_plan` resolves it on the kernel's
-    importance, the moves exactly as `apply_moves`; and the time of one (layer, stride) either way (CUDA events
-    around the host calls, so launch overhead counts)."""
+    """Cascading insertion and RoPE kernels (kernels/cascade_insert.py) vs their PyTorch references at the `16k`
+    preset's real sizes (64 sink + 8 x 2040, rings full), a 4,096-token prefill stride and a decode step, SmolLM2's
+    and Llama-8B's KV heads: the EMA within fp32 rounding, every source exactly as `execute_plan` resolves it on the
+    kernel's importance, the moves exactly as `apply_moves`, the RoPE kernel within bf16 rounding; and the time of
+    one (layer, stride) either way (CUDA events around the host calls, so launch overhead counts)."""
     import numpy as np
 
     from gpu_check_common import _median_us
-    from longreach.kernels.cascade_insert import cascade_insert_reference, cascade_insert_triton, move_rows_triton
+    from longreach.attention.cascading import unrotation
+    from longreach.kernels.cascade_insert import (cascade_insert_reference, cascade_insert_triton,
+                                                  cascade_rope_reference, cascade_rope_triton, move_rows_triton)
+    from longreach.rope.strategies import rotation
     from longreach.kvcache.cascade import CascadeRings, apply_moves, batch_plans, execute_plan
 
     dev, S, sizes = "cuda", 64, [2040] * 8
@@ -193,6 +196,22 @@ def cascading_insert():
             t_kern = _median_us(lambda: move_rows_triton(
                 plan.dst, cascade_insert_triton(plan, score, mass, slots, key, decay), *kv, score, pos))
             lines.append(f"H{H} d{D} n={n}: {plan.dst.shape[0]} moves, torch {t_torch:.0f} us, kernels {t_kern:.0f} us")
+            # the step's RoPE kernel: n rows (strided q/k views as the model hands them), H query heads per 3
+            qkv = torch.randn(n, 3 * H + 2 * H, D, device=dev, dtype=torch.bfloat16, generator=g)
+            q, k = qkv[:, :3 * H], qkv[:, 3 * H:4 * H]
+            tpos = torch.arange(n, device=dev) + (1 << 20) - n
+            virt = torch.arange(n, device=dev)[:, None] + 16000
+            tables = unrotation(tpos, _inv_freq(D)), rotation(virt, _inv_freq(D))
+            rows = torch.randperm(nslots, device=dev, generator=g)[:n]
+            want, got = (kv[0].clone(), pos.clone()), (kv[0].clone(), pos.clone())
+            q_ref = cascade_rope_reference(q, k, *want, rows, tpos[:, None].int(), *tables)
+            q_got = cascade_rope_triton(q, k, *got, rows, tpos[:, None].int(), *tables)
+            err = max(_rel(q_got, q_ref), _rel(got[0], want[0]))
+            if err > 1e-2 or not torch.equal(got[1], want[1]):
+                raise AssertionError(f"H={H} n={n}: rope kernel rel err {err:.2e} or positions differ")
+            t_rr = _median_us(lambda: cascade_rope_reference(q, k, *want, rows, tpos[:, None].int(), *tables))
+            t_rk = _median_us(lambda: cascade_rope_triton(q, k, *got, rows, tpos[:, None].int(), *tables))
+            lines.append(f"rope rel err {err:.1e}, torch {t_rr:.0f} us, kernel {t_rk:.0f} us")
     return "; ".join(lines)
 
 

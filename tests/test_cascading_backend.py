@@ -148,8 +148,8 @@ def test_backend_equals_oracle_with_drops_strides_and_a_batch(cfg, kernels, monk
     """Two sequences in one batch, chunks longer than the stride (strides inside a step), decode steps, hundreds of
     drops: every row's output equals exact attention over the tokens its KV head's cache holds (at StreamingLLM
     positions), the cache holds what the literal rules give with the oracle's importance, and the stored
-    importance equals the brute-force EMA. `kernels`: the insertion runs the Triton kernels (interpreter)."""
-    monkeypatch.setattr(CascadingBackend, "insert_kernels", staticmethod(lambda t: kernels))
+    importance equals the brute-force EMA. `kernels`: the insertion and RoPE run the Triton kernels (interpreter)."""
+    monkeypatch.setattr(CascadingBackend, "step_kernels", staticmethod(lambda t: kernels))
     d = Driver(cfg)
     d.add(0, 90)
     d.add(1, 60)
@@ -319,3 +319,35 @@ def test_insert_and_move_kernels_equal_torch(seed, dtype):
     move_rows_triton(plan.dst, src, *got, block_w=4)
     for a, b in zip(got, want):
         assert torch.equal(a, b)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+def test_rope_kernel_equals_torch(dtype):
+    """The step's RoPE kernel: keys un-rotated into their slots with their positions, queries moved to their virtual
+    positions, from q and k as strided views of one projection (as the model hands them), 3 query heads per KV head;
+    equal to `cascade_rope_reference`, slots not written left alone."""
+    from longreach.attention.cascading import unrotation
+    from longreach.kernels.cascade_insert import cascade_rope_reference, cascade_rope_triton
+    from longreach.rope.strategies import rotation
+
+    g = torch.Generator().manual_seed(0)
+    T, Hq, Hkv, Dk, nslots = 7, 6, 2, 16, 40
+    qkv = torch.randn(T, Hq + 2 * Hkv, Dk, generator=g).to(dtype)
+    q, k = qkv[:, :Hq], qkv[:, Hq:Hq + Hkv]
+    pos = torch.tensor([0, 5, 9, 100, 4096, 70000, 1 << 20])
+    virt = torch.randint(0, 5000, (T,), generator=g)
+    inv = _base_inv_freq(10000.0, Dk)
+    tables = unrotation(pos, inv), rotation(virt[:, None], inv)
+    slots = torch.randperm(nslots, generator=g)[:T]
+    ks = torch.randn(nslots, Hkv, Dk, generator=g).to(dtype)
+    ps = torch.full((nslots, Hkv), -7, dtype=torch.int32)
+    want_k, want_p, got_k, got_p = ks.clone(), ps.clone(), ks.clone(), ps.clone()
+    pos32 = pos[:, None].to(torch.int32)
+    want_q = cascade_rope_reference(q, k, want_k, want_p, slots, pos32, *tables)
+    got_q = cascade_rope_triton(q, k, got_k, got_p, slots, pos32, *tables)
+    tol = 1e-6 if dtype == torch.float32 else 2e-3
+    assert got_q.dtype == dtype and (got_q.float() - want_q.float()).abs().max() < tol
+    assert (got_k.float() - want_k.float()).abs().max() < tol and torch.equal(got_p, want_p)
+    others = torch.ones(nslots, dtype=torch.bool)
+    others[slots] = False
+    assert torch.equal(got_k[others], ks[others]) and (got_p[others] == -7).all()

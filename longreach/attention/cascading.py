@@ -36,8 +36,10 @@ from typing import ClassVar
 import numpy as np
 import torch
 
+from ..kernels.cascade_insert import (cascade_insert_reference, cascade_insert_triton, cascade_rope_reference,
+                                      cascade_rope_triton, move_rows_triton)
 from ..kvcache.cascade import BatchPlan, CascadeRings, apply_moves, batch_plans
-from ..rope.strategies import RopeArgs, rotate_cs, rotation
+from ..rope.strategies import RopeArgs, rotation
 from .backend import AttentionBackend, AttentionMetadata
 from .index import QueryBlocks, SparseIndex
 from .sparse import config_from, preset_and_overrides, use_kernels
@@ -305,11 +307,10 @@ class CascadingBackend(AttentionBackend):
         self._side_state(k_cache.shape[0] * k_cache.shape[1])
         kf, vf = k_cache.view(-1, H, row), v_cache.view(-1, H, row)  # (num_slots, H_kv, D): flat slots
         score, tokpos = self._score[layer], self._tokpos[layer]
-        un, virt = self._rope_tables
-        # the step's keys were stored rotated at their true positions: store them un-rotated instead
-        kf[meta.slot_mapping] = rotate_cs(k, *un).to(kf.dtype)
-        tokpos[meta.slot_mapping] = self._pos32
-        q_virt = rotate_cs(rotate_cs(q, *un), *virt).to(q.dtype)  # each row at its virtual position
+        # the step's keys were stored rotated at their true positions: store them un-rotated instead (with their
+        # positions); the queries move to their virtual positions
+        rope = cascade_rope_triton if self.step_kernels(q) else cascade_rope_reference
+        q_virt = rope(q, k, kf, tokpos, meta.slot_mapping, self._pos32, *self._rope_tables)
         out = torch.empty_like(q)
         kview, vview = k_cache.view(-1, 1, H, row), v_cache.view(-1, 1, H, row)  # one token per "page"
         for sub in self._subs:
@@ -320,15 +321,13 @@ class CascadingBackend(AttentionBackend):
             self._insert(mass, sub, kf, vf, score, tokpos)
         return out
 
-    insert_kernels = staticmethod(use_kernels)  # tests force the kernels in the interpreter
+    step_kernels = staticmethod(use_kernels)  # kernels/cascade_insert.py's; tests force them in the interpreter
 
     def _insert(self, mass, sub: _SubStride, kf, vf, score, tokpos) -> None:
         """The importance EMA, the plan's rules and the moves of K/V rows, importance and positions: three launches
         on a GPU (kernels/cascade_insert.py), their PyTorch reference (~10 ops per ring level) elsewhere."""
-        from ..kernels.cascade_insert import cascade_insert_reference, cascade_insert_triton, move_rows_triton
-
         args = (sub.plan, score, mass, sub.ema_slots, sub.ema_key, sub.ema_decay)
-        if self.insert_kernels(score):
+        if self.step_kernels(score):
             move_rows_triton(sub.plan.dst, cascade_insert_triton(*args), kf, vf, score, tokpos)
         else:
             apply_moves(sub.plan.dst, cascade_insert_reference(*args), (kf, vf, score, tokpos))

@@ -1,6 +1,7 @@
-"""The cascading cache's insertion on the GPU: the importance EMA, the stride plan's rules 3/4 and the slot moves of one
-layer in three launches instead of ~10 PyTorch ops per ring level (attention/cascading.py runs it once per layer and
-stride; a 1M-token prefill with stride 4,096 has 7,680 of those on SmolLM2, a decode step one per layer).
+"""The cascading cache's small per-layer work on the GPU, in few launches instead of many PyTorch ops
+(attention/cascading.py runs it once per layer and stride; a 1M-token prefill with stride 4,096 has 7,680 of those on
+SmolLM2, a decode step one per layer): the importance EMA, the stride plan's rules 3/4 and the slot moves in three
+launches instead of ~10 ops per ring level, and the step's RoPE work in one launch instead of ~20 ops.
 
   * `_insert_kernel`, grid (KV heads,): one program per KV head, which owns column h of the layer's importance, so
     the program may update it and then read it back after a barrier. It
@@ -17,11 +18,15 @@ stride; a 1M-token prefill with stride 4,096 has 7,680 of those on SmolLM2, a de
     source slot may be another move's destination (ring slots are reused within a stride): every read must come
     before every write, which one grid cannot order.
 
-References: `cascade_insert_reference` (the EMA in torch + `execute_plan`) and `kvcache.cascade.apply_moves`, which
-are also the CPU path. Tested in the interpreter (tests/test_cascading_backend.py) in fp32 and fp16 rows; the GPU
-(bf16, real sizes) check is `scripts/gpu_check.py --only "cascading insert"`. The EMA may round differently from torch
-on a GPU (the compiler may fuse the multiply-add), so a near-tie there can resolve the other way; the check counts
-such cases.
+  * `_rope_kernel`, grid (rows,): a row's keys un-rotated from its true position (the model stored them rotated)
+    into its cache slot, with the slot's position, and its queries un-rotated and rotated to the row's virtual
+    position; the cos/sin tables are the step's (built once for all layers).
+
+References: `cascade_insert_reference` (the EMA in torch + `execute_plan`), `kvcache.cascade.apply_moves` and
+`cascade_rope_reference`, which are also the CPU path. Tested in the interpreter (tests/test_cascading_backend.py)
+in fp32 and fp16 rows; the GPU (bf16, real sizes) check is `scripts/gpu_check.py --only "cascading insert"`. The
+EMA may round differently from torch on a GPU (the compiler may fuse the multiply-add), so a near-tie there can
+resolve the other way: the check compares the sources against the rules applied to the kernel's own importances.
 """
 from __future__ import annotations
 
@@ -47,7 +52,56 @@ def cascade_insert_reference(plan: BatchPlan, score: torch.Tensor, mass: torch.T
     return execute_plan(plan, score)[1]
 
 
+def cascade_rope_reference(q: torch.Tensor, k: torch.Tensor, k_slots: torch.Tensor, pos_slots: torch.Tensor,
+                           slot_mapping: torch.Tensor, pos32: torch.Tensor, unrot: tuple, virt: tuple) -> torch.Tensor:
+    """q (T, H_q, D), k (T, H_kv, D) rotated by the model at the rows' true positions; k_slots (num_slots, H_kv, D)
+    and pos_slots (num_slots, H_kv) int32 written in place at slot_mapping (T,): the keys un-rotated, the positions
+    pos32 (T, 1); unrot / virt: (cos, sin) tables (T, 1, D/2) that un-rotate a row and rotate it to its virtual
+    position. Returns the queries at their virtual positions, in q's dtype."""
+    from ..rope.strategies import rotate_cs
+
+    k_slots[slot_mapping] = rotate_cs(k, *unrot).to(k_slots.dtype)
+    pos_slots[slot_mapping] = pos32
+    return rotate_cs(rotate_cs(q, *unrot), *virt).to(q.dtype)
+
+
 if triton is not None:
+
+    @triton.jit
+    def _rot(x1, x2, c, s):
+        """(x1 c - x2 s, x2 c + x1 s): rope/strategies.py's rotate_cs on the two halves of rows."""
+        return x1 * c - x2 * s, x2 * c + x1 * s
+
+    @triton.jit
+    def _rope_kernel(Q, K, KS, PS, Slots, Pos, UC, US, VC, VS, QOut,
+                     stride_qt, stride_qh, stride_kt, stride_kh, stride_ks, stride_ksh, stride_ps, stride_ot,
+                     stride_oh, n_q, n_kv,
+                     BLOCK_HQ: tl.constexpr, BLOCK_HKV: tl.constexpr, HALF: tl.constexpr):
+        t = tl.program_id(0).to(tl.int64)
+        d = tl.arange(0, HALF)
+        uc = tl.load(UC + t * HALF + d)[None, :]
+        us = tl.load(US + t * HALF + d)[None, :]
+        # keys: un-rotated into the row's slot, with its position
+        hk = tl.arange(0, BLOCK_HKV)
+        okk = (hk < n_kv)[:, None]
+        kp = K + t * stride_kt + hk[:, None] * stride_kh + d[None, :]
+        k1, k2 = _rot(tl.load(kp, mask=okk, other=0.0).to(tl.float32),
+                      tl.load(kp + HALF, mask=okk, other=0.0).to(tl.float32), uc, us)
+        slot = tl.load(Slots + t).to(tl.int64)
+        ks = KS + slot * stride_ks + hk[:, None] * stride_ksh + d[None, :]
+        tl.store(ks, k1.to(KS.dtype.element_ty), mask=okk)
+        tl.store(ks + HALF, k2.to(KS.dtype.element_ty), mask=okk)
+        tl.store(PS + slot * stride_ps + hk, tl.full([BLOCK_HKV], 0, tl.int32) + tl.load(Pos + t), mask=hk < n_kv)
+        # queries: un-rotated, then rotated to the row's virtual position
+        hq = tl.arange(0, BLOCK_HQ)
+        okq = (hq < n_q)[:, None]
+        qp = Q + t * stride_qt + hq[:, None] * stride_qh + d[None, :]
+        q1, q2 = _rot(tl.load(qp, mask=okq, other=0.0).to(tl.float32),
+                      tl.load(qp + HALF, mask=okq, other=0.0).to(tl.float32), uc, us)
+        q1, q2 = _rot(q1, q2, tl.load(VC + t * HALF + d)[None, :], tl.load(VS + t * HALF + d)[None, :])
+        op = QOut + t * stride_ot + hq[:, None] * stride_oh + d[None, :]
+        tl.store(op, q1.to(QOut.dtype.element_ty), mask=okq)
+        tl.store(op + HALF, q2.to(QOut.dtype.element_ty), mask=okq)
 
     @triton.jit
     def _resolve(Score, stride_s, h, Cur, base, chal, ok):
@@ -201,3 +255,26 @@ def move_rows_triton(dst: torch.Tensor, src: torch.Tensor, k: torch.Tensor, v: t
             k.stride(0), k.stride(1), v.stride(0), v.stride(1), score.stride(0), pos.stride(0),
             PHASE=phase, BLOCK_W=block_w, HEAD_DIM=D, num_warps=4,
         )
+
+
+def cascade_rope_triton(q: torch.Tensor, k: torch.Tensor, k_slots: torch.Tensor, pos_slots: torch.Tensor,
+                        slot_mapping: torch.Tensor, pos32: torch.Tensor, unrot: tuple, virt: tuple) -> torch.Tensor:
+    """Triton version of `cascade_rope_reference` (same arguments and result)."""
+    if triton is None:
+        raise RuntimeError("cascade_rope_triton needs Triton")
+    T, Hq, D = q.shape
+    Hkv = k.shape[1]
+    if D & (D - 1) or D < 4 or q.stride(-1) != 1 or k.stride(-1) != 1 or k_slots.stride(-1) != 1:
+        raise ValueError(f"q, k and the cache rows must be contiguous with a power-of-two head_dim, got q "
+                         f"{tuple(q.shape)}, k {tuple(k.shape)}")
+    out = torch.empty(T, Hq, D, dtype=q.dtype, device=q.device)
+    if T == 0:
+        return out
+    tables = [x.reshape(T, D // 2).float().contiguous() for x in (*unrot, *virt)]
+    _rope_kernel[(T,)](
+        q, k, k_slots, pos_slots, slot_mapping, pos32.reshape(T).to(torch.int32).contiguous(), *tables, out,
+        q.stride(0), q.stride(1), k.stride(0), k.stride(1), k_slots.stride(0), k_slots.stride(1),
+        pos_slots.stride(0), out.stride(0), out.stride(1), Hq, Hkv,
+        BLOCK_HQ=triton.next_power_of_2(Hq), BLOCK_HKV=triton.next_power_of_2(Hkv), HALF=D // 2, num_warps=4,
+    )
+    return out
