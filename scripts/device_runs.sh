@@ -50,7 +50,7 @@ for group in "$@"; do
 case "$group" in
 kernels)
     run gpu_check_kernels 330 python3 scripts/gpu_check.py --out "$out" --only paged block-sparse chunk offload \
-        minference fused "cascading kernels" psa
+        minference fused "cascading kernels" "cascading insert" psa
     # minference (each pure pattern) and infinitehip prefill vs cuDNN, one 8B-shaped layer
     run bench_attention 230 python3 -m longreach bench attention --contexts 128K 512K 1M --no-flex --repeats 3 \
         --out "$out/bench-attention.json"
