@@ -43,8 +43,9 @@ def test_waves_match_reference_and_loop_kernel(case):
     n_cand = (cand_hi.long() - cand_lo).clamp(min=0)[:, None].expand(len(lengths), Hkv)
     assert len(wave_plan(-(-ranked.shape[2] // mb), 1, 2)) >= 4
     strided = dict(SMALL_WAVES, max_programs=3)  # fewer programs than a wave's micro-batches: each strides over them
+    capped = dict(scratch_bytes=1)  # the scratch cap: waves of one micro-batch
     for eps, tuning in ((0.01, SMALL_WAVES), (0.9, SMALL_WAVES), (1.0, SMALL_WAVES), (0.9, {}), (0.9, strided),
-                        (1.0, dict(max_programs=1))):
+                        (1.0, dict(max_programs=1)), (0.9, capped)):
         args = (q, kc, vc, tables, seq_lens, ranked, cand_lo, cand_hi, eps, mb, scale)
         ref, loop = psa_decode_reference(*args), psa_decode_triton(*args)
         got = psa_decode_waves(*args, **_poisoned(q, D, Hkv), **tuning)
@@ -134,9 +135,12 @@ def test_wave_plan_and_argument_errors():
         assert plan[0][0] == 0 and all(a + s == b for (a, s), (b, _) in zip(plan, plan[1:]))
         assert sum(s for _, s in plan) == n_mb
     assert len(wave_plan(2048, 32, 2)) == 7  # 128K keys at page 16, micro-batches of 4
+    assert wave_plan(100, 32, 2, max_wave=40) == [(0, 32), (32, 40), (72, 28)]  # the scratch cap
+    assert wave_plan(5, 32, 2, max_wave=2) == [(0, 2), (2, 2), (4, 1)]
     q, kc, vc, tables, seq_lens, ranked, cand_lo, cand_hi, _ = _setup((4, 2, 16, 4, 4, [40]), torch.float32, 1)
     args = (q, kc, vc, tables, seq_lens, ranked, cand_lo, cand_hi)
     for kw, msg in (({"first_wave": 0}, "first_wave"), ({"chunk": 3}, "powers of two"),
+                    ({"scratch_bytes": 0}, "scratch_bytes"),
                     ({"merge_cols": 12}, "powers of two"), ({"max_programs": 0}, "max_programs")):
         with pytest.raises(ValueError, match=msg):
             psa_decode_waves(*args, 0.9, 4, 0.25, **kw)

@@ -28,8 +28,8 @@ are associated differently (a micro-batch's softmax is taken against its own max
 loop rescales against the running max; the prefix follows the scan's tree). out and lse agree to fp32 rounding, and
 counts are equal unless a pair's gap lies within rounding of the threshold, where the two kernels may stop at
 different micro-batches (the reference, in natural-log fp32, can differ from both the same way). Scratch: 4 B x
-H_kv x (heads per group, rounded up to a power of two >= 2) x D per row and micro-batch of the largest wave
-(Llama-8B at 128K, page 16, m 4: 1024 x 16 KB = 16 MB per row).
+H_kv x (heads per group, rounded up to a power of two >= 2) x (D + 3) per row and micro-batch of the largest wave
+(Llama-8B at 128K, page 16, m 4: 1024 x 16 KB = 16 MB per row), capped by `scratch_bytes` (waves stop growing).
 
 Arguments, results and limits are psa_decode.py's. Tested: interpreter in fp16/fp32 against the loop kernel and the
 reference (tests/test_psa_waves.py); bf16 at real sizes in scripts/gpu_check.py's `psa` check (docs/kernel-notes.md
@@ -231,43 +231,56 @@ def _sm_count(device: torch.device) -> int:
     return torch.cuda.get_device_properties(device).multi_processor_count
 
 
-def wave_plan(n_mb: int, first_wave: int, growth: int) -> list[tuple[int, int]]:
-    """(start, size) in micro-batches of each wave over [0, n_mb): sizes first_wave x growth^w, the last cut at n_mb.
-    Never empty: with no micro-batch, one wave of size 0 still attends to the fixed keys."""
+def wave_plan(n_mb: int, first_wave: int, growth: int, max_wave: int | None = None) -> list[tuple[int, int]]:
+    """(start, size) in micro-batches of each wave over [0, n_mb): sizes first_wave x growth^w, none above
+    `max_wave` (the scratch cap), the last cut at n_mb. Never empty: with no micro-batch, one wave of size 0 still
+    attends to the fixed keys."""
+    cap = max_wave if max_wave is not None else n_mb
     waves, start, size = [], 0, first_wave
     while start < n_mb:
-        waves.append((start, min(size, n_mb - start)))
-        start, size = start + size, size * growth
+        take = max(1, min(size, cap, n_mb - start))
+        waves.append((start, take))
+        start, size = start + take, size * growth
     return waves or [(0, 0)]
+
+
+def scratch_per_microbatch(pairs: int, heads_per_group: int, head_dim: int) -> int:
+    """Bytes of partials one micro-batch of a wave takes for all (row, KV head) pairs: m, l, lse_min and the D-wide
+    accumulator per head of a group (rounded up to a power of two >= 2), fp32."""
+    return pairs * max(2, triton.next_power_of_2(heads_per_group)) * (3 + head_dim) * 4
 
 
 def psa_decode_waves(q, k_cache, v_cache, block_tables, seq_lens, ranked, cand_lo: int, cand_hi, epsilon: float,
                      microbatch: int, scale: float, out: torch.Tensor | None = None, lse: torch.Tensor | None = None,
                      counts: torch.Tensor | None = None, block_n: int = 64, num_warps: int = 4, first_wave: int = 32,
                      growth: int = 2, chunk: int = 32, merge_cols: int = 32, max_programs: int | None = None,
-                     rope: tuple[torch.Tensor, int] | None = None):
+                     rope: tuple[torch.Tensor, int] | None = None, scratch_bytes: int = 512 << 20):
     """`psa_decode_triton` with the ranked blocks read in parallel waves (module docstring): same arguments and
     results. Tuning: `first_wave` micro-batches in the first wave, each next one `growth` times larger; the merge
     walks `chunk` partials per step and `merge_cols` output columns per program (powers of two). A wave launches at
     most `max_programs` programs per (row, KV head), each striding over the wave's micro-batches (default: about
     8 x the GPU's SMs in all, 1056 on an H100; a wave of 16,384 micro-batches at 1M would otherwise launch that many
-    programs per pair, most of which only read a flag and leave)."""
+    programs per pair, most of which only read a flag and leave). No wave is larger than `scratch_bytes` of partials
+    allows (default 512 MiB: a batch of 256 on Llama-8B's shape at 128K would otherwise take 4.4 GB in its last
+    wave); smaller waves only mean more launches, the results are the same."""
     kv, out, lse, counts, inputs, strides, meta = _prepare(q, k_cache, v_cache, block_tables, seq_lens, ranked,
                                                            cand_hi, epsilon, microbatch, out, lse, counts,
                                                            "psa_decode_waves", rope)
     n, D = q.shape[0], q.shape[2]
     pow2 = all(x >= 1 and not x & (x - 1) for x in (chunk, merge_cols))
-    if first_wave < 1 or growth < 1 or not pow2 or chunk < 2 or (max_programs is not None and max_programs < 1):
+    if first_wave < 1 or growth < 1 or not pow2 or chunk < 2 or (max_programs is not None and max_programs < 1) \
+            or scratch_bytes < 1:
         raise ValueError(f"first_wave ({first_wave}) and growth ({growth}) must be >= 1, chunk ({chunk}) and "
                          f"merge_cols ({merge_cols}) powers of two (chunk >= 2), max_programs ({max_programs}) None "
-                         "or >= 1")
+                         f"or >= 1, scratch_bytes ({scratch_bytes}) >= 1")
     if n == 0:
         return out, lse, counts
     Hkv, hpg, cols = kv.num_kv_heads, meta["HPG"], min(merge_cols, D)
     block_h = max(2, triton.next_power_of_2(hpg))
-    waves = wave_plan(-(-ranked.shape[2] // microbatch), first_wave, growth)
-    wave_max = max(size for _, size in waves)
     pairs = n * Hkv
+    waves = wave_plan(-(-ranked.shape[2] // microbatch), first_wave, growth,
+                      max(1, scratch_bytes // scratch_per_microbatch(pairs, hpg, D)))
+    wave_max = max(size for _, size in waves)
     if max_programs is None:
         max_programs = max(1, 8 * _sm_count(q.device) // pairs)
     f32 = dict(dtype=torch.float32, device=q.device)
