@@ -17,7 +17,6 @@ launches instead of ~10 ops per ring level, and the step's RoPE work in one laun
     positions of every source into temporaries, phase 1 scatters them to the destinations. Two launches because a
     source slot may be another move's destination (ring slots are reused within a stride): every read must come
     before every write, which one grid cannot order.
-
   * `_rope_kernel`, grid (rows,): a row's keys un-rotated from its true position (the model stored them rotated)
     into its cache slot, with the slot's position, and its queries un-rotated and rotated to the row's virtual
     position; the cos/sin tables are the step's (built once for all layers).
