@@ -44,6 +44,22 @@ def make_tiny_hf_model(path, arch: str = "llama", seed: int = 0, shard: bool = F
     return str(path), model
 
 
+def run_with_joins(engine, prompts, params, joins: dict[int, int], max_steps: int) -> list[list[int]]:
+    """Step `engine` directly, adding prompts[joins[step]] as request str(i) at each step listed in `joins` (so
+    sequences join while others decode), until every joined request finished or `max_steps` ran. Returns the token
+    ids of requests 0, 1, ... in order (a request that did not finish raises KeyError)."""
+    out: dict[str, list[int]] = {}
+    for step in range(max_steps):
+        if step in joins:
+            engine.add_request(str(joins[step]), prompts[joins[step]], params)
+        for o in engine.step():
+            if o.finished:
+                out[o.request_id] = o.token_ids
+        if len(out) == len(joins):
+            break
+    return [out[str(i)] for i in range(len(joins))]
+
+
 @pytest.fixture(scope="module")
 def one_thread():
     """Hundreds of tiny ops per step: on a shared 2-core machine two intra-op threads stall each other (~8 ms per

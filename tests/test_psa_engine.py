@@ -4,6 +4,7 @@ are tests/test_psa.py's.
 """
 import pytest
 import torch
+from conftest import run_with_joins
 
 from tests.test_offload import _record_logits
 
@@ -80,16 +81,7 @@ def test_graph_decode_path_equals_eager_with_joining_sequences(tiny):
     expected = [eager.generate({"prompt_token_ids": p}, params, use_tqdm=False)[0].token_ids for p in prompts]
     engine = _llm(tiny).engine
     engine.runner.capture_graphs(emulate=True)
-    out, joins = {}, {0: 0, 3: 1}
-    for step in range(60):
-        if step in joins:
-            engine.add_request(str(joins[step]), prompts[joins[step]], params)
-        for o in engine.step():
-            if o.finished:
-                out[o.request_id] = o.token_ids
-        if len(out) == 2:
-            break
-    assert [out[str(i)] for i in range(2)] == expected
+    assert run_with_joins(engine, prompts, params, {0: 0, 3: 1}, 60) == expected
     assert {key[1] for _, key in engine.runner._graphs} == {False, True}  # both variants ran
     assert not engine.backend._built  # finished sequences gave their state back
 

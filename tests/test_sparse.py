@@ -3,6 +3,7 @@ import math
 
 import pytest
 import torch
+from conftest import run_with_joins
 
 from longreach.attention.dense import causal_attention
 from longreach.attention.executor import block_sparse_attention
@@ -361,17 +362,7 @@ def test_graph_decode_path_equals_eager_decode_with_staggered_sequences(tiny, me
     if device == "cpu":
         engine.runner.capture_graphs(emulate=True)
     assert engine.runner._graph_sizes
-    out: dict[str, list[int]] = {}
-    joins = {0: 0, 3: 1, 8: 2}
-    for step in range(80):
-        if step in joins:
-            engine.add_request(str(joins[step]), prompts[joins[step]], params)
-        for o in engine.step():
-            if o.finished:
-                out[o.request_id] = o.token_ids
-        if len(out) == 3:
-            break
-    assert [out[str(i)] for i in range(3)] == expected
+    assert run_with_joins(engine, prompts, params, {0: 0, 3: 1, 8: 2}, 80) == expected
     keys = {key for _, key in engine.runner._graphs}
     levels = {key[1] for key in keys}
     assert len(levels) >= 2 if method != "streaming" else levels == {0}, keys  # several refresh variants ran
