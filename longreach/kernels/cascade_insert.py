@@ -219,11 +219,10 @@ def cascade_insert_triton(plan: BatchPlan, score: torch.Tensor, mass: torch.Tens
     src = torch.empty(w, H, dtype=torch.int64, device=dev)
     cur = torch.empty(H, max(1, plan.cur_cap), dtype=torch.int64, device=dev)
     pool = torch.empty(H, max(1, plan.pool_cap), dtype=torch.int64, device=dev)
-    off_offers = len(plan.levels) * PLAN_FIELDS  # the packed layout (kvcache/cascade.py: batch_plans)
     _insert_kernel[(H,)](
         score, mass, ema_slots, ema_key, ema_decay.float(), plan.packed, cur, pool, src,
         score.stride(0), mass.stride(0), mass.stride(1), ema_slots.shape[0], max(1, mass.shape[2]),
-        len(plan.levels), off_offers, plan.offers.shape[0], plan.packed.shape[0] - w,
+        len(plan.levels), plan.offers_at, plan.offers.shape[0], plan.dst_at,
         cur.shape[1], pool.shape[1], H,
         FIELDS=PLAN_FIELDS, BLOCK=block, num_warps=4,
     )

@@ -272,6 +272,8 @@ class BatchPlan:
     packed: torch.Tensor
     cur_cap: int  # most offers any level gets (scratch size of a kernel walking the plan)
     pool_cap: int  # most (old + entries) any level holds
+    offers_at: int  # where the offers start in `packed` (after the header)
+    dst_at: int  # where the destinations start in `packed` (the header's offsets of each level's are from 0)
 
 
 def batch_plans(plans: list[StridePlan], to_flat: list[Callable[[np.ndarray], np.ndarray]], device) -> BatchPlan:
@@ -330,7 +332,8 @@ def batch_plans(plans: list[StridePlan], to_flat: list[Callable[[np.ndarray], np
                                  out_idx=view(o_out, k), dst_flat=view(o_dst, w), src_idx=view(o_src, w)))
     return BatchPlan(offers=view(header.size, len(offers)), levels=levels, dst=packed[dst0:at], packed=packed,
                      cur_cap=int(max([len(offers)] + [h[0] for h in host])),
-                     pool_cap=int(max([0] + [header[j, 1] + header[j, 2] for j in range(L)])))
+                     pool_cap=int(max([0] + [header[j, 1] + header[j, 2] for j in range(L)])),
+                     offers_at=int(header.size), dst_at=int(dst0))
 
 
 def execute_plan(plan: BatchPlan, score: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
