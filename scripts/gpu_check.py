@@ -24,6 +24,7 @@ from longreach.rope.strategies import RopeArgs  # noqa: E402
 from gpu_check_common import _inv_freq, _rel  # noqa: E402
 from gpu_check_methods import (  # noqa: E402
     cascading_engine,
+    cascading_flash,
     cascading_insert,
     cascading_kernels,
     cascading_passkey,
@@ -286,6 +287,7 @@ def main():
     check("fused model kernels and the fused KV write (bf16, fp8)")(fused_kernels)
     check("cascading kernels: cache-RoPE attention, key mass (bf16)")(cascading_kernels)
     check("cascading insert: EMA, rules and moves kernels vs torch (16k preset)")(cascading_insert)
+    check("cascading flash: gathered prefill vs block-sparse (16k preset, bf16)")(cascading_flash)
     check("psa decode, metadata, scoring kernels vs reference (bf16, 8B shape, 128K)")(psa_matrix)
     check("psa step times in CUDA graphs (8B shape, 128K, 1M)")(psa_step_times)
     check("psa rank rope: moved metadata and decode kernels vs reference (bf16, 128K)")(psa_rank_rope)

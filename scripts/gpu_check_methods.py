@@ -215,6 +215,69 @@ def cascading_insert():
     return "; ".join(lines)
 
 
+def cascading_flash():
+    """Cascading's gathered prefill path (gather_virtual + FlashAttention, attention/cascading.py) vs its block-sparse
+    path (the Triton kernel, keys rotated per query block) on the same stride, at the `16k` preset's real sizes
+    (64 sink + 8 x 2040 rings full, a 4,096-row stride: 20,480 keys), SmolLM2's and Llama-8B's heads, bf16: output,
+    log-sum-exp and key mass; both against the fp32 reference on the gathered keys; the time of one (layer, stride)
+    either way, attention and key mass (CUDA events around the host calls, so launch overhead counts)."""
+    import json
+
+    import numpy as np
+
+    from gpu_check_common import _median_us
+    from longreach.attention.cascading import CascadingBackend, causal_attention_lse
+    from longreach.config import EngineConfig
+    from longreach.kvcache.cascade import CascadeRings
+    from longreach.models.config import ModelConfig, RopeConfig
+    from longreach.rope.strategies import rotation
+
+    dev, S, n = torch.device("cuda"), 64, 4096
+    lines = []
+    for Hq, Hkv, D in ((9, 3, 64), (32, 8, 128)):
+        mc = ModelConfig("llama", 32, 32, 64, 1, Hq, Hkv, D, 1e-5, 8192, rope=RopeConfig(theta=500000.0))
+        ec = EngineConfig(model="x", attention="cascading", attention_config=json.dumps({"stride": n}), preset="16k",
+                          max_num_batched_tokens=65536)
+        be = CascadingBackend(mc, ec, dev)
+        rings = CascadeRings(S, be.sizes)
+        stage0 = S + sum(be.sizes)
+        for _ in range(40):  # fill every ring and cascade past it
+            rings.plan(n, stage0 + np.arange(n - max(0, min(S, rings.tokens + n) - rings.tokens)))
+        cached = rings.chronological()
+        virt = np.concatenate([np.arange(S), cached, stage0 + np.arange(n)])
+        item = dict(row=0, n=n, V=len(virt), sink=S, cached=len(cached), slots=virt,
+                    plan=rings.plan(n, stage0 + np.arange(n)), to_flat=lambda a: a)
+        sub = be._batch([item], True)
+        V = len(virt)
+        be._virt_cs = rotation(torch.arange(V, device=dev), be.inv_freq)
+        g = torch.Generator(device=dev).manual_seed(Hq)
+        nslots = stage0 + n
+        # keys with a shared direction, so that attention is peaked (not uniform) and the mass test means something
+        kf = torch.randn(nslots, Hkv, D, device=dev, generator=g) + 2 * torch.randn(1, Hkv, D, device=dev, generator=g)
+        kf, vf = kf.bfloat16(), torch.randn(nslots, Hkv, D, device=dev, dtype=torch.bfloat16, generator=g)
+        q = torch.randn(n, Hq, D, device=dev, dtype=torch.bfloat16, generator=g)
+        kv1 = kf.view(-1, 1, Hkv, D), vf.view(-1, 1, Hkv, D)
+        o_b, l_b = be._attend(q, *kv1, sub)
+        m_b = be._key_mass(q, kv1[0], sub.table, l_b, sub, be.rope)
+        o_f, l_f, kg = be._attend_gathered(q, kf, vf, sub, "flash")
+        table = torch.arange(V, dtype=torch.int32, device=dev)[None]
+        m_f = be._key_mass(q, kg.view(-1, 1, Hkv, D), table, l_f, sub, None)
+        o_r, l_r = causal_attention_lse(q.float(), kg[0].float(), vf[sub.table[0].long()].float(), be.scale,
+                                        "reference")
+        errs = dict(out=_rel(o_f, o_r), out_bsa=_rel(o_b, o_r), lse=(l_f - l_r).abs().max().item(),
+                    lse_bsa=(l_b - l_r).abs().max().item(), mass=_rel(m_f, m_b))
+        if errs["out"] > 2e-2 or errs["lse"] > 2e-2 or errs["mass"] > 2e-2 or errs["out_bsa"] > 2e-2:
+            raise AssertionError(f"H{Hq}/{Hkv} d{D}: {errs}")
+        t_b = _median_us(lambda: be._attend(q, *kv1, sub), reps=20)
+        t_f = _median_us(lambda: be._attend_gathered(q, kf, vf, sub, "flash"), reps=20)
+        t_mb = _median_us(lambda: be._key_mass(q, kv1[0], sub.table, l_b, sub, be.rope), reps=20)
+        t_mf = _median_us(lambda: be._key_mass(q, kg.view(-1, 1, Hkv, D), table, l_f, sub, None), reps=20)
+        lines.append(f"H{Hq}/{Hkv} d{D} {n}x{V}: rel err out {errs['out']:.1e} (bsa {errs['out_bsa']:.1e}), lse "
+                     f"{errs['lse']:.1e}, mass vs bsa path {errs['mass']:.1e}; attention bsa {t_b:.0f} us, gather+flash "
+                     f"{t_f:.0f} us ({t_b / t_f:.2f}x); key mass paged+rope {t_mb:.0f} us, gathered {t_mf:.0f} us")
+    return "; ".join(lines)
+
+
 CASCADE_SMALL = '{"n_sink": 64, "num_subcaches": 4, "subcache_size": 256, "stride": 512}'  # 1,088 tokens: drops
 
 
@@ -239,7 +302,22 @@ def cascading_engine(model: str):
     same = sum(a == b for a, b in zip(outs[0].token_ids, outs[1].token_ids))
     if same < 20:
         raise AssertionError(f"cascading: GPU kernels and CPU reference agree on only {same}/24 greedy tokens")
-    return f"GPU kernels vs CPU reference, fp32, {same}/24 greedy tokens equal"
+    # bf16 (fp32 has no FlashAttention): the gathered prefill path against the block-sparse one
+    bf = []
+    for flash in (True, False):
+        gc.collect()
+        torch.cuda.empty_cache()
+        conf = CASCADE_SMALL[:-1] + f', "flash_prefill": {str(flash).lower()}}}'
+        llm = LLM(model, attention="cascading", attention_config=conf, device="cuda", max_model_len=4096,
+                  max_num_seqs=1, kv_cache_memory_gb=1)
+        bf.append(llm.generate({"prompt_token_ids": ids}, SamplingParams(temperature=0, max_tokens=24,
+                                                                         ignore_eos=True), use_tqdm=False)[0])
+        del llm
+    lead = next((i for i, (a, b) in enumerate(zip(bf[0].token_ids, bf[1].token_ids)) if a != b), 24)
+    if lead < 4:
+        raise AssertionError(f"cascading bf16: flash and block-sparse prefill differ from greedy token {lead}")
+    return (f"GPU kernels vs CPU reference, fp32, {same}/24 greedy tokens equal; bf16 flash vs block-sparse prefill: "
+            f"the first {lead}/24 greedy tokens equal")
 
 
 def cascading_passkey(model: str, lengths=(8192, 16384, 32768, 65536), depths=(0.05, 0.25, 0.5, 0.75, 0.95),

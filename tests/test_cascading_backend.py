@@ -142,14 +142,20 @@ SMALL = {"n_sink": 2, "num_subcaches": 3, "subcache_size": 3, "ema": 0.8, "strid
 NO_SINK = {"n_sink": 0, "num_subcaches": 2, "subcache_size": 4, "ema": 0.5, "stride": 3, "block_q": 2, "block_k": 3}
 
 
-@pytest.mark.parametrize("cfg, kernels", [(SMALL, False), (NO_SINK, False), (SMALL, True)],
-                         ids=["small", "no-sink", "small-insert-kernels"])
-def test_backend_equals_oracle_with_drops_strides_and_a_batch(cfg, kernels, monkeypatch):
+@pytest.mark.parametrize("cfg, kernels, gathered", [(SMALL, False, False), (NO_SINK, False, False),
+                                                    (SMALL, True, False), (SMALL, False, True)],
+                         ids=["small", "no-sink", "small-insert-kernels", "small-gathered-prefill"])
+def test_backend_equals_oracle_with_drops_strides_and_a_batch(cfg, kernels, gathered, monkeypatch):
     """Two sequences in one batch, chunks longer than the stride (strides inside a step), decode steps, hundreds of
     drops: every row's output equals exact attention over the tokens its KV head's cache holds (at StreamingLLM
     positions), the cache holds what the literal rules give with the oracle's importance, and the stored
-    importance equals the brute-force EMA. `kernels`: the insertion and RoPE run the Triton kernels (interpreter)."""
+    importance equals the brute-force EMA. `kernels`: the insertion and RoPE run the Triton kernels (interpreter).
+    `gathered`: prefill strides take the gathered path (gather_virtual + causal_attention_lse, its fp32 reference
+    standing in for FlashAttention), their key mass over the gathered keys."""
     monkeypatch.setattr(CascadingBackend, "step_kernels", staticmethod(lambda t: kernels))
+    calls = []
+    if gathered:
+        monkeypatch.setattr(CascadingBackend, "_gathered_kernel", lambda self, q: calls.append(1) or "reference")
     d = Driver(cfg)
     d.add(0, 90)
     d.add(1, 60)
@@ -159,6 +165,7 @@ def test_backend_equals_oracle_with_drops_strides_and_a_batch(cfg, kernels, monk
         decode = rng.random() < 0.3
         chunks = {sid: 1 if decode else min(rng.randrange(1, 17), n) for sid, n in left.items()}
         d.step(chunks, prefill=not decode)
+    assert bool(calls) == gathered
     r = d.backend._rings[0]
     assert r.stats["compare"] > 10 and r.stats["fall"] > 10  # rules 3/4 and the last window were exercised
     assert sum(sum(ref.hits[k] for k in ("rule3", "rule4")) for ref in d.seqs[0]["ref"]) == 2 * r.stats["compare"]
@@ -351,3 +358,24 @@ def test_rope_kernel_equals_torch(dtype):
     others = torch.ones(nslots, dtype=torch.bool)
     others[slots] = False
     assert torch.equal(got_k[others], ks[others]) and (got_p[others] == -7).all()
+
+
+def test_causal_attention_lse_aligns_at_the_bottom_right_and_refuses_bad_input():
+    """The gathered path's reference: row i of n sees keys [0, V - n + i]; its lse is the log of the scaled scores'
+    exp-sum; grouped heads use KV head h // group. Checked against a per-row loop."""
+    from longreach.attention.cascading import causal_attention_lse
+
+    g = torch.Generator().manual_seed(0)
+    n, V = 5, 9
+    q, k, v = torch.randn(n, HQ, D, generator=g), torch.randn(V, HKV, D, generator=g), torch.randn(V, HKV, D, generator=g)
+    out, lse = causal_attention_lse(q, k, v, 0.3, "reference")
+    assert out.shape == (n, HQ, D) and lse.shape == (n, HQ)
+    for i in range(n):
+        for h in range(HQ):
+            s = k[:V - n + i + 1, h // (HQ // HKV)] @ q[i, h] * 0.3
+            assert torch.allclose(lse[i, h], torch.logsumexp(s, 0), atol=1e-5)
+            assert torch.allclose(out[i, h], s.softmax(0) @ v[:V - n + i + 1, h // (HQ // HKV)], atol=1e-5)
+    with pytest.raises(ValueError, match="at least 5 keys"):
+        causal_attention_lse(q, k[:4], v[:4], 0.3, "reference")
+    with pytest.raises(ValueError, match="'flash' or 'reference'"):
+        causal_attention_lse(q, k, v, 0.3, "cudnn")

@@ -39,7 +39,7 @@ import torch
 from ..kernels.cascade_insert import (cascade_insert_reference, cascade_insert_triton, cascade_rope_reference,
                                       cascade_rope_triton, move_rows_triton)
 from ..kvcache.cascade import BatchPlan, CascadeRings, apply_moves, batch_plans
-from ..rope.strategies import RopeArgs, rotation
+from ..rope.strategies import RopeArgs, rotate_cs, rotation
 from .backend import AttentionBackend, AttentionMetadata
 from .index import QueryBlocks, SparseIndex
 from .sparse import config_from, preset_and_overrides, use_kernels
@@ -56,6 +56,7 @@ class CascadingConfig:
     stride: int = 4096  # prefill stride: tokens that attend together before entering the cache
     block_q: int = 64  # query rows per block of the attention index (prefill)
     block_k: int = 64  # key-block size of the attention index
+    flash_prefill: bool = True  # prefill strides: gather + FlashAttention on CUDA fp16/bf16 (`gathered_attention`)
 
     def __post_init__(self) -> None:
         for name, lo in (("n_sink", 0), ("num_subcaches", 1), ("subcache_size", 1), ("stride", 1), ("block_q", 1),
@@ -66,6 +67,8 @@ class CascadingConfig:
         if self.num_subcaches > 32:
             raise ValueError(f"cascading: num_subcaches must be <= 32 (sub-cache j spans 2^j times its size), got "
                              f"{self.num_subcaches}")
+        if not isinstance(self.flash_prefill, bool):
+            raise ValueError(f"cascading: flash_prefill must be true or false, got {self.flash_prefill!r}")
         if isinstance(self.ema, bool) or not isinstance(self.ema, (int, float)) or not 0.0 <= self.ema < 1.0:
             raise ValueError(f"cascading: ema must be a number in [0, 1), got {self.ema!r}")
 
@@ -132,6 +135,48 @@ def unrotation(pos: torch.Tensor, inv_freq: torch.Tensor) -> tuple[torch.Tensor,
     return ang.cos()[:, None, :], -ang.sin()[:, None, :]
 
 
+def gather_virtual(kf: torch.Tensor, vf: torch.Tensor, table: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor
+                   ) -> tuple[torch.Tensor, torch.Tensor]:
+    """The virtual sequences' keys, rotated at their virtual positions, and values: (B, V_max, H_kv, D) each, in the
+    cache's dtype. kf/vf (slots, H_kv, D) the flat cache (keys un-rotated); table (B, V_max) flat slots; cos/sin
+    (>= V_max, D/2) the rotation tables of positions 0, 1, ... (`rotation`). RoPE strategy "cache" done once per
+    stride and layer, instead of in every query block's program of the block-sparse kernel."""
+    idx = table.long()
+    vm = idx.shape[1]
+    k = rotate_cs(kf[idx], cos[:vm, None, :], sin[:vm, None, :]).to(kf.dtype)
+    return k, vf[idx]
+
+
+def causal_attention_lse(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float, kernel: str
+                         ) -> tuple[torch.Tensor, torch.Tensor]:
+    """Attention of a stride's n query rows over its virtual sequence: q (n, H_q, D), k/v (V, H_kv, D), V >= n; row i
+    sees keys [0, V - n + i] (causal, aligned at the bottom right). -> out (n, H_q, D) in q's dtype, lse (n, H_q) fp32
+    (natural log of the scaled scores' exp-sum, as the block-sparse kernel's).
+
+    kernel "flash": PyTorch's FlashAttention-2 op (CUDA, fp16/bf16, head_dim a multiple of 8), whose `is_causal`
+    aligns at the bottom right when the lengths differ (torch.nn.attention.bias.causal_lower_right dispatches to it
+    the same way) and which returns the log-sum-exp; the public SDPA returns none. kernel "reference": the explicit
+    softmax in fp32 (tests). Grouped query heads: KV head h // (H_q / H_kv) serves query head h."""
+    n, Hq, _ = q.shape
+    V, Hkv = k.shape[0], k.shape[1]
+    if V < n:
+        raise ValueError(f"a stride of {n} rows needs at least {n} keys, got {V}")
+    if Hq != Hkv:
+        k, v = k.repeat_interleave(Hq // Hkv, dim=1), v.repeat_interleave(Hq // Hkv, dim=1)
+    qt, kt, vt = (x.unsqueeze(0).transpose(1, 2) for x in (q, k, v))  # (1, H, L, D) views
+    if kernel == "flash":
+        o, lse = torch.ops.aten._scaled_dot_product_flash_attention(qt, kt, vt, 0.0, True, False, scale=scale)[:2]
+    elif kernel == "reference":
+        s = (qt.float() @ kt.float().transpose(-1, -2)) * scale
+        allowed = torch.ones(n, V, dtype=torch.bool, device=q.device).tril(V - n)
+        s = s.masked_fill(~allowed, float("-inf"))
+        lse = torch.logsumexp(s, dim=-1)
+        o = (torch.exp(s - lse[..., None]) @ vt.float()).to(q.dtype)
+    else:
+        raise ValueError(f"kernel must be 'flash' or 'reference', got {kernel!r}")
+    return o[0].transpose(0, 1), lse[0].transpose(0, 1).contiguous()
+
+
 @dataclass
 class _SubStride:
     """One stride of a step for every sequence that has one: everything the layers share (host-planned)."""
@@ -151,7 +196,10 @@ class _SubStride:
     ema_key: torch.Tensor  # (K,) their index in the flattened (B_r * V_max) key mass
     ema_decay: torch.Tensor  # (K,) ema^n for cached tokens, 0 for the stride's new ones
     plan: BatchPlan  # the insertion plan (kvcache/cascade.py: batch_plans)
+    prefill: bool
+    spans: tuple  # per sequence (first compact row, rows, virtual length), on the host
     bsa_plan: object | None = None  # kernels/bsa.py BSAPlan, built on first use (CUDA)
+    dense_table: torch.Tensor | None = None  # (B_r, V_max) int32 b * V_max + j: the gathered keys' rows (built once)
 
 
 class CascadingBackend(AttentionBackend):
@@ -181,6 +229,7 @@ class CascadingBackend(AttentionBackend):
         self._subs: list[_SubStride] = []
         self._rope_tables: tuple = ()  # the step's RoPE tables (begin_step)
         self._pos32: torch.Tensor | None = None  # (T, 1) the step's true positions, int32
+        self._virt_cs: tuple = (torch.empty(0), torch.empty(0))  # rotation tables of virtual positions 0, 1, ...
         if c.stride > engine_config.max_num_batched_tokens:
             logger.info("cascading: stride %d exceeds max_num_batched_tokens %d: prefill strides are %d tokens",
                         c.stride, engine_config.max_num_batched_tokens, self.stride)
@@ -251,6 +300,11 @@ class CascadingBackend(AttentionBackend):
             virt[sub.rows] = sub.virt_pos
         self._rope_tables = unrotation(pos, self.inv_freq), rotation(virt[:, None], self.inv_freq)
         self._pos32 = pos[:, None].to(torch.int32)
+        vmax = max((s.max_keys for s in self._subs if s.prefill), default=0)
+        if vmax and self.config.flash_prefill and self._virt_cs[0].shape[0] < vmax:
+            # positions 0, 1, ... of the virtual sequence, for `gather_virtual` (grown, never shrunk)
+            self._virt_cs = rotation(torch.arange(max(vmax, self.kv_layout.max_slots), device=self.device),
+                                     self.inv_freq)
 
     def _batch(self, items: list[dict], prefill: bool) -> _SubStride:
         cfg, dev = self.config, self.device
@@ -293,7 +347,8 @@ class CascadingBackend(AttentionBackend):
             num_keys=torch.tensor([it["V"] for it in items], dtype=torch.int32, device=dev),
             max_keys=vmax, max_rows=max(lens), row_weight=t(weight, torch.float32),
             ema_slots=t(e_slots), ema_key=t(e_key), ema_decay=t(e_decay, torch.float32),
-            plan=plan)
+            plan=plan, prefill=prefill,
+            spans=tuple((int(s), it["n"], it["V"]) for s, it in zip(starts, items)))
 
     # ---- per-layer execution -------------------------------------------------------------------------------------
     def _side_state(self, num_slots: int) -> None:
@@ -313,13 +368,45 @@ class CascadingBackend(AttentionBackend):
         q_virt = rope(q, k, kf, tokpos, meta.slot_mapping, self._pos32, *self._rope_tables)
         out = torch.empty_like(q)
         kview, vview = k_cache.view(-1, 1, H, row), v_cache.view(-1, 1, H, row)  # one token per "page"
+        gathered = self._gathered_kernel(q)
         for sub in self._subs:
             qv = q_virt[sub.rows]
-            o, lse = self._attend(qv, kview, vview, sub)
+            if sub.prefill and gathered is not None:
+                o, lse, kg = self._attend_gathered(qv, kf, vf, sub, gathered)
+                if sub.dense_table is None:
+                    B, vm = sub.table.shape
+                    sub.dense_table = torch.arange(B * vm, dtype=torch.int32, device=q.device).view(B, vm)
+                mass = self._key_mass(qv, kg.view(-1, 1, H, row), sub.dense_table, lse, sub, None)
+            else:
+                o, lse = self._attend(qv, kview, vview, sub)
+                mass = self._key_mass(qv, kview, sub.table, lse, sub, self.rope)  # (B_r, H_kv, V_max)
             out[sub.rows] = o
-            mass = self._key_mass(qv, kview, lse, sub)  # (B_r, H_kv, V_max)
             self._insert(mass, sub, kf, vf, score, tokpos)
         return out
+
+    def _gathered_kernel(self, q: torch.Tensor) -> str | None:
+        """How prefill strides attend: "flash" (gather the virtual sequence, rotate its keys once, FlashAttention;
+        CUDA, fp16/bf16, head_dim a multiple of 8 up to 256, `flash_prefill` on), else None: the block-sparse
+        kernel (the CPU executor) over the cache in place, keys rotated per query block. Decode strides always take
+        the block-sparse path (one row: split-K over the keys in place beats a gather). Tests patch this to
+        "reference" to run the gathered path on the CPU."""
+        D = q.shape[-1]
+        ok = self.config.flash_prefill and q.is_cuda and q.dtype in (torch.float16, torch.bfloat16)
+        return "flash" if ok and D % 8 == 0 and D <= 256 else None
+
+    def _attend_gathered(self, q, kf, vf, sub: _SubStride, kernel: str):
+        """Prefill attention over gathered virtual sequences (`gather_virtual`, `causal_attention_lse`), one call
+        per sequence. -> out (T_r, H_q, D), lse (T_r, H_q), the gathered rotated keys (B_r, V_max, H_kv, D)."""
+        kg, vg = gather_virtual(kf, vf, sub.table, *self._virt_cs)
+        if len(sub.spans) == 1:
+            o, lse = causal_attention_lse(q, kg[0], vg[0], self.scale, kernel)
+            return o, lse, kg
+        out = torch.empty_like(q)
+        lse = torch.empty(q.shape[:2], dtype=torch.float32, device=q.device)
+        for b, (r0, n, V) in enumerate(sub.spans):
+            out[r0:r0 + n], lse[r0:r0 + n] = causal_attention_lse(q[r0:r0 + n], kg[b, :V], vg[b, :V], self.scale,
+                                                                  kernel)
+        return out, lse, kg
 
     step_kernels = staticmethod(use_kernels)  # kernels/cascade_insert.py's; tests force them in the interpreter
 
@@ -348,11 +435,11 @@ class CascadingBackend(AttentionBackend):
         return block_sparse_attention(q, kview, vview, sub.table, sub.index, self.scale, rope=self.rope,
                                       need_lse=False)
 
-    def _key_mass(self, q, kview, lse, sub: _SubStride) -> torch.Tensor:
+    def _key_mass(self, q, kview, table, lse, sub: _SubStride, rope) -> torch.Tensor:
         from ..kernels.key_mass import key_mass_reference, key_mass_triton
 
-        args = (q, kview, sub.table, sub.seq_start, sub.seq_len, sub.first_pos, sub.num_keys, lse, sub.row_weight,
-                self.scale, self.rope)
+        args = (q, kview, table, sub.seq_start, sub.seq_len, sub.first_pos, sub.num_keys, lse, sub.row_weight,
+                self.scale, rope)
         if use_kernels(q):
             return key_mass_triton(*args, max_keys=sub.max_keys, max_rows=sub.max_rows)
         return key_mass_reference(*args)
