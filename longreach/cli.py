@@ -296,7 +296,7 @@ def _eval_inputs(args):
     from .eval.common import parse_methods
     from .eval.data import TEXT_SOURCES
 
-    methods = parse_methods(args.attention, args.preset)
+    methods = parse_methods(args.attention, args.preset, args.attention_config)
     if args.text_file:
         try:
             with open(args.text_file, encoding="utf-8") as f:
@@ -398,7 +398,7 @@ def _cmd_bench_decode(args) -> int:
 
     from .attention.registry import get_backend_class
     from .bench.decode import run
-    from .eval.common import method_config, parse_methods
+    from .eval.common import decode_spec, method_config, parse_methods
     from .models.random_init import is_random_model, random_shape
 
     if args.batch < 1 or args.decode_tokens < 2:
@@ -410,9 +410,10 @@ def _cmd_bench_decode(args) -> int:
         raise ValueError(f"--profile-prefill-steps must be >= 0, got {args.profile_prefill_steps}")
     if is_random_model(args.model):
         random_shape(args.model)  # an unknown shape fails here, before any engine is built
-    methods = parse_methods(args.attention)
+    methods = parse_methods(args.attention, attention_config=args.attention_config)
     engine = {name: getattr(args, name) for name in EngineConfig.field_names() if name not in _DECODE_SETS}
-    for m in methods:  # a bad preset or --attention-config fails now, not after an hour of other runs
+    for m in [s for spec in methods for s in (spec, decode_spec(spec)) if s is not None]:
+        # a bad preset or --attention-config fails now (the decode side of "A+B" too), not after an hour of runs
         cfg = EngineConfig(model=args.model, attention=m.name, preset=m.preset,
                            **{**engine, "attention_config": method_config(m, args.attention_config)})
         resolve = getattr(get_backend_class(m.name), "resolve_config", None)

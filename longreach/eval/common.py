@@ -54,9 +54,11 @@ class MethodSpec(NamedTuple):
     decode: str | None = None
 
 
-def parse_methods(items: list[str], default_preset: str | None = None) -> list[MethodSpec]:
+def parse_methods(items: list[str], default_preset: str | None = None, attention_config: str | None = None
+                  ) -> list[MethodSpec]:
     """["dense", "infinitehip:3k", "infinitehip@no-rope", "hip"] -> MethodSpecs (presets default to
-    `default_preset`; dense has none)."""
+    `default_preset`; dense has none). With `attention_config` (the command's --attention-config), a key of a keyed
+    object that no listed method would read is an error, not silently ignored."""
     from ..attention.registry import check_backend_name
 
     out = []
@@ -74,15 +76,67 @@ def parse_methods(items: list[str], default_preset: str | None = None) -> list[M
     labels = [m.label for m in out]
     if len(set(labels)) != len(labels):
         raise ValueError(f"--attention lists a method twice: {labels}; give repeats a variant, e.g. infinitehip@v2")
+    check_config_keys(out, attention_config)
     return out
+
+
+def decode_spec(spec: MethodSpec) -> MethodSpec | None:
+    """The decode side of a composed spec as a spec of its own: "infinitehip+psa:0.9@x" -> psa, preset 0.9, label
+    "psa:0.9@x" (its --attention-config entry may be keyed "psa:0.9@x", "psa:0.9" or "psa"); None if not composed."""
+    if not spec.decode:
+        return None
+    name, _, preset = spec.decode.partition(":")
+    variant = spec.label.partition("@")[2]
+    return MethodSpec(name, preset or None, spec.decode + (f"@{variant}" if variant else ""))
+
+
+def _config_keys(spec: MethodSpec) -> tuple[str, ...]:
+    """The keys of a keyed --attention-config that `method_config` tries for `spec`, most specific first."""
+    return (spec.label, f"{spec.name}:{spec.preset}", spec.name)
+
+
+def _keyed(parsed: dict) -> bool:
+    from ..attention.registry import available_backends
+
+    return bool(parsed) and all(k.partition("@")[0].partition(":")[0].partition("+")[0] in available_backends()
+                                for k in parsed)
+
+
+def check_config_keys(specs: list[MethodSpec], attention_config: str | None) -> None:
+    """Refuse a keyed --attention-config's run-specific keys (a label: "psa@e50", "infinitehip+psa") that no method
+    in `specs` reads — a typo, or a variant's entry under a name its run never looks up — naming the keys each
+    method does read. Entries by method name or "method:preset" may sit unread: one config can serve runs of
+    different method lists."""
+    if not attention_config:
+        return
+    try:
+        parsed = json.loads(attention_config)
+    except json.JSONDecodeError:
+        return  # method_config says what is wrong with it
+    if not isinstance(parsed, dict) or not _keyed(parsed):
+        return
+    read: dict[str, str] = {}
+    for spec in specs:
+        if spec.name == "dense":
+            continue
+        for s in (spec, decode_spec(spec)):
+            if s is not None:
+                for key in _config_keys(s):
+                    read.setdefault(key, spec.label)
+    unused = [k for k in parsed if k not in read and ("@" in k or "+" in k)]
+    if unused:
+        wants = "; ".join(f"{spec.label}: " + ", ".join(
+            k for s in (spec, decode_spec(spec)) if s is not None for k in _config_keys(s) if "None" not in k)
+            for spec in specs if spec.name != "dense")
+        raise ValueError(f"--attention-config has labelled entries no method reads: {', '.join(map(repr, unused))}. "
+                         f"Each method reads the first of these keys that is present: "
+                         f"{wants or 'none (dense only)'}")
 
 
 def method_config(spec: MethodSpec, attention_config: str | None) -> str | None:
     """The JSON overrides for one method from the eval-wide --attention-config: a flat object applies to every
     sparse method; an object keyed by labels ("infinitehip@no-rope"), "method:preset" or method names gives each its
     own (the most specific key wins)."""
-    from ..attention.registry import available_backends
-
     if not attention_config or spec.name == "dense":
         return None
     try:
@@ -91,10 +145,9 @@ def method_config(spec: MethodSpec, attention_config: str | None) -> str | None:
         raise ValueError(f"--attention-config must be a JSON object ({e.msg})") from None
     if not isinstance(parsed, dict):
         raise ValueError(f"--attention-config must be a JSON object, got {attention_config!r}")  # noqa: TRY004
-    keyed = parsed and all(k.partition("@")[0].partition(":")[0] in available_backends() for k in parsed)
-    if not keyed:
+    if not _keyed(parsed):
         return attention_config
-    for key in (spec.label, f"{spec.name}:{spec.preset}", spec.name):
+    for key in _config_keys(spec):
         if key in parsed:
             return json.dumps(parsed[key])
     return None
@@ -110,11 +163,10 @@ def engine_kwargs(args: argparse.Namespace) -> dict:
 def decode_kwargs(spec: MethodSpec, attention_config: str | None) -> dict:
     """The engine arguments of a composed spec ("prefill+decode"): its decode method and that method's overrides
     (keyed by its name in `attention_config`); {} for a spec that is one method."""
-    if not spec.decode:
+    d = decode_spec(spec)
+    if d is None:
         return {}
-    name, _, preset = spec.decode.partition(":")
-    return {"decode_attention": spec.decode,
-            "decode_attention_config": method_config(MethodSpec(name, preset or None, spec.decode), attention_config)}
+    return {"decode_attention": spec.decode, "decode_attention_config": method_config(d, attention_config)}
 
 
 def make_llm(model: str, spec: MethodSpec, attention_config: str | None, device: str, dtype: str,

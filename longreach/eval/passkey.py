@@ -229,7 +229,7 @@ def _reads(cells: list[dict]) -> dict | None:
 def main(args: argparse.Namespace) -> int:
     check_args(args)
     lengths, depths = sorted(set(args.lengths)), sorted(set(args.depths))
-    specs = parse_methods(args.attention, args.preset)
+    specs = parse_methods(args.attention, args.preset, args.attention_config)
     prompts: list[dict] = []
     header: dict = {}
     methods: dict[str, dict] = {}

@@ -128,7 +128,7 @@ def _release_memory(device) -> None:
 def main(args: argparse.Namespace) -> int:
     lengths = sorted(set(args.lengths))
     _check_args(args, lengths)
-    specs = parse_methods(args.attention, args.preset)
+    specs = parse_methods(args.attention, args.preset, args.attention_config)
     limit = args.max_dense_length
     runs = {s.label: [n for n in lengths if s.name != "dense" or limit is None or n <= limit] for s in specs}
     if not any(runs.values()):

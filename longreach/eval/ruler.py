@@ -191,7 +191,7 @@ def main(args: argparse.Namespace) -> int:
     lengths = sorted({parse_length(x) for x in args.lengths})
     if args.samples < 1:
         raise ValueError(f"--samples must be at least 1, got {args.samples}")
-    methods = parse_methods(args.attention, args.preset)
+    methods = parse_methods(args.attention, args.preset, args.attention_config)
     t0 = time.perf_counter()
     report = run(args.model, task_list, lengths, args.samples, args.seed, methods, args.attention_config,
                  args.device, args.dtype, args.prompt_format, **engine_kwargs(args))
