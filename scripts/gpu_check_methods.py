@@ -273,8 +273,9 @@ def cascading_flash():
         t_mb = _median_us(lambda: be._key_mass(q, kv1[0], sub.table, l_b, sub, be.rope), reps=20)
         t_mf = _median_us(lambda: be._key_mass(q, kg.view(-1, 1, Hkv, D), table, l_f, sub, None), reps=20)
         lines.append(f"H{Hq}/{Hkv} d{D} {n}x{V}: rel err out {errs['out']:.1e} (bsa {errs['out_bsa']:.1e}), lse "
-                     f"{errs['lse']:.1e}, mass vs bsa path {errs['mass']:.1e}; attention bsa {t_b:.0f} us, gather+flash "
-                     f"{t_f:.0f} us ({t_b / t_f:.2f}x); key mass paged+rope {t_mb:.0f} us, gathered {t_mf:.0f} us")
+                     f"{errs['lse']:.1e}, mass vs bsa path {errs['mass']:.1e}; attention bsa {t_b:.0f} us, "
+                     f"gather+flash {t_f:.0f} us ({t_b / t_f:.2f}x); key mass paged+rope {t_mb:.0f} us, gathered "
+                     f"{t_mf:.0f} us")
     return "; ".join(lines)
 
 

@@ -367,7 +367,8 @@ def test_causal_attention_lse_aligns_at_the_bottom_right_and_refuses_bad_input()
 
     g = torch.Generator().manual_seed(0)
     n, V = 5, 9
-    q, k, v = torch.randn(n, HQ, D, generator=g), torch.randn(V, HKV, D, generator=g), torch.randn(V, HKV, D, generator=g)
+    q = torch.randn(n, HQ, D, generator=g)
+    k, v = torch.randn(V, HKV, D, generator=g), torch.randn(V, HKV, D, generator=g)
     out, lse = causal_attention_lse(q, k, v, 0.3, "reference")
     assert out.shape == (n, HQ, D) and lse.shape == (n, HQ)
     for i in range(n):

@@ -463,8 +463,8 @@ def test_eval_config_of_a_composed_variant_reaches_its_decode_side_and_unread_ke
     assert decode_kwargs(c, cfg)["decode_attention_config"] == '{"count_reads": true}'
     assert method_config(a, cfg) is None  # the prefill side (infinitehip) has no entry
     assert decode_spec(parse_methods(["infinitehip"])[0]) is None
-    with pytest.raises(ValueError, match=r"entries no method reads: 'psa@e80'.*infinitehip\+psa@e50: infinitehip\+psa@e50, "
-                                         r"infinitehip, psa@e50, psa"):
+    with pytest.raises(ValueError, match=r"entries no method reads: 'psa@e80'.*infinitehip\+psa@e50: "
+                                         r"infinitehip\+psa@e50, infinitehip, psa@e50, psa"):
         parse_methods(["infinitehip+psa@e50"], attention_config='{"psa@e80": {"epsilon": 0.8}}')
     with pytest.raises(ValueError, match=r"entries no method reads: 'quest\+psa'"):
         parse_methods(["infinitehip+psa"], attention_config='{"quest+psa": {}, "quest": {}}')
