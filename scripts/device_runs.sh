@@ -17,6 +17,7 @@
 #   bash scripts/device_runs.sh cascading   # needs the model: passkey 128K and 1M, cascading 65K vs streaming
 #   bash scripts/device_runs.sh psa1m       # needs the model: SmolLM2 at 1M offloaded, infinitehip vs its prefill +
 #                                           # psa decode (true positions, and rank positions), keys read metered
+#   bash scripts/device_runs.sh psaeps      # needs the model: psa at 1M offloaded, epsilon 0.5 / 0.8 (rank) vs infinitehip
 #   bash scripts/device_runs.sh psarank     # needs the model: gpu_check psa rank rope (kernels, bf16); passkey
 #                                           # 16K-128K, infinitehip vs infinitehip prefill + psa decode at rank
 #                                           # positions, keys read per decode query metered
@@ -122,6 +123,14 @@ psa1m)  # needs the model: PSA's decode at 1M through the offloaded store, after
         '{"psa": {"count_reads": true}, "psa:0.95": {"rope": "rank", "count_reads": true}}' \
         --out "$out/bench-decode-smollm2-1m-psa.json"
     ;;
+psaeps)  # needs the model: psa's 1M offloaded decode time against the keys it reads, by epsilon (rank positions),
+    # beside infinitehip in the same run
+    run smollm2_1m_psa_eps 560 python3 -m longreach bench decode --model $model --text-source paul-graham --lengths 1M \
+        --dense-lengths --max-num-batched-tokens 65536 --kv-offloading-size 26 --kv-cache-memory-gb 2 \
+        --attention infinitehip infinitehip+psa@e50 infinitehip+psa@e80 --decode-tokens 24 --attention-config \
+        '{"psa@e50": {"epsilon": 0.5, "rope": "rank", "count_reads": true}, "psa@e80": {"epsilon": 0.8, "rope": "rank", "count_reads": true}}' \
+        --out "$out/bench-decode-smollm2-1m-psa-eps.json"
+    ;;
 psarank)  # needs the model: PSA past the trained length (rope "rank", attention/psa.py), after a sparse prefill;
     # keys read per decode query metered (count_reads) beside each length's accuracy
     run gpu_check_psa_rank 150 python3 scripts/gpu_check.py --out "$out" --only "psa rank"
@@ -180,7 +189,7 @@ seeds8b)
     ;;
 *)
     echo "usage: bash scripts/device_runs.sh GROUP... (kernels recheck decode1m decode128k engine smollm1m serve" \
-        "quality lowq prefill128k cascadecheck fp8quality cascading psa1m psarank psarecall prefill1m psa1mdiag cascadedecode box1m psa128k seeds8b)" >&2
+        "quality lowq prefill128k cascadecheck fp8quality cascading psa1m psaeps psarank psarecall prefill1m psa1mdiag cascadedecode box1m psa128k seeds8b)" >&2
     exit 2
     ;;
 esac
