@@ -211,3 +211,80 @@ def test_profile_prefill_steps_profile_prefill_steps_two_on(tmp_path, capsys):
     assert main(["bench", "decode", "--model", "random:tiny", "--lengths", "256", "--profile-prefill-steps", "-1",
                  "--device", "cpu"]) == 2
     assert "--profile-prefill-steps must be >= 0, got -1" in capsys.readouterr().err
+
+
+def _fire_compile(name: str) -> None:
+    """What Triton does around a compilation: its cache hook, then its post-compile hook (keyword arguments)."""
+    from types import SimpleNamespace
+
+    from triton import knobs
+
+    info = SimpleNamespace(name=name)
+    assert not knobs.runtime.jit_cache_hook(key="k", repr=name, fn=info, compile={}, is_manual_warmup=False,
+                                            already_compiled=False)
+    knobs.runtime.jit_post_compile_hook(key="k", repr=name, fn=info, compile={}, is_manual_warmup=False,
+                                        already_compiled=False)
+
+
+def test_jit_watch_times_compilations_chains_earlier_hooks_and_restores_them():
+    from triton import knobs
+
+    from longreach.bench.jit_watch import JitWatch
+
+    seen = []
+    before = lambda **kw: seen.append(("before", kw["fn"].name))  # noqa: E731
+    after = lambda **kw: seen.append(("after", kw["fn"].name))  # noqa: E731
+    saved = knobs.runtime.jit_cache_hook, knobs.runtime.jit_post_compile_hook
+    knobs.runtime.jit_cache_hook, knobs.runtime.jit_post_compile_hook = before, after
+    try:
+        with JitWatch() as w:
+            _fire_compile("_a_kernel")
+            _fire_compile("_b_kernel")
+            _fire_compile("_a_kernel")
+            mark = len(w.events)
+            _fire_compile("_c_kernel")
+        assert [n for n, _ in w.events] == ["_a_kernel", "_b_kernel", "_a_kernel", "_c_kernel"]
+        assert all(s >= 0 for _, s in w.events)
+        assert w.since(0)["kernels"] == {"_a_kernel": 2, "_b_kernel": 1, "_c_kernel": 1}
+        assert w.since(mark) == {"count": 1, "seconds": round(w.events[-1][1], 3), "kernels": {"_c_kernel": 1}}
+        assert seen[:2] == [("before", "_a_kernel"), ("after", "_a_kernel")] and len(seen) == 8
+        assert (knobs.runtime.jit_cache_hook, knobs.runtime.jit_post_compile_hook) == (before, after)  # restored
+        # an earlier hook that vetoes a compile (returns True): no post hook follows, nothing is recorded
+        knobs.runtime.jit_cache_hook = lambda **kw: True
+        with JitWatch() as w:
+            info = {"key": "k", "repr": "r", "compile": {}, "is_manual_warmup": False, "already_compiled": False}
+            assert knobs.runtime.jit_cache_hook(fn=None, **info) is True
+        assert w.events == [] and w._stack == []
+    finally:
+        knobs.runtime.jit_cache_hook, knobs.runtime.jit_post_compile_hook = saved
+
+
+def test_compilations_inside_timed_steps_are_reported_and_decode_ones_left_out_of_the_rate(tmp_path, capsys,
+                                                                                          monkeypatch):
+    """A kernel that compiles inside the timed prefill is counted, timed and named in the row (prefill_jit) and a
+    note says the prefill time includes it; a decode step in which one compiles is a warm-up step (decode_jit)."""
+    from longreach.bench.decode import run
+    from longreach.engine.llm_engine import LLMEngine
+    from longreach.eval.common import MethodSpec
+
+    step, calls = LLMEngine.step, []
+
+    def step_compiling(self):
+        calls.append(1)
+        if len(calls) in (2, 7):  # the second prefill step and the fourth decode step (4 prefill steps of 128)
+            _fire_compile(f"_step{len(calls)}_kernel")
+        return step(self)
+
+    monkeypatch.setattr(LLMEngine, "step", step_compiling)
+    report = run("random:tiny", [512], [MethodSpec("streaming", None, "streaming")],
+                 {"device": "cpu", "kv_cache_memory_gb": 0.01, "max_num_batched_tokens": 128}, decode_tokens=8,
+                 dense_lengths=[], out_path=str(tmp_path / "bd.json"), warmup_tokens=0)
+    row = report["runs"][0]
+    assert "error" not in row, row
+    assert row["prefill_jit"]["count"] == 1 and row["prefill_jit"]["kernels"] == {"_step2_kernel": 1}
+    assert row["decode_jit"]["kernels"] == {"_step7_kernel": 1}
+    assert 2 in row["warmup_step_indices"]  # decode step index 2 (the 7th engine step; the prefill samples token 0)
+    err = capsys.readouterr().err
+    assert "1 Triton kernel compilation(s) inside the timed prefill" in err and "_step2_kernel x1" in err
+    saved = json.loads((tmp_path / "bd.json").read_text())["runs"][0]
+    assert saved["prefill_jit"]["count"] == 1

@@ -6,9 +6,12 @@ max_model_len = context + decode tokens, `batch` prompts of random token ids of 
 decodes `decode_tokens` tokens (ignore_eos). Reported per run:
   prefill    seconds from the first prefill step to the last (every step timed between torch.cuda.synchronize());
              the first run of a process also pays for compiling its prefill kernels (`prefill_first_step_s`);
+             kernels compiled inside the timed prefill (a length bucket the warm-up prompt did not reach) are
+             counted, timed and named in `prefill_jit`, and a note says so (bench/jit_watch.py);
   decode     tok/s = generated tokens / wall time of the decode steps, leaving out warm-up steps: those in which a
              CUDA-graph variant was captured (sparse methods capture theirs on first use, e.g. at steps 0, 1, 8 and
-             16 for infinitehip 3k-fast) and, without graphs, the first decode step (kernel compilation). The JSON
+             16 for infinitehip 3k-fast), those in which a Triton kernel compiled (`decode_jit`) and, without
+             graphs, the first decode step (kernel compilation). The JSON
              also has the rate with them (`decode_tok_s_with_warmup`) and every step's seconds. Bias: a captured
              step is often a mask-refresh step, the most expensive kind, so leaving it out flatters the rate by
              about (t_refresh - t_step) / steps (~1% at 128 steps);
@@ -85,7 +88,7 @@ def _warmup_len(context: int, chunk: int, asked: int | None) -> int:
     """Tokens of the untimed warm-up prompt run on each engine before its measured prompt: `asked`, or by default
     one prefill chunk plus 4096 tokens (so that both the first-chunk and the chunk-with-prefix kernels compile), at
     most half the context. Kernel variants keyed by a longer context's bucket may still compile in the timed run:
-    `prefill_first_step_s` shows it."""
+    `prefill_jit` counts, times and names them (a note says so)."""
     if asked is not None:
         return max(0, min(asked, context))
     return min(context // 2, chunk + 4096)
@@ -111,12 +114,14 @@ def _note(msg: str) -> None:
 
 # ---- one run ---------------------------------------------------------------------------------------------------------
 def _drive(engine, prompts: list[list[int]], decode_tokens: int, label: str, profile_steps: int = 0,
-           profile_prefill_steps: int = 0) -> dict:
+           profile_prefill_steps: int = 0, timed: bool = True) -> dict:
     """Prefill and decode every prompt through `engine`, one timed step at a time; the last `profile_steps` decode
     steps run under the profiler (bench/profile.py) and are left out of the rate; so do the prefill steps from the
     second one on, `profile_prefill_steps` of them (their time stays in the prefill seconds, profiler overhead
-    included: a run that profiles its prefill says where the time goes, not how much there is)."""
+    included: a run that profiles its prefill says where the time goes, not how much there is). `timed`: False for
+    the warm-up run (no note about what compiled in it)."""
     from ..sampling_params import SamplingParams
+    from .jit_watch import JitWatch
     from .profile import StepProfiler
 
     dev, runner = engine.device, engine.runner
@@ -132,7 +137,9 @@ def _drive(engine, prompts: list[list[int]], decode_tokens: int, label: str, pro
     last_note = time.perf_counter()
     prof, prof_prefill = StepProfiler(dev), StepProfiler(dev)
     prefill_steps = 0
+    jit, prefill_jit = JitWatch(), None
     try:
+        jit.__enter__()
         while engine.has_unfinished_requests():
             n_graphs, prev = len(runner._graphs), engine.last_step
             profiled = profile_steps > 0 and engine.last_step is not None and not engine.last_step.is_prefill \
@@ -143,10 +150,12 @@ def _drive(engine, prompts: list[list[int]], decode_tokens: int, label: str, pro
             if profiled_prefill:
                 prof_prefill.start()
             _sync(dev)
+            compiled = len(jit.events)
             t0 = time.perf_counter()
             engine.step()
             _sync(dev)
             dt = time.perf_counter() - t0
+            compiled = len(jit.events) > compiled  # a Triton kernel compiled inside this step
             st = engine.last_step
             if st is prev:
                 raise RuntimeError("the engine scheduled nothing: the KV cache cannot hold the batch")
@@ -167,10 +176,13 @@ def _drive(engine, prompts: list[list[int]], decode_tokens: int, label: str, pro
                           f"({rate:,.0f} tok/s, ~{max(total - prefill_tokens, 0) / rate:.0f} s left)")
                 continue
             prof_prefill.stop()  # a decode step: the prefill's profile ends, whatever it had
+            if prefill_jit is None:
+                prefill_jit = jit.since(0)
             if not snaps:
                 snaps.append(before)
-            # warm-up: a graph variant captured in this step, or without graphs the first decode step
-            warm = len(runner._graphs) > n_graphs or (not runner._graph_sizes and not steps)
+            # warm-up: a graph variant captured in this step, a kernel compiled in it, or without graphs the first
+            # decode step
+            warm = len(runner._graphs) > n_graphs or compiled or (not runner._graph_sizes and not steps)
             if profiled:
                 prof.record(dt)
             steps.append({"s": dt, "tokens": st.num_tokens, "warmup": warm or profiled, "profiled": profiled})
@@ -180,10 +192,18 @@ def _drive(engine, prompts: list[list[int]], decode_tokens: int, label: str, pro
             engine.abort_request(rid)
         raise
     finally:
+        jit.__exit__()
         profile, prefill_profile = prof.report(), prof_prefill.report()
+    prefill_jit = prefill_jit or jit.since(0)
+    if prefill_jit["count"] and timed:  # the warm-up run is there to compile
+        _note(f"{label}: {prefill_jit['count']} Triton kernel compilation(s) inside the timed prefill "
+              f"({prefill_jit['seconds']:.1f} s of its {prefill_s:.1f} s: "
+              f"{', '.join(f'{k} x{n}' for k, n in prefill_jit['kernels'].items())}); the prefill time includes "
+              f"them (a repeat in the same process, METHOD@2, runs warm)")
     return {"prefill_s": prefill_s, "prefill_tokens": prefill_tokens, "prefill_first_step_s": first_step,
             "steps": steps, "snaps": snaps, "prefill_before": prefill_before, "profile": profile,
-            "prefill_profile": prefill_profile}
+            "prefill_profile": prefill_profile, "prefill_jit": prefill_jit,
+            "decode_jit": jit.since(prefill_jit["count"])}
 
 
 def _measure(model: str, context: int, spec, engine_kwargs: dict, batch: int, decode_tokens: int, seed: int,
@@ -212,7 +232,7 @@ def _measure(model: str, context: int, spec, engine_kwargs: dict, batch: int, de
             _sync(dev)
             t0 = time.perf_counter()
             _drive(engine, _prompts(engine.model_config.vocab_size, warm, 1, seed + 1, state["text_ids"]), 4,
-                   f"{label} warm-up")
+                   f"{label} warm-up", timed=False)
             _sync(dev)
             warmup_s = time.perf_counter() - t0
         if dev.type == "cuda":
@@ -246,6 +266,9 @@ def _measure(model: str, context: int, spec, engine_kwargs: dict, batch: int, de
             "backend": engine.backend.name,  # "A+B" when composed: B decodes
             "prefill_s": run["prefill_s"], "prefill_tok_s": run["prefill_tokens"] / run["prefill_s"],
             "prefill_first_step_s": run["prefill_first_step_s"],
+            # Triton compilations inside the timed prefill (its seconds include them) and decode (those steps are
+            # warm-up steps, left out of the rate): {"count", "seconds", "kernels"} (bench/jit_watch.py)
+            "prefill_jit": run["prefill_jit"], "decode_jit": run["decode_jit"],
             "warmup_tokens": warm, "warmup_s": warmup_s,
             "decode_tok_s": sum(s["tokens"] for s in steady) / steady_s if steady_s else None,
             "decode_tok_s_with_warmup": sum(s["tokens"] for s in steps) / all_s if all_s else None,

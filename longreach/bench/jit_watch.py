@@ -1,0 +1,66 @@
+"""Which Triton kernels compile while a benchmark times something, and for how long.
+
+A kernel specialised by a length bucket (a power of two of the candidate count, a stage width) compiles the first
+time a run reaches that bucket. `bench decode` warms each engine up on a prompt of one prefill chunk + 4K tokens, so a
+1M-token run on a fresh machine can still compile a variant inside its timed prefill: the first H100 run of
+infinitehip at 1M stalled 12 s at 458K tokens and reported 41.9 s against 31.0 s warm (docs/benchmarks.md).
+`JitWatch` records every in-process compilation (Triton's `jit_cache_hook` fires before it, `jit_post_compile_hook`
+after; a hit in Triton's disk cache counts too, at a few ms), so the report can say what its time includes.
+"""
+from __future__ import annotations
+
+import time
+from collections import Counter
+
+
+class JitWatch:
+    """Context manager: `events` gets (kernel name, seconds) for each Triton compilation while active. Hooks that
+    were installed before are chained (called after ours, their return value kept: a hook may veto a compile). A
+    no-op without Triton or without its hook knobs (older versions, the CPU-only case)."""
+
+    def __init__(self) -> None:
+        self.events: list[tuple[str, float]] = []
+        self._stack: list[float] = []
+        self._knobs = None
+        self._prev: tuple = (None, None)
+
+    @property
+    def seconds(self) -> float:
+        return sum(s for _, s in self.events)
+
+    def since(self, mark: int) -> dict:
+        """Summary of the events from index `mark` on: {"count", "seconds", "kernels": {name: count}}."""
+        ev = self.events[mark:]
+        return {"count": len(ev), "seconds": round(sum(s for _, s in ev), 3),
+                "kernels": dict(Counter(name for name, _ in ev))}
+
+    def __enter__(self) -> JitWatch:
+        try:
+            from triton import knobs
+            runtime = knobs.runtime
+            self._prev = (runtime.jit_cache_hook, runtime.jit_post_compile_hook)
+        except (ImportError, AttributeError):
+            return self
+        self._knobs = runtime
+        runtime.jit_cache_hook, runtime.jit_post_compile_hook = self._before, self._after
+        return self
+
+    def __exit__(self, *exc) -> None:
+        if self._knobs is not None:
+            self._knobs.jit_cache_hook, self._knobs.jit_post_compile_hook = self._prev
+            self._knobs = None
+
+    def _before(self, **kw):
+        self._stack.append(time.perf_counter())
+        prev = self._prev[0]
+        vetoed = prev(**kw) if prev is not None else None
+        if vetoed:  # the earlier hook skips this compile: no post hook will come
+            self._stack.pop()
+        return vetoed
+
+    def _after(self, **kw):
+        if self._stack:
+            fn = kw.get("fn")
+            self.events.append((getattr(fn, "name", "?"), time.perf_counter() - self._stack.pop()))
+        prev = self._prev[1]
+        return prev(**kw) if prev is not None else None
