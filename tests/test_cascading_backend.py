@@ -380,3 +380,20 @@ def test_causal_attention_lse_aligns_at_the_bottom_right_and_refuses_bad_input()
         causal_attention_lse(q, k[:4], v[:4], 0.3, "reference")
     with pytest.raises(ValueError, match="'flash' or 'reference'"):
         causal_attention_lse(q, k, v, 0.3, "cudnn")
+
+
+def test_gather_virtual_rotates_each_key_at_its_virtual_position_in_chunks():
+    """gather_virtual: row j is the key in slots[j] rotated at position j (the chunked fp32 rotation gives the same
+    rows as one pass), values gathered as they are."""
+    from longreach.attention.cascading import gather_virtual
+    from longreach.rope.strategies import rotate, rotation
+
+    g = torch.Generator().manual_seed(3)
+    kf, vf = torch.randn(40, HKV, D, generator=g), torch.randn(40, HKV, D, generator=g)
+    slots = torch.randperm(40, generator=g)[:23].int()
+    inv = _base_inv_freq(10000.0, D)
+    cs = rotation(torch.arange(30), inv)
+    k, v = gather_virtual(kf, vf, slots, *cs, chunk=5)
+    assert torch.equal(v, vf[slots.long()])
+    assert torch.allclose(k, rotate(kf[slots.long()], torch.arange(23)[:, None], inv), atol=1e-6)
+    assert torch.equal(k, gather_virtual(kf, vf, slots, *cs)[0])

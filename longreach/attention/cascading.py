@@ -135,15 +135,19 @@ def unrotation(pos: torch.Tensor, inv_freq: torch.Tensor) -> tuple[torch.Tensor,
     return ang.cos()[:, None, :], -ang.sin()[:, None, :]
 
 
-def gather_virtual(kf: torch.Tensor, vf: torch.Tensor, table: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor
-                   ) -> tuple[torch.Tensor, torch.Tensor]:
-    """The virtual sequences' keys, rotated at their virtual positions, and values: (B, V_max, H_kv, D) each, in the
-    cache's dtype. kf/vf (slots, H_kv, D) the flat cache (keys un-rotated); table (B, V_max) flat slots; cos/sin
-    (>= V_max, D/2) the rotation tables of positions 0, 1, ... (`rotation`). RoPE strategy "cache" done once per
-    stride and layer, instead of in every query block's program of the block-sparse kernel."""
-    idx = table.long()
-    vm = idx.shape[1]
-    k = rotate_cs(kf[idx], cos[:vm, None, :], sin[:vm, None, :]).to(kf.dtype)
+def gather_virtual(kf: torch.Tensor, vf: torch.Tensor, slots: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+                   chunk: int = 32768) -> tuple[torch.Tensor, torch.Tensor]:
+    """A virtual sequence's keys, rotated at their virtual positions, and values: (V, H_kv, D) each, in the cache's
+    dtype. kf/vf (slots, H_kv, D) the flat cache (keys un-rotated); slots (V,) its flat slots in virtual order;
+    cos/sin (>= V, D/2) the rotation tables of positions 0, 1, ... (`rotation`). RoPE strategy "cache" done once per
+    stride and layer, instead of in every query block's program of the block-sparse kernel. The fp32 rotation runs
+    `chunk` keys at a time, so its temporaries stay ~chunk x H_kv x D x 16 bytes whatever V."""
+    idx = slots.long()
+    V = idx.shape[0]
+    k = torch.empty((V,) + tuple(kf.shape[1:]), dtype=kf.dtype, device=kf.device)
+    for a in range(0, V, chunk):
+        b = min(V, a + chunk)
+        k[a:b] = rotate_cs(kf[idx[a:b]], cos[a:b, None, :], sin[a:b, None, :])
     return k, vf[idx]
 
 
@@ -199,7 +203,7 @@ class _SubStride:
     prefill: bool
     spans: tuple  # per sequence (first compact row, rows, virtual length), on the host
     bsa_plan: object | None = None  # kernels/bsa.py BSAPlan, built on first use (CUDA)
-    dense_table: torch.Tensor | None = None  # (B_r, V_max) int32 b * V_max + j: the gathered keys' rows (built once)
+    singles: list | None = None  # per sequence (seq_start, seq_len, first_pos, num_keys) of one, gathered path
 
 
 class CascadingBackend(AttentionBackend):
@@ -230,6 +234,8 @@ class CascadingBackend(AttentionBackend):
         self._rope_tables: tuple = ()  # the step's RoPE tables (begin_step)
         self._pos32: torch.Tensor | None = None  # (T, 1) the step's true positions, int32
         self._virt_cs: tuple = (torch.empty(0), torch.empty(0))  # rotation tables of virtual positions 0, 1, ...
+        self._key_rows = torch.empty(0, dtype=torch.int32)  # 0, 1, ...: the gathered keys' one-token "pages"
+        self._sms: int | None = None  # the GPU's multiprocessors (decode split-K)
         if c.stride > engine_config.max_num_batched_tokens:
             logger.info("cascading: stride %d exceeds max_num_batched_tokens %d: prefill strides are %d tokens",
                         c.stride, engine_config.max_num_batched_tokens, self.stride)
@@ -372,11 +378,7 @@ class CascadingBackend(AttentionBackend):
         for sub in self._subs:
             qv = q_virt[sub.rows]
             if sub.prefill and gathered is not None:
-                o, lse, kg = self._attend_gathered(qv, kf, vf, sub, gathered)
-                if sub.dense_table is None:
-                    B, vm = sub.table.shape
-                    sub.dense_table = torch.arange(B * vm, dtype=torch.int32, device=q.device).view(B, vm)
-                mass = self._key_mass(qv, kg.view(-1, 1, H, row), sub.dense_table, lse, sub, None)
+                o, mass = self._gathered_step(qv, kf, vf, sub, gathered)
             else:
                 o, lse = self._attend(qv, kview, vview, sub)
                 mass = self._key_mass(qv, kview, sub.table, lse, sub, self.rope)  # (B_r, H_kv, V_max)
@@ -394,19 +396,32 @@ class CascadingBackend(AttentionBackend):
         ok = self.config.flash_prefill and q.is_cuda and q.dtype in (torch.float16, torch.bfloat16)
         return "flash" if ok and D % 8 == 0 and D <= 256 else None
 
-    def _attend_gathered(self, q, kf, vf, sub: _SubStride, kernel: str):
-        """Prefill attention over gathered virtual sequences (`gather_virtual`, `causal_attention_lse`), one call
-        per sequence. -> out (T_r, H_q, D), lse (T_r, H_q), the gathered rotated keys (B_r, V_max, H_kv, D)."""
-        kg, vg = gather_virtual(kf, vf, sub.table, *self._virt_cs)
-        if len(sub.spans) == 1:
-            o, lse = causal_attention_lse(q, kg[0], vg[0], self.scale, kernel)
-            return o, lse, kg
-        out = torch.empty_like(q)
-        lse = torch.empty(q.shape[:2], dtype=torch.float32, device=q.device)
+    def _gathered_step(self, q, kf, vf, sub: _SubStride, kernel: str):
+        """A prefill stride's attention and key mass over gathered virtual sequences, one sequence at a time
+        (`gather_virtual`, `causal_attention_lse`, then the key-mass kernel over the gathered, rotated keys: no
+        RoPE in it, an identity table). -> out (T_r, H_q, D), mass (B_r, H_kv, V_max). One sequence's gathered K/V
+        at a time keeps the transient memory to one virtual sequence, however many prefill together."""
+        H, D = kf.shape[1], kf.shape[2]
+        if sub.singles is None:  # built by the first layer, reused by the others
+            i32 = lambda v: torch.tensor([v], dtype=torch.int32, device=q.device)  # noqa: E731
+            sub.singles = [(i32(0), i32(n), i32(V - n), i32(V)) for _, n, V in sub.spans]
+        if self._key_rows.shape[0] < sub.max_keys:
+            self._key_rows = torch.arange(max(sub.max_keys, self.kv_layout.max_slots), dtype=torch.int32,
+                                          device=q.device)
+        one = len(sub.spans) == 1
+        out = None if one else torch.empty_like(q)
+        mass = torch.zeros(len(sub.spans), H, sub.max_keys, dtype=torch.float32, device=q.device)
         for b, (r0, n, V) in enumerate(sub.spans):
-            out[r0:r0 + n], lse[r0:r0 + n] = causal_attention_lse(q[r0:r0 + n], kg[b, :V], vg[b, :V], self.scale,
-                                                                  kernel)
-        return out, lse, kg
+            kg, vg = gather_virtual(kf, vf, sub.table[b, :V], *self._virt_cs)
+            qb = q[r0:r0 + n]
+            o, lse = causal_attention_lse(qb, kg, vg, self.scale, kernel)
+            mass[b, :, :V] = self._key_mass_of(qb, kg.view(-1, 1, H, D), self._key_rows[None, :V], lse,
+                                               (*sub.singles[b], sub.row_weight[r0:r0 + n], V, n), None)[0]
+            if one:
+                out = o
+            else:
+                out[r0:r0 + n] = o
+        return out, mass
 
     step_kernels = staticmethod(use_kernels)  # kernels/cascade_insert.py's; tests force them in the interpreter
 
@@ -436,18 +451,25 @@ class CascadingBackend(AttentionBackend):
                                       need_lse=False)
 
     def _key_mass(self, q, kview, table, lse, sub: _SubStride, rope) -> torch.Tensor:
+        return self._key_mass_of(q, kview, table, lse, (sub.seq_start, sub.seq_len, sub.first_pos, sub.num_keys,
+                                                        sub.row_weight, sub.max_keys, sub.max_rows), rope)
+
+    def _key_mass_of(self, q, kview, table, lse, seqs: tuple, rope) -> torch.Tensor:
+        """kernels/key_mass.py on a GPU, its reference elsewhere; seqs = (seq_start, seq_len, first_pos, num_keys,
+        row_weight, max_keys, max_rows)."""
         from ..kernels.key_mass import key_mass_reference, key_mass_triton
 
-        args = (q, kview, table, sub.seq_start, sub.seq_len, sub.first_pos, sub.num_keys, lse, sub.row_weight,
-                self.scale, rope)
+        *per_seq, row_weight, max_keys, max_rows = seqs
+        args = (q, kview, table, *per_seq, lse, row_weight, self.scale, rope)
         if use_kernels(q):
-            return key_mass_triton(*args, max_keys=sub.max_keys, max_rows=sub.max_rows)
+            return key_mass_triton(*args, max_keys=max_keys, max_rows=max_rows)
         return key_mass_reference(*args)
 
     def _decode_splits(self, num_seqs: int) -> int:
         """Split-K for decode: about two programs per SM over the cache's keys."""
-        sms = torch.cuda.get_device_properties(self.device).multi_processor_count
-        return max(1, min(32, (2 * sms) // max(1, num_seqs * self.model_config.num_kv_heads)))
+        if self._sms is None:  # asked once: the query costs ~45 µs of host time, every layer of every step
+            self._sms = torch.cuda.get_device_properties(self.device).multi_processor_count
+        return max(1, min(32, (2 * self._sms) // max(1, num_seqs * self.model_config.num_kv_heads)))
 
     # ---- sequence life -------------------------------------------------------------------------------------------
     def free_sequence(self, seq_id: int) -> None:
