@@ -17,6 +17,7 @@
 #   bash scripts/device_runs.sh cascading   # needs the model: passkey 128K and 1M, cascading 65K vs streaming
 #   bash scripts/device_runs.sh psa1m       # needs the model: SmolLM2 at 1M offloaded, infinitehip vs its prefill +
 #                                           # psa decode (true positions, and rank positions), keys read metered
+#   bash scripts/device_runs.sh verify7     # needs the model: the gathered prefill's checks, 1M prefill again (JIT notes)
 #   bash scripts/device_runs.sh psaeps      # needs the model: psa at 1M offloaded, epsilon 0.5 / 0.8 (rank) vs infinitehip
 #   bash scripts/device_runs.sh psarank     # needs the model: gpu_check psa rank rope (kernels, bf16); passkey
 #                                           # 16K-128K, infinitehip vs infinitehip prefill + psa decode at rank
@@ -131,6 +132,16 @@ psaeps)  # needs the model: psa's 1M offloaded decode time against the keys it r
         '{"psa@e50": {"epsilon": 0.5, "rope": "rank", "count_reads": true}, "psa@e80": {"epsilon": 0.8, "rope": "rank", "count_reads": true}}' \
         --out "$out/bench-decode-smollm2-1m-psa-eps.json"
     ;;
+verify7)  # needs the model: what the seventh session changed after its measurements, on a fresh machine: the gathered
+    # prefill one sequence at a time (kernel and engine checks), then the 1M prefill again (infinitehip's row shows
+    # whether kernels compile inside its timed prefill: prefill_jit), then psaeps
+    run gpu_check_cascading_flash 200 python3 scripts/gpu_check.py --model "$model" --out "$out" --only \
+        "cascading flash" "cascading engine"
+    run smollm2_1m_prefill_verify 330 python3 -m longreach bench decode --model "$model" --text-source paul-graham \
+        --lengths 1M --dense-lengths --max-num-batched-tokens 65536 --decode-tokens 16 \
+        --attention infinitehip cascading:16k --out "$out/bench-prefill-smollm2-1m-verify.json"
+    grep -h "compilation(s) inside" "$out/smollm2_1m_prefill_verify.log"
+    ;;
 psarank)  # needs the model: PSA past the trained length (rope "rank", attention/psa.py), after a sparse prefill;
     # keys read per decode query metered (count_reads) beside each length's accuracy
     run gpu_check_psa_rank 150 python3 scripts/gpu_check.py --out "$out" --only "psa rank"
@@ -189,7 +200,7 @@ seeds8b)
     ;;
 *)
     echo "usage: bash scripts/device_runs.sh GROUP... (kernels recheck decode1m decode128k engine smollm1m serve" \
-        "quality lowq prefill128k cascadecheck fp8quality cascading psa1m psaeps psarank psarecall prefill1m psa1mdiag cascadedecode box1m psa128k seeds8b)" >&2
+        "quality lowq prefill128k cascadecheck fp8quality cascading psa1m verify7 psaeps psarank psarecall prefill1m psa1mdiag cascadedecode box1m psa128k seeds8b)" >&2
     exit 2
     ;;
 esac
