@@ -10,7 +10,9 @@ How it fits the engine (docs/sparse.md, "Cascading KV cache", has the whole desi
     the host, shared by every layer; `forward` executes it per layer: attention, importance update, insertion.
   * Attention reads a *virtual sequence* — sink, cached tokens oldest first, the chunk — through a one-token-per-page
     table, with the project's block-sparse executor / Triton kernel and a plain `SparseIndex` (sink, key blocks up to
-    each query block's window, a causal window of `block_q`). Virtual positions are StreamingLLM's positions.
+    each query block's window, a causal window of `block_q`). Virtual positions are StreamingLLM's positions. On a
+    GPU, prefill strides gather the virtual sequence instead (keys rotated once) and run FlashAttention over it
+    (`gather_virtual`, `causal_attention_lse`: a stride's attention is dense over its virtual sequence).
   * Keys are stored un-rotated (the exact inverse of the model's rotation) and RoPE strategy "cache" rotates each at
     its virtual position in the kernel; queries are rotated to theirs here.
   * Importance = an exponential moving average of the attention a token receives, per layer and KV head (mean over
@@ -56,7 +58,7 @@ class CascadingConfig:
     stride: int = 4096  # prefill stride: tokens that attend together before entering the cache
     block_q: int = 64  # query rows per block of the attention index (prefill)
     block_k: int = 64  # key-block size of the attention index
-    flash_prefill: bool = True  # prefill strides: gather + FlashAttention on CUDA fp16/bf16 (`gathered_attention`)
+    flash_prefill: bool = True  # prefill strides: gather + FlashAttention (CUDA sm80+, fp16/bf16; `_gathered_step`)
 
     def __post_init__(self) -> None:
         for name, lo in (("n_sink", 0), ("num_subcaches", 1), ("subcache_size", 1), ("stride", 1), ("block_q", 1),
@@ -236,6 +238,7 @@ class CascadingBackend(AttentionBackend):
         self._virt_cs: tuple = (torch.empty(0), torch.empty(0))  # rotation tables of virtual positions 0, 1, ...
         self._key_rows = torch.empty(0, dtype=torch.int32)  # 0, 1, ...: the gathered keys' one-token "pages"
         self._sms: int | None = None  # the GPU's multiprocessors (decode split-K)
+        self._flash_arch: bool | None = None  # whether the GPU runs FlashAttention-2 (sm80+)
         if c.stride > engine_config.max_num_batched_tokens:
             logger.info("cascading: stride %d exceeds max_num_batched_tokens %d: prefill strides are %d tokens",
                         c.stride, engine_config.max_num_batched_tokens, self.stride)
@@ -388,13 +391,15 @@ class CascadingBackend(AttentionBackend):
 
     def _gathered_kernel(self, q: torch.Tensor) -> str | None:
         """How prefill strides attend: "flash" (gather the virtual sequence, rotate its keys once, FlashAttention;
-        CUDA, fp16/bf16, head_dim a multiple of 8 up to 256, `flash_prefill` on), else None: the block-sparse
+        CUDA sm80+, fp16/bf16, head_dim a multiple of 8 up to 256, `flash_prefill` on), else None: the block-sparse
         kernel (the CPU executor) over the cache in place, keys rotated per query block. Decode strides always take
         the block-sparse path (one row: split-K over the keys in place beats a gather). Tests patch this to
         "reference" to run the gathered path on the CPU."""
         D = q.shape[-1]
         ok = self.config.flash_prefill and q.is_cuda and q.dtype in (torch.float16, torch.bfloat16)
-        return "flash" if ok and D % 8 == 0 and D <= 256 else None
+        if ok and self._flash_arch is None:  # FlashAttention-2 needs sm80 or newer (asked once)
+            self._flash_arch = torch.cuda.get_device_capability(q.device)[0] >= 8
+        return "flash" if ok and self._flash_arch and D % 8 == 0 and D <= 256 else None
 
     def _gathered_step(self, q, kf, vf, sub: _SubStride, kernel: str):
         """A prefill stride's attention and key mass over gathered virtual sequences, one sequence at a time
