@@ -237,8 +237,9 @@ class CascadingBackend(AttentionBackend):
         self._pos32: torch.Tensor | None = None  # (T, 1) the step's true positions, int32
         self._virt_cs: tuple = (torch.empty(0), torch.empty(0))  # rotation tables of virtual positions 0, 1, ...
         self._key_rows = torch.empty(0, dtype=torch.int32)  # 0, 1, ...: the gathered keys' one-token "pages"
-        self._sms: int | None = None  # the GPU's multiprocessors (decode split-K)
-        self._flash_arch: bool | None = None  # whether the GPU runs FlashAttention-2 (sm80+)
+        cuda = device.type == "cuda"
+        self._num_sms = torch.cuda.get_device_properties(device).multi_processor_count if cuda else 1
+        self._flash_arch = cuda and torch.cuda.get_device_capability(device)[0] >= 8  # FlashAttention-2: sm80+
         if c.stride > engine_config.max_num_batched_tokens:
             logger.info("cascading: stride %d exceeds max_num_batched_tokens %d: prefill strides are %d tokens",
                         c.stride, engine_config.max_num_batched_tokens, self.stride)
@@ -396,10 +397,8 @@ class CascadingBackend(AttentionBackend):
         the block-sparse path (one row: split-K over the keys in place beats a gather). Tests patch this to
         "reference" to run the gathered path on the CPU."""
         D = q.shape[-1]
-        ok = self.config.flash_prefill and q.is_cuda and q.dtype in (torch.float16, torch.bfloat16)
-        if ok and self._flash_arch is None:  # FlashAttention-2 needs sm80 or newer (asked once)
-            self._flash_arch = torch.cuda.get_device_capability(q.device)[0] >= 8
-        return "flash" if ok and self._flash_arch and D % 8 == 0 and D <= 256 else None
+        ok = self.config.flash_prefill and self._flash_arch and q.dtype in (torch.float16, torch.bfloat16)
+        return "flash" if ok and D % 8 == 0 and D <= 256 else None
 
     def _gathered_step(self, q, kf, vf, sub: _SubStride, kernel: str):
         """A prefill stride's attention and key mass over gathered virtual sequences, one sequence at a time
@@ -413,19 +412,19 @@ class CascadingBackend(AttentionBackend):
         if self._key_rows.shape[0] < sub.max_keys:
             self._key_rows = torch.arange(max(sub.max_keys, self.kv_layout.max_slots), dtype=torch.int32,
                                           device=q.device)
-        one = len(sub.spans) == 1
-        out = None if one else torch.empty_like(q)
-        mass = torch.zeros(len(sub.spans), H, sub.max_keys, dtype=torch.float32, device=q.device)
+        per_seq = []
         for b, (r0, n, V) in enumerate(sub.spans):
             kg, vg = gather_virtual(kf, vf, sub.table[b, :V], *self._virt_cs)
             qb = q[r0:r0 + n]
             o, lse = causal_attention_lse(qb, kg, vg, self.scale, kernel)
-            mass[b, :, :V] = self._key_mass_of(qb, kg.view(-1, 1, H, D), self._key_rows[None, :V], lse,
-                                               (*sub.singles[b], sub.row_weight[r0:r0 + n], V, n), None)[0]
-            if one:
-                out = o
-            else:
-                out[r0:r0 + n] = o
+            per_seq.append((o, self._key_mass_of(qb, kg.view(-1, 1, H, D), self._key_rows[None, :V], lse,
+                                                 (*sub.singles[b], sub.row_weight[r0:r0 + n], V, n), None)))
+        if len(per_seq) == 1:  # one sequence: its rows and keys are the stride's
+            return per_seq[0]
+        out = torch.empty_like(q)
+        mass = torch.zeros(len(per_seq), H, sub.max_keys, dtype=torch.float32, device=q.device)
+        for b, ((r0, n, V), (o, m)) in enumerate(zip(sub.spans, per_seq)):
+            out[r0:r0 + n], mass[b, :, :V] = o, m[0]
         return out, mass
 
     step_kernels = staticmethod(use_kernels)  # kernels/cascade_insert.py's; tests force them in the interpreter
@@ -472,9 +471,7 @@ class CascadingBackend(AttentionBackend):
 
     def _decode_splits(self, num_seqs: int) -> int:
         """Split-K for decode: about two programs per SM over the cache's keys."""
-        if self._sms is None:  # asked once: the query costs ~45 µs of host time, every layer of every step
-            self._sms = torch.cuda.get_device_properties(self.device).multi_processor_count
-        return max(1, min(32, (2 * self._sms) // max(1, num_seqs * self.model_config.num_kv_heads)))
+        return max(1, min(32, (2 * self._num_sms) // max(1, num_seqs * self.model_config.num_kv_heads)))
 
     # ---- sequence life -------------------------------------------------------------------------------------------
     def free_sequence(self, seq_id: int) -> None:
