@@ -139,7 +139,7 @@ def _drive(engine, prompts: list[list[int]], decode_tokens: int, label: str, pro
     prefill_steps = 0
     jit, prefill_jit = JitWatch(), None
     try:
-        jit.__enter__()
+        jit.start()
         while engine.has_unfinished_requests():
             n_graphs, prev = len(runner._graphs), engine.last_step
             profiled = profile_steps > 0 and engine.last_step is not None and not engine.last_step.is_prefill \
@@ -192,7 +192,7 @@ def _drive(engine, prompts: list[list[int]], decode_tokens: int, label: str, pro
             engine.abort_request(rid)
         raise
     finally:
-        jit.__exit__()
+        jit.stop()
         profile, prefill_profile = prof.report(), prof_prefill.report()
     prefill_jit = prefill_jit or jit.since(0)
     if prefill_jit["count"] and timed:  # the warm-up run is there to compile

@@ -35,6 +35,13 @@ class JitWatch:
                 "kernels": dict(Counter(name for name, _ in ev))}
 
     def __enter__(self) -> JitWatch:
+        return self.start()
+
+    def __exit__(self, *exc) -> None:
+        self.stop()
+
+    def start(self) -> JitWatch:
+        """Install the hooks (what `with` does on entry)."""
         try:
             from triton import knobs
             runtime = knobs.runtime
@@ -45,7 +52,8 @@ class JitWatch:
         runtime.jit_cache_hook, runtime.jit_post_compile_hook = self._before, self._after
         return self
 
-    def __exit__(self, *exc) -> None:
+    def stop(self) -> None:
+        """Put the earlier hooks back (what `with` does on exit)."""
         if self._knobs is not None:
             self._knobs.jit_cache_hook, self._knobs.jit_post_compile_hook = self._prev
             self._knobs = None
