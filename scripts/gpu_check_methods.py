@@ -151,7 +151,7 @@ def cascading_insert():
     import numpy as np
 
     from gpu_check_common import _median_us
-    from longreach.attention.cascading import unrotation
+    from longreach.attention.cascading_attend import unrotation
     from longreach.kernels.cascade_insert import (cascade_insert_reference, cascade_insert_triton,
                                                   cascade_rope_reference, cascade_rope_triton, move_rows_triton)
     from longreach.rope.strategies import rotation
@@ -226,7 +226,8 @@ def cascading_flash():
     import numpy as np
 
     from gpu_check_common import _median_us
-    from longreach.attention.cascading import CascadingBackend, causal_attention_lse, gather_virtual
+    from longreach.attention.cascading import CascadingBackend
+    from longreach.attention.cascading_attend import causal_attention_lse, gather_virtual
     from longreach.config import EngineConfig
     from longreach.kvcache.cascade import CascadeRings
     from longreach.models.config import ModelConfig, RopeConfig

@@ -333,7 +333,7 @@ def test_rope_kernel_equals_torch(dtype):
     """The step's RoPE kernel: keys un-rotated into their slots with their positions, queries moved to their virtual
     positions, from q and k as strided views of one projection (as the model hands them), 3 query heads per KV head;
     equal to `cascade_rope_reference`, slots not written left alone."""
-    from longreach.attention.cascading import unrotation
+    from longreach.attention.cascading_attend import unrotation
     from longreach.kernels.cascade_insert import cascade_rope_reference, cascade_rope_triton
     from longreach.rope.strategies import rotation
 
@@ -363,7 +363,7 @@ def test_rope_kernel_equals_torch(dtype):
 def test_causal_attention_lse_aligns_at_the_bottom_right_and_refuses_bad_input():
     """The gathered path's reference: row i of n sees keys [0, V - n + i]; its lse is the log of the scaled scores'
     exp-sum; grouped heads use KV head h // group. Checked against a per-row loop."""
-    from longreach.attention.cascading import causal_attention_lse
+    from longreach.attention.cascading_attend import causal_attention_lse
 
     g = torch.Generator().manual_seed(0)
     n, V = 5, 9
@@ -385,7 +385,7 @@ def test_causal_attention_lse_aligns_at_the_bottom_right_and_refuses_bad_input()
 def test_gather_virtual_rotates_each_key_at_its_virtual_position_in_chunks():
     """gather_virtual: row j is the key in slots[j] rotated at position j (the chunked fp32 rotation gives the same
     rows as one pass), values gathered as they are."""
-    from longreach.attention.cascading import gather_virtual
+    from longreach.attention.cascading_attend import gather_virtual
     from longreach.rope.strategies import rotate, rotation
 
     g = torch.Generator().manual_seed(3)
