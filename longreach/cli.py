@@ -20,7 +20,7 @@ from .config import EngineConfig
 from .sampling_params import SamplingParams
 
 _EVAL_COMMANDS = ("passkey", "ruler", "ppl")  # modules under longreach/eval/
-_ENGINE_TYPES = {"max_model_len": int, "kv_cache_memory_gb": float, "kv_offloading_size": float, "rope_scaling": str,
+_ENGINE_TYPES = {"cpu_threads": int, "max_model_len": int, "kv_cache_memory_gb": float, "kv_offloading_size": float, "rope_scaling": str,
                  "preset": str, "attention_config": str, "decode_attention": str, "decode_attention_config": str}
 
 
@@ -159,11 +159,13 @@ def _cmd_generate(args) -> int:
 def _cmd_backends(args) -> int:
     from .attention.registry import available_backends, get_backend_class
 
-    print(f"{'backend':<14} {'CUDA graphs':<12} description")
+    print(f"{'backend':<14} {'CUDA graphs':<12} description; then each preset (--preset, METHOD:PRESET), default first")
     for name in available_backends():
         cls = get_backend_class(name)
         doc = (cls.__doc__ or sys.modules[cls.__module__].__doc__ or "").strip().splitlines()[0]
         print(f"{name:<14} {'yes' if cls.supports_cuda_graph else 'no':<12} {doc}")
+        for preset, note in cls.preset_notes.items():
+            print(f"    {preset:<14} {note}")
     return 0
 
 
@@ -374,8 +376,10 @@ def _cmd_bench_attention(args) -> int:
 
 def _cmd_bench_long(args) -> int:
     from .bench.engine import run_long
+    from .eval.common import parse_methods
     from .eval.data import paul_graham_text
 
+    parse_methods(args.attention, attention_config=args.attention_config)  # a bad method fails before any loads
     if args.text_file:
         try:
             with open(args.text_file, encoding="utf-8") as f:
@@ -396,9 +400,8 @@ _DECODE_SETS = ("model", "attention", "preset", "max_model_len", "max_num_seqs")
 def _cmd_bench_decode(args) -> int:
     import shlex
 
-    from .attention.registry import get_backend_class
     from .bench.decode import run
-    from .eval.common import decode_spec, method_config, parse_methods
+    from .eval.common import parse_methods
     from .models.random_init import is_random_model, random_shape
 
     if args.batch < 1 or args.decode_tokens < 2:
@@ -410,15 +413,9 @@ def _cmd_bench_decode(args) -> int:
         raise ValueError(f"--profile-prefill-steps must be >= 0, got {args.profile_prefill_steps}")
     if is_random_model(args.model):
         random_shape(args.model)  # an unknown shape fails here, before any engine is built
+    # a bad preset or --attention-config fails here (the decode side of "A+B" too), not after an hour of runs
     methods = parse_methods(args.attention, attention_config=args.attention_config)
     engine = {name: getattr(args, name) for name in EngineConfig.field_names() if name not in _DECODE_SETS}
-    for m in [s for spec in methods for s in (spec, decode_spec(spec)) if s is not None]:
-        # a bad preset or --attention-config fails now (the decode side of "A+B" too), not after an hour of runs
-        cfg = EngineConfig(model=args.model, attention=m.name, preset=m.preset,
-                           **{**engine, "attention_config": method_config(m, args.attention_config)})
-        resolve = getattr(get_backend_class(m.name), "resolve_config", None)
-        if resolve is not None:
-            resolve(cfg)
     text, label = None, None
     if args.text_file:
         with open(args.text_file, encoding="utf-8") as f:

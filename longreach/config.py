@@ -1,6 +1,7 @@
 """Engine configuration: one frozen dataclass whose fields are the CLI flags and the `LLM(...)` keyword arguments.
 
-Pure Python (no torch import), validated in `__post_init__` with messages that say what is allowed.
+Importing it imports no torch. Validated in `__post_init__` with messages that say what is allowed; a preset or
+`attention_config` is checked against its method's config there too, which imports that backend's module.
 """
 from __future__ import annotations
 
@@ -31,6 +32,8 @@ class EngineConfig:
                                                    "(with --decode-attention)")
     dtype: str = _f("auto", "weights, activations and KV cache dtype; auto = bfloat16 on CUDA, float32 on CPU")
     device: str = _f("auto", "auto (CUDA when available), cpu, cuda or cuda:N")
+    cpu_threads: int | None = _f(None, "torch threads on a CPU; default: auto, the cores this process may use minus "
+                                       "those other processes keep busy (at least 1), unless OMP_NUM_THREADS is set")
     max_model_len: int | None = _f(None, "longest sequence (prompt + output) in tokens; default: the model's "
                                          "trained context length")
     max_num_batched_tokens: int = _f(8192, "tokens per prefill step: long prompts are prefilled in chunks this big")
@@ -61,6 +64,9 @@ class EngineConfig:
             bad(f"dtype must be one of {', '.join(DTYPES)}, got {self.dtype!r}")
         if not (self.device in DEVICES or (isinstance(self.device, str) and self.device.startswith("cuda:"))):
             bad(f"device must be one of {', '.join(DEVICES)} or cuda:N, got {self.device!r}")
+        if self.cpu_threads is not None and (isinstance(self.cpu_threads, bool) or not isinstance(
+                self.cpu_threads, int) or self.cpu_threads < 1):
+            bad(f"cpu_threads must be a positive integer (or absent: auto), got {self.cpu_threads!r}")
         if self.max_model_len is not None and (not isinstance(self.max_model_len, int) or self.max_model_len < 1):
             bad(f"max_model_len must be a positive integer, got {self.max_model_len!r}")
         if not isinstance(self.max_num_batched_tokens, int) or self.max_num_batched_tokens < 16:
@@ -115,6 +121,23 @@ class EngineConfig:
                 bad(f"attention_config must be a JSON object, got {self.attention_config!r} ({e.msg})")
             if not isinstance(parsed, dict):
                 bad(f"attention_config must be a JSON object, got {self.attention_config!r}")
+        self._check_methods()
+
+    def _check_methods(self) -> None:
+        """The attention method's preset and overrides, and the decode method's, checked now: a typo fails before
+        any model loads (not after, as "cannot run this model"). Imports the named backends' modules (torch), so only
+        when there is something to check: the default presets are valid."""
+        if self.preset is not None or self.attention_config is not None:
+            from .attention.registry import check_method_config
+
+            check_method_config(self)
+        if self.decode_attention is not None:
+            from .attention.compose import decode_config
+
+            try:
+                decode_config(self)  # an EngineConfig of the decode method alone: its __post_init__ checks it
+            except ValueError as e:
+                raise ValueError(f"decode_attention {self.decode_attention!r}: {e}") from None
 
     @property
     def offload(self) -> bool:

@@ -87,12 +87,20 @@ class AttentionBackend(ABC):
     name: ClassVar[str] = ""
     supports_cuda_graph: ClassVar[bool] = False  # may the decode step be captured in a CUDA graph?
     kv_layout: KVLayout | None = None  # a bounded cache's slot layout; None: token t in slot t (see the docstring)
+    preset_notes: ClassVar[dict[str, str]] = {}  # preset -> one line on what it is for (`longreach backends`)
 
     def __init__(self, model_config: "ModelConfig", engine_config: "EngineConfig", device: torch.device):
         self.model_config = model_config
         self.engine_config = engine_config
         self.device = device
         self.scale = model_config.head_dim ** -0.5
+
+    @classmethod
+    def resolve_config(cls, engine_config: "EngineConfig") -> object | None:
+        """The method's own config from `engine_config.preset` and `.attention_config` (None: it has none). Needs no
+        model, so EngineConfig calls it to reject a bad preset or override before anything loads: raise ValueError
+        saying what was wrong and what is allowed."""
+        return None
 
     @classmethod
     def unsupported_reasons(cls, model_config: "ModelConfig", engine_config: "EngineConfig") -> list[str]:

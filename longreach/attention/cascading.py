@@ -162,6 +162,11 @@ class CascadingBackend(AttentionBackend):
 
     name = "cascading"
     supports_cuda_graph = False
+    preset_notes = {
+        "65k": "a 65,536-token cache: 64 sink + 8 sub-caches of 8,184 (the blog's passkey setting; default)",
+        "16k": "a 16,384-token cache: 8 sub-caches of 2,040 (the blog's 1M-prefill setting)",
+        "4k": "a 4,096-token cache: 4 sub-caches of 1,008 (small: CPU evals)",
+    }
     bounded_cache: ClassVar[bool] = True  # keeps its own bounded cache: cannot be composed with another method
 
     def __init__(self, model_config, engine_config, device):

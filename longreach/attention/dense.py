@@ -68,9 +68,18 @@ class DenseBackend(AttentionBackend):
         return out
 
     @classmethod
-    def unsupported_reasons(cls, model_config, engine_config) -> list[str]:
+    def resolve_config(cls, engine_config) -> None:
         if engine_config.preset or engine_config.attention_config:
-            return ["dense attention takes no --preset or --attention-config"]
+            raise ValueError("dense attention takes no --preset or --attention-config (they configure the sparse "
+                             "methods: `longreach backends` lists each one's presets)")
+        return None
+
+    @classmethod
+    def unsupported_reasons(cls, model_config, engine_config) -> list[str]:
+        try:
+            cls.resolve_config(engine_config)
+        except ValueError as e:
+            return [str(e)]
         return []
 
     def __init__(self, model_config, engine_config, device):

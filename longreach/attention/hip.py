@@ -115,4 +115,10 @@ class HiPBackend(SparseBackend):
 
     name = "hip"
     method_cls = HiP
+    preset_notes = {
+        "2k": "2,048 keys per query block by hierarchical top-k, selected every decode step (default)",
+        "1k": "1,024 keys per query block: faster, retrieves less",
+        "512": "512 keys per query block: the smallest",
+        "2k-r8": "2k with each selection reused for 8 decode steps: faster decode",
+    }
     supports_cuda_graph = True

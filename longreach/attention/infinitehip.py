@@ -280,4 +280,17 @@ class InfiniteHiPBackend(SparseBackend):
 
     name = "infinitehip"
     method_cls = InfiniteHiP
+    preset_notes = {
+        "3k-box": "3k's budgets, stage 0 scored from a min/max box per 64-token chunk: retrieves to 1M (default)",
+        "3k": "the paper's: SelectRep pruning to 2,048 keys per query block (4,096 in layers 0-2)",
+        "5k": "a bigger budget: 4,096 keys per query block in every layer",
+        "3k-fast": "3k with masks refreshed every 32/16/8 decode steps (3k: 16/8/4): faster decode",
+        "3k-flash": "3k with the paper's flash refresh, every 96/24/8 decode steps: the fastest decode",
+        "3k-exact": "every stage scored exactly: the oracle's selection, but stage 0 grows with the square of the "
+                    "context",
+        "oracle": "evaluation: the exact top 2,048 tokens per query block, recomputed every decode step",
+        "oracle-true": "evaluation: the oracle scored at true positions",
+        "positions-st": "evaluation: every key, only the positions remapped (rolling, StreamingLLM's)",
+        "positions-de": "evaluation: every key, only the positions remapped (SelfExtend's groups)",
+    }
     supports_cuda_graph = True

@@ -355,6 +355,11 @@ class MInferenceBackend(AttentionBackend):
     name = "minference"
     supports_cuda_graph = True  # decode is dense (or, composed, another backend's: attention/compose.py)
     method_cls = MInference
+    preset_notes = {
+        "vs": "every head vertical-slash (500 columns, 1,500 diagonals) when there is no pattern file (default)",
+        "a-shape": "every head Λ-shape: 1,024 sink + 4,096 window tokens (StreamingLLM's baseline)",
+        "bs": "every head block-sparse: its top 100 key blocks of 64 tokens",
+    }
     prefill_only: typing.ClassVar[bool] = True
 
     def __init__(self, model_config, engine_config, device):

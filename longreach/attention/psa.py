@@ -247,6 +247,11 @@ class PSABackend(AttentionBackend):
     name = "psa"
     supports_cuda_graph = True
     method_cls = PSA
+    preset_notes = {
+        "0.95": "read pages until 95% of the estimated attention mass (default)",
+        "0.9": "stop at 90% of the mass: fewer keys, less exact",
+        "0.98": "stop at 98% of the mass: more keys, closer to dense",
+    }
 
     def __init__(self, model_config, engine_config, device):
         super().__init__(model_config, engine_config, device)

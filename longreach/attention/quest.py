@@ -66,3 +66,7 @@ class QuestBackend(SparseBackend):
 
     name = "quest"
     method_cls = Quest
+    preset_notes = {
+        "3k": "2,048 keys per query block in 16-token pages, beside the sink and window (default)",
+        "5k": "4,096 keys per query block: retrieves more, reads more",
+    }

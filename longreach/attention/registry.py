@@ -33,6 +33,13 @@ def check_backend_name(name: str) -> None:
         raise ValueError(f"unknown attention backend {name!r}; available: {', '.join(available_backends())}")
 
 
+def check_method_config(config) -> None:
+    """Raise ValueError when `config` (an EngineConfig) names a preset or `attention_config` overrides that its
+    attention method does not accept. Needs no model (the backend's `resolve_config`), so a typo fails before anything
+    loads; imports the backend's module."""
+    get_backend_class(config.attention).resolve_config(config)
+
+
 def register_backend(name: str, cls: "type[AttentionBackend] | str") -> None:
     """Register `cls` (a class or a "module:Class" string) under `name`."""
     if not name or not isinstance(name, str):

@@ -43,4 +43,8 @@ class StreamingBackend(SparseBackend):
 
     name = "streaming"
     method_cls = Streaming
+    preset_notes = {
+        "3k": "256 sink tokens + a 3,072-token window (default)",
+        "5k": "256 sink tokens + a 5,120-token window",
+    }
     supports_cuda_graph = True

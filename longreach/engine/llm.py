@@ -4,15 +4,14 @@ from __future__ import annotations
 import itertools
 from typing import Any, Sequence, Union
 
-from tqdm.auto import tqdm
-
 from ..config import EngineConfig
+from ..progress import Progress
 from ..sampling_params import SamplingParams
 from .llm_engine import LLMEngine
 from .outputs import RequestOutput
 
 PromptType = Union[str, dict, list]  # "text" | {"prompt": text} | {"prompt_token_ids": [...]} | [token ids]
-LONG_PREFILL_TOKENS = 4096  # show a token-level prefill bar from this many prompt tokens on
+LONG_PREFILL_TOKENS = 4096  # show prefill progress from this many prompt tokens on
 _counter = itertools.count()
 
 
@@ -44,12 +43,14 @@ class LLM:
         if len(params) != len(items):
             raise ValueError(f"got {len(params)} SamplingParams for {len(items)} prompts")
         encoded = [self._encode(i, p) for i, p in enumerate(items)]  # validate everything before queueing anything
-        ids = []
+        budget: dict[str, int] = {}  # request id -> the most tokens its decode steps can add (progress's total)
+        limit = self.engine.config.max_model_len
         for (text, token_ids), sp in zip(encoded, params):
             rid = str(next(_counter))
             self.engine.add_request(rid, token_ids, sp, prompt=text)
-            ids.append(rid)
-        return self._run(ids, sum(len(t) * sp.n for (_, t), sp in zip(encoded, params)), use_tqdm)
+            room = limit - len(token_ids)
+            budget[rid] = sp.n * ((room if sp.max_tokens is None else min(sp.max_tokens, room)) - 1)  # 1: prefill's
+        return self._run(budget, sum(len(t) * sp.n for (_, t), sp in zip(encoded, params)), use_tqdm)
 
     def chat(
         self,
@@ -108,12 +109,18 @@ class LLM:
         self.engine.check_prompt(token_ids, f"prompt {i}")  # every prompt is checked before any is queued
         return text, token_ids
 
-    def _run(self, request_ids: list[str], prompt_tokens: int, use_tqdm: bool) -> list[RequestOutput]:
+    def _run(self, budget: dict[str, int], prompt_tokens: int, use_tqdm: bool) -> list[RequestOutput]:
+        """Step the engine until every request finishes. With `use_tqdm`, progress goes to stderr (progress.py: a
+        bar on a terminal, periodic lines in a log): prefill tokens on long prompts, then generated tokens.
+        `budget`: request id -> the most tokens its decode steps can add (each sequence's first token comes with
+        its prefill)."""
         engine = self.engine
+        request_ids = list(budget)
         done: dict[str, RequestOutput] = {}
-        bar = tqdm(total=len(request_ids), desc="Processed prompts", unit="req", disable=not use_tqdm, dynamic_ncols=True)
-        prefill_bar = tqdm(total=prompt_tokens, desc="Prefill", unit="tok", unit_scale=True, leave=False,
-                           disable=not use_tqdm or prompt_tokens < LONG_PREFILL_TOKENS, dynamic_ncols=True)
+        prefill = Progress(prompt_tokens, "prefill", enabled=use_tqdm and prompt_tokens >= LONG_PREFILL_TOKENS,
+                           leave=False)
+        decode = None  # made at the first decode step, so that its rate and ETA count decode time only
+        left = sum(budget.values())  # tokens still possible; a request that stops early (EOS, stop string) lowers it
         n_in = n_out = 0
         seconds = 0.0
         try:
@@ -124,20 +131,28 @@ class LLM:
                     seconds += st.seconds
                     if st.is_prefill:
                         n_in += st.num_tokens
-                        prefill_bar.update(min(st.num_tokens, prefill_bar.total - prefill_bar.n))
+                        prefill.update(min(st.num_tokens, prefill.total - prefill.n))
+                        if prefill.n >= prefill.total:
+                            prefill.close()
                     else:
+                        if decode is None:
+                            decode = Progress(left, "decode", enabled=use_tqdm)
                         n_out += st.num_tokens
+                        decode.update(st.num_tokens)
                 for out in finished:
                     done[out.request_id] = out
-                if finished:
-                    bar.update(len(finished))
-                if seconds > 0:
-                    bar.set_postfix_str(f"in: {n_in / seconds:.0f} tok/s, out: {n_out / seconds:.0f} tok/s")
+                    left -= budget[out.request_id] - sum(max(len(c.token_ids) - 1, 0) for c in out.outputs)
+                    if decode is not None:
+                        decode.set_total(left)
+                if decode is not None and seconds > 0:
+                    decode.set_postfix(f"{len(done)}/{len(request_ids)} requests, in: {n_in / seconds:,.0f} tok/s, "
+                                       f"out: {n_out / seconds:,.1f} tok/s")
         except BaseException:
             for rid in request_ids:  # leave the engine clean for the next call
                 engine.abort_request(rid)
             raise
         finally:
-            prefill_bar.close()
-            bar.close()
+            prefill.close()
+            if decode is not None:
+                decode.close()
         return [done[r] for r in request_ids]

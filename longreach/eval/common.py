@@ -57,8 +57,9 @@ class MethodSpec(NamedTuple):
 def parse_methods(items: list[str], default_preset: str | None = None, attention_config: str | None = None
                   ) -> list[MethodSpec]:
     """["dense", "infinitehip:3k", "infinitehip@no-rope", "hip"] -> MethodSpecs (presets default to
-    `default_preset`; dense has none). With `attention_config` (the command's --attention-config), a key of a keyed
-    object that no listed method would read is an error, not silently ignored."""
+    `default_preset`; dense has none), each checked with its share of `attention_config` (the command's
+    --attention-config) before any model loads. A key of a keyed object that no listed method would read is an
+    error, not silently ignored."""
     from ..attention.registry import check_backend_name
 
     out = []
@@ -77,7 +78,21 @@ def parse_methods(items: list[str], default_preset: str | None = None, attention
     if len(set(labels)) != len(labels):
         raise ValueError(f"--attention lists a method twice: {labels}; give repeats a variant, e.g. infinitehip@v2")
     check_config_keys(out, attention_config)
+    for spec in out:
+        check_spec(spec, attention_config)
     return out
+
+
+def check_spec(spec: MethodSpec, attention_config: str | None) -> None:
+    """Raise ValueError, naming the method, when its preset or overrides (or its decode method's) are not ones it
+    accepts: an eval checks every method it will run before it loads a model for the first."""
+    from ..config import EngineConfig
+
+    try:
+        EngineConfig(attention=spec.name, preset=spec.preset, attention_config=method_config(spec, attention_config),
+                     **decode_kwargs(spec, attention_config))
+    except ValueError as e:
+        raise ValueError(f"{spec.label}: {e}") from None
 
 
 def decode_spec(spec: MethodSpec) -> MethodSpec | None:

@@ -1,0 +1,148 @@
+"""Progress of long work, for a terminal and for a log: the one helper behind generate, demo, eval and bench.
+
+On a terminal (the stream is a TTY) it is a tqdm bar. Anywhere else (stderr redirected to a file or a pipe, where a
+bar's redraws pile up as carriage returns) it writes one line every `interval` seconds while the work runs, and a last
+one when it ends:
+
+    [longreach] prefill: 8,192/15,710 tok (52%) | 63.2 tok/s | 2 min 10 s | ETA 1 min 59 s
+    [longreach] prefill: 15,710/15,710 tok (100%) | 61.7 tok/s | done in 4 min 15 s
+
+People grep logs for these lines: treat their format as an interface. A background thread keeps both alive while one
+step runs for a long time (a long prefill chunk on a CPU): the bar's clock moves and the log line repeats with the
+rate so far, so a slow run never looks like a stuck one. Work shorter than `interval` prints no line to a log.
+"""
+from __future__ import annotations
+
+import sys
+import threading
+import time
+from typing import TextIO
+
+INTERVAL_S = 30.0  # seconds between log lines; the bar on a terminal redraws every second
+
+
+def format_seconds(s: float) -> str:
+    """12.3 -> '12 s', 130 -> '2 min 10 s', 4000 -> '1 h 06 min'."""
+    s = max(0.0, s)
+    if s < 60:
+        return f"{s:.0f} s" if s >= 10 else f"{s:.1f} s"
+    if s < 3600:
+        return f"{int(s // 60)} min {int(s % 60):02d} s"
+    return f"{int(s // 3600)} h {int(s % 3600 // 60):02d} min"
+
+
+def _is_tty(stream) -> bool:
+    try:
+        return bool(stream.isatty())
+    except (AttributeError, ValueError):  # no isatty, or a closed stream
+        return False
+
+
+class Progress:
+    """Counts `unit`s of work out of `total` under the name `desc`. `update(n)` when n more are done, `set_total`
+    when the work turns out smaller (requests that stop early), `set_postfix` for a short extra field; `close()` (or
+    a with-block) ends it. Disabled (`enabled=False`), every call does nothing. Not for use from several threads."""
+
+    def __init__(self, total: int, desc: str, unit: str = "tok", *, enabled: bool = True,
+                 stream: TextIO | None = None, interval: float | None = None, leave: bool = True):
+        self.total, self.desc, self.unit = max(int(total), 0), desc, unit
+        self.n = 0
+        self.postfix = ""
+        self.enabled = enabled
+        self.lines = 0  # log lines written so far
+        self._stream = stream if stream is not None else sys.stderr
+        self._interval = INTERVAL_S if interval is None else interval
+        self._start = time.perf_counter()
+        self._bar = None
+        self._stop = threading.Event()
+        self._lock = threading.Lock()
+        self._thread: threading.Thread | None = None
+        if not enabled:
+            return
+        if _is_tty(self._stream):
+            from tqdm.auto import tqdm
+
+            self._bar = tqdm(total=self.total, desc=desc, unit=unit, unit_scale=True, leave=leave,
+                             dynamic_ncols=True, file=self._stream)
+        self._thread = threading.Thread(target=self._beat, name=f"progress {desc}", daemon=True)
+        self._thread.start()
+
+    # ---- the caller's side ----------------------------------------------------------------------------------------
+    def update(self, n: int = 1) -> None:
+        if not self.enabled or n <= 0:
+            return
+        with self._lock:
+            self.n += n
+            if self._bar is not None:
+                self._bar.update(n)
+
+    def set_total(self, total: int) -> None:
+        if not self.enabled:
+            return
+        with self._lock:
+            self.total = max(int(total), self.n)
+            if self._bar is not None:
+                self._bar.total = self.total
+                self._bar.refresh()
+
+    def set_postfix(self, text: str) -> None:
+        if not self.enabled:
+            return
+        with self._lock:
+            self.postfix = text
+            if self._bar is not None:
+                self._bar.set_postfix_str(text, refresh=False)
+
+    def close(self) -> None:
+        if not self.enabled:
+            return
+        self.enabled = False
+        self._stop.set()
+        if self._thread is not None:
+            self._thread.join()
+        if self._bar is not None:
+            self._bar.close()
+        elif self.lines:  # the last line, only where the work was long enough to have a first
+            self._write(self.line(done=True))
+
+    def __enter__(self) -> "Progress":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+    # ---- the line ---------------------------------------------------------------------------------------------------
+    def line(self, done: bool = False) -> str:
+        """The log line for now: count, share, rate, elapsed time and ETA (or the total time once done)."""
+        elapsed = time.perf_counter() - self._start
+        rate = self.n / elapsed if elapsed > 0 else 0.0
+        parts = [f"{self.n:,}/{self.total:,} {self.unit}" + (f" ({100 * self.n / self.total:.0f}%)" if self.total
+                                                             else ""),
+                 f"{rate:,.1f} {self.unit}/s"]
+        if done:
+            parts.append(f"done in {format_seconds(elapsed)}")
+        else:
+            left = self.total - self.n
+            eta = format_seconds(left / rate) if rate > 0 else "?"
+            parts += [format_seconds(elapsed), f"ETA {eta}"]
+        if self.postfix:
+            parts.append(self.postfix)
+        return f"[longreach] {self.desc}: " + " | ".join(parts)
+
+    def _write(self, text: str) -> None:
+        try:
+            self._stream.write(text + "\n")
+            self._stream.flush()
+        except (ValueError, OSError):  # the stream was closed under us (interpreter exit)
+            pass
+
+    def _beat(self) -> None:
+        """The background thread: redraw the bar every second, or write a log line every `interval` seconds."""
+        period = 1.0 if self._bar is not None else self._interval
+        while not self._stop.wait(period):
+            with self._lock:
+                if self._bar is not None:
+                    self._bar.refresh()
+                else:
+                    self.lines += 1
+                    self._write(self.line())
