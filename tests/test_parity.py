@@ -69,3 +69,31 @@ def test_smollm2_gguf_matches_transformers_gguf_loader(smollm2, smollm2_gguf_pat
     ours = smollm2.prompt_logits(ids)
     assert (ours - ref).abs().max().item() <= 1e-3
     assert torch.equal(ours.argmax(-1), ref.argmax(-1))
+
+
+@pytest.mark.slow
+def test_qwen_coder_05b_gguf_matches_transformers_gguf_loader():
+    """The first real long-context model (Q4_K/Q6_K/Q5_0/Q8_0 tensors, q/k/v bias, tied embeddings), fetched by its
+    alias on first use: prompt logits and greedy tokens equal transformers' GGUF loader, fp32 on CPU."""
+    import os
+
+    from transformers import AutoModelForCausalLM
+
+    from longreach import LLM, SamplingParams
+    from longreach.models.loader import resolve_model_path
+
+    path = resolve_model_path("qwen2.5-coder-0.5b")
+    llm = LLM("qwen2.5-coder-0.5b", device="cpu", dtype="float32", max_model_len=512, kv_cache_memory_gb=0.1)
+    ids = llm.get_tokenizer().encode("def fibonacci(n):\n    \"\"\"Return the n-th Fibonacci number.\"\"\"\n"
+                                "The capital of France is Paris. The capital of Italy is")
+    hf = AutoModelForCausalLM.from_pretrained(os.path.dirname(path), gguf_file=os.path.basename(path),
+                                              dtype=torch.float32)
+    ref = _hf_logits(hf, ids)
+    mine = llm.engine.prompt_logits(ids)
+    assert ref.std() > 0.5
+    assert (mine - ref).abs().max().item() <= 2e-3
+    with torch.no_grad():
+        want = hf.generate(torch.tensor([ids]), max_new_tokens=16, do_sample=False)[0, len(ids):].tolist()
+    got = llm.generate([{"prompt_token_ids": ids}], SamplingParams(temperature=0, max_tokens=16, ignore_eos=True),
+                        use_tqdm=False)[0].token_ids
+    assert got[:len(want)] == want
