@@ -2,18 +2,24 @@
 
 One prompt, RULER's niah_single_1 (eval/ruler_tasks.py: "One of the special magic numbers for <word> is: <7 digits>."
 hidden in a long filler text, then the question), answered by the sparse method and then by dense attention for
-contrast; prints each answer, whether it holds the number, and the time. (The classic pass-key prompt of
+contrast; says first how long that should take on this machine, shows progress while it runs (progress.py), and
+prints each answer, whether it holds the number, and the time. (The classic pass-key prompt of
 eval/passkey.py is harder for SmolLM2 under sparse attention: right in 60–67% of prompts at 8K–16K, docs/quality.md.)
 The default length suits the default model (SmolLM2, trained on 8K tokens): 16K tokens, where dense attention is
-already past the model's trained length and fails, on a GPU and on a CPU (about 6 minutes on 2 cores); `--length`
-changes it.
+already past the model's trained length and fails, on a GPU and on a CPU (minutes on 2 cores: `estimate`);
+`--length` changes it.
 """
 from __future__ import annotations
 
-import sys
 import time
 
 from .eval.common import make_llm, parse_methods
+
+# The default model at 16K tokens on a quiet 2-core CPU (Xeon with AVX-512, 2 threads): seconds per run, and the
+# seconds `_probe` took there. The estimate scales them by `_probe` here (with the threads the engine chose) and by
+# the length (attention grows with its square, the rest linearly: 1.5 between).
+_CPU_REFERENCE = {"probe_s": 0.0, "infinitehip": 0.0, "dense": 0.0}
+_REFERENCE_MODEL, _REFERENCE_LENGTH = "smollm2", 16384
 
 
 def add_arguments(p) -> None:
@@ -28,6 +34,41 @@ def add_arguments(p) -> None:
     p.add_argument("--no-dense", action="store_true", help="skip the dense contrast")
     p.add_argument("--device", default="auto", help="device (default: auto)")
     p.add_argument("--dtype", default="auto", help="dtype (default: auto)")
+    p.add_argument("--cpu-threads", type=int, default=None, metavar="N",
+                   help="torch threads on a CPU (default: auto, from the cores other processes leave free)")
+
+
+def _probe() -> float:
+    """Seconds of a fixed fp32 matmul load (about 18 GFLOP) on the current torch threads: this CPU's speed now."""
+    import torch
+
+    a, b = torch.randn(2048, 576), torch.randn(576, 1536)
+    a @ b  # warm-up
+    t0 = time.perf_counter()
+    for _ in range(5):
+        a @ b
+    return time.perf_counter() - t0
+
+
+def estimate(engine, model: str, labels: list[str], length: int) -> str:
+    """One sentence: how long the runs should take on this machine (roughly), before they start."""
+    import torch
+
+    from .progress import format_seconds
+
+    dev = engine.device
+    if dev.type == "cuda":
+        return (f"On {torch.cuda.get_device_name(dev)} each run takes seconds once the Triton kernels are compiled; a "
+                "first run compiles them (about a minute).")
+    where = f"on this CPU ({torch.get_num_threads()} threads)"
+    if model != _REFERENCE_MODEL or not _CPU_REFERENCE["probe_s"]:
+        return f"No estimate for {model} {where}: the progress lines give the rate and the time left."
+    scale = _probe() / _CPU_REFERENCE["probe_s"] * (length / _REFERENCE_LENGTH) ** 1.5
+    # a sparse method without a reference of its own: infinitehip's, the default
+    each = {label: _CPU_REFERENCE.get(label.partition(":")[0], _CPU_REFERENCE["infinitehip"]) * scale
+            for label in labels}
+    parts = ", ".join(f"{label} ~{format_seconds(s)}" for label, s in each.items())
+    return f"Expect about {format_seconds(sum(each.values()))} {where}: {parts} (rough; progress below)."
 
 
 def main(args) -> int:
@@ -35,17 +76,22 @@ def main(args) -> int:
 
     import torch
 
+    from .progress import format_seconds
     from .sampling_params import SamplingParams
 
     sparse = parse_methods([args.attention])[0]
     if sparse.name == "dense":
         raise ValueError("--attention names the sparse method to show; dense runs anyway as the contrast")
+    if args.cpu_threads is not None and args.cpu_threads < 1:
+        raise ValueError(f"--cpu-threads must be a positive integer, got {args.cpu_threads}")
     runs = [sparse] + ([] if args.no_dense else parse_methods(["dense"]))
     params = SamplingParams(temperature=0, max_tokens=12)
     length = args.length or 16384
     prompt = key = None
+    start = time.perf_counter()
     for spec in runs:
-        llm = make_llm(args.model, spec, None, args.device, args.dtype, length + params.max_tokens, max_num_seqs=1)
+        llm = make_llm(args.model, spec, None, args.device, args.dtype, length + params.max_tokens, max_num_seqs=1,
+                       cpu_threads=args.cpu_threads)
         if prompt is None:
             from .eval.ruler_tasks import generate
 
@@ -55,8 +101,9 @@ def main(args) -> int:
             print(f"A magic number ({key}) is hidden in a {len(prompt):,}-token document; the model "
                   f"({llm.engine.model_config.name or args.model}) was trained on {trained:,}-token contexts"
                   + ("" if length > trained else " (the document fits: give a longer --length)") + ".", flush=True)
+            print(estimate(llm.engine, args.model, [s.label for s in runs], len(prompt)), flush=True)
         t0 = time.perf_counter()
-        out = llm.generate({"prompt_token_ids": prompt}, params, use_tqdm=sys.stderr.isatty())[0]
+        out = llm.generate({"prompt_token_ids": prompt}, params)[0]  # progress: a bar, or lines in a log
         seconds = time.perf_counter() - t0
         verdict = "right" if key in out.text else "wrong"
         print(f"{spec.label:>12} on {llm.engine.device}: {out.text.strip()!r:<24} {verdict:<5}  {seconds:6.1f} s",
@@ -65,4 +112,5 @@ def main(args) -> int:
         gc.collect()
         if torch.cuda.is_available():
             torch.cuda.empty_cache()
+    print(f"Done in {format_seconds(time.perf_counter() - start)}.", flush=True)
     return 0

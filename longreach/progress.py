@@ -47,6 +47,7 @@ class Progress:
                  stream: TextIO | None = None, interval: float | None = None, leave: bool = True):
         self.total, self.desc, self.unit = max(int(total), 0), desc, unit
         self.n = 0
+        self.partial = 0.0  # provisional progress inside the current step (layer by layer), replaced by update()
         self.postfix = ""
         self.enabled = enabled
         self.lines = 0  # log lines written so far
@@ -57,6 +58,7 @@ class Progress:
         self._stop = threading.Event()
         self._lock = threading.Lock()
         self._thread: threading.Thread | None = None
+        self._hooks: list = []
         if not enabled:
             return
         if _is_tty(self._stream):
@@ -69,12 +71,42 @@ class Progress:
 
     # ---- the caller's side ----------------------------------------------------------------------------------------
     def update(self, n: int = 1) -> None:
-        if not self.enabled or n <= 0:
+        """`n` more are done (0: none, but the current step ended: its provisional progress is dropped)."""
+        if not self.enabled:
             return
         with self._lock:
-            self.n += n
-            if self._bar is not None:
-                self._bar.update(n)
+            self.partial = 0.0
+            self.n += max(n, 0)
+            self._sync_bar()
+
+    def add_partial(self, amount: float) -> None:
+        """Provisional progress inside a long step (a layer of a prefill chunk done): shown at once, replaced by the
+        step's `update`."""
+        if not self.enabled:
+            return
+        with self._lock:
+            self.partial += amount
+            self._sync_bar()
+
+    def follow_layers(self, model, device) -> "Progress":
+        """On a CPU, where one prefill chunk can take minutes, advance layer by layer inside a step: each decoder
+        layer's forward adds its share of the step's rows as provisional progress, which the step's `update` replaces
+        (a decode step's share is dropped the same way). Until `close()`. Nothing on a GPU, where a layer's call
+        returns before its kernels run."""
+        layers = getattr(model, "layers", None)
+        if device.type != "cpu" or not self.enabled or not layers:
+            return self
+        share = 1.0 / len(layers)
+
+        def hook(module, args, output) -> None:
+            self.add_partial(args[0].shape[0] * share)  # args[0]: the layer's input rows (T, hidden)
+
+        self._hooks = [layer.register_forward_hook(hook) for layer in layers]
+        return self
+
+    def _sync_bar(self) -> None:
+        if self._bar is not None and self.count != self._bar.n:
+            self._bar.update(self.count - self._bar.n)
 
     def set_total(self, total: int) -> None:
         if not self.enabled:
@@ -97,6 +129,8 @@ class Progress:
         if not self.enabled:
             return
         self.enabled = False
+        while self._hooks:
+            self._hooks.pop().remove()
         self._stop.set()
         if self._thread is not None:
             self._thread.join()
@@ -111,18 +145,23 @@ class Progress:
     def __exit__(self, *exc) -> None:
         self.close()
 
+    @property
+    def count(self) -> int:
+        """Done so far, the current step's provisional share included."""
+        return min(self.n + int(self.partial), max(self.total, self.n))
+
     # ---- the line ---------------------------------------------------------------------------------------------------
     def line(self, done: bool = False) -> str:
         """The log line for now: count, share, rate, elapsed time and ETA (or the total time once done)."""
         elapsed = time.perf_counter() - self._start
-        rate = self.n / elapsed if elapsed > 0 else 0.0
-        parts = [f"{self.n:,}/{self.total:,} {self.unit}" + (f" ({100 * self.n / self.total:.0f}%)" if self.total
-                                                             else ""),
+        n = self.count
+        rate = n / elapsed if elapsed > 0 else 0.0
+        parts = [f"{n:,}/{self.total:,} {self.unit}" + (f" ({100 * n / self.total:.0f}%)" if self.total else ""),
                  f"{rate:,.1f} {self.unit}/s"]
         if done:
             parts.append(f"done in {format_seconds(elapsed)}")
         else:
-            left = self.total - self.n
+            left = self.total - n
             eta = format_seconds(left / rate) if rate > 0 else "?"
             parts += [format_seconds(elapsed), f"ETA {eta}"]
         if self.postfix:
@@ -146,3 +185,4 @@ class Progress:
                 else:
                     self.lines += 1
                     self._write(self.line())
+

@@ -2,6 +2,7 @@
 import os
 import subprocess
 import sys
+from types import SimpleNamespace
 
 import pytest
 
@@ -47,6 +48,35 @@ def test_bad_engine_config(kwargs, message):
         EngineConfig(**kwargs)
 
 
+@pytest.mark.parametrize("kwargs, message", [
+    (dict(preset="nonsense"), r"dense attention takes no --preset or --attention-config"),
+    (dict(attention="infinitehip", preset="nonsense"),
+     r"unknown infinitehip preset 'nonsense'; available: 3k, 5k, .* \(default: 3k-box"),
+    (dict(attention="nonsense"), r"unknown attention backend 'nonsense'; available: cascading, dense"),
+    (dict(attention="hip", attention_config='{"budget": 1024'), "attention_config must be a JSON object"),
+    (dict(attention="hip", attention_config='{"budjet": 1024}'), r"unknown HiPConfig field\(s\) \['budjet'\]; valid: "
+                                                                  r"attend_rope, block_k, block_q, budget"),
+    (dict(attention="infinitehip", attention_config='{"n_sink": "128"}'),
+     r'InfiniteHiPConfig field n_sink must be int, got "128"'),
+    (dict(attention="quest", attention_config='{"dense_layers": 0}'),
+     r"QuestConfig field dense_layers must be tuple\[int, ...\], got 0"),
+    (dict(attention="psa", attention_config='{"count_reads": 1}'), "PSAConfig field count_reads must be bool, got 1"),
+    (dict(attention="minference", decode_attention="infinitehip:9k"),
+     r"decode_attention 'infinitehip:9k': unknown infinitehip preset '9k'"),
+    (dict(cpu_threads=0), r"cpu_threads must be a positive integer \(or absent: auto\), got 0"),
+])
+def test_bad_method_config_fails_before_any_model_loads(monkeypatch, kwargs, message):
+    """Method, preset and overrides are checked with the config: the model loader is never reached."""
+    import longreach.engine.llm_engine as llm_engine
+
+    def load_model(*args, **kw):
+        raise AssertionError("a model was loaded before the config was checked")
+
+    monkeypatch.setattr(llm_engine, "load_model", load_model)
+    with pytest.raises(ValueError, match=message):
+        LLM("smollm2", device="cpu", **kwargs)
+
+
 def test_unknown_model_and_unknown_argument():
     with pytest.raises(ValueError, match=r"model 'no/such/model' not found: expected an alias \(smollm2\)"):
         LLM("no/such/model", device="cpu")
@@ -90,7 +120,7 @@ def test_help_is_complete():
                  "--enforce-eager", "--kv-cache-memory-gb", "--gpu-memory-utilization", "--preset",
                  "--attention-config", "--decode-attention", "--decode-attention-config"]:
         assert flag in gen.stdout, flag
-    names = [line.split()[0] for line in _cli("backends").stdout.splitlines()[1:]]
+    names = [line.split()[0] for line in _cli("backends").stdout.splitlines()[1:] if not line.startswith(" ")]
     assert names == ["cascading", "dense", "hip", "infinitehip", "minference", "psa", "quest", "streaming"]
     for sub in (["eval", "recall"], ["eval", "agreement"], ["bench", "engine"], ["calibrate"]):
         r = _cli(*sub, "--help")
@@ -117,6 +147,53 @@ def test_cli_errors_are_one_line_with_exit_code_2(args, message):
     assert "Traceback" not in r.stderr
 
 
+@pytest.mark.parametrize("args, message", [
+    (["generate", "--prompt", "hi", "--preset", "nonsense"], "dense attention takes no --preset"),
+    (["generate", "--prompt", "hi", "--attention", "hip", "--attention-config", '{"budget": "2k"}'],
+     'HiPConfig field budget must be int, got "2k"'),
+    (["serve", "--attention", "streaming", "--preset", "9k"], "unknown streaming preset '9k'"),
+    (["demo", "--attention", "infinitehip:9k"], "unknown infinitehip preset '9k'"),
+    (["eval", "passkey", "--attention", "dense", "quest:9k"], "quest:9k: unknown quest preset '9k'"),
+    (["eval", "ruler", "--attention", "dense", "hip", "--attention-config", '{"hip": {"bugdet": 1}}'],
+     "hip: unknown HiPConfig field(s) ['bugdet']"),
+    (["eval", "ppl", "--text-source", "paul-graham", "--attention", "dense", "nonsense"],
+     "unknown attention backend 'nonsense'"),
+    (["bench", "decode", "--attention", "infinitehip+psa:0.5"], "unknown psa preset '0.5'"),
+    (["bench", "long", "--attention", "dense", "infinitehip:9k"], "unknown infinitehip preset '9k'"),
+])
+def test_cli_config_errors_come_before_the_model(args, message):
+    """Each command that loads a model checks its methods first: with a model that does not exist, the config error
+    is the one reported (one line, exit 2)."""
+    r = _cli(*args, "--model", "/no/such/model")
+    assert r.returncode == 2, r.stderr
+    err = [line for line in r.stderr.splitlines() if "error" in line]
+    assert len(err) == 1 and message in err[0] and "/no/such/model" not in err[0], r.stderr
+
+
+def test_backends_lists_every_preset_with_a_note():
+    """`longreach backends`: under each method, its presets (the default first), one line each."""
+    from longreach.attention.registry import available_backends, get_backend_class
+
+    out = _cli("backends").stdout.splitlines()[1:]
+    for name in available_backends():
+        cls = get_backend_class(name)
+        at = next(i for i, line in enumerate(out) if line.split()[0] == name)
+        listed = []
+        for line in out[at + 1:]:
+            if not line.startswith(" "):
+                break
+            listed.append(line.split()[0])
+        assert listed == list(cls.preset_notes), name
+        if not listed:
+            continue
+        with pytest.raises(ValueError) as e:  # the presets the method knows, from its own error message
+            cls.resolve_config(SimpleNamespace(preset="?", attention_config=None))
+        known = str(e.value).split("available: ")[1].split(" (default")[0].split(", ")
+        assert sorted(known) == sorted(listed), name
+        assert cls.resolve_config(EngineConfig(attention=name)) == cls.resolve_config(
+            EngineConfig(attention=name, preset=listed[0])), f"{name}: the first preset listed is not the default"
+
+
 def test_cli_generate_chat_prints_answer_and_timings():
     r = _cli("generate", "--chat", "--prompt-file", "-", "--max-tokens", "16", "--device", "cpu", "--no-progress",
              stdin="What is the capital of France?")
@@ -139,7 +216,11 @@ def test_demo_answers_and_reports(capsys):
     assert main(["demo", "--length", "1024", "--no-dense", "--device", "cpu"]) == 0
     out = capsys.readouterr().out
     assert "magic number" in out and "infinitehip on cpu" in out
-    assert out.strip().splitlines()[-1].split()[-3] == "right"  # label, device, answer, verdict, seconds, "s"
+    lines = out.strip().splitlines()
+    assert any(line.startswith("Expect about") or line.startswith("No estimate") for line in lines), out
+    answer = next(line for line in lines if "infinitehip on cpu" in line)
+    assert answer.split()[-3] == "right"  # label, device, answer, verdict, seconds, "s"
+    assert lines[-1].startswith("Done in")
 
 
 def test_sigusr1_prints_the_python_stacks_and_the_run_goes_on(capfd):

@@ -120,6 +120,7 @@ def _drive(engine, prompts: list[list[int]], decode_tokens: int, label: str, pro
     second one on, `profile_prefill_steps` of them (their time stays in the prefill seconds, profiler overhead
     included: a run that profiles its prefill says where the time goes, not how much there is). `timed`: False for
     the warm-up run (no note about what compiled in it)."""
+    from ..progress import Progress
     from ..sampling_params import SamplingParams
     from .jit_watch import JitWatch
     from .profile import StepProfiler
@@ -134,7 +135,8 @@ def _drive(engine, prompts: list[list[int]], decode_tokens: int, label: str, pro
     steps: list[dict] = []
     snaps: list = []  # offload counters before decode step 0, then after each decode step
     prefill_before = snap = _kv_stats(engine)
-    last_note = time.perf_counter()
+    prefill_progress = Progress(total, f"bench decode {label} prefill").follow_layers(engine.model, dev)
+    decode_progress = None
     prof, prof_prefill = StepProfiler(dev), StepProfiler(dev)
     prefill_steps = 0
     jit, prefill_jit = JitWatch(), None
@@ -169,12 +171,12 @@ def _drive(engine, prompts: list[list[int]], decode_tokens: int, label: str, pro
                 prefill_s += dt
                 prefill_tokens += st.num_tokens
                 first_step = dt if first_step is None else first_step
-                if time.perf_counter() - last_note > 10 or prefill_tokens >= total:
-                    last_note = time.perf_counter()
-                    rate = prefill_tokens / prefill_s
-                    _note(f"{label}: prefill {prefill_tokens:,}/{total:,} tokens in {prefill_s:.0f} s "
-                          f"({rate:,.0f} tok/s, ~{max(total - prefill_tokens, 0) / rate:.0f} s left)")
+                prefill_progress.update(st.num_tokens)
                 continue
+            if decode_progress is None:
+                prefill_progress.close()
+                decode_progress = Progress(len(prompts) * (decode_tokens - 1), f"bench decode {label} decode")
+            decode_progress.update(st.num_tokens)
             prof_prefill.stop()  # a decode step: the prefill's profile ends, whatever it had
             if prefill_jit is None:
                 prefill_jit = jit.since(0)
@@ -193,6 +195,9 @@ def _drive(engine, prompts: list[list[int]], decode_tokens: int, label: str, pro
         raise
     finally:
         jit.stop()
+        prefill_progress.close()
+        if decode_progress is not None:
+            decode_progress.close()
         profile, prefill_profile = prof.report(), prof_prefill.report()
     prefill_jit = prefill_jit or jit.since(0)
     if prefill_jit["count"] and timed:  # the warm-up run is there to compile

@@ -224,10 +224,9 @@ def run_long(model: str, text: str, lengths: list[int], methods: list[tuple[str,
                     raise ValueError(f"the text has {len(ids)} tokens, fewer than the prompt length {n}")
                 prompt = {"prompt_token_ids": ids[:n]}
                 params = SamplingParams(temperature=0, max_tokens=new_tokens, ignore_eos=True)
-                # warm-up: compiles, and captures the graph variants a decode meets
-                llm.generate(prompt, SamplingParams(temperature=0, max_tokens=new_tokens, ignore_eos=True),
-                             use_tqdm=False)
-                out = llm.generate(prompt, params, use_tqdm=False)[0]
+                # warm-up: compiles, and captures the graph variants a decode meets (progress: progress.py)
+                llm.generate(prompt, SamplingParams(temperature=0, max_tokens=new_tokens, ignore_eos=True))
+                out = llm.generate(prompt, params)[0]
                 m = out.metrics
                 graphs = bool(llm.engine.runner._graph_sizes)
                 row = {"length": n, "attention": f"{name}:{preset}" if preset else name,

@@ -118,35 +118,29 @@ class LLM:
         request_ids = list(budget)
         done: dict[str, RequestOutput] = {}
         prefill = Progress(prompt_tokens, "prefill", enabled=use_tqdm and prompt_tokens >= LONG_PREFILL_TOKENS,
-                           leave=False)
+                           leave=False).follow_layers(engine.model, engine.device)
         decode = None  # made at the first decode step, so that its rate and ETA count decode time only
         left = sum(budget.values())  # tokens still possible; a request that stops early (EOS, stop string) lowers it
-        n_in = n_out = 0
-        seconds = 0.0
         try:
             while engine.has_unfinished_requests():
                 finished = engine.step()
                 st = engine.last_step
                 if st is not None:
-                    seconds += st.seconds
+                    prefill.update(min(st.num_tokens, prefill.total - prefill.n) if st.is_prefill else 0)
                     if st.is_prefill:
-                        n_in += st.num_tokens
-                        prefill.update(min(st.num_tokens, prefill.total - prefill.n))
                         if prefill.n >= prefill.total:
                             prefill.close()
                     else:
                         if decode is None:
                             decode = Progress(left, "decode", enabled=use_tqdm)
-                        n_out += st.num_tokens
                         decode.update(st.num_tokens)
                 for out in finished:
                     done[out.request_id] = out
                     left -= budget[out.request_id] - sum(max(len(c.token_ids) - 1, 0) for c in out.outputs)
                     if decode is not None:
                         decode.set_total(left)
-                if decode is not None and seconds > 0:
-                    decode.set_postfix(f"{len(done)}/{len(request_ids)} requests, in: {n_in / seconds:,.0f} tok/s, "
-                                       f"out: {n_out / seconds:,.1f} tok/s")
+                if decode is not None and len(request_ids) > 1:
+                    decode.set_postfix(f"{len(done)}/{len(request_ids)} requests done")
         except BaseException:
             for rid in request_ids:  # leave the engine clean for the next call
                 engine.abort_request(rid)

@@ -336,11 +336,12 @@ class LLMEngine:
         return torch.cat(chunks) if return_logits else None
 
     @torch.inference_mode()
-    def prompt_nll(self, token_ids: list[int]) -> torch.Tensor:
+    def prompt_nll(self, token_ids: list[int], progress=None) -> torch.Tensor:
         """Per-token negative log-likelihood (T-1,) fp32: entry t is -log p(token t+1 | tokens <= t).
 
         The same chunked prefill as `prompt_logits`, but each chunk's logits are reduced as soon as they come back,
-        so memory holds one chunk's (n, V) logits, never the whole (T, V).
+        so memory holds one chunk's (n, V) logits, never the whole (T, V). `progress` (a progress.Progress) counts
+        the chunks' tokens.
         """
         if len(token_ids) < 2:
             raise ValueError(f"prompt_nll needs at least 2 tokens (one context, one target), got {len(token_ids)}")
@@ -351,6 +352,8 @@ class LLMEngine:
                 tgt = targets[start: start + logits.shape[0]]  # the sequence's last row has no target
                 nll.append(torch.nn.functional.cross_entropy(logits[: len(tgt)], tgt, reduction="none"))
                 start += logits.shape[0]
+                if progress is not None:
+                    progress.update(logits.shape[0])
         return torch.cat(nll)
 
     def _prefill_chunks(self, token_ids: list[int], all_logits: bool) -> Iterator[torch.Tensor | None]:

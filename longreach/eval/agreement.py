@@ -29,7 +29,7 @@ def run(model: str, text: str, length: int, new_tokens: int, methods: list, atte
             report.update(model=llm.engine.model_config.name, device=str(llm.engine.device),
                           dtype=str(llm.engine.dtype).replace("torch.", ""))
         t0 = time.perf_counter()
-        out = llm.generate({"prompt_token_ids": prompt}, params, use_tqdm=False)[0]
+        out = llm.generate({"prompt_token_ids": prompt}, params)[0]
         row = {"seconds": round(time.perf_counter() - t0, 2), "text": out.text}
         if reference is None:
             reference = out.token_ids

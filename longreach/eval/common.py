@@ -14,7 +14,7 @@ from typing import NamedTuple
 def add_method_args(p: argparse.ArgumentParser, default_methods: tuple[str, ...] = ("dense", "infinitehip")) -> None:
     """--model, --attention METHOD[:PRESET]..., --preset, --attention-config, --device, --dtype,
     --kv-cache-memory-gb, --kv-cache-dtype, --kv-offloading-size, --rope-scaling, --max-num-batched-tokens,
-    --enforce-eager, --out, --plot."""
+    --enforce-eager, --cpu-threads, --out, --plot."""
     p.add_argument("--model", default="smollm2", help="model (default: smollm2)")
     p.add_argument("--attention", nargs="+", default=list(default_methods), metavar="METHOD[:PRESET]",
                    help=f"methods to run side by side (default: {' '.join(default_methods)}); e.g. dense "
@@ -38,6 +38,8 @@ def add_method_args(p: argparse.ArgumentParser, default_methods: tuple[str, ...]
     p.add_argument("--max-num-batched-tokens", type=int, default=8192, metavar="N",
                    help="prefill chunk size (default: 8192)")
     p.add_argument("--enforce-eager", action="store_true", help="decode without CUDA graphs")
+    p.add_argument("--cpu-threads", type=int, default=None, metavar="N",
+                   help="torch threads on a CPU (default: auto, from the cores other processes leave free)")
     p.add_argument("--out", default=None, metavar="PATH", help="also write the JSON report here")
     p.add_argument("--plot", default=None, metavar="PNG", help="draw the figure here (default: next to --out, or none)")
 
@@ -172,7 +174,7 @@ def engine_kwargs(args: argparse.Namespace) -> dict:
     """The engine flags of `add_method_args`, as `LLM` keyword arguments."""
     return {"kv_cache_memory_gb": args.kv_cache_memory_gb, "kv_cache_dtype": args.kv_cache_dtype,
             "kv_offloading_size": args.kv_offloading_size, "max_num_batched_tokens": args.max_num_batched_tokens,
-            "rope_scaling": args.rope_scaling, "enforce_eager": args.enforce_eager}
+            "rope_scaling": args.rope_scaling, "enforce_eager": args.enforce_eager, "cpu_threads": args.cpu_threads}
 
 
 def decode_kwargs(spec: MethodSpec, attention_config: str | None) -> dict:

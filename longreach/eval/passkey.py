@@ -177,8 +177,7 @@ def run_method(llm, prompts: list[dict], new_tokens: int, label: str) -> list[di
     backend = llm.engine.backend
     for group in batches:
         before = backend.decode_reads()
-        outs = llm.generate([{"prompt_token_ids": p["ids"]} for p in group], params,
-                            use_tqdm=sys.stderr.isatty())  # the engine's prefill bar, on long prompts
+        outs = llm.generate([{"prompt_token_ids": p["ids"]} for p in group], params)  # progress: progress.py
         after = backend.decode_reads()
         for p, out in zip(group, outs):
             m = out.metrics

@@ -83,15 +83,21 @@ def score(engine, windows: list[list[int]], tail: int, label: str = "") -> dict:
     """Score each window (token ids) through `engine`: PPL over all predicted tokens and over the last `tail`."""
     import torch
 
+    from ..progress import Progress
+
     t0 = time.perf_counter()
     nll_all, nll_tail = [], []
-    for i, ids in enumerate(windows):
-        t = time.perf_counter()
-        nll = engine.prompt_nll(ids).double().cpu()  # (L-1,)
-        nll_all.append(nll)
-        nll_tail.append(nll[-tail:])
-        note(f"ppl {label} {format_length(len(ids))} window {i + 1}/{len(windows)}: ppl {nll.mean().exp().item():.3f}, "
-             f"tail {nll[-tail:].mean().exp().item():.3f} ({time.perf_counter() - t:.1f} s)")
+    desc = " ".join(x for x in ("ppl", label, format_length(len(windows[0]))) if x)
+    progress = Progress(sum(len(w) for w in windows), desc).follow_layers(engine.model, engine.device)
+    with progress:
+        for i, ids in enumerate(windows):
+            t = time.perf_counter()
+            nll = engine.prompt_nll(ids, progress).double().cpu()  # (L-1,)
+            nll_all.append(nll)
+            nll_tail.append(nll[-tail:])
+            note(f"ppl {label} {format_length(len(ids))} window {i + 1}/{len(windows)}: ppl "
+                 f"{nll.mean().exp().item():.3f}, tail {nll[-tail:].mean().exp().item():.3f} "
+                 f"({time.perf_counter() - t:.1f} s)")
     every, last = torch.cat(nll_all), torch.cat(nll_tail)
     return {"ppl_all": every.mean().exp().item(), "ppl_tail": last.mean().exp().item(),
             "ppl_tail_per_window": [x.mean().exp().item() for x in nll_tail],

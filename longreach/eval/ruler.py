@@ -98,8 +98,7 @@ def run(model: str, task_list: list[Task], lengths: list[int], num_samples: int,
                          f"{min(sizes)}-{max(sizes)} tokens in {time.perf_counter() - t0:.1f} s")
                 batch = samples[key]
                 t0 = time.perf_counter()
-                outs = llm.generate([{"prompt_token_ids": s.prompt_ids.tolist()} for s in batch], params,
-                                    use_tqdm=False)
+                outs = llm.generate([{"prompt_token_ids": s.prompt_ids.tolist()} for s in batch], params)
                 preds = [o.text for o in outs]
                 total, per_sample = score(task, preds, [s.outputs for s in batch])
                 cells.setdefault(task.name, {})[str(length)] = {
