@@ -6,6 +6,7 @@
 #
 #   bash scripts/device_ladder.sh [SECONDS]     # run the jobs not done yet, P at a time, until SECONDS have passed
 #   ONLY='REGEX' P=3 bash scripts/device_ladder.sh 540   # only the jobs whose name matches; 3 at a time
+#   SUITE=qwen_wall MODEL=/tmp/m/model.gguf bash scripts/device_ladder.sh   # another job list (suite_* below)
 #
 # Jobs run in priority order; each writes /tmp/ladder/NAME.json, and a job whose JSON exists is skipped, so calls on
 # a warm machine resume where the last one stopped (a job killed at the deadline runs again from scratch). Every
@@ -41,6 +42,7 @@ ruler() {  # ruler LABEL METHOD LENGTHS: NIAH-single 1, 2 and 3, one job per tas
         job "ruler__${t}__${1}__${3// /-}" ruler --tasks "$t" --lengths $3 --samples 20 --attention "$2"
     done
 }
+suite_smollm2() {  # issue 13's ladder on SmolLM2
 rungs filler
 ladder filler oracle-true --attention infinitehip:oracle-true
 ladder filler positions-st --attention infinitehip:positions-st
@@ -99,6 +101,52 @@ for pair in "infinitehip-3k-box infinitehip:3k-box" "infinitehip infinitehip:3k"
             --depths "$depth" --attention "$2" --kv-cache-memory-gb 24
     done
 done
+}
+
+# Qwen2.5-Coder (32K-trained; issue 28). Candidates for the wall at 512K-1M, all 3k-box with one change:
+S0X2='{"budgets": [65536, 8192, 2048]}'            # stage 0 keeps twice the tokens
+BOX32='{"chunk_sizes": [32, 16, 8], "exact_below": 16}'  # stage 0 boxes of 32 tokens (tighter bounds)
+CUBOID='{"stage0_scores": "cuboid-mean"}'            # stage 0 scored from the cuboid's mean instead of min/max
+trace() {  # trace LABEL LENGTHS DEPTHS PRESET [CONFIG]: where the needle is lost, per layer and stage
+    job "trace__paul-graham__$1__$2" trace "$2" "$3" "$4" "${5:-}"
+}
+suite_qwen_wall() {  # where the needle is lost at 512K and 1M, and which candidate keeps it
+    trace 3k-box 524288 0.1,0.3,0.5,0.7,0.9 3k-box
+    trace s0x2 524288 0.1,0.3,0.5,0.7,0.9 3k-box "$S0X2"
+    trace box32 524288 0.1,0.3,0.5,0.7,0.9 3k-box "$BOX32"
+    trace cuboid 524288 0.1,0.3,0.5,0.7,0.9 3k-box "$CUBOID"
+    trace 3k-box 1048576 0.2,0.5,0.8 3k-box
+    trace s0x2 1048576 0.2,0.5,0.8 3k-box "$S0X2"
+    trace box32 1048576 0.2,0.5,0.8 3k-box "$BOX32"
+    trace cuboid 1048576 0.2,0.5,0.8 3k-box "$CUBOID"
+    trace oracle 524288 0.5 oracle
+}
+suite_qwen() {  # the quality tables of docs/quality.md on Qwen: inside the window, then beyond
+    local t
+    for m in "dense dense" "infinitehip-3k-box infinitehip:3k-box"; do
+        set -- $m
+        job "passkey__paul-graham__${1}__4k-8k-16k-32k" passkey --haystack paul-graham --lengths 4k 8k 16k 32k \
+            --attention "$2"
+        for t in niah_single_1 niah_single_2 niah_single_3 niah_multikey_1 niah_multivalue vt; do
+            job "ruler__${t}__${1}__4k-8k-16k-32k" ruler --tasks "$t" --lengths 4k 8k 16k 32k --samples 20 \
+                --attention "$2"
+        done
+    done
+    job "passkey__paul-graham__infinitehip-3k-box__64k-128k" passkey --haystack paul-graham --lengths 64k 128k \
+        --attention infinitehip:3k-box
+    for t in niah_single_1 niah_single_2 niah_single_3 niah_multikey_1; do
+        job "ruler__${t}__infinitehip-3k-box__64k-128k" ruler --tasks "$t" --lengths 64k 128k --samples 20 \
+            --attention infinitehip:3k-box
+    done
+    job "passkey__paul-graham__dense__64k-128k" passkey --haystack paul-graham --lengths 64k 128k --attention dense
+    job "passkey__paul-graham__dense+yarn4__64k-128k" passkey --haystack paul-graham --lengths 64k 128k \
+        --attention dense --rope-scaling '{"rope_type": "yarn", "factor": 4}'
+    job "passkey__paul-graham__oracle__128k" passkey --haystack paul-graham --lengths 128k --attention infinitehip:oracle
+    for t in niah_single_2 niah_multikey_1; do
+        job "ruler__${t}__dense__64k" ruler --tasks "$t" --lengths 64k --samples 20 --attention dense
+    done
+}
+suite_"${SUITE:-smollm2}"
 
 start=$SECONDS
 launch() {  # launch NAME KIND ARGS...
@@ -106,8 +154,15 @@ launch() {  # launch NAME KIND ARGS...
     local left=$((budget - (SECONDS - start)))
     local extra=()
     [ "$kind" = passkey ] && extra=(--depths 0.1 0.3 0.5 0.7 0.9 --seeds 4 --needles classic secret code)
-    ( timeout "$left" python3 -m longreach eval "$kind" --model "$model" --kv-cache-memory-gb "$KV_GB" "${extra[@]}" "$@" \
-          --out "/tmp/ladder/$name.part" > "/tmp/ladder/$name.log" 2>&1
+    ( if [ "$kind" = trace ]; then  # trace LENGTHS DEPTHS PRESET CONFIG
+          PRESET=$3 HAYSTACK=paul-graham NEEDLE=secret KV_GB=$KV_GB timeout "$left" python3 \
+              scripts/passkey_needle_trace.py "$model" "$1" "$2" "/tmp/ladder/$name.part" ${4:+"$4"} \
+              > "/tmp/ladder/$name.log" 2>&1
+      else
+          timeout "$left" python3 -m longreach eval "$kind" --model "$model" --kv-cache-memory-gb "$KV_GB" \
+              --max-num-batched-tokens "${MBT:-8192}" \
+              "${extra[@]}" "$@" --out "/tmp/ladder/$name.part" > "/tmp/ladder/$name.log" 2>&1
+      fi
       rc=$?
       [ $rc = 0 ] && mv "/tmp/ladder/$name.part" "/tmp/ladder/$name.json"
       echo "== $name: exit $rc after $((SECONDS - start)) s" ) &

@@ -22,6 +22,8 @@ def load(directory: pathlib.Path) -> dict:
     merged: dict = {}
     for path in sorted(directory.glob("*__*__*__*.json")):
         kind, hay, label, _ = path.stem.split("__")
+        if kind == "trace":  # scripts/passkey_needle_trace.py's reports: printed by traces()
+            continue
         report = json.loads(path.read_text())
         for method in report["methods"].values():
             if kind == "passkey":
@@ -63,6 +65,18 @@ def tables(merged: dict) -> str:
     return "\n".join(out)
 
 
+def traces(directory: pathlib.Path) -> str:
+    """One line per traced prompt (finished jobs and ones cut off at the deadline): right or wrong, and per layer
+    where the needle was lost (the trace script's legend: K kept, k partly, N lost after stage N, w window, . dense)."""
+    out = []
+    for path in sorted([*directory.glob("trace__*.json"), *directory.glob("trace__*.part")]):
+        label = path.name.split("__")[2]
+        for run in json.loads(path.read_text())["runs"]:
+            out.append(f"{label:<10} {length_label(run['length']):>5} depth {run['depth']:.1f} "
+                       f"{'right' if run['right'] else 'wrong'}  {run['layers']}")
+    return ("\ntraces (needle in paul-graham essays)\n" + "\n".join(out)) if out else ""
+
+
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("dir", type=pathlib.Path)
@@ -70,6 +84,7 @@ def main() -> int:
     args = p.parse_args()
     merged = load(args.dir)
     print(tables(merged))
+    print(traces(args.dir))
     if args.json:
         args.json.write_text(json.dumps({"__".join(k): v for k, v in merged.items()}, indent=1))
     return 0

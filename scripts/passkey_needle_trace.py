@@ -13,7 +13,7 @@ For each layer it prints one character, the best over the layer's selection grou
 and it writes the per-group detail as JSON.
 
   python scripts/passkey_needle_trace.py MODEL LENGTH[,LENGTH...] DEPTH[,DEPTH...] OUT.json [CONFIG_JSON]
-  (environment: PRESET=3k-box, HAYSTACK=filler|paul-graham|squad, NEEDLE=classic|secret|code, KV_GB=20)
+  (environment: PRESET=3k-box, HAYSTACK=filler|paul-graham|squad, NEEDLE=classic|secret|code, KV_GB=20, MBT=32768)
 """
 import json
 import os
@@ -39,7 +39,8 @@ def main() -> int:
     haystack, phrasing = os.environ.get("HAYSTACK", "filler"), os.environ.get("NEEDLE", "classic")
     llm = LLM(model, attention="infinitehip", preset=os.environ.get("PRESET"), attention_config=overrides,
               max_model_len=max(lengths) + 16, max_num_seqs=1, enforce_eager=True,
-              kv_cache_memory_gb=float(os.environ.get("KV_GB", 20)))
+              kv_cache_memory_gb=float(os.environ.get("KV_GB", 20)),
+              max_num_batched_tokens=int(os.environ.get("MBT", 32768)))
     engine, tok = llm.engine, llm.get_tokenizer()
     method, cfg = engine.backend.method, engine.backend.config
     records: dict[int, list] = {}
