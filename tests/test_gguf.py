@@ -8,6 +8,7 @@ import torch
 import gguf
 from longreach.config import EngineConfig
 from longreach.engine.llm_engine import LLMEngine
+from longreach.models.gguf import read_gguf
 from longreach.models.quant import dequantize
 
 from conftest import make_tiny_hf_model
@@ -36,6 +37,44 @@ def test_dequantize_matches_gguf_reference(kind):
 def test_unsupported_quant_type_names_the_supported_ones():
     with pytest.raises(ValueError, match="Q4_1"):
         dequantize("NOT_A_TYPE", np.zeros(4, np.uint8), (4,))
+
+
+def test_read_gguf_matches_the_gguf_package_reader(tmp_path):
+    """Our container parser: every metadata type, tensor shapes, types and bytes, a non-default alignment."""
+    rng = np.random.default_rng(0)
+    w = gguf.GGUFWriter(str(tmp_path / "m.gguf"), "llama")
+    w.add_custom_alignment(64)
+    for key, val, vtype in [("u8", 200, "UINT8"), ("i8", -7, "INT8"), ("u16", 60000, "UINT16"),
+                            ("i16", -3000, "INT16"), ("u32", 4_000_000_000, "UINT32"), ("i32", -5, "INT32"),
+                            ("f32", 0.1, "FLOAT32"), ("u64", 2**40, "UINT64"), ("i64", -2**40, "INT64"),
+                            ("f64", 0.1, "FLOAT64"), ("b", True, "BOOL")]:
+        w.add_key_value(f"t.{key}", val, gguf.GGUFValueType[vtype])
+    w.add_string("t.str", "héllo ✓")
+    w.add_array("t.strs", ["a", "", "日本語", "x y"])
+    w.add_array("t.ints", [1, -2, 3])
+    w.add_array("t.floats", [0.5, -1.25])
+    w.add_array("t.nested", [[1, 2], [3]])
+    w.add_tensor("a", rng.standard_normal((3, 64)).astype(np.float32))
+    w.add_tensor("b", rng.standard_normal((5,)).astype(np.float16))
+    w.add_tensor("c", rng.integers(0, 256, (2, 2 * 210), dtype=np.uint8), raw_dtype=gguf.GGMLQuantizationType.Q6_K)
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    meta, tensors = read_gguf(str(tmp_path / "m.gguf"))
+    ref = gguf.GGUFReader(str(tmp_path / "m.gguf"))
+    for key, field in ref.fields.items():
+        if not key.startswith("GGUF.") and key != "t.nested":  # the package reader flattens nested arrays
+            assert meta[key] == field.contents() and type(meta[key]) is type(field.contents()), key
+    assert set(meta) == {k for k in ref.fields if not k.startswith("GGUF.")}
+    assert meta["general.alignment"] == 64 and meta["t.nested"] == [[1, 2], [3]]
+    assert [(n, t.type, t.shape) for n, t in tensors.items()] == [("a", "F32", (3, 64)), ("b", "F16", (5,)),
+                                                                  ("c", "Q6_K", (2, 512))]
+    for t in ref.tensors:
+        assert np.array_equal(tensors[t.name].data, np.asarray(t.data).view(np.uint8).reshape(-1)), t.name
+    (tmp_path / "x.gguf").write_bytes(b"GGUF" + bytes([1, 0, 0, 0]) + bytes(16))
+    with pytest.raises(ValueError, match="not a little-endian GGUF v2/v3 file"):
+        read_gguf(str(tmp_path / "x.gguf"))
 
 
 def _permute_like_llama_cpp(w: np.ndarray, n_heads: int) -> np.ndarray:

@@ -2,12 +2,17 @@
 
 llama.cpp's converter permutes the rows of attn_q / attn_k of `llama`-architecture files for its interleaved rotary
 layout; `_unpermute` restores the HF "rotate half" layout (Qwen files are not permuted: llama.cpp treats them as NEOX).
+The container is parsed here (`read_gguf`): the gguf package's reader makes a numpy view per metadata item, which for a
+150k-token vocabulary takes seconds.
 """
 from __future__ import annotations
 
 import os
+import struct
+from dataclasses import dataclass
 from typing import Any, Iterator
 
+import numpy as np
 import torch
 
 from .config import ModelConfig, RopeConfig
@@ -45,15 +50,83 @@ _PRE_TOKENIZERS = {
 }
 
 
+# GGUF metadata value type -> struct format (8: string, 9: array, handled in _read_value)
+_SCALARS = {0: "B", 1: "b", 2: "H", 3: "h", 4: "I", 5: "i", 6: "f", 7: "?", 10: "Q", 11: "q", 12: "d"}
+_U32, _U64 = struct.Struct("<I"), struct.Struct("<Q")
+
+
+@dataclass(frozen=True)
+class GGUFTensor:
+    type: str  # GGML type name: "F32", "Q4_K", ...
+    shape: tuple[int, ...]  # logical shape, outermost dimension first
+    data: np.ndarray  # (nbytes,) uint8, a copy-on-write view of the file
+
+
+def _read_string(buf: memoryview, off: int) -> tuple[str, int]:
+    (n,) = _U64.unpack_from(buf, off)
+    return str(buf[off + 8:off + 8 + n], "utf-8"), off + 8 + n
+
+
+def _read_value(buf: memoryview, off: int, vtype: int) -> tuple[Any, int]:
+    if vtype == 8:
+        return _read_string(buf, off)
+    if vtype in _SCALARS:
+        fmt = struct.Struct("<" + _SCALARS[vtype])
+        return fmt.unpack_from(buf, off)[0], off + fmt.size
+    if vtype != 9:
+        raise ValueError(f"GGUF metadata value type {vtype} is not one GGUF defines")
+    (etype,), (n,) = _U32.unpack_from(buf, off), _U64.unpack_from(buf, off + 4)
+    off += 12
+    if etype in _SCALARS:  # one numpy read for the whole array
+        dtype = np.dtype("<" + _SCALARS[etype])
+        return np.frombuffer(buf, dtype, n, off).tolist(), off + n * dtype.itemsize
+    items = []
+    for _ in range(n):
+        item, off = _read_value(buf, off, etype)
+        items.append(item)
+    return items, off
+
+
+def read_gguf(path: str) -> tuple[dict[str, Any], dict[str, GGUFTensor]]:
+    """A little-endian GGUF v2/v3 file -> (metadata, tensors by name); tensor bytes stay memory-mapped."""
+    import gguf
+
+    raw = np.memmap(path, mode="c")  # copy-on-write: torch wraps the tensor bytes writable, without a copy
+    buf = memoryview(raw)
+    (magic,), (version,) = struct.unpack_from("<4s", buf, 0), _U32.unpack_from(buf, 4)
+    if magic != b"GGUF" or version not in (2, 3):
+        raise ValueError(f"{path} is not a little-endian GGUF v2/v3 file (magic {magic!r}, version {version})")
+    n_tensors, n_kv = struct.unpack_from("<QQ", buf, 8)
+    off, meta = 24, {}
+    for _ in range(n_kv):
+        key, off = _read_string(buf, off)
+        (vtype,) = _U32.unpack_from(buf, off)
+        meta[key], off = _read_value(buf, off + 4, vtype)
+    infos = []
+    for _ in range(n_tensors):
+        name, off = _read_string(buf, off)
+        (n_dims,) = _U32.unpack_from(buf, off)
+        dims = struct.unpack_from(f"<{n_dims}Q", buf, off + 4)
+        ttype, t_off = struct.unpack_from("<IQ", buf, off + 4 + 8 * n_dims)
+        off += 4 + 8 * n_dims + 12
+        infos.append((name, dims, gguf.GGMLQuantizationType(ttype), t_off))
+    align = meta.get("general.alignment", 32)
+    start = -(-off // align) * align
+    tensors = {}
+    for name, dims, qtype, t_off in infos:
+        block, block_bytes = gguf.GGML_QUANT_SIZES[qtype]
+        nbytes = int(np.prod(dims)) // block * block_bytes
+        begin = start + t_off
+        tensors[name] = GGUFTensor(qtype.name, tuple(reversed(dims)), raw[begin:begin + nbytes])
+    return meta, tensors
+
+
 class GGUFFile:
     """A parsed GGUF file (memory-mapped; tensors are decoded lazily)."""
 
     def __init__(self, path: str):
-        import gguf
-
         self.path = path
-        self.reader = gguf.GGUFReader(path)
-        self.tensors = {t.name: t for t in self.reader.tensors}
+        self.metadata, self.tensors = read_gguf(path)
         arch = self.get("general.architecture")
         if arch not in GGUF_ARCHITECTURES:
             raise ValueError(
@@ -62,8 +135,7 @@ class GGUFFile:
         self.arch = arch
 
     def get(self, key: str, default: Any = None) -> Any:
-        field = self.reader.fields.get(key)
-        return default if field is None else field.contents()
+        return self.metadata.get(key, default)
 
     def hp(self, key: str, default: Any = None) -> Any:
         """Architecture-scoped hyper-parameter, e.g. hp('block_count') -> llama.block_count."""
@@ -91,7 +163,7 @@ class GGUFFile:
         eos = self.get("tokenizer.ggml.eos_token_id")
         eot = self.get("tokenizer.ggml.eot_token_id")
         eos_ids = tuple(dict.fromkeys(i for i in (eos, eot) if i is not None))
-        vocab = self.hp("vocab_size") or int(self.tensors["token_embd.weight"].shape[1])
+        vocab = self.hp("vocab_size") or self.tensors["token_embd.weight"].shape[0]
         return ModelConfig(
             architecture=GGUF_ARCHITECTURES[self.arch],
             vocab_size=int(vocab),
@@ -114,13 +186,12 @@ class GGUFFile:
         )
 
     # ---- weights -------------------------------------------------------------------------------------------------
-    def _tensor(self, name: str) -> torch.Tensor:
+    def _tensor(self, name: str, dtype: torch.dtype = torch.float32) -> torch.Tensor:
         t = self.tensors[name]
-        shape = tuple(int(x) for x in reversed(t.shape.tolist()))  # GGUF lists the innermost dimension first
-        return dequantize(t.tensor_type.name, t.data, shape)
+        return dequantize(t.type, t.data, t.shape, dtype)
 
     def weights(self, cfg: ModelConfig, dtype: torch.dtype) -> Iterator[tuple[str, torch.Tensor]]:
-        """Yield (HF name, tensor in `dtype`), one tensor at a time (peak memory: one fp32 tensor)."""
+        """Yield (HF name, tensor in `dtype`), one tensor at a time (peak memory: one tensor)."""
         for name in self.tensors:
             if name == "rope_freqs.weight":
                 continue
@@ -134,11 +205,11 @@ class GGUFFile:
                 hf = f"{_GLOBAL_NAMES[base]}.{suffix}"
             else:
                 raise ValueError(f"unexpected GGUF tensor {name!r}")
-            w = self._tensor(name)
+            w = self._tensor(name, dtype)
             if self.arch == "llama" and base.endswith(("attn_q", "attn_k")):
                 heads = cfg.num_heads if base.endswith("attn_q") else cfg.num_kv_heads
                 w = _unpermute(w, heads)
-            yield hf, w.to(dtype)
+            yield hf, w
 
     # ---- tokenizer -----------------------------------------------------------------------------------------------
     def tokenizer(self) -> Tokenizer | None:

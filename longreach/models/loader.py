@@ -95,7 +95,7 @@ def build_model(cfg: ModelConfig, weights, dtype: torch.dtype, device: torch.dev
     """Allocate without initialising (meta device), then fill every parameter from `weights`."""
     with torch.device("meta"):
         net = LlamaForCausalLM(cfg)
-    net = net.to_empty(device=device).to(dtype)
+    net = net.to(dtype).to_empty(device=device)  # allocate in `dtype`: no fp32 copy to convert
     net.load_weights((name, t.to(device)) for name, t in weights)
     net.rotary = type(net.rotary)(cfg.rope, cfg.head_dim).to(device)  # fp32 buffers, rebuilt after to_empty
     return net.eval()
