@@ -121,6 +121,14 @@ suite_qwen_wall() {  # where the needle is lost at 512K and 1M, and which candid
     trace cuboid 1048576 0.2,0.5,0.8 3k-box "$CUBOID"
     trace oracle 524288 0.5 oracle
 }
+suite_qwen_wall2() {  # where the wall starts (128K-512K), and whether the oracle's budget or the method's is short
+    trace 3k-box 131072 0.1,0.3,0.5,0.7,0.9 3k-box
+    trace 3k-box 262144 0.1,0.3,0.5,0.7,0.9 3k-box
+    trace oracle 262144 0.1,0.3,0.5,0.7,0.9 oracle
+    trace oracle8k 524288 0.1,0.5,0.9 oracle '{"budgets": [8192], "early_last_budget": 16384}'
+    trace 3k-box-big 524288 0.1,0.5,0.9 3k-box '{"budgets": [65536, 16384, 8192], "early_last_budget": 16384}'
+    trace oracle 524288 0.1,0.9 oracle
+}
 suite_qwen() {  # the quality tables of docs/quality.md on Qwen: inside the window, then beyond
     local t
     for m in "dense dense" "infinitehip-3k-box infinitehip:3k-box"; do

@@ -18,6 +18,7 @@ and it writes the per-group detail as JSON.
 import json
 import os
 import sys
+import time
 
 from longreach.engine.llm import LLM
 from longreach.eval.passkey import NEEDLES, passkey_prompt, score
@@ -60,6 +61,7 @@ def main() -> int:
             records.clear()
             prompt, key = passkey_prompt(tok, n, depth, 0, haystack, (phrasing,))
             digits = digit_positions(tok, prompt, key, phrasing)
+            t0 = time.perf_counter()
             text = llm.generate({"prompt_token_ids": prompt}, SamplingParams(temperature=0, max_tokens=12),
                                 use_tqdm=False)[0].text
             layers, line = {}, ""
@@ -85,9 +87,11 @@ def main() -> int:
                 line += ("K" if best["last_stage_share"] == 1 else "k" if best["last_stage_share"] > 0
                          else str(best["lost_at_stage"]))
             ok = score(text, key)
-            print(f"{n:>8} depth {depth:.1f} {'right' if ok else 'wrong'}  {line}  {text.strip()[:24]!r}", flush=True)
+            seconds = time.perf_counter() - t0
+            print(f"{n:>8} depth {depth:.1f} {'right' if ok else 'wrong'}  {line}  {text.strip()[:24]!r}  "
+                  f"{seconds:.1f} s", flush=True)
             report.append({"length": n, "depth": depth, "key": key, "digit_positions": digits, "answer": text,
-                           "right": ok, "layers": line, "per_group": layers})
+                           "right": ok, "layers": line, "seconds": seconds, "per_group": layers})
             with open(out_path, "w") as f:
                 json.dump({"config": overrides, "preset": os.environ.get("PRESET"), "haystack": haystack,
                            "needle": phrasing, "runs": report}, f, indent=1)
