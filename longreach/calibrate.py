@@ -114,10 +114,9 @@ def calibrate(engine, token_ids: list[int], space, granularity: str = "head", bl
               progress: bool = True) -> list[dict]:
     """Per layer the search result (attention/minference_search.py: space, cost, errors, choice) for `engine` (a
     dense LLMEngine whose max_num_batched_tokens holds the prompt) on `token_ids`."""
-    from tqdm.auto import tqdm
-
     from .attention.minference import MInference, MInferenceConfig
     from .attention.minference_search import LayerSearch, search_layer
+    from .progress import Progress
 
     mc = engine.model_config
     method = MInference(MInferenceConfig(block=block, granularity=granularity, segment=max(block, -(
@@ -136,7 +135,7 @@ def calibrate(engine, token_ids: list[int], space, granularity: str = "head", bl
 
         def attend(q, kc, vc, bt, idx):
             return range_attention(q, kc, vc, bt, idx, scale, need_lse=False)[0]
-    bar = tqdm(total=mc.num_layers, desc="calibrate minference", unit="layer", disable=not progress)
+    bar = Progress(mc.num_layers, "calibrate minference", unit="layer", enabled=progress)
 
     def spy(layer, q, k, v, k_cache, v_cache, meta):
         out = inner(layer, q, k, v, k_cache, v_cache, meta)

@@ -60,7 +60,8 @@ def estimate(engine, model: str, labels: list[str], length: int) -> str:
     if dev.type == "cuda":
         return (f"On {torch.cuda.get_device_name(dev)} each run takes seconds once the Triton kernels are compiled; a "
                 "first run compiles them (about a minute).")
-    where = f"on this CPU ({torch.get_num_threads()} threads)"
+    n = torch.get_num_threads()
+    where = f"on this CPU ({n} thread{'s' if n != 1 else ''})"
     if model != _REFERENCE_MODEL or not _CPU_REFERENCE["probe_s"]:
         return f"No estimate for {model} {where}: the progress lines give the rate and the time left."
     scale = _probe() / _CPU_REFERENCE["probe_s"] * (length / _REFERENCE_LENGTH) ** 1.5

@@ -39,9 +39,10 @@ def _is_tty(stream) -> bool:
 
 
 class Progress:
-    """Counts `unit`s of work out of `total` under the name `desc`. `update(n)` when n more are done, `set_total`
-    when the work turns out smaller (requests that stop early), `set_postfix` for a short extra field; `close()` (or
-    a with-block) ends it. Disabled (`enabled=False`), every call does nothing. Not for use from several threads."""
+    """Counts `unit`s of work out of `total` under the name `desc`. `update(n)` when a step did n more,
+    `follow_layers` to move inside long CPU steps too, `set_total` when the work turns out smaller (requests that stop
+    early), `set_postfix` for a short extra field; `close()` (or a with-block) ends it. Disabled (`enabled=False`),
+    every call does nothing. One caller thread (the redraw thread is internal)."""
 
     def __init__(self, total: int, desc: str, unit: str = "tok", *, enabled: bool = True,
                  stream: TextIO | None = None, interval: float | None = None, leave: bool = True):

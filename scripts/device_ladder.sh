@@ -127,7 +127,7 @@ suite_qwen_wall2() {  # where the wall starts (128K-512K), and whether the oracl
     trace oracle 262144 0.1,0.3,0.5,0.7,0.9 oracle
     trace oracle8k 524288 0.1,0.5,0.9 oracle '{"budgets": [8192], "early_last_budget": 16384}'
     trace 3k-box-big 524288 0.1,0.5,0.9 3k-box '{"budgets": [65536, 16384, 8192], "early_last_budget": 16384}'
-    trace oracle 524288 0.1,0.9 oracle
+    trace oracle-b 524288 0.1,0.9 oracle
 }
 suite_qwen() {  # the quality tables of docs/quality.md on Qwen: inside the window, then beyond
     local t

@@ -1,4 +1,4 @@
-"""Progress of long work (longreach/progress.py) and the CPU thread count (longreach/engine/cpu_threads.py)."""
+"""Progress of long work (longreach/progress.py) and the CPU thread count (longreach/engine/cpu_runtime.py)."""
 import io
 import os
 import re
@@ -8,7 +8,7 @@ import time
 
 import pytest
 
-from longreach.engine import cpu_threads
+from longreach.engine import cpu_runtime as cpu_threads
 from longreach.progress import Progress, format_seconds
 
 LINE = re.compile(r"^\[longreach\] (?P<desc>[\w ]+): (?P<n>[\d,]+)/(?P<total>[\d,]+) tok \(\d+%\) \| [\d,.]+ tok/s \| "

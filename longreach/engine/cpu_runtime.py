@@ -1,15 +1,22 @@
-"""How many threads torch runs on a CPU: `--cpu-threads N`, or chosen from the cores that are actually free.
+"""How torch runs on a CPU: its thread count (`--cpu-threads N`, or chosen from the cores that are actually free) and
+glibc's allocator.
 
-Why it matters: torch starts one thread per core, and every op waits for all of its threads. When another process
-keeps a core busy, each op waits for the thread that shares that core, so a run of many small ops (the sparse
-methods' PyTorch references) crawls: on 2 cores with one busy, a 16-token infinitehip generate decoded at 0.4 tok/s
-with torch's 2 threads and at 5.2 tok/s with 1.
-
+Threads. Torch starts one thread per core, and every op waits for all of its threads. When another process keeps a
+core busy, each op waits for the thread that shares that core, so a run of many small ops (the sparse methods'
+PyTorch references) crawls: on 2 cores with one busy, a 16-token infinitehip generate decoded at 0.4 tok/s with
+torch's 2 threads and at 5.2 tok/s with 1.
 Auto: the cores this process may run on (its affinity) minus the cores other processes kept busy while the engine
 loaded its model (from /proc/stat, less this process's own CPU time), at least 1. A core counts as taken once others
 use more than `TAKEN_FROM` of it: one thread too few costs at most its share of the work, one too many can cost
 several times the run. The user's own choice wins: OMP_NUM_THREADS or MKL_NUM_THREADS in the environment, or a
 `torch.set_num_threads` call made before the engine starts, are left as they are.
+
+Allocator. glibc serves every allocation above 32 MiB with its own mmap and unmaps it when freed, so each large
+temporary (a prefill chunk's scores) is faulted in page by page again: on 2 cores that was 10-15% of a 16K-token
+prefill (4.8M page faults and 7.8 of 51 s in the kernel for infinitehip at 4K). `keep_freed_memory` has glibc serve
+them from its heap and keep what is freed for the next one, as MALLOC_MMAP_MAX_=0 would; the process's peak memory
+stays what it was, but it is not returned to the system until the process exits. Left alone when the user set any
+MALLOC_* variable, and outside glibc.
 """
 from __future__ import annotations
 
@@ -128,3 +135,28 @@ def apply(setting: int | None, sample: LoadSample | None) -> str:
     _applied = threads
     return (f"CPU threads: {threads} of {cores} cores (auto: other processes kept {busy:.1f} busy; "
             f"--cpu-threads N to choose)")
+
+
+_M_TRIM_THRESHOLD, _M_MMAP_MAX = -1, -4  # mallopt parameters (malloc.h)
+_malloc_kept = False
+
+
+def keep_freed_memory() -> bool:
+    """Have glibc serve large allocations from its heap and keep freed memory (see the module docstring); once per
+    process. True when it is in effect."""
+    global _malloc_kept
+    if _malloc_kept:
+        return True
+    if any(k.startswith("MALLOC_") for k in os.environ):
+        return False
+    import ctypes
+    import platform
+
+    if platform.libc_ver()[0] != "glibc":
+        return False
+    try:
+        mallopt = ctypes.CDLL(None).mallopt
+    except (OSError, AttributeError):
+        return False
+    _malloc_kept = bool(mallopt(_M_MMAP_MAX, 0)) and bool(mallopt(_M_TRIM_THRESHOLD, 1 << 30))
+    return _malloc_kept

@@ -24,7 +24,7 @@ from ..kvcache.offload import build_offloaded_cache
 from ..kvcache.paged import PagedKVCache
 from ..models.loader import load_model
 from ..sampling_params import SamplingParams
-from . import cpu_threads
+from . import cpu_runtime
 from .model_runner import ModelRunner
 from .outputs import CompletionOutput, RequestMetrics, RequestOutput
 from .sampler import Sampler, seeded_generator
@@ -87,11 +87,13 @@ class LLMEngine:
         self.dtype = resolve_dtype(config.dtype, self.device)
         torch.manual_seed(config.seed)
         cpu = self.device.type == "cpu"
-        # auto: measure the other processes' load while the model loads, then pick the threads (cpu_threads.py)
-        load = cpu_threads.LoadSample() if cpu and config.cpu_threads is None else None
+        # auto: measure the other processes' load while the model loads, then pick the threads (cpu_runtime.py)
+        load = cpu_runtime.LoadSample() if cpu and config.cpu_threads is None else None
         loaded = load_model(config.model, self.dtype, self.device)
         if cpu:
-            logger.info(cpu_threads.apply(config.cpu_threads, load))
+            logger.info(cpu_runtime.apply(config.cpu_threads, load))
+            if cpu_runtime.keep_freed_memory():
+                logger.debug("glibc malloc: large tensors from the heap, freed memory kept (cpu_runtime.py)")
         self.model_config, self.model, self.tokenizer = loaded.config, loaded.model, loaded.tokenizer
         if config.rope_scaling:
             self._override_rope(json.loads(config.rope_scaling))
