@@ -15,11 +15,12 @@ import time
 
 from .eval.common import make_llm, parse_methods
 
-# The default model at 16K tokens on a quiet 2-core CPU (Xeon with AVX-512, 2 threads): seconds per run, and the
-# seconds `_probe` took there. The estimate scales them by `_probe` here (with the threads the engine chose) and by
-# the length (attention grows with its square, the rest linearly: 1.5 between).
-_CPU_REFERENCE = {"probe_s": 0.0, "infinitehip": 0.0, "dense": 0.0}
-_REFERENCE_MODEL, _REFERENCE_LENGTH = "smollm2", 16384
+# The default model on a quiet 2-core CPU (Xeon with AVX-512, 2 threads), the default 15,710-token prompt: seconds per
+# run; how they grew from the 7,585-token prompt (53.0 -> 203.1 s, 15.5 -> 69.5 s: time ~ length^length_exp); and how
+# they follow `_probe` (0.047 s there): with 1 thread beside a busy core the probe took 2.1x as long, infinitehip 1.72x
+# (349.0 s, its many small ops gain less from threads) and dense 1.96x (136.2 s): time ~ probe^speed_exp.
+_REFERENCE = {"model": "smollm2", "tokens": 15710, "probe_s": 0.047}
+_CPU_SECONDS = {"infinitehip": (203.1, 1.85, 0.72), "dense": (69.5, 2.0, 0.89)}  # (seconds, length_exp, speed_exp)
 
 
 def add_arguments(p) -> None:
@@ -39,15 +40,19 @@ def add_arguments(p) -> None:
 
 
 def _probe() -> float:
-    """Seconds of a fixed fp32 matmul load (about 18 GFLOP) on the current torch threads: this CPU's speed now."""
+    """Seconds of a fixed fp32 matmul load (about 18 GFLOP, the best of 3) on the current torch threads: this CPU's
+    speed now, other processes included."""
     import torch
 
     a, b = torch.randn(2048, 576), torch.randn(576, 1536)
     a @ b  # warm-up
-    t0 = time.perf_counter()
-    for _ in range(5):
-        a @ b
-    return time.perf_counter() - t0
+    best = float("inf")
+    for _ in range(3):
+        t0 = time.perf_counter()
+        for _ in range(5):
+            a @ b
+        best = min(best, time.perf_counter() - t0)
+    return best
 
 
 def estimate(engine, model: str, labels: list[str], length: int) -> str:
@@ -62,12 +67,13 @@ def estimate(engine, model: str, labels: list[str], length: int) -> str:
                 "first run compiles them (about a minute).")
     n = torch.get_num_threads()
     where = f"on this CPU ({n} thread{'s' if n != 1 else ''})"
-    if model != _REFERENCE_MODEL or not _CPU_REFERENCE["probe_s"]:
+    if model != _REFERENCE["model"]:
         return f"No estimate for {model} {where}: the progress lines give the rate and the time left."
-    scale = _probe() / _CPU_REFERENCE["probe_s"] * (length / _REFERENCE_LENGTH) ** 1.5
-    # a sparse method without a reference of its own: infinitehip's, the default
-    each = {label: _CPU_REFERENCE.get(label.partition(":")[0], _CPU_REFERENCE["infinitehip"]) * scale
-            for label in labels}
+    speed = _probe() / _REFERENCE["probe_s"]
+    each = {}
+    for label in labels:  # a sparse method without a reference of its own: infinitehip's, the default
+        seconds, length_exp, speed_exp = _CPU_SECONDS.get(label.partition(":")[0], _CPU_SECONDS["infinitehip"])
+        each[label] = seconds * speed ** speed_exp * (length / _REFERENCE["tokens"]) ** length_exp
     parts = ", ".join(f"{label} ~{format_seconds(s)}" for label, s in each.items())
     return f"Expect about {format_seconds(sum(each.values()))} {where}: {parts} (rough; progress below)."
 

@@ -3,12 +3,13 @@ glibc's allocator.
 
 Threads. Torch starts one thread per core, and every op waits for all of its threads. When another process keeps a
 core busy, each op waits for the thread that shares that core, so a run of many small ops (the sparse methods'
-PyTorch references) crawls: on 2 cores with one busy, a 16-token infinitehip generate decoded at 0.4 tok/s with
-torch's 2 threads and at 5.2 tok/s with 1.
+PyTorch references) crawls. On 2 cores, a 16-token infinitehip generate (300-token prompt) decoded at 22.5 tok/s
+with 2 threads and 14.5 with 1 on an idle machine; beside a process using a fifth of a core, 16.7 and 14.2; half a
+core, 14.8 and 14.8; a whole core, 7.6 and 14.4 (with other processes on both cores it has been 0.4 against 5.2).
 Auto: the cores this process may run on (its affinity) minus the cores other processes kept busy while the engine
 loaded its model (from /proc/stat, less this process's own CPU time), at least 1. A core counts as taken once others
-use more than `TAKEN_FROM` of it: one thread too few costs at most its share of the work, one too many can cost
-several times the run. The user's own choice wins: OMP_NUM_THREADS or MKL_NUM_THREADS in the environment, or a
+use more than `TAKEN_FROM` of it, below the break-even half: one thread too few costs at most its share of the work,
+one too many can cost several times the run. The user's own choice wins: OMP_NUM_THREADS or MKL_NUM_THREADS in the environment, or a
 `torch.set_num_threads` call made before the engine starts, are left as they are.
 
 Allocator. glibc serves every allocation above 32 MiB with its own mmap and unmaps it when freed, so each large
