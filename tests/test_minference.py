@@ -293,8 +293,7 @@ def test_composition_and_config_errors(tiny, tmp_path):
         _llm(tiny, attention="minference", decode_attention="nope:3k")
     with pytest.raises(ValueError, match="decode_attention_config needs decode_attention"):
         _llm(tiny, attention="minference", decode_attention_config="{}")
-    with pytest.raises(ValueError, match="decode attention backend 'infinitehip' cannot run this model: unknown "
-                                         "infinitehip preset 'x'"):
+    with pytest.raises(ValueError, match="decode_attention 'infinitehip:x': unknown infinitehip preset 'x'"):
         _llm(tiny, attention="minference", decode_attention="infinitehip:x")
     with pytest.raises(ValueError, match="pattern must be one of"):
         _llm(tiny, attention="minference", attention_config='{"pattern": ["vs", 1, 2]}')
