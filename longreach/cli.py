@@ -20,8 +20,9 @@ from .config import EngineConfig
 from .sampling_params import SamplingParams
 
 _EVAL_COMMANDS = ("passkey", "ruler", "ppl")  # modules under longreach/eval/
-_ENGINE_TYPES = {"cpu_threads": int, "max_model_len": int, "kv_cache_memory_gb": float, "kv_offloading_size": float, "rope_scaling": str,
-                 "preset": str, "attention_config": str, "decode_attention": str, "decode_attention_config": str}
+_ENGINE_TYPES = {"cpu_threads": int, "max_model_len": int, "kv_cache_memory_gb": float, "kv_offloading_size": float,
+                 "rope_scaling": str, "preset": str, "attention_config": str, "decode_attention": str,
+                 "decode_attention_config": str}
 
 
 def add_engine_args(p: argparse.ArgumentParser, skip: tuple[str, ...] = ()) -> None:
@@ -159,7 +160,7 @@ def _cmd_generate(args) -> int:
 def _cmd_backends(args) -> int:
     from .attention.registry import available_backends, get_backend_class
 
-    print(f"{'backend':<14} {'CUDA graphs':<12} description; then each preset (--preset, METHOD:PRESET), default first")
+    print(f"{'backend':<14} {'CUDA graphs':<12} description; below it, its presets (--preset), the default first")
     for name in available_backends():
         cls = get_backend_class(name)
         doc = (cls.__doc__ or sys.modules[cls.__module__].__doc__ or "").strip().splitlines()[0]

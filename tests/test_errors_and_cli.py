@@ -49,7 +49,7 @@ def test_bad_engine_config(kwargs, message):
 
 
 @pytest.mark.parametrize("kwargs, message", [
-    (dict(preset="nonsense"), r"dense attention takes no --preset or --attention-config"),
+    (dict(preset="nonsense"), r"dense attention \(the default --attention\) takes no --preset or --attention-"),
     (dict(attention="infinitehip", preset="nonsense"),
      r"unknown infinitehip preset 'nonsense'; available: 3k, 5k, .* \(default: 3k-box"),
     (dict(attention="nonsense"), r"unknown attention backend 'nonsense'; available: cascading, dense"),
@@ -148,7 +148,8 @@ def test_cli_errors_are_one_line_with_exit_code_2(args, message):
 
 
 @pytest.mark.parametrize("args, message", [
-    (["generate", "--prompt", "hi", "--preset", "nonsense"], "dense attention takes no --preset"),
+    (["generate", "--prompt", "hi", "--preset", "nonsense"],
+     "dense attention (the default --attention) takes no --preset"),
     (["generate", "--prompt", "hi", "--attention", "hip", "--attention-config", '{"budget": "2k"}'],
      'HiPConfig field budget must be int, got "2k"'),
     (["serve", "--attention", "streaming", "--preset", "9k"], "unknown streaming preset '9k'"),

@@ -318,7 +318,7 @@ def test_sparse_differs_from_dense_and_unknown_preset_is_rejected(tiny):
         LLM(tiny, device="cpu", attention="infinitehip", preset="nope", kv_cache_memory_gb=0.01)
     with pytest.raises(ValueError, match="unknown InfiniteHiPConfig field"):
         LLM(tiny, device="cpu", attention="infinitehip", attention_config='{"sinks": 3}', kv_cache_memory_gb=0.01)
-    with pytest.raises(ValueError, match="dense attention takes no --preset"):
+    with pytest.raises(ValueError, match=r"dense attention \(the default --attention\) takes no --preset"):
         LLM(tiny, device="cpu", preset="3k", kv_cache_memory_gb=0.01)
 
 

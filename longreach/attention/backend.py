@@ -104,7 +104,11 @@ class AttentionBackend(ABC):
 
     @classmethod
     def unsupported_reasons(cls, model_config: "ModelConfig", engine_config: "EngineConfig") -> list[str]:
-        """Why this backend cannot serve this model/config (empty: it can)."""
+        """Why this backend cannot serve this model/config (empty: it can); by default, what `resolve_config` says."""
+        try:
+            cls.resolve_config(engine_config)
+        except ValueError as e:
+            return [str(e)]
         return []
 
     def bind_kv_cache(self, capacity_tokens: int, dtype: torch.dtype) -> None:

@@ -70,17 +70,10 @@ class DenseBackend(AttentionBackend):
     @classmethod
     def resolve_config(cls, engine_config) -> None:
         if engine_config.preset or engine_config.attention_config:
-            raise ValueError("dense attention takes no --preset or --attention-config (they configure the sparse "
-                             "methods: `longreach backends` lists each one's presets)")
+            raise ValueError("dense attention (the default --attention) takes no --preset or --attention-config: "
+                             "they configure a sparse method, e.g. --attention infinitehip --preset 3k-fast "
+                             "(`longreach backends` lists each method's presets)")
         return None
-
-    @classmethod
-    def unsupported_reasons(cls, model_config, engine_config) -> list[str]:
-        try:
-            cls.resolve_config(engine_config)
-        except ValueError as e:
-            return [str(e)]
-        return []
 
     def __init__(self, model_config, engine_config, device):
         super().__init__(model_config, engine_config, device)

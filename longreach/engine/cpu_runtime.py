@@ -9,15 +9,15 @@ core, 14.8 and 14.8; a whole core, 7.6 and 14.4 (with other processes on both co
 Auto: the cores this process may run on (its affinity) minus the cores other processes kept busy while the engine
 loaded its model (from /proc/stat, less this process's own CPU time), at least 1. A core counts as taken once others
 use more than `TAKEN_FROM` of it, below the break-even half: one thread too few costs at most its share of the work,
-one too many can cost several times the run. The user's own choice wins: OMP_NUM_THREADS or MKL_NUM_THREADS in the environment, or a
-`torch.set_num_threads` call made before the engine starts, are left as they are.
+one too many can cost several times the run. The user's own choice wins: OMP_NUM_THREADS or MKL_NUM_THREADS in the
+environment, or a `torch.set_num_threads` call made before the engine starts, are left as they are.
 
 Allocator. glibc serves every allocation above 32 MiB with its own mmap and unmaps it when freed, so each large
-temporary (a prefill chunk's scores) is faulted in page by page again: on 2 cores that was 10-15% of a 16K-token
-prefill (4.8M page faults and 7.8 of 51 s in the kernel for infinitehip at 4K). `keep_freed_memory` has glibc serve
-them from its heap and keep what is freed for the next one, as MALLOC_MMAP_MAX_=0 would; the process's peak memory
-stays what it was, but it is not returned to the system until the process exits. Left alone when the user set any
-MALLOC_* variable, and outside glibc.
+temporary (a prefill chunk's scores) is faulted in page by page again: on 2 cores that was 7-16% of a prefill
+(infinitehip at 4K tokens: 4.8M page faults, 7.8 of 51 s in the kernel; dense at 8K: 2.7 of 36 s).
+`keep_freed_memory` has glibc serve them from its heap and keep what is freed for the next one, as
+MALLOC_MMAP_MAX_=0 would; the process's peak memory stays what it was, but it is not returned to the system until
+the process exits. Left alone when the user set any MALLOC_* variable, and outside glibc.
 """
 from __future__ import annotations
 
