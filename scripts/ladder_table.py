@@ -69,6 +69,7 @@ def traces(directory: pathlib.Path) -> str:
     """One line per traced prompt (finished jobs and ones cut off at the deadline): right or wrong, and per layer
     where the needle was lost (the trace script's legend: K kept, k partly, N lost after stage N, w window, . dense)."""
     out = []
+    # finished jobs (.json), jobs cut off at the deadline (.part on the device, .partial.json once saved in docs/)
     for path in sorted([*directory.glob("trace__*.json"), *directory.glob("trace__*.part")]):
         label = path.name.split("__")[2]
         for run in json.loads(path.read_text())["runs"]:
