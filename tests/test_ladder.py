@@ -99,3 +99,32 @@ def test_box_preset_equals_exact_while_stage0_keeps_every_chunk():
     box.box_scores = lambda *a, **k: calls.append(1) or real(*a, **k)
     got = box.select(5, q, blocks, keys)
     assert calls and got.shape[-1] == 8 and bool((got >= 0).all())
+
+
+def test_ladder_tables_merge_reports_and_print_traces(tmp_path):
+    """scripts/ladder_table.py on tiny reports: passkey cells of one label merged over two jobs' lengths, a RULER
+    score with its interval, and the needle traces of finished and cut-off trace jobs (a broken merge or a dropped
+    partial file changes the text)."""
+    import json
+    import subprocess
+    import sys
+
+    def cells(length, right):
+        return [{"length": length, "depth": 0.5, "seed": s, "correct": s < right} for s in range(4)]
+
+    def write(name, obj):
+        (tmp_path / name).write_text(json.dumps(obj))
+
+    write("passkey__paul-graham__m__4k.json", {"methods": {"m": {"cells": cells(4096, 4)}}})
+    write("passkey__paul-graham__m__64k.json", {"methods": {"m": {"cells": cells(65536, 1)}}})
+    write("ruler__niah_single_2__m__4k.json",
+          {"methods": {"m": {"tasks": {"niah_single_2": {"4096": {"score": 50.0, "n": 20}}}}}})
+    run = {"length": 524288, "depth": 0.5, "right": False, "layers": "00kK"}
+    write("trace__paul-graham__oracle__524288.json", {"runs": [run]})
+    write("trace__paul-graham__s0x2__524288.partial.json", {"runs": [dict(run, right=True, layers="0KKK")]})
+    script = __import__("pathlib").Path(__file__).resolve().parents[1] / "scripts" / "ladder_table.py"
+    out = subprocess.run([sys.executable, str(script), str(tmp_path)], capture_output=True, text=True, check=True).stdout
+    assert "| m | 100 [51-100] | 25 [5-70] | 4 |" in out
+    assert "| m | 50 [30-70] | 20 |" in out
+    assert "oracle      512K depth 0.5 wrong  00kK" in out
+    assert "s0x2        512K depth 0.5 right  0KKK" in out
