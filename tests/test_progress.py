@@ -84,6 +84,9 @@ def torch_threads():
     import torch
 
     before = torch.get_num_threads()
+    # start from a count torch picks by itself: an earlier test (or conftest) may have set another one
+    torch.set_num_threads(max(cpu_threads._torch_defaults()))
+    cpu_threads._applied = None
     yield torch
     torch.set_num_threads(before)
     cpu_threads._applied = None
