@@ -52,13 +52,15 @@ fi
 echo "staged piece $i of $n"
 SH
 done
+# the code the reports will name (eval/common.py: provenance); the device copy has no git history
+commit=$(git rev-parse --short HEAD)$(git diff --quiet HEAD -- longreach scripts || echo +dirty)
 # Sourced by the job's call: no `set -e` here, it would leak into the caller's shell.
 cat > ".carry/$n/assemble.sh" <<SH
 bash .carry/$n/stage.sh || return 1
 cat \$(for i in \$(seq 1 $n); do echo /tmp/m/piece\$i; done) > /tmp/m/model.gguf || return 1
 echo "$sha  /tmp/m/model.gguf" | sha256sum -c - || return 1
 rm -f /tmp/m/piece*
-export PYTHONPATH=/tmp/site:\$PWD
+export PYTHONPATH=/tmp/site:\$PWD LONGREACH_COMMIT=$commit
 SH
 du -sh .carry/*
 echo "device calls for $alias ($n, back to back, nothing in between):"

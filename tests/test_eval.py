@@ -54,3 +54,22 @@ def test_wilson_interval_known_values():
     lo, hi = wilson(6, 10)
     assert abs(lo - 0.3127) < 1e-3 and abs(hi - 0.8318) < 1e-3
     assert wilson(0, 0) == (0.0, 1.0)
+
+
+def test_reports_carry_their_provenance(tmp_path, monkeypatch, capsys):
+    """Every eval report names the code and GPU it came from: the git commit here (with +dirty when the tree has
+    uncommitted changes), or $LONGREACH_COMMIT on a machine without the repository."""
+    import json
+    import subprocess
+
+    from longreach.eval.common import emit
+
+    out = tmp_path / "r.json"
+    emit({"methods": {}}, str(out))
+    got = json.loads(out.read_text())["provenance"]
+    head = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True).stdout.strip()
+    assert got["commit"].split("+")[0] == head and got["longreach"]
+    monkeypatch.setenv("LONGREACH_COMMIT", "abc1234+dirty")
+    emit({"methods": {}}, str(out))
+    assert json.loads(out.read_text())["provenance"]["commit"] == "abc1234+dirty"
+    capsys.readouterr()

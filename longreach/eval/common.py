@@ -196,8 +196,41 @@ def make_llm(model: str, spec: MethodSpec, attention_config: str | None, device:
                device=device, dtype=dtype, max_model_len=max_model_len, **engine_kwargs)
 
 
+def provenance() -> dict:
+    """Where a report's numbers come from: the code (git commit, "+dirty" with uncommitted changes; on a machine
+    without the repository, $LONGREACH_COMMIT as scripts/device_model.sh sets it), the longreach version and the
+    GPU, so that a table rendered from the JSON can name them."""
+    import os
+    import subprocess
+
+    from .. import __version__
+
+    commit = os.environ.get("LONGREACH_COMMIT")
+    if commit is None:
+        repo = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+        try:
+            head = subprocess.run(["git", "-C", repo, "rev-parse", "--short", "HEAD"], capture_output=True,
+                                  text=True, timeout=10)
+            dirty = subprocess.run(["git", "-C", repo, "status", "--porcelain", "--untracked-files=no"],
+                                   capture_output=True, text=True, timeout=10)
+            if head.returncode == 0:
+                commit = head.stdout.strip() + ("+dirty" if dirty.stdout.strip() else "")
+        except (OSError, subprocess.SubprocessError):
+            pass
+    gpu = None
+    try:
+        import torch
+
+        if torch.cuda.is_available():
+            gpu = torch.cuda.get_device_name()
+    except ImportError:
+        pass
+    return {"commit": commit, "longreach": __version__, "gpu": gpu}
+
+
 def emit(report: dict, path: str | None) -> None:
-    """Print the report as JSON on stdout and also write it to `path`."""
+    """Print the report as JSON on stdout and also write it to `path`, with its provenance."""
+    report.setdefault("provenance", provenance())
     out = json.dumps(report, indent=1)
     print(out)
     if path:
