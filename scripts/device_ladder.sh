@@ -154,6 +154,33 @@ suite_qwen() {  # the quality tables of docs/quality.md on Qwen: inside the wind
         job "ruler__${t}__dense__64k" ruler --tasks "$t" --lengths 64k --samples 20 --attention dense
     done
 }
+suite_qwen_next() {  # the cells issue 28 still lacks, in priority order (the next session's first runs)
+    local t
+    # the remedy for the misses inside the window: exact attention while a sequence is inside the trained 32K
+    for t in niah_multikey_1 niah_multivalue niah_single_3; do
+        job "ruler__${t}__3k-box-dense32k__16k-32k" ruler --tasks "$t" --lengths 16k 32k --samples 20 \
+            --attention infinitehip:3k-box --attention-config '{"dense_below": 32768}'
+    done
+    # where the 128K misses go: the oracle's budget and attention positions (far needles fail, dense + YaRN too)
+    job "passkey__paul-graham__oracle8k-de__128k" passkey --haystack paul-graham --lengths 128k \
+        --attention infinitehip:oracle --attention-config '{"budgets": [8192], "early_last_budget": 16384, "attend_rope": "de"}'
+    job "passkey__paul-graham__oracle32k__128k" passkey --haystack paul-graham --lengths 128k \
+        --attention infinitehip:oracle --attention-config '{"budgets": [32768], "early_last_budget": 32768}'
+    # beyond: >= 10 prompts per cell at 256K-1M for the default and the oracle rungs
+    job "passkey__paul-graham__infinitehip-3k-box__256k" passkey --haystack paul-graham --lengths 256k \
+        --attention infinitehip:3k-box
+    job "passkey__paul-graham__oracle8k__256k" passkey --haystack paul-graham --lengths 256k \
+        --attention infinitehip:oracle --attention-config '{"budgets": [8192], "early_last_budget": 16384}'
+    for t in niah_single_1 niah_single_2; do
+        job "ruler__${t}__infinitehip-3k-box__256k" ruler --tasks "$t" --lengths 256k --samples 10 \
+            --attention infinitehip:3k-box
+        job "ruler__${t}__infinitehip-3k-box__512k" ruler --tasks "$t" --lengths 512k --samples 10 \
+            --attention infinitehip:3k-box
+    done
+    job "ppl__paul-graham__dense__32k" ppl --text-source paul-graham --lengths 32k --samples 2 --attention dense
+    job "ppl__paul-graham__infinitehip-3k-box__32k-512k" ppl --text-source paul-graham --lengths 32k 128k 512k \
+        --samples 2 --attention infinitehip:3k-box
+}
 suite_"${SUITE:-smollm2}"
 
 start=$SECONDS

@@ -22,7 +22,7 @@ def load(directory: pathlib.Path) -> dict:
     merged: dict = {}
     for path in sorted(directory.glob("*__*__*__*.json")):
         kind, hay, label, _ = path.stem.split("__")
-        if kind == "trace":  # scripts/passkey_needle_trace.py's reports: printed by traces()
+        if kind not in ("passkey", "ruler"):  # traces are printed by traces(); ppl reports are read on their own
             continue
         report = json.loads(path.read_text())
         for method in report["methods"].values():
