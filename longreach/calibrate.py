@@ -5,7 +5,9 @@
 Runs the model densely over one calibration prompt (the paper: one synthetic KV-retrieval sample of ~30K tokens)
 in a single prefill chunk; at each layer, before the dense output goes on to the next layer, the search of
 attention/minference_search.py picks each head's pattern by attention-output error against dense. A progress bar
-counts layers. The file then serves `--attention minference --attention-config '{"patterns": "P.json"}'`.
+counts layers. The file then serves `--attention minference --attention-config '{"patterns": "P.json"}'`; copied
+to longreach/attention/patterns/<alias>.json it ships with longreach, is named `{"patterns": "<alias>"}` and is the
+default of a model run by that alias (attention/minference.py, `resolve_patterns`).
 
 The JSON (format "longreach-minference-patterns/1"): `provenance` (model name, path and SHA-256 of its weight
 files, the data and its SHA-256 or generator seed, length, date, longreach version, device, dtype, the command),

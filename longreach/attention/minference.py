@@ -24,8 +24,15 @@ Settled ambiguities (digest §8 and §4.4 gaps):
   * Budgets are counts of distinct items visible to the block (minference_index.py); the main diagonal (slash
     offset 0) is always kept for vertical-slash heads, key block 0 and the diagonal block for block-sparse heads.
   * Λ-shape windows are per 64-query block (the paper's static block mask), not per row.
-  * The default without a pattern file: every head vertical-slash (500, 1500), the middle of Table 7's equal-FLOPs
-    candidates (30, 2048) ... (3000, 200); a log line says so.
+  * Which pattern file, in one place (`resolve_patterns`): `patterns` is a path (it ends in .json or holds a /) or
+    the name of a file shipped in attention/patterns/ (a model alias: `{"patterns": "qwen2.5-coder-0.5b"}`); an
+    unknown name fails listing the shipped ones. A model run by its alias gets its shipped file by default, unless
+    the pattern choice is the user's (a preset, or `patterns`, `pattern`, `granularity` or `block` in the config;
+    `{"patterns": null}` asks for no file). That default is applied by the backend, where the model is known:
+    `resolve_config` needs none (EngineConfig validates before a model exists; the recall tool builds configs for
+    whatever model it captured), so there a bare `minference` stays uncalibrated.
+  * Without a file (other models, or the user's choice) every head is `pattern`, by default vertical-slash (500,
+    1500), the middle of Table 7's equal-FLOPs candidates (30, 2048) ... (3000, 200); a log line says so.
   * No RoPE position strategies: MInference targets long-context models and attends at true positions.
 """
 from __future__ import annotations
@@ -49,6 +56,33 @@ logger = logging.getLogger("longreach")
 PATTERN_KINDS = {"a_shape": 2, "vertical_slash": 2, "block_sparse": 1}  # name -> number of integer parameters
 DEFAULT_PATTERN = ("vertical_slash", 500, 1500)
 PATTERNS_FORMAT = "longreach-minference-patterns/1"
+PATTERNS_DIR = os.path.join(os.path.dirname(os.path.abspath(__file__)), "patterns")  # <alias>.json, package data
+PATTERN_CHOICE = ("patterns", "pattern", "granularity", "block")  # config fields that leave no room for a default
+
+
+def shipped_patterns() -> dict[str, str]:
+    """Model alias -> path of the calibration file shipped for it (attention/patterns/<alias>.json)."""
+    names = sorted(n for n in os.listdir(PATTERNS_DIR) if n.endswith(".json")) if os.path.isdir(PATTERNS_DIR) else []
+    return {n[:-len(".json")]: os.path.join(PATTERNS_DIR, n) for n in names}
+
+
+def resolve_patterns(patterns: str | None, model: str | None = None) -> str | None:
+    """The calibration file minference loads: a path, or None for `pattern` on every head.
+
+    `patterns` ending in .json or holding a path separator is a path, returned as given (loading checks it); any
+    other string is the name of a shipped file, i.e. a model alias, and an unknown one raises ValueError listing
+    them. `patterns` None with `model` an alias that has a shipped file gives that file (the by-alias default; pass
+    `model` only when the user left the pattern choice open, see the module docstring); otherwise None."""
+    shipped = shipped_patterns()
+    if patterns is None:
+        return shipped.get(model) if model is not None else None
+    if patterns.endswith(".json") or os.sep in patterns or "/" in patterns:
+        return patterns
+    if patterns not in shipped:
+        names = ", ".join(shipped) or "none"
+        raise ValueError(f"unknown minference patterns {patterns!r}: give a shipped name ({names}) or the path of a "
+                         ".json file written by `longreach calibrate --method minference`")
+    return shipped[patterns]
 
 
 def check_pattern(p, where: str = "pattern") -> tuple:
@@ -64,7 +98,7 @@ def check_pattern(p, where: str = "pattern") -> tuple:
 
 @dataclass(frozen=True)
 class MInferenceConfig:
-    patterns: str | None = None  # a calibration file from `longreach calibrate`; None: `pattern` for every head
+    patterns: str | None = None  # a calibration file or a shipped name (resolve_patterns); None: `pattern` everywhere
     pattern: tuple = DEFAULT_PATTERN  # every head's pattern when there is no file (presets: vs, a-shape, bs)
     block: int = 64  # B: query rows per block, key tile width, block-sparse block size
     last_q: int = 64  # vertical-slash estimation queries
@@ -76,7 +110,9 @@ class MInferenceConfig:
     def __post_init__(self) -> None:
         object.__setattr__(self, "pattern", check_pattern(self.pattern))
         if self.patterns is not None and not isinstance(self.patterns, str):
-            raise ValueError(f"patterns must be a path to a calibration JSON, got {self.patterns!r}")
+            raise ValueError(f"patterns must be a path to a calibration JSON or a shipped name "
+                             f"({', '.join(shipped_patterns())}), got {self.patterns!r}")
+        object.__setattr__(self, "patterns", resolve_patterns(self.patterns))
         if self.block not in (16, 32, 64, 128):
             raise ValueError(f"block must be 16, 32, 64 or 128, got {self.block!r}")
         if not isinstance(self.last_q, int) or self.last_q < 1:
@@ -364,32 +400,41 @@ class MInferenceBackend(AttentionBackend):
 
     def __init__(self, model_config, engine_config, device):
         super().__init__(model_config, engine_config, device)
-        self.config = self.resolve_config(engine_config)
+        self.config = self.resolve_config(engine_config, by_alias=True)
         self.method = MInference(self.config, model_config.num_heads, model_config.num_kv_heads,
                                  model_config.num_layers)
         self.dense = DenseBackend(model_config, dataclasses.replace(engine_config, attention="dense", preset=None,
                                                                     attention_config=None), device)
         if self.config.patterns is None:
-            logger.info("minference: no pattern file, %s (the default; `longreach calibrate --method minference` "
-                        "writes one, loaded with --attention-config '{\"patterns\": \"P.json\"}')",
-                        self.method.describe())
+            logger.info("minference: no pattern file, %s (shipped files: %s; `longreach calibrate --method "
+                        "minference` writes one, loaded with --attention-config '{\"patterns\": \"P.json\"}')",
+                        self.method.describe(), ", ".join(shipped_patterns()) or "none")
+        elif self.config.patterns == shipped_patterns().get(engine_config.model):
+            logger.info("minference: patterns %s (%s, shipped for %s: the default for this alias; a preset or "
+                        "--attention-config '{\"patterns\": null}' gives every head one pattern)",
+                        self.method.describe(), self.config.patterns, engine_config.model)
         else:
-            logger.info("minference: patterns %s", self.method.describe())
+            logger.info("minference: patterns %s (%s)", self.method.describe(), self.config.patterns)
 
     @classmethod
-    def resolve_config(cls, engine_config) -> MInferenceConfig:
+    def resolve_config(cls, engine_config, by_alias: bool = False) -> MInferenceConfig:
+        """The config of the preset and overrides; `by_alias`: engine_config.model is the model that runs, so a
+        model run by its alias gets its shipped patterns when the pattern choice is open (module docstring)."""
         from .sparse import config_from, preset_and_overrides
 
         base, overrides = preset_and_overrides("minference", MInference.presets, MInference.default_preset,
                                                engine_config)
         if "pattern" in overrides and "patterns" in overrides:
             raise ValueError("give either patterns (a calibration file) or pattern (one for every head), not both")
-        return config_from(MInferenceConfig, base, overrides)
+        cfg = config_from(MInferenceConfig, base, overrides)
+        if by_alias and engine_config.preset is None and not set(PATTERN_CHOICE) & set(overrides):
+            cfg = dataclasses.replace(cfg, patterns=resolve_patterns(None, engine_config.model))
+        return cfg
 
     @classmethod
     def unsupported_reasons(cls, model_config, engine_config) -> list[str]:
         try:
-            cfg = cls.resolve_config(engine_config)
+            cfg = cls.resolve_config(engine_config, by_alias=True)
             MInference(cfg, model_config.num_heads, model_config.num_kv_heads, model_config.num_layers)
         except ValueError as e:
             return [str(e)]
