@@ -14,7 +14,7 @@ from longreach.config import EngineConfig
 from longreach.models.config import ModelConfig
 
 # (layers, query heads, KV heads) of the aliases with a shipped file; checked against the GGUF header where present
-SHAPES = {"smollm2": (30, 9, 3)}
+SHAPES = {"smollm2": (30, 9, 3), "qwen2.5-coder-0.5b": (24, 14, 2)}
 
 
 def _model_config(layers: int, heads: int, kv_heads: int) -> ModelConfig:

@@ -392,7 +392,8 @@ class MInferenceBackend(AttentionBackend):
     supports_cuda_graph = True  # decode is dense (or, composed, another backend's: attention/compose.py)
     method_cls = MInference
     preset_notes = {
-        "vs": "every head vertical-slash (500 columns, 1,500 diagonals) when there is no pattern file (default)",
+        "vs": "every head vertical-slash (500 columns, 1,500 diagonals); the default where no pattern file is shipped "
+              "for the model's alias (shipped: attention/patterns/<alias>.json)",
         "a-shape": "every head Λ-shape: 1,024 sink + 4,096 window tokens (StreamingLLM's baseline)",
         "bs": "every head block-sparse: its top 100 key blocks of 64 tokens",
     }
