@@ -181,6 +181,84 @@ suite_qwen_next() {  # the cells issue 28 still lacks, in priority order (the ne
     job "ppl__paul-graham__infinitehip-3k-box__32k-512k" ppl --text-source paul-graham --lengths 32k 128k 512k \
         --samples 2 --attention infinitehip:3k-box
 }
+suite_qwen_close() {  # issue 28's remaining cells on the 0.5B, in priority order over three calls of one lease
+    local t m d s
+    # inside the window: the remedy for the default's misses (exact attention while inside the trained 32K)
+    for t in niah_multikey_1 niah_multivalue niah_single_3; do
+        job "ruler__${t}__3k-box-dense32k__16k-32k" ruler --tasks "$t" --lengths 16k 32k --samples 20 \
+            --attention infinitehip:3k-box --attention-config '{"dense_below": 32768}'
+    done
+    # every method inside the window on the essay passkey, dense beside them (psa metered: keys read per query)
+    for m in "dense dense" "infinitehip-3k-box infinitehip:3k-box" "streaming streaming" "hip hip" "quest quest"; do
+        set -- $m
+        job "passkey__paul-graham__${1}__16k-32k" passkey --haystack paul-graham --lengths 16k 32k --attention "$2"
+    done
+    job "passkey__paul-graham__psa-0.95__16k-32k" passkey --haystack paul-graham --lengths 16k 32k --attention psa \
+        --attention-config '{"count_reads": true}'
+    job "passkey__paul-graham__minference-calibrated__16k-32k" passkey --haystack paul-graham --lengths 16k 32k \
+        --attention minference --attention-config '{"patterns": "qwen2.5-coder-0.5b"}'
+    # bounded memory past the window: cascading 16k against streaming with the same 16,384 tokens
+    job "passkey__paul-graham__cascading-16k__64k-128k" passkey --haystack paul-graham --lengths 64k 128k \
+        --attention cascading:16k
+    job "passkey__paul-graham__streaming-16k__64k-128k" passkey --haystack paul-graham --lengths 64k 128k \
+        --attention streaming --attention-config '{"n_sink": 64, "n_window": 16320}'
+    # beyond: >= 10 prompts per cell at 256K and 512K for the default, the oracle8k rung beside it
+    for n in 256k 512k; do
+        job "passkey__paul-graham__infinitehip-3k-box__$n" passkey --haystack paul-graham --lengths $n --seeds 2 \
+            --attention infinitehip:3k-box
+        for t in niah_single_1 niah_single_2; do
+            job "ruler__${t}__infinitehip-3k-box__$n" ruler --tasks "$t" --lengths $n --samples 10 \
+                --attention infinitehip:3k-box
+        done
+    done
+    job "passkey__paul-graham__oracle8k__256k" passkey --haystack paul-graham --lengths 256k --seeds 2 \
+        --attention infinitehip:oracle --attention-config '{"budgets": [8192], "early_last_budget": 16384}'
+    # perplexity: the same windows' ends at every length, dense beside the default inside the window
+    job "ppl__paul-graham__dense+3k-box__32k-512k" ppl --text-source paul-graham --lengths 32k 128k 512k \
+        --samples 1 --attention dense infinitehip:3k-box --max-dense-length 32768
+    # 1M: one job per depth (passkey) or per seed (RULER), so that a call's deadline cuts little
+    for d in 0.1 0.3 0.5 0.7 0.9; do
+        job "passkey__paul-graham__infinitehip-3k-box__1M-d${d#0.}" passkey --haystack paul-graham --lengths 1M \
+            --seeds 2 --depths "$d" --attention infinitehip:3k-box
+    done
+    for s in 42 43 44 45 46; do
+        job "ruler__niah_single_1__infinitehip-3k-box__1M-s$s" ruler --tasks niah_single_1 --lengths 1M --samples 2 \
+            --seed "$s" --attention infinitehip:3k-box
+    done
+    job "ppl__hotpotqa__dense+3k-box__32k-1M" ppl --text-source hotpotqa --lengths 32k 128k 512k 1M --samples 1 \
+        --attention dense infinitehip:3k-box --max-dense-length 32768  # the essays are ~700K tokens: too short
+    for s in 42 43 44 45 46; do
+        job "ruler__niah_single_2__infinitehip-3k-box__1M-s$s" ruler --tasks niah_single_2 --lengths 1M --samples 2 \
+            --seed "$s" --attention infinitehip:3k-box
+    done
+    # the candidate default (dense inside the trained window) past the window, beside the default's rows above
+    job "passkey__paul-graham__3k-box-dense32k__256k" passkey --haystack paul-graham --lengths 256k --seeds 2 \
+        --attention infinitehip:3k-box --attention-config '{"dense_below": 32768}'
+}
+suite_qwen15() {  # issue 28's 1.5B rows: passkey and niah_single_2 at 32K (dense beside), 128K, 512K, 1M
+    local t m d
+    for m in "dense dense" "infinitehip-3k-box infinitehip:3k-box"; do
+        set -- $m
+        job "passkey__paul-graham__${1}__32k" passkey --haystack paul-graham --lengths 32k --attention "$2"
+        job "ruler__niah_single_2__${1}__32k" ruler --tasks niah_single_2 --lengths 32k --samples 20 --attention "$2"
+    done
+    job "passkey__paul-graham__infinitehip-3k-box__128k" passkey --haystack paul-graham --lengths 128k \
+        --attention infinitehip:3k-box
+    job "ruler__niah_single_2__infinitehip-3k-box__128k" ruler --tasks niah_single_2 --lengths 128k --samples 20 \
+        --attention infinitehip:3k-box
+    job "passkey__paul-graham__infinitehip-3k-box__512k" passkey --haystack paul-graham --lengths 512k --seeds 2 \
+        --attention infinitehip:3k-box
+    job "ruler__niah_single_2__infinitehip-3k-box__512k" ruler --tasks niah_single_2 --lengths 512k --samples 10 \
+        --attention infinitehip:3k-box
+    for d in 0.1 0.3 0.5 0.7 0.9; do
+        job "passkey__paul-graham__infinitehip-3k-box__1M-d${d#0.}" passkey --haystack paul-graham --lengths 1M \
+            --seeds 1 --depths "$d" --attention infinitehip:3k-box
+    done
+    for s in 42 43 44 45 46; do
+        job "ruler__niah_single_2__infinitehip-3k-box__1M-s$s" ruler --tasks niah_single_2 --lengths 1M --samples 1 \
+            --seed "$s" --attention infinitehip:3k-box
+    done
+}
 suite_"${SUITE:-smollm2}"
 
 start=$SECONDS

@@ -3,7 +3,8 @@
     python scripts/ladder_table.py DIR [--json OUT.json]
 
 DIR holds the jobs' JSON reports, named KIND__HAYSTACK__LABEL__LENGTHS.json (the eval commands' --out). Reports of
-one (kind, haystack, label) at different lengths are merged. A passkey cell reads "accuracy% [95% Wilson interval]",
+one (kind, haystack, label) at different lengths are merged, and so are reports of one cell split over several jobs
+(passkey: one depth per job; RULER: one seed per job; the cell's prompts are summed). A passkey cell reads "accuracy% [95% Wilson interval]",
 with the prompt count per cell in the row's last column when every cell of the row has the same count (else per cell).
 """
 from __future__ import annotations
@@ -33,8 +34,11 @@ def load(directory: pathlib.Path) -> dict:
                     c["n"] += 1
             else:
                 for task, per_len in method["tasks"].items():
-                    for n, cell in per_len.items():
-                        merged.setdefault((kind, task, label), {})[int(n)] = {"score": cell["score"], "n": cell["n"]}
+                    for n, cell in per_len.items():  # one cell split over jobs (other seeds): n-weighted mean score
+                        c = merged.setdefault((kind, task, label), {}).setdefault(int(n), {"score": 0.0, "n": 0})
+                        total = c["n"] + cell["n"]
+                        c["score"] = (c["score"] * c["n"] + cell["score"] * cell["n"]) / total
+                        c["n"] = total
     return merged
 
 

@@ -136,3 +136,15 @@ def test_cli_errors(tiny, tmp_path, capsys):
     ]:
         assert cli.main([*base, *extra]) == 2
         assert message in capsys.readouterr().err
+
+
+def test_hotpotqa_text_is_long_deduplicated_natural_text():
+    """The 1M-token perplexity source: titled Wikipedia paragraphs, each title once, at least the 8M-character cap."""
+    from longreach.eval.data import HOTPOTQA_CHARS, hotpotqa_text
+
+    text = hotpotqa_text()
+    paragraphs = text.split("\n\n")
+    titles = [p.split("\n", 1)[0] for p in paragraphs]
+    assert HOTPOTQA_CHARS <= len(text) < HOTPOTQA_CHARS + 20_000
+    assert len(set(titles)) == len(titles) > 1000
+    assert paragraphs[0].startswith("Ed Wood (film)\nEd Wood is a 1994 American")

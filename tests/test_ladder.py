@@ -103,7 +103,7 @@ def test_box_preset_equals_exact_while_stage0_keeps_every_chunk():
 
 def test_ladder_tables_merge_reports_and_print_traces(tmp_path):
     """scripts/ladder_table.py on tiny reports: passkey cells of one label merged over two jobs' lengths, a RULER
-    score with its interval, and the needle traces of finished and cut-off trace jobs (a broken merge or a dropped
+    score with its interval, a RULER cell split over two jobs' seeds, and the needle traces of finished and cut-off trace jobs (a broken merge or a dropped
     partial file changes the text)."""
     import json
     import subprocess
@@ -119,6 +119,9 @@ def test_ladder_tables_merge_reports_and_print_traces(tmp_path):
     write("passkey__paul-graham__m__64k.json", {"methods": {"m": {"cells": cells(65536, 1)}}})
     write("ruler__niah_single_2__m__4k.json",
           {"methods": {"m": {"tasks": {"niah_single_2": {"4096": {"score": 50.0, "n": 20}}}}}})
+    for seed, score in ((42, 100.0), (43, 50.0)):  # one 1M cell split over two jobs (a seed each): 3 of 4 right
+        write(f"ruler__niah_single_1__m__1M-s{seed}.json",
+              {"methods": {"m": {"tasks": {"niah_single_1": {"1048576": {"score": score, "n": 2}}}}}})
     run = {"length": 524288, "depth": 0.5, "right": False, "layers": "00kK"}
     write("trace__paul-graham__oracle__524288.json", {"runs": [run]})
     write("trace__paul-graham__s0x2__524288.partial.json", {"runs": [dict(run, right=True, layers="0KKK")]})
@@ -126,5 +129,6 @@ def test_ladder_tables_merge_reports_and_print_traces(tmp_path):
     out = subprocess.run([sys.executable, str(script), str(tmp_path)], capture_output=True, text=True, check=True).stdout
     assert "| m | 100 [51-100] | 25 [5-70] | 4 |" in out
     assert "| m | 50 [30-70] | 20 |" in out
+    assert "| m | 75 [30-95] | 4 |" in out
     assert "oracle      512K depth 0.5 wrong  00kK" in out
     assert "s0x2        512K depth 0.5 right  0KKK" in out

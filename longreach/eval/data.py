@@ -32,4 +32,29 @@ def squad_text() -> str:
     return "\n\n".join(p["context"] for article in data["data"] for p in article["paragraphs"])
 
 
-TEXT_SOURCES = {"paul-graham": paul_graham_text, "squad": squad_text}
+HOTPOTQA_CHARS = 8_000_000
+
+
+def hotpotqa_text() -> str:
+    """The Wikipedia paragraphs of HotpotQA dev shipped with RULER's generators (~46 MB of JSON), each titled
+    paragraph once (first appearance order), joined by blank lines, up to 8M characters (~1.9M tokens; the whole
+    file would be 37M characters and slow to tokenize): the one offline natural text longer than 1M tokens, for
+    perplexity at 1M. Paragraphs are unrelated to their neighbours, so a longer context
+    helps less than in the essays; what it shows is whether the far context hurts."""
+    path = os.path.join(ruler_data_dir(), "json", "hotpotqa.json")
+    with open(path) as f:
+        data = json.load(f)
+    seen: set[str] = set()
+    paragraphs, size = [], 0
+    for item in data:
+        for title, sentences in item["context"]:
+            if title not in seen:
+                seen.add(title)
+                paragraphs.append(title + "\n" + "".join(sentences).strip())
+                size += len(paragraphs[-1]) + 2
+        if size >= HOTPOTQA_CHARS:
+            break
+    return "\n\n".join(paragraphs)
+
+
+TEXT_SOURCES = {"paul-graham": paul_graham_text, "squad": squad_text, "hotpotqa": hotpotqa_text}
