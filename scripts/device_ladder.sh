@@ -235,6 +235,43 @@ suite_qwen_close() {  # issue 28's remaining cells on the 0.5B, in priority orde
     job "passkey__paul-graham__3k-box-dense32k__256k" passkey --haystack paul-graham --lengths 256k --seeds 2 \
         --attention infinitehip:3k-box --attention-config '{"dense_below": 32768}'
 }
+suite_qwen_close2() {  # the second lease of qwen_close (the first went back after one call): dense beside the
+    # remedy inside the window, then the cells past 128K, 1M last
+    local t d s
+    for t in niah_multikey_1 niah_multivalue niah_single_3; do
+        job "ruler__${t}__dense__16k-32k" ruler --tasks "$t" --lengths 16k 32k --samples 20 --attention dense
+    done
+    job "ruler__niah_single_2__infinitehip-3k-box__256k" ruler --tasks niah_single_2 --lengths 256k --samples 10 \
+        --attention infinitehip:3k-box
+    job "passkey__paul-graham__infinitehip-3k-box__512k" passkey --haystack paul-graham --lengths 512k --seeds 2 \
+        --attention infinitehip:3k-box
+    for t in niah_single_1 niah_single_2; do
+        job "ruler__${t}__infinitehip-3k-box__512k" ruler --tasks "$t" --lengths 512k --samples 10 \
+            --attention infinitehip:3k-box
+    done
+    job "passkey__paul-graham__oracle8k__256k" passkey --haystack paul-graham --lengths 256k --seeds 2 \
+        --attention infinitehip:oracle --attention-config '{"budgets": [8192], "early_last_budget": 16384}'
+    job "ppl__paul-graham__dense+3k-box__32k-512k" ppl --text-source paul-graham --lengths 32k 128k 512k \
+        --samples 1 --attention dense infinitehip:3k-box --max-dense-length 32768
+    for s in 42 43 44 45 46; do
+        job "ruler__niah_single_1__infinitehip-3k-box__1M-s$s" ruler --tasks niah_single_1 --lengths 1M --samples 2 \
+            --seed "$s" --attention infinitehip:3k-box
+    done
+    for d in 0.1 0.3 0.5 0.7 0.9; do
+        job "passkey__paul-graham__infinitehip-3k-box__1M-d${d#0.}" passkey --haystack paul-graham --lengths 1M \
+            --seeds 2 --depths "$d" --attention infinitehip:3k-box
+    done
+    job "ppl__hotpotqa__dense+3k-box__32k-1M" ppl --text-source hotpotqa --lengths 32k 128k 512k 1M --samples 1 \
+        --attention dense infinitehip:3k-box --max-dense-length 32768
+    job "passkey__paul-graham__3k-box-dense32k__256k" passkey --haystack paul-graham --lengths 256k --seeds 2 \
+        --attention infinitehip:3k-box --attention-config '{"dense_below": 32768}'
+    job "passkey__paul-graham__streaming-16k__64k-128k" passkey --haystack paul-graham --lengths 64k 128k \
+        --attention streaming --attention-config '{"n_sink": 64, "n_window": 16320}'
+    for s in 42 43 44 45 46; do
+        job "ruler__niah_single_2__infinitehip-3k-box__1M-s$s" ruler --tasks niah_single_2 --lengths 1M --samples 2 \
+            --seed "$s" --attention infinitehip:3k-box
+    done
+}
 suite_qwen15() {  # issue 28's 1.5B rows: passkey and niah_single_2 at 32K (dense beside), 128K, 512K, 1M
     local t m d
     for m in "dense dense" "infinitehip-3k-box infinitehip:3k-box"; do
