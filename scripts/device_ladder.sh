@@ -15,9 +15,14 @@ set -u
 budget=${1:-560}
 P=${P:-3}  # 4 evals at 12 GiB of KV each ran out of GPU memory on an H100 beside hip
 KV_GB=${KV_GB:-12}  # KV per eval; 128K of SmolLM2 is 2.8 GiB, so 6 lets P=6 share an H100
-out=${OUT:-out}; mkdir -p "$out" /tmp/ladder
-export PYTHONUNBUFFERED=1
+out=${OUT:-out}; mkdir -p "$out"
 model=${MODEL:-/tmp/m/model.gguf}
+ident="$(stat -c %s "$model" 2>/dev/null) $model"  # the model's size names it well enough here
+if [ -e /tmp/ladder/.model ] && [ "$(cat /tmp/ladder/.model)" != "$ident" ]; then
+    mv /tmp/ladder "/tmp/ladder.$(date +%s)"  # another model's reports: kept aside, never merged with these
+fi
+mkdir -p /tmp/ladder && echo "$ident" > /tmp/ladder/.model
+export PYTHONUNBUFFERED=1
 yarn='{"rope_type": "yarn", "factor": 16}'
 ntk='{"rope_type": "dynamic", "factor": 16}'
 declare -a JOBS=()
@@ -270,6 +275,24 @@ suite_qwen_close2() {  # the second lease of qwen_close (the first went back aft
     for s in 42 43 44 45 46; do
         job "ruler__niah_single_2__infinitehip-3k-box__1M-s$s" ruler --tasks niah_single_2 --lengths 1M --samples 2 \
             --seed "$s" --attention infinitehip:3k-box
+    done
+}
+suite_qwen_remedy() {  # exact attention inside the trained 32K (dense_below 32768) against the default, in one run:
+    # inside the window with dense beside, and past it on the two tasks the default loses most
+    local t m
+    for m in "dense dense {}" "3k-box-dense32k infinitehip:3k-box {\"dense_below\":32768}"; do
+        set -- $m
+        for t in niah_multikey_1 niah_multivalue niah_single_3; do
+            job "ruler__${t}__${1}__16k-32k" ruler --tasks "$t" --lengths 16k 32k --samples 20 --attention "$2" \
+                --attention-config "$3"
+        done
+    done
+    for m in "infinitehip-3k-box infinitehip:3k-box {}" "3k-box-dense32k infinitehip:3k-box {\"dense_below\":32768}"; do
+        set -- $m
+        job "passkey__paul-graham__${1}__64k-128k" passkey --haystack paul-graham --lengths 64k 128k --attention "$2" \
+            --attention-config "$3"
+        job "ruler__niah_single_3__${1}__64k-128k" ruler --tasks niah_single_3 --lengths 64k 128k --samples 20 \
+            --attention "$2" --attention-config "$3"
     done
 }
 suite_qwen15() {  # issue 28's 1.5B rows: passkey and niah_single_2 at 32K (dense beside), 128K, 512K, 1M
