@@ -295,6 +295,41 @@ suite_qwen_remedy() {  # exact attention inside the trained 32K (dense_below 327
             --attention "$2" --attention-config "$3"
     done
 }
+suite_qwen_rest() {  # the 0.5B cells issue 28 still lacks after runs 1-5 (docs/quality.md), ~2 calls of 560 s
+    local d s
+    job "ppl__hotpotqa__dense+3k-box__32k-1M" ppl --text-source hotpotqa --lengths 32k 128k 512k 1M --samples 1 \
+        --attention dense infinitehip:3k-box --max-dense-length 32768
+    for s in 42 43 44 45 46; do
+        job "ruler__niah_single_2__infinitehip-3k-box__1M-s$s" ruler --tasks niah_single_2 --lengths 1M --samples 2 \
+            --seed "$s" --attention infinitehip:3k-box
+    done
+    for d in 0.1 0.3 0.5 0.7 0.9; do
+        job "passkey__paul-graham__infinitehip-3k-box__1M-d${d#0.}" passkey --haystack paul-graham --lengths 1M \
+            --seeds 2 --depths "$d" --attention infinitehip:3k-box
+    done
+    job "ruler__niah_multikey_1__infinitehip-3k-box__64k-128k" ruler --tasks niah_multikey_1 --lengths 64k 128k \
+        --samples 20 --attention infinitehip:3k-box
+    job "ruler__niah_multikey_1__dense__32k" ruler --tasks niah_multikey_1 --lengths 32k --samples 20 --attention dense
+    job "ruler__niah_single_1__infinitehip-3k-box__512k" ruler --tasks niah_single_1 --lengths 512k --samples 10 \
+        --attention infinitehip:3k-box
+    job "passkey__paul-graham__oracle8k__256k" passkey --haystack paul-graham --lengths 256k --seeds 2 \
+        --attention infinitehip:oracle --attention-config '{"budgets": [8192], "early_last_budget": 16384}'
+}
+suite_qwen15_rest() {  # the 1.5B cells after run 4: 512K and 1M, ~3 calls
+    local d s
+    job "passkey__paul-graham__infinitehip-3k-box__512k" passkey --haystack paul-graham --lengths 512k --seeds 2 \
+        --attention infinitehip:3k-box
+    job "ruler__niah_single_2__infinitehip-3k-box__512k" ruler --tasks niah_single_2 --lengths 512k --samples 10 \
+        --attention infinitehip:3k-box
+    for d in 0.1 0.3 0.5 0.7 0.9; do
+        job "passkey__paul-graham__infinitehip-3k-box__1M-d${d#0.}" passkey --haystack paul-graham --lengths 1M \
+            --seeds 2 --depths "$d" --attention infinitehip:3k-box
+    done
+    for s in 42 43 44 45 46; do
+        job "ruler__niah_single_2__infinitehip-3k-box__1M-s$s" ruler --tasks niah_single_2 --lengths 1M --samples 2 \
+            --seed "$s" --attention infinitehip:3k-box
+    done
+}
 suite_qwen15() {  # issue 28's 1.5B rows: passkey and niah_single_2 at 32K (dense beside), 128K, 512K, 1M
     local t m d
     for m in "dense dense" "infinitehip-3k-box infinitehip:3k-box"; do
