@@ -295,7 +295,7 @@ def _add_eval_common(r) -> None:
 
 
 def _eval_inputs(args):
-    """(text, [MethodSpec]) from the shared eval arguments."""
+    """(text, [RunSpec]) from the shared eval arguments."""
     from .eval.common import parse_methods
     from .eval.data import TEXT_SOURCES
 
@@ -376,6 +376,7 @@ def _cmd_bench_attention(args) -> int:
 
 
 def _cmd_bench_long(args) -> int:
+    from .attention.registry import MethodSpec
     from .bench.engine import run_long
     from .eval.common import parse_methods
     from .eval.data import paul_graham_text
@@ -389,7 +390,7 @@ def _cmd_bench_long(args) -> int:
             raise ValueError(f"cannot read --text-file {args.text_file!r}: {e.strerror}") from None
     else:
         text = paul_graham_text()
-    methods = [(a.partition(":")[0], a.partition(":")[2] or None) for a in args.attention]
+    methods = [MethodSpec.parse(a, check_preset=False) for a in args.attention]  # checked by parse_methods
     run_long(args.model, text, sorted(args.lengths), methods, args.new_tokens, args.device, args.out, args.eager_too,
              args.attention_config)
     return 0
@@ -479,6 +480,16 @@ def _stack_dumps_on_sigusr1() -> None:
             continue
 
 
+def _parse_json_configs(args: argparse.Namespace) -> None:
+    """--attention-config and --decode-attention-config arrive as JSON text: parsed here, once, into the dicts that
+    every command passes on (ValueError says what was wrong)."""
+    from .config import config_dict
+
+    for name in ("attention_config", "decode_attention_config"):
+        if isinstance(getattr(args, name, None), str):
+            setattr(args, name, config_dict(getattr(args, name), name))
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
@@ -487,6 +498,7 @@ def main(argv: list[str] | None = None) -> int:
     logging.basicConfig(level=level, format="[longreach] %(message)s", stream=sys.stderr)
     _stack_dumps_on_sigusr1()
     try:
+        _parse_json_configs(args)
         return args.func(args)
     except ValueError as e:
         print(f"longreach {args.command}: error: {e}", file=sys.stderr)

@@ -2,9 +2,14 @@
 
 Importing it imports no torch. Validated in `__post_init__` with messages that say what is allowed; a preset or
 `attention_config` is checked against its method's config there too, which imports that backend's module.
+`attention_config` and `decode_attention_config` are dicts inside; the JSON text of the CLI (or of older Python code)
+is parsed once, here (`config_dict`).
 """
 from __future__ import annotations
 
+import copy
+import json
+from collections.abc import Mapping
 from dataclasses import dataclass, field, fields
 from typing import Any
 
@@ -13,8 +18,28 @@ DEVICES = ("auto", "cpu", "cuda")
 KV_DTYPES = ("auto", "bfloat16", "float16", "fp8")
 
 
-def _f(default: Any, help: str):
-    return field(default=default, metadata={"help": help})
+def _f(default: Any, help: str, hash: bool = True):
+    return field(default=default, hash=hash, metadata={"help": help})
+
+
+def config_dict(value: Any, what: str = "attention_config") -> dict | None:
+    """A method's config overrides as a dict: `value` is None, a dict (copied, so later changes to the caller's
+    dict do not reach the engine) or its JSON text, parsed here. Anything else raises ValueError naming `what`, what
+    was wrong and what is allowed."""
+    if value is None:
+        return None
+    if isinstance(value, Mapping):
+        return copy.deepcopy(dict(value))
+    if isinstance(value, (str, bytes, bytearray)):
+        try:
+            parsed = json.loads(value)
+        except json.JSONDecodeError as e:
+            raise ValueError(f"{what} must be a JSON object (a dict, or its JSON text), got {value!r} "
+                             f"({e.msg})") from None
+        if isinstance(parsed, dict):
+            return parsed
+    raise ValueError(f"{what} must be a JSON object (a dict, or its JSON text such as '{{\"n_sink\": 128}}'), got "
+                     f"{type(value).__name__} {value!r}")
 
 
 @dataclass(frozen=True)
@@ -23,13 +48,14 @@ class EngineConfig:
     attention: str = _f("dense", "attention backend (see `longreach backends`)")
     preset: str | None = _f(None, "named configuration of the attention method, e.g. 3k, 5k, 3k-fast, 3k-flash for "
                                   "infinitehip; default: the method's own")
-    attention_config: str | None = _f(None, "JSON object overriding fields of the method's config, e.g. "
-                                            "'{\"n_sink\": 128, \"dense_layers\": [0, 1]}'")
+    # the two method configs: a dict, or its JSON text (the CLI's, or older Python code's), parsed in __post_init__
+    attention_config: dict | None = _f(None, "JSON object overriding fields of the method's config, e.g. "
+                                             "'{\"n_sink\": 128, \"dense_layers\": [0, 1]}'", hash=False)
     decode_attention: str | None = _f(None, "a different attention method for decode steps, METHOD[:PRESET] (e.g. "
                                             "--attention minference --decode-attention infinitehip:3k-fast); "
                                             "default: --attention's own decode (dense for minference)")
-    decode_attention_config: str | None = _f(None, "JSON object overriding fields of the decode method's config "
-                                                   "(with --decode-attention)")
+    decode_attention_config: dict | None = _f(None, "JSON object overriding fields of the decode method's config "
+                                                    "(with --decode-attention)", hash=False)
     dtype: str = _f("auto", "weights, activations and KV cache dtype; auto = bfloat16 on CUDA, float32 on CPU")
     device: str = _f("auto", "auto (CUDA when available), cpu, cuda or cuda:N")
     cpu_threads: int | None = _f(None, "torch threads on a CPU; default: auto, the cores this process may use minus "
@@ -80,8 +106,6 @@ class EngineConfig:
         if self.kv_cache_memory_gb is not None and self.kv_cache_memory_gb <= 0:
             bad(f"kv_cache_memory_gb must be > 0, got {self.kv_cache_memory_gb}")
         if self.rope_scaling is not None:
-            import json
-
             try:
                 rope = json.loads(self.rope_scaling)
             except json.JSONDecodeError as e:
@@ -94,33 +118,15 @@ class EngineConfig:
         if self.kv_offloading_size is not None and (isinstance(self.kv_offloading_size, bool) or not isinstance(
                 self.kv_offloading_size, (int, float)) or self.kv_offloading_size < 0):
             bad(f"kv_offloading_size must be a number of GiB >= 0 (0: no offloading), got {self.kv_offloading_size!r}")
-        from .attention.registry import check_backend_name
+        from .attention.registry import MethodSpec, check_backend_name
 
         check_backend_name(self.attention)
         if self.decode_attention is not None:
-            if not isinstance(self.decode_attention, str) or not self.decode_attention:
-                bad(f"decode_attention must be METHOD[:PRESET], got {self.decode_attention!r}")
-            check_backend_name(self.decode_attention.partition(":")[0])
-        if self.decode_attention_config is not None:
-            import json
-
-            if self.decode_attention is None:
-                bad("decode_attention_config needs decode_attention (the method it configures)")
-            try:
-                parsed = json.loads(self.decode_attention_config)
-            except json.JSONDecodeError as e:
-                bad(f"decode_attention_config must be a JSON object, got {self.decode_attention_config!r} ({e.msg})")
-            if not isinstance(parsed, dict):
-                bad(f"decode_attention_config must be a JSON object, got {self.decode_attention_config!r}")
-        if self.attention_config is not None:
-            import json
-
-            try:
-                parsed = json.loads(self.attention_config)
-            except json.JSONDecodeError as e:
-                bad(f"attention_config must be a JSON object, got {self.attention_config!r} ({e.msg})")
-            if not isinstance(parsed, dict):
-                bad(f"attention_config must be a JSON object, got {self.attention_config!r}")
+            MethodSpec.parse(self.decode_attention, what="decode_attention", check_preset=False)  # _check_methods
+        if self.decode_attention_config is not None and self.decode_attention is None:
+            bad("decode_attention_config needs decode_attention (the method it configures)")
+        for name in ("attention_config", "decode_attention_config"):  # JSON text is parsed here, once
+            object.__setattr__(self, name, config_dict(getattr(self, name), name))
         self._check_methods()
 
     def _check_methods(self) -> None:

@@ -55,7 +55,7 @@ def _probe() -> float:
     return best
 
 
-def estimate(engine, model: str, labels: list[str], length: int) -> str:
+def estimate(engine, model: str, runs: list, length: int) -> str:
     """One sentence: how long the runs should take on this machine (roughly), before they start."""
     import torch
 
@@ -71,9 +71,9 @@ def estimate(engine, model: str, labels: list[str], length: int) -> str:
         return f"No estimate for {model} {where}: the progress lines give the rate and the time left."
     speed = _probe() / _REFERENCE["probe_s"]
     each = {}
-    for label in labels:  # a sparse method without a reference of its own: infinitehip's, the default
-        seconds, length_exp, speed_exp = _CPU_SECONDS.get(label.partition(":")[0], _CPU_SECONDS["infinitehip"])
-        each[label] = seconds * speed ** speed_exp * (length / _REFERENCE["tokens"]) ** length_exp
+    for spec in runs:  # eval.common.RunSpec; a sparse method without a reference of its own: infinitehip's
+        seconds, length_exp, speed_exp = _CPU_SECONDS.get(spec.name, _CPU_SECONDS["infinitehip"])
+        each[spec.label] = seconds * speed ** speed_exp * (length / _REFERENCE["tokens"]) ** length_exp
     parts = ", ".join(f"{label} ~{format_seconds(s)}" for label, s in each.items())
     return f"Expect about {format_seconds(sum(each.values()))} {where}: {parts} (rough; progress below)."
 
@@ -108,7 +108,7 @@ def main(args) -> int:
             print(f"A magic number ({key}) is hidden in a {len(prompt):,}-token document; the model "
                   f"({llm.engine.model_config.name or args.model}) was trained on {trained:,}-token contexts"
                   + ("" if length > trained else " (the document fits: give a longer --length)") + ".", flush=True)
-            print(estimate(llm.engine, args.model, [s.label for s in runs], len(prompt)), flush=True)
+            print(estimate(llm.engine, args.model, runs, len(prompt)), flush=True)
         t0 = time.perf_counter()
         out = llm.generate({"prompt_token_ids": prompt}, params)[0]  # progress: a bar, or lines in a log
         seconds = time.perf_counter() - t0

@@ -178,10 +178,10 @@ def test_profile_steps_are_profiled_and_left_out_of_the_rate(tmp_path):
     """--profile-steps 3: the last 3 decode steps run under torch.profiler (a kernel table in the JSON) and count as
     warm-up steps, not in the rate."""
     from longreach.bench.decode import run
-    from longreach.eval.common import MethodSpec
+    from longreach.eval.common import RunSpec
 
     out = tmp_path / "bd.json"
-    report = run("random:tiny", [512], [MethodSpec("streaming", None, "streaming")],
+    report = run("random:tiny", [512], [RunSpec("streaming", None, "streaming")],
                  {"device": "cpu", "kv_cache_memory_gb": 0.01}, decode_tokens=8, dense_lengths=[],
                  out_path=str(out), warmup_tokens=0, profile_steps=3)
     row = report["runs"][0]
@@ -198,9 +198,9 @@ def test_profile_prefill_steps_profile_prefill_steps_two_on(tmp_path, capsys):
     of its own in the JSON), decode is not profiled, and a negative count is a clear error."""
     from longreach.bench.decode import run
     from longreach.cli import main
-    from longreach.eval.common import MethodSpec
+    from longreach.eval.common import RunSpec
 
-    report = run("random:tiny", [512], [MethodSpec("streaming", None, "streaming")],
+    report = run("random:tiny", [512], [RunSpec("streaming", None, "streaming")],
                  {"device": "cpu", "kv_cache_memory_gb": 0.01, "max_num_batched_tokens": 128}, decode_tokens=4,
                  dense_lengths=[], out_path=str(tmp_path / "bd.json"), warmup_tokens=0, profile_prefill_steps=2)
     row = report["runs"][0]
@@ -265,7 +265,7 @@ def test_compilations_inside_timed_steps_are_reported_and_decode_ones_left_out_o
     note says the prefill time includes it; a decode step in which one compiles is a warm-up step (decode_jit)."""
     from longreach.bench.decode import run
     from longreach.engine.llm_engine import LLMEngine
-    from longreach.eval.common import MethodSpec
+    from longreach.eval.common import RunSpec
 
     step, calls = LLMEngine.step, []
 
@@ -276,7 +276,7 @@ def test_compilations_inside_timed_steps_are_reported_and_decode_ones_left_out_o
         return step(self)
 
     monkeypatch.setattr(LLMEngine, "step", step_compiling)
-    report = run("random:tiny", [512], [MethodSpec("streaming", None, "streaming")],
+    report = run("random:tiny", [512], [RunSpec("streaming", None, "streaming")],
                  {"device": "cpu", "kv_cache_memory_gb": 0.01, "max_num_batched_tokens": 128}, decode_tokens=8,
                  dense_lengths=[], out_path=str(tmp_path / "bd.json"), warmup_tokens=0)
     row = report["runs"][0]

@@ -441,9 +441,9 @@ def test_eval_method_specs_compose_prefill_and_decode():
     assert (a.name, a.preset, a.decode, a.label) == ("minference", "bs", "infinitehip:3k-fast",
                                                     "minference:bs+infinitehip:3k-fast@x")
     assert b.decode is None and b.label == "minference"
-    cfg = '{"minference": {"block": 32}, "infinitehip": {"exact_below": 0}}'
-    assert method_config(a, cfg) == '{"block": 32}'
-    assert method_config(parse_methods(["infinitehip:3k-fast"])[0], cfg) == '{"exact_below": 0}'
+    cfg = {"minference": {"block": 32}, "infinitehip": {"exact_below": 0}}  # --attention-config, as the CLI parsed it
+    assert method_config(a, cfg) == {"block": 32}
+    assert method_config(parse_methods(["infinitehip:3k-fast"])[0], cfg) == {"exact_below": 0}
     with pytest.raises(ValueError, match="unknown attention backend 'nope'"):
         parse_methods(["minference+nope"])
 
@@ -454,19 +454,19 @@ def test_eval_config_of_a_composed_variant_reaches_its_decode_side_and_unread_ke
     entries by method name may sit unread (one config for several runs)."""
     from longreach.eval.common import decode_kwargs, decode_spec, method_config, parse_methods
 
-    cfg = '{"psa@e50": {"epsilon": 0.5}, "psa:0.9": {"microbatch": 8}, "psa": {"count_reads": true}}'
+    cfg = {"psa@e50": {"epsilon": 0.5}, "psa:0.9": {"microbatch": 8}, "psa": {"count_reads": True}}
     a, b, c = parse_methods(["infinitehip+psa@e50", "infinitehip+psa:0.9", "infinitehip+psa"], attention_config=cfg)
     assert decode_spec(a).label == "psa@e50" and decode_spec(b).label == "psa:0.9" and decode_spec(c).label == "psa"
-    assert decode_kwargs(a, cfg)["decode_attention_config"] == '{"epsilon": 0.5}'
-    assert decode_kwargs(b, cfg)["decode_attention_config"] == '{"microbatch": 8}'
-    assert decode_kwargs(c, cfg)["decode_attention_config"] == '{"count_reads": true}'
+    assert decode_kwargs(a, cfg)["decode_attention_config"] == {"epsilon": 0.5}
+    assert decode_kwargs(b, cfg)["decode_attention_config"] == {"microbatch": 8}
+    assert decode_kwargs(c, cfg)["decode_attention_config"] == {"count_reads": True}
     assert method_config(a, cfg) is None  # the prefill side (infinitehip) has no entry
     assert decode_spec(parse_methods(["infinitehip"])[0]) is None
     with pytest.raises(ValueError, match=r"entries no method reads: 'psa@e80'.*infinitehip\+psa@e50: "
                                          r"infinitehip\+psa@e50, infinitehip, psa@e50, psa"):
-        parse_methods(["infinitehip+psa@e50"], attention_config='{"psa@e80": {"epsilon": 0.8}}')
+        parse_methods(["infinitehip+psa@e50"], attention_config={"psa@e80": {"epsilon": 0.8}})
     with pytest.raises(ValueError, match=r"entries no method reads: 'quest\+psa'"):
-        parse_methods(["infinitehip+psa"], attention_config='{"quest+psa": {}, "quest": {}}')
-    parse_methods(["infinitehip+psa"], attention_config='{"quest": {"budget": 64}, "psa": {}}')  # by name: fine
+        parse_methods(["infinitehip+psa"], attention_config={"quest+psa": {}, "quest": {}})
+    parse_methods(["infinitehip+psa"], attention_config={"quest": {"budget": 64}, "psa": {}})  # by name: fine
     # a flat object applies to every method: nothing to refuse; dense reads nothing
-    parse_methods(["dense", "psa"], attention_config='{"epsilon": 0.5}')
+    parse_methods(["dense", "psa"], attention_config={"epsilon": 0.5})

@@ -18,20 +18,14 @@ import dataclasses
 import logging
 
 from .backend import AttentionBackend, AttentionMetadata
-from .registry import available_backends, get_backend_class
+from .registry import MethodSpec, available_backends, get_backend_class
 
 logger = logging.getLogger("longreach")
 
 
-def split_method(spec: str) -> tuple[str, str | None]:
-    """"infinitehip:3k-fast" -> ("infinitehip", "3k-fast"); "dense" -> ("dense", None)."""
-    name, _, preset = spec.partition(":")
-    return name, preset or None
-
-
 def decode_config(config):
     """The EngineConfig the decode backend sees: its own name, preset and attention_config."""
-    name, preset = split_method(config.decode_attention)
+    name, preset = MethodSpec.parse(config.decode_attention, what="decode_attention", check_preset=False)
     return dataclasses.replace(config, attention=name, preset=preset, attention_config=config.decode_attention_config,
                                decode_attention=None, decode_attention_config=None)
 
@@ -48,7 +42,7 @@ def make_backend(model_config, config, device) -> AttentionBackend:
     composed. Raises ValueError with what is wrong and what is allowed."""
     prefill_cls = _checked(get_backend_class(config.attention), model_config, config, "")
     spec = getattr(config, "decode_attention", None)
-    same = spec is not None and split_method(spec) == (config.attention, config.preset) \
+    same = spec is not None and MethodSpec.parse(spec, check_preset=False) == (config.attention, config.preset) \
         and config.decode_attention_config == config.attention_config
     if spec is None or same:
         backend = prefill_cls(model_config, config, device)

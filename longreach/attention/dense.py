@@ -69,7 +69,7 @@ class DenseBackend(AttentionBackend):
 
     @classmethod
     def resolve_config(cls, engine_config) -> None:
-        if engine_config.preset or engine_config.attention_config:
+        if engine_config.preset or engine_config.attention_config is not None:
             raise ValueError("dense attention (the default --attention) takes no --preset or --attention-config: "
                              "they configure a sparse method, e.g. --attention infinitehip --preset 3k-fast "
                              "(`longreach backends` lists each method's presets)")

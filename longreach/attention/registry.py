@@ -1,12 +1,12 @@
-"""Attention-backend registry: name -> lazily imported class.
+"""Attention-backend registry: name -> lazily imported class, and `MethodSpec`, the one parser of `METHOD[:PRESET]`.
 
 Built-in backends are listed as "module:Class" strings so that naming one imports nothing heavy; `register_backend`
-adds a user's own class under a new name (or replaces one).
+adds a user's own class under a new name (or replaces one). Importing this module imports no torch.
 """
 from __future__ import annotations
 
 import importlib
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, NamedTuple
 
 if TYPE_CHECKING:
     from .backend import AttentionBackend
@@ -31,6 +31,41 @@ def available_backends() -> list[str]:
 def check_backend_name(name: str) -> None:
     if name not in _registry:
         raise ValueError(f"unknown attention backend {name!r}; available: {', '.join(available_backends())}")
+
+
+class MethodSpec(NamedTuple):
+    """An attention method and its preset (None: the method's default), as `METHOD[:PRESET]` names them on the
+    command line (--attention, --decode-attention, eval method lists). `str(spec)` gives the text back."""
+
+    method: str
+    preset: str | None = None
+
+    @classmethod
+    def parse(cls, text: str, what: str = "attention method", check_preset: bool = True) -> "MethodSpec":
+        """"infinitehip:3k-fast" -> MethodSpec("infinitehip", "3k-fast"); "dense" (or "dense:") -> preset None.
+        Raises ValueError naming the known methods for an empty text or an unknown method, and (`check_preset`) the
+        method's presets for an unknown preset, which imports that backend's module; `what` names the text in the
+        first of these messages."""
+        if not isinstance(text, str) or not text.strip():
+            raise ValueError(f"{what} must be METHOD[:PRESET] with METHOD one of {', '.join(available_backends())}, "
+                             f"got {text!r}")
+        method, _, preset = text.partition(":")
+        check_backend_name(method)
+        spec = cls(method, preset or None)
+        if check_preset:
+            spec.check_preset()
+        return spec
+
+    def check_preset(self) -> None:
+        """Raise ValueError listing the method's presets when it has none called `self.preset` (dense: it takes no
+        preset). Imports the backend's module when there is a preset to check."""
+        if self.preset is not None:
+            from ..config import EngineConfig
+
+            EngineConfig(attention=self.method, preset=self.preset)  # its __post_init__ resolves the method's config
+
+    def __str__(self) -> str:
+        return f"{self.method}:{self.preset}" if self.preset else self.method
 
 
 def check_method_config(config) -> None:

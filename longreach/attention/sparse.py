@@ -167,7 +167,7 @@ def preset_and_overrides(method: str, presets: dict, default: str, engine_config
     if preset not in presets:
         raise ValueError(f"unknown {method} preset {preset!r}; available: {', '.join(presets)} (default: {default}; "
                          f"`longreach backends` says what each is for)")
-    return presets[preset], json.loads(engine_config.attention_config) if engine_config.attention_config else {}
+    return presets[preset], dict(engine_config.attention_config or {})  # a dict: EngineConfig parsed any JSON
 
 
 def _fits(value, hint) -> bool:

@@ -266,7 +266,7 @@ def _measure(model: str, context: int, spec, engine_kwargs: dict, batch: int, de
             "context": context, "attention": spec.label, "batch": batch,
             "kv_cache_dtype": kv_dtype if kv_dtype != "auto" else str(engine.dtype).replace("torch.", ""),
             "offload": bool(offload), "kv_offloading_size_gib": offload,
-            "kv_cache_memory_gb": cfg.kv_cache_memory_gb, "attention_config": cfg.attention_config,
+            "kv_cache_memory_gb": cfg.kv_cache_memory_gb, "attention_config": _json_text(cfg.attention_config),
             "decode_attention": getattr(cfg, "decode_attention", None),
             "backend": engine.backend.name,  # "A+B" when composed: B decodes
             "prefill_s": run["prefill_s"], "prefill_tok_s": run["prefill_tokens"] / run["prefill_s"],
@@ -335,22 +335,30 @@ def _dense_plan(context: int, batch: int, decode_tokens: int, engine_kwargs: dic
     return kw, None
 
 
+def _json_text(config: dict | None) -> str | None:
+    """A config dict as the report records it: JSON text, as given on the command line (None stays None)."""
+    return None if config is None else json.dumps(config)
+
+
 # ---- the benchmark ---------------------------------------------------------------------------------------------------
 def run(model: str, lengths: list[int], methods: list, engine_kwargs: dict, batch: int = 1, decode_tokens: int = 128,
         dense_lengths: list[int] | None = None, out_path: str | None = None, command: str = "",
         text: str | None = None, text_label: str | None = None, warmup_tokens: int | None = None,
         profile_steps: int = 0, profile_prefill_steps: int = 0) -> dict:
-    """Every (context, method) of `lengths` x `methods` (eval.common.MethodSpec), then dense at `dense_lengths`
+    """Every (context, method) of `lengths` x `methods` (eval.common.RunSpec), then dense at `dense_lengths`
     (None: `lengths` plus the 4K anchor below them; []: no dense). `engine_kwargs`: EngineConfig fields other than
-    model / attention / preset / max_model_len / max_num_seqs; its `attention_config` may be keyed by method
-    (eval.common.method_config). Prints the table, writes JSON to `out_path` after every run, returns the report."""
+    model / attention / preset / max_model_len / max_num_seqs; its `attention_config` (a dict, or its JSON text) may
+    be keyed by method (eval.common.method_config). Prints the table, writes JSON to `out_path` after every run,
+    returns the report (configs in it as JSON text)."""
     import torch
 
     from .. import __version__
     from ..engine.llm_engine import resolve_device, resolve_dtype
-    from ..eval.common import decode_kwargs, method_config
+    from ..eval.common import decode_kwargs, eval_config, method_config
     from ..models.random_init import is_random_model, random_shape, weights_note
 
+    if engine_kwargs.get("attention_config") is not None:  # a dict (JSON text from a Python caller: parsed here)
+        engine_kwargs = {**engine_kwargs, "attention_config": eval_config(engine_kwargs["attention_config"])}
     lengths = sorted(set(lengths))
     if dense_lengths is None:
         dense_lengths = ([ANCHOR] if ANCHOR < lengths[0] else []) + lengths
@@ -370,7 +378,8 @@ def run(model: str, lengths: list[int], methods: list, engine_kwargs: dict, batc
         "settings": {"batch": batch, "decode_tokens": decode_tokens, "lengths": lengths,
                      "attention": [m.label for m in methods], "dense_lengths": dense_lengths,
                      "prompt": text_label or "random token ids", "warmup_tokens": warmup_tokens,
-                     "engine": dict(engine_kwargs)},
+                     "engine": {k: _json_text(v) if k == "attention_config" else v
+                                for k, v in engine_kwargs.items()}},
         "host": _host_memory(), "runs": [], "dense": [], "dense_extrapolation": None,
     }
     if report["note"]:
@@ -409,10 +418,10 @@ def run(model: str, lengths: list[int], methods: list, engine_kwargs: dict, batc
             if kw is None:
                 entry.update(status="does not fit", reason=why)
             else:
-                from ..eval.common import MethodSpec
+                from ..eval.common import RunSpec
 
                 try:
-                    entry.update(_measure(model, context, MethodSpec("dense", None, "dense"), kw, batch,
+                    entry.update(_measure(model, context, RunSpec("dense", None, "dense"), kw, batch,
                                           decode_tokens, engine_kwargs.get("seed", 0), state), status="measured")
                 except torch.cuda.OutOfMemoryError as e:
                     entry.update(status="does not fit", reason=f"out of memory: {_one_line(e)}")

@@ -194,19 +194,22 @@ def format_table(r: dict) -> str:
 
 
 def run_long(model: str, text: str, lengths: list[int], methods: list[tuple[str, str | None]], new_tokens: int,
-             device: str, out_path: str | None, eager_too: bool = False, attention_config: str | None = None) -> dict:
+             device: str, out_path: str | None, eager_too: bool = False, attention_config: dict | str | None = None
+             ) -> dict:
     """Prefill time and decode tokens/s through the engine for each (method, preset) at each prompt length.
 
     `eager_too`: also run each one with `enforce_eager` (no CUDA graphs) and report whether its tokens equal the
     graph run's, so the decode speed of graph capture and its exactness are measured in the same run.
-    `attention_config`: JSON overrides for every method but dense."""
+    `attention_config`: overrides for every method but dense (a dict; the report records its JSON text)."""
     import gc
 
     import torch
 
     from ..engine.llm import LLM
+    from ..eval.common import eval_config
     from ..sampling_params import SamplingParams
 
+    attention_config = eval_config(attention_config)  # a dict (JSON text from a Python caller: parsed once, here)
     report = {"date": time.strftime("%Y-%m-%d"), "runs": []}
     ids = None
     for n in lengths:
@@ -230,7 +233,8 @@ def run_long(model: str, text: str, lengths: list[int], methods: list[tuple[str,
                 m = out.metrics
                 graphs = bool(llm.engine.runner._graph_sizes)
                 row = {"length": n, "attention": f"{name}:{preset}" if preset else name,
-                       "attention_config": None if name == "dense" else attention_config, "prefill_s": m.prefill_seconds,
+                       "attention_config": None if name == "dense" or attention_config is None else
+                       json.dumps(attention_config), "prefill_s": m.prefill_seconds,
                        "prefill_tok_s": m.prefill_tokens_per_s, "decode_tok_s": m.decode_tokens_per_s,
                        "cuda_graphs": graphs, "graph_variants": len(llm.engine.runner._graphs), "text": out.text,
                        "token_ids": out.token_ids}

@@ -5,13 +5,14 @@ import gc
 import time
 
 
-def run(model: str, text: str, length: int, new_tokens: int, methods: list, attention_config: str | None,
+def run(model: str, text: str, length: int, new_tokens: int, methods: list, attention_config: dict | str | None,
         device: str, dtype: str) -> dict:
-    """Prompt = the first `length - new_tokens` tokens of `text`; each method (`common.MethodSpec`) generates
+    """Prompt = the first `length - new_tokens` tokens of `text`; each method (`common.RunSpec`) generates
     `new_tokens` greedily."""
     from ..sampling_params import SamplingParams
-    from .common import make_llm, parse_methods
+    from .common import eval_config, make_llm, parse_methods
 
+    attention_config = eval_config(attention_config)  # a dict (JSON text from a Python caller: parsed once, here)
     if new_tokens < 1 or new_tokens >= length:
         raise ValueError(f"--new-tokens must be in [1, --length), got {new_tokens}")
     params = SamplingParams(temperature=0, max_tokens=new_tokens, ignore_eos=True)

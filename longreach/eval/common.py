@@ -44,8 +44,8 @@ def add_method_args(p: argparse.ArgumentParser, default_methods: tuple[str, ...]
     p.add_argument("--plot", default=None, metavar="PNG", help="draw the figure here (default: next to --out, or none)")
 
 
-class MethodSpec(NamedTuple):
-    """One method an eval runs: backend name, preset (None = the method's default) and the label it is reported
+class RunSpec(NamedTuple):
+    """One method run an eval makes: backend name, preset (None = the method's default) and the label it is reported
     under. The label is `name[:preset][+decode][@variant]`; a variant is a named entry of --attention-config, so one
     method can run several times with different settings. `decode`: another method for the decode steps,
     METHOD[:PRESET] (`minference+infinitehip:3k`: minference prefill, infinitehip decode; attention/compose.py)."""
@@ -56,26 +56,27 @@ class MethodSpec(NamedTuple):
     decode: str | None = None
 
 
-def parse_methods(items: list[str], default_preset: str | None = None, attention_config: str | None = None
-                  ) -> list[MethodSpec]:
-    """["dense", "infinitehip:3k", "infinitehip@no-rope", "hip"] -> MethodSpecs (presets default to
+def parse_methods(items: list[str], default_preset: str | None = None, attention_config: dict | str | None = None
+                  ) -> list[RunSpec]:
+    """["dense", "infinitehip:3k", "infinitehip@no-rope", "hip"] -> RunSpecs (presets default to
     `default_preset`; dense has none), each checked with its share of `attention_config` (the command's
-    --attention-config) before any model loads. A key of a keyed object that no listed method would read is an
-    error, not silently ignored."""
-    from ..attention.registry import check_backend_name
+    --attention-config, parsed) before any model loads. A key of a keyed object that no listed method would read is
+    an error, not silently ignored."""
+    from ..attention.registry import MethodSpec
+
+    attention_config = eval_config(attention_config)
 
     out = []
     for item in items:
         base, _, variant = item.partition("@")
         base, _, decode = base.partition("+")
-        name, _, preset = base.partition(":")
-        check_backend_name(name)
+        name, preset = MethodSpec.parse(base, check_preset=False)  # check_spec checks presets, naming the run
         if decode:
-            check_backend_name(decode.partition(":")[0])
+            MethodSpec.parse(decode, what="the decode method after '+'", check_preset=False)
         preset = preset or (default_preset if name != "dense" else None)
         label = (f"{name}:{preset}" if preset else name) + (f"+{decode}" if decode else "") + \
             (f"@{variant}" if variant else "")
-        out.append(MethodSpec(name, preset, label, decode or None))
+        out.append(RunSpec(name, preset, label, decode or None))
     labels = [m.label for m in out]
     if len(set(labels)) != len(labels):
         raise ValueError(f"--attention lists a method twice: {labels}; give repeats a variant, e.g. infinitehip@v2")
@@ -85,7 +86,7 @@ def parse_methods(items: list[str], default_preset: str | None = None, attention
     return out
 
 
-def check_spec(spec: MethodSpec, attention_config: str | None) -> None:
+def check_spec(spec: RunSpec, attention_config: dict | None) -> None:
     """Raise ValueError, naming the method, when its preset or overrides (or its decode method's) are not ones it
     accepts: an eval checks every method it will run before it loads a model for the first."""
     from ..config import EngineConfig
@@ -97,17 +98,19 @@ def check_spec(spec: MethodSpec, attention_config: str | None) -> None:
         raise ValueError(f"{spec.label}: {e}") from None
 
 
-def decode_spec(spec: MethodSpec) -> MethodSpec | None:
+def decode_spec(spec: RunSpec) -> RunSpec | None:
     """The decode side of a composed spec as a spec of its own: "infinitehip+psa:0.9@x" -> psa, preset 0.9, label
     "psa:0.9@x" (its --attention-config entry may be keyed "psa:0.9@x", "psa:0.9" or "psa"); None if not composed."""
     if not spec.decode:
         return None
-    name, _, preset = spec.decode.partition(":")
+    from ..attention.registry import MethodSpec
+
+    name, preset = MethodSpec.parse(spec.decode, check_preset=False)
     variant = spec.label.partition("@")[2]
-    return MethodSpec(name, preset or None, spec.decode + (f"@{variant}" if variant else ""))
+    return RunSpec(name, preset, spec.decode + (f"@{variant}" if variant else ""))
 
 
-def _config_keys(spec: MethodSpec) -> tuple[str, ...]:
+def _config_keys(spec: RunSpec) -> tuple[str, ...]:
     """The keys of a keyed --attention-config that `method_config` tries for `spec`, most specific first."""
     return (spec.label, f"{spec.name}:{spec.preset}", spec.name)
 
@@ -119,18 +122,23 @@ def _keyed(parsed: dict) -> bool:
                                 for k in parsed)
 
 
-def check_config_keys(specs: list[MethodSpec], attention_config: str | None) -> None:
+def eval_config(attention_config: dict | str | None) -> dict | None:
+    """The eval-wide --attention-config as a dict (None: none): the CLI passes the dict it parsed; JSON text from a
+    Python caller is parsed here (config.config_dict, which says what is wrong with anything else)."""
+    if attention_config is None or isinstance(attention_config, dict):
+        return attention_config
+    from ..config import config_dict
+
+    return config_dict(attention_config, "--attention-config")
+
+
+def check_config_keys(specs: list[RunSpec], attention_config: dict | None) -> None:
     """Refuse a keyed --attention-config's run-specific keys (a label: "psa@e50", "infinitehip+psa") that no method
     in `specs` reads — a typo, or a variant's entry under a name its run never looks up — naming the keys each
     method does read. Entries by method name or "method:preset" may sit unread: one config can serve runs of
     different method lists."""
-    if not attention_config:
-        return
-    try:
-        parsed = json.loads(attention_config)
-    except json.JSONDecodeError:
-        return  # method_config says what is wrong with it
-    if not isinstance(parsed, dict) or not _keyed(parsed):
+    parsed = eval_config(attention_config)
+    if not parsed or not _keyed(parsed):
         return
     read: dict[str, str] = {}
     for spec in specs:
@@ -150,23 +158,21 @@ def check_config_keys(specs: list[MethodSpec], attention_config: str | None) -> 
                          f"{wants or 'none (dense only)'}")
 
 
-def method_config(spec: MethodSpec, attention_config: str | None) -> str | None:
-    """The JSON overrides for one method from the eval-wide --attention-config: a flat object applies to every
+def method_config(spec: RunSpec, attention_config: dict | None) -> dict | None:
+    """The overrides for one method from the eval-wide --attention-config (a dict): a flat object applies to every
     sparse method; an object keyed by labels ("infinitehip@no-rope"), "method:preset" or method names gives each its
     own (the most specific key wins)."""
-    if not attention_config or spec.name == "dense":
+    parsed = eval_config(attention_config)
+    if parsed is None or spec.name == "dense":
         return None
-    try:
-        parsed = json.loads(attention_config)
-    except json.JSONDecodeError as e:
-        raise ValueError(f"--attention-config must be a JSON object ({e.msg})") from None
-    if not isinstance(parsed, dict):
-        raise ValueError(f"--attention-config must be a JSON object, got {attention_config!r}")  # noqa: TRY004
     if not _keyed(parsed):
-        return attention_config
+        return parsed
     for key in _config_keys(spec):
         if key in parsed:
-            return json.dumps(parsed[key])
+            if not isinstance(parsed[key], dict):
+                raise ValueError(f"--attention-config entry {key!r} must be a JSON object, got "
+                                 f"{json.dumps(parsed[key])}")
+            return parsed[key]
     return None
 
 
@@ -177,7 +183,7 @@ def engine_kwargs(args: argparse.Namespace) -> dict:
             "rope_scaling": args.rope_scaling, "enforce_eager": args.enforce_eager, "cpu_threads": args.cpu_threads}
 
 
-def decode_kwargs(spec: MethodSpec, attention_config: str | None) -> dict:
+def decode_kwargs(spec: RunSpec, attention_config: dict | None) -> dict:
     """The engine arguments of a composed spec ("prefill+decode"): its decode method and that method's overrides
     (keyed by its name in `attention_config`); {} for a spec that is one method."""
     d = decode_spec(spec)
@@ -186,7 +192,7 @@ def decode_kwargs(spec: MethodSpec, attention_config: str | None) -> dict:
     return {"decode_attention": spec.decode, "decode_attention_config": method_config(d, attention_config)}
 
 
-def make_llm(model: str, spec: MethodSpec, attention_config: str | None, device: str, dtype: str,
+def make_llm(model: str, spec: RunSpec, attention_config: dict | None, device: str, dtype: str,
              max_model_len: int, **engine_kwargs):
     """An `LLM` running one method (`attention_config`: the eval-wide option, see `method_config`)."""
     from ..engine.llm import LLM

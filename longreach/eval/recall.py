@@ -177,16 +177,17 @@ def evaluate(methods: dict[str, SelectionMethod | None], cap: Capture, scale: fl
             for name, rows in per_layer.items()}
 
 
-def run(model: str, text: str, length: int, methods: list, attention_config: str | None,
+def run(model: str, text: str, length: int, methods: list, attention_config: dict | str | None,
         num_queries: int, device: str, dtype: str) -> dict:
-    """Capture `model` on the first `length` tokens of `text` and evaluate each method (`common.MethodSpec`)."""
+    """Capture `model` on the first `length` tokens of `text` and evaluate each method (`common.RunSpec`)."""
     import json
 
     from ..attention.registry import get_backend_class
     from ..config import EngineConfig
     from ..engine.llm_engine import LLMEngine
-    from .common import method_config
+    from .common import eval_config, method_config
 
+    attention_config = eval_config(attention_config)  # a dict (JSON text from a Python caller: parsed once, here)
     if num_queries < 1 or num_queries > length:
         raise ValueError(f"--queries must be in [1, --length], got {num_queries}")
     engine = LLMEngine(EngineConfig(model=model, device=device, dtype=dtype, max_model_len=length,

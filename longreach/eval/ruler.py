@@ -26,6 +26,7 @@ from .common import (
     context_length,
     emit,
     engine_kwargs,
+    eval_config,
     format_length,
     make_llm,
     note,
@@ -70,10 +71,11 @@ length_label = format_length
 
 # ---- the evaluation --------------------------------------------------------------------------------------------------
 def run(model: str, task_list: list[Task], lengths: list[int], num_samples: int, seed: int, methods,
-        attention_config: str | None, device: str, dtype: str, prompt_format: str, **engine_kw) -> dict:
+        attention_config: dict | str | None, device: str, dtype: str, prompt_format: str, **engine_kw) -> dict:
     """Every method on every task and length; samples are generated once (with the first engine's tokenizer)."""
     from ..sampling_params import SamplingParams
 
+    attention_config = eval_config(attention_config)  # a dict (JSON text from a Python caller: parsed once, here)
     report: dict = {"tasks": {t.name: {"kind": t.kind, "metric": t.metric, "tokens_to_generate": t.tokens_to_generate,
                                        "args": t.args} for t in task_list},
                     "prompt_tokens": {}, "methods": {}}
