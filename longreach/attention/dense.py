@@ -11,6 +11,7 @@ import contextlib
 import torch
 from torch.nn import functional as F
 
+from ..kernels import use_triton
 from ..kernels.paged_decode import default_num_splits, paged_decode, paged_decode_reference
 from ..kvcache.paged import gather_tokens
 from .backend import AttentionBackend, AttentionMetadata
@@ -86,7 +87,7 @@ class DenseBackend(AttentionBackend):
                                   num_sms=self._num_sms)
 
     def _decode(self, q, k_cache, v_cache, meta: AttentionMetadata):
-        if q.is_cuda:
+        if use_triton(q):
             out, _ = paged_decode(q, k_cache, v_cache, meta.block_tables, meta.seq_lens, self.scale,
                                   num_splits=self.num_splits(q.shape[0]))
         else:

@@ -10,20 +10,9 @@ from __future__ import annotations
 
 import torch
 
+from ..kernels.index_types import head_pairs
 from ..rope.strategies import RopeArgs, attend_key_pos, attend_query_pos, rotate
 from .index import SparseIndex
-
-
-def head_pairs(num_heads: int, num_kv_heads: int, groups: int) -> tuple[list[tuple[int, int]], int]:
-    """(selection group, KV head) pairs that heads read from, and heads per pair (heads of a pair are contiguous)."""
-    gqa = num_heads // num_kv_heads
-    if groups == num_heads:
-        return [(h, h // gqa) for h in range(num_heads)], 1
-    if groups == num_kv_heads:
-        return [(g, g) for g in range(groups)], gqa
-    if groups == 1:
-        return [(0, kv) for kv in range(num_kv_heads)], gqa
-    raise ValueError(f"groups must be 1, num_kv_heads ({num_kv_heads}) or num_heads ({num_heads}), got {groups}")
 
 
 def block_sparse_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,

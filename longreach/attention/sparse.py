@@ -20,6 +20,7 @@ from typing import ClassVar
 
 import torch
 
+from ..kernels import use_triton
 from ..kvcache.paged import gather_tokens
 from ..rope.strategies import (
     ATTEND_CODES,
@@ -111,14 +112,8 @@ class BlockQueries:
 
 
 def use_kernels(t: torch.Tensor) -> bool:
-    """Triton kernels on CUDA tensors; the PyTorch references everywhere else."""
-    if not t.is_cuda:
-        return False
-    try:
-        import triton  # noqa: F401
-    except ImportError:
-        return False
-    return True
+    """Triton kernels on CUDA tensors; the PyTorch references everywhere else (the one switch: kernels.use_triton)."""
+    return use_triton(t)
 
 
 @dataclass(frozen=True)
@@ -460,7 +455,7 @@ class SparseBackend(GraphDecode, KeptBoxes, AttentionBackend):
             per_seq.append((row0, n, meta.context_lens[i] + n, BlockQueries.build(local, device)))
             row0 += n
         plan_queries = None
-        if device.type == "cuda":
+        if use_triton(device):
             from ..kernels.bsa import query_block_tensors
 
             plan_queries = query_block_tensors(qb, device)

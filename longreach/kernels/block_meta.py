@@ -24,6 +24,8 @@ from __future__ import annotations
 
 import torch
 
+from .fp8 import values
+
 try:
     import triton
     import triton.language as tl
@@ -38,8 +40,6 @@ METADATA_KINDS = ("cuboid-mean", "minmax")
 
 def page_keys(k_cache, pages: torch.Tensor) -> torch.Tensor:
     """Keys of `pages` (n,) as fp32 values (n, block_size, H_kv, D), through both tiers and fp8 rows."""
-    from ..kvcache.fp8 import values
-
     idx = pages.long()
     rows = k_cache.pages(idx) if hasattr(k_cache, "pages") else k_cache[idx]
     return values(rows, torch.float32).float()

@@ -1,6 +1,6 @@
 """Block-sparse attention over the paged KV cache, in Triton: prefill and decode from one kernel.
 
-Consumes a `SparseIndex` (attention/index.py) and computes exactly what `attention/executor.py` (the PyTorch
+Consumes a `SparseIndex` (index_types.py) and computes exactly what `attention/executor.py` (the PyTorch
 reference, kept beside this kernel as the ground truth) computes: for every query block, softmax attention over the
 sink, the block's window span and the selected key blocks, each query row masked to its own disjoint, causal share.
 
@@ -23,10 +23,9 @@ import math
 
 import torch
 
-from ..attention.executor import head_pairs
-from ..attention.index import QueryBlocks, SparseIndex
 from ..rope.strategies import RopeArgs, attend_code
 from .combine import combine_splits_triton
+from .index_types import QueryBlocks, SparseIndex, head_pairs
 from .paged import kv_args, load_kv, page_slots, row_base
 from .rope import rotate_rows, swap_halves
 from .softmax import online_softmax_finish, online_softmax_step

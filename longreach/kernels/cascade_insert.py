@@ -7,7 +7,7 @@ launches instead of ~10 ops per ring level, and the step's RoPE work in one laun
     the program may update it and then read it back after a barrier. It
       1. applies the EMA: score[slot, h] <- decay * score[slot, h] + mass[b, h, v] for the stride's cached and new
          slots (attention/cascading.py: `_SubStride.ema_*`);
-      2. walks the packed plan (kvcache/cascade.py: `BatchPlan`) level by level, exactly as `execute_plan` does:
+      2. walks the packed plan (cascade_plan.py: `BatchPlan`) level by level, exactly as `execute_plan` does:
          the old ring tokens a level reads and its accepted entries, each replaced by its challenger where the
          challenger is strictly more important (rule 4), form the level's pool; the written slots take
          pool[src_idx], the next level's offers pool[out_idx]. Scratch rows `cur` and `pool` per head hold the
@@ -21,7 +21,7 @@ launches instead of ~10 ops per ring level, and the step's RoPE work in one laun
     into its cache slot, with the slot's position, and its queries un-rotated and rotated to the row's virtual
     position; the cos/sin tables are the step's (built once for all layers).
 
-References: `cascade_insert_reference` (the EMA in torch + `execute_plan`), `kvcache.cascade.apply_moves` and
+References: `cascade_insert_reference` (the EMA in torch + `execute_plan`), `cascade_plan.apply_moves` and
 `cascade_rope_reference`, which are also the CPU path. Tested in the interpreter (tests/test_cascading_backend.py)
 in fp32 and fp16 rows; the GPU (bf16, real sizes) check is `scripts/gpu_check.py --only "cascading insert"`. The
 EMA may round differently from torch on a GPU (the compiler may fuse the multiply-add), so a near-tie there can
@@ -31,7 +31,7 @@ from __future__ import annotations
 
 import torch
 
-from ..kvcache.cascade import PLAN_FIELDS, BatchPlan, execute_plan
+from .cascade_plan import PLAN_FIELDS, BatchPlan, execute_plan
 
 try:
     import triton
@@ -136,7 +136,7 @@ if triton is not None:
             ok = i < n_offers
             tl.store(cur + i, tl.load(Plan + off_offers + i, mask=ok, other=0), mask=ok)
         tl.debug_barrier()
-        # 2. the plan, level by level (kvcache/cascade.py: execute_plan)
+        # 2. the plan, level by level (cascade_plan.py: execute_plan)
         for j in range(n_levels):
             hdr = Plan + j * FIELDS
             A = tl.load(hdr + 1).to(tl.int32)

@@ -45,7 +45,10 @@ from typing import NamedTuple
 import torch
 
 from ..rope.strategies import RopeArgs, prune_query_pos, rotate
+from . import use_triton
 from .block_meta import METADATA_KINDS, block_metadata_reference
+from .index_types import head_pairs
+from .kv_layout import gather_tokens
 from .prune_stage import chunk_bounds, moved_keys
 
 try:
@@ -125,15 +128,13 @@ def score_boxes(q32: torch.Tensor, q_moved: torch.Tensor, moved: torch.Tensor, b
     """Scores (nb, G, C) of candidate chunks `ids` (nb, G, C), -inf if invalid, from `boxes` ((>= max id + 1, 2, 2,
     H_kv, D), `key_boxes`' layout, any float dtype; or a `BoxView` of the engine's pool) and the queries of
     `box_queries`. Kept boxes on a GPU are scored by the Triton kernel straight from the pool; else torch ops."""
-    from ..attention.executor import head_pairs
-
     nb, R, Hq, D = q32.shape
     dev = q32.device
     Hkv = boxes.pool.shape[3] if isinstance(boxes, BoxView) else boxes.shape[3]
     pairs, hpp = head_pairs(Hq, Hkv, groups)
     P = len(pairs)
     pair_group, pair_kv = pair_index(P, Hkv, groups, dev)
-    if isinstance(boxes, BoxView) and triton is not None and dev.type == "cuda":
+    if isinstance(boxes, BoxView) and use_triton(dev):
         out = box_scores_triton(q32, q_moved, moved, boxes, groups)
     else:
         out = _box_scores_torch(q32, q_moved, moved, boxes.gather() if isinstance(boxes, BoxView) else boxes, P,
@@ -202,8 +203,6 @@ def build_boxes_reference(k_cache, block_tables: torch.Tensor, lens: torch.Tenso
     k_cache (pages, block_size, H_kv, D), a `TierView` or fp8 rows; block_tables (n, >= pages of lens[r]); lens (n,)
     each row's keys; box_tables (n, >= ceil(hi / per)) pool pages of `per` chunks each; pool (pages * per, 2, 2,
     H_kv, D)."""
-    from ..kvcache.paged import gather_tokens
-
     for r, (n, a, b) in enumerate(zip(lens.tolist(), lo.tolist(), hi.tolist())):
         if b <= a:
             continue
@@ -286,8 +285,6 @@ def box_scores_triton(q32: torch.Tensor, q_moved: torch.Tensor, moved: torch.Ten
     (nb, P, n) fp32. Queries fp32 (box_queries'); dots in tf32 for a bf16/fp16 pool, exact fp32 for an fp32 one."""
     if triton is None:
         raise RuntimeError("box_scores_triton needs Triton")
-    from ..attention.executor import head_pairs
-
     nb, R, Hq, D = q32.shape
     pool = boxes.pool
     Hkv = pool.shape[3]

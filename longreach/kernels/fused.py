@@ -22,9 +22,9 @@ not yet run on a GPU).
 """
 from __future__ import annotations
 
-import os
-
 import torch
+
+from . import use_triton
 
 try:
     import triton
@@ -35,11 +35,9 @@ except ImportError:  # pragma: no cover
 
 def _on_kernels(x: torch.Tensor, kernel: bool | None) -> bool:
     """Run the Triton kernel? By default on CUDA tensors only; `kernel=True` forces it (the interpreter tests)."""
-    if triton is None:
-        return False
     if kernel is None:
-        return x.is_cuda
-    return kernel and (x.is_cuda or os.environ.get("TRITON_INTERPRET") == "1")
+        return use_triton(x)
+    return kernel and use_triton(x, interpreter=True)
 
 
 # ---- references (the model's PyTorch code) ----------------------------------------------------------------------------

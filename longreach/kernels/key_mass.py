@@ -23,6 +23,7 @@ import math
 import torch
 
 from ..rope.strategies import RopeArgs, rotate
+from .fp8 import values
 from .paged import kv_format, load_kv
 from .rope import rotate_rows, swap_halves
 
@@ -42,8 +43,6 @@ def key_mass_reference(q: torch.Tensor, k_cache: torch.Tensor, block_tables: tor
 
     `lse=None`: the softmax is normalised here, over the same causal keys (every key <= the row): what the engine's
     CPU path does, so that its attention can run as one fused SDPA call, which returns no log-sum-exp."""
-    from ..kvcache.fp8 import values
-
     T, Hq, D = q.shape
     page, Hkv = k_cache.shape[1], k_cache.shape[2]
     hpp = Hq // Hkv

@@ -10,7 +10,7 @@ One program per (token, KV head): it reads the K and V rows (D values, any row s
   * two tiers: into the host tier (pinned; the host address is valid on the GPU through UVA) and, if the page has a
     GPU slot (`slot_of[page] >= 0`), into that slot too. Nothing goes to the scratch slot the PyTorch path uses for
     non-resident pages (a masked store instead).
-fp8 rows (kvcache/fp8.py): scale = max|x| / 448 (at least 1e-12), values x / scale rounded to e4m3 to nearest even,
+fp8 rows (fp8.py): scale = max|x| / 448 (at least 1e-12), values x / scale rounded to e4m3 to nearest even,
 the fp32 scale in the 4 bytes after the values and 12 zero bytes of padding. The e4m3 rounding is done with integer
 ops (`_e4m3_bits`) rather than Triton's fp8 cast: bit-exact with PyTorch's `.to(torch.float8_e4m3fn)` on every
 representable value and every tie, on the GPU and in the interpreter (whose fp8 cast mis-rounds values that round up
@@ -21,6 +21,8 @@ Tested: the interpreter in fp32 / fp16 / fp8 caches, one and two tiers, bytes eq
 from __future__ import annotations
 
 import torch
+
+from .fp8 import FP8, row_elems
 
 try:
     import triton
@@ -107,7 +109,6 @@ def store_kv(k: torch.Tensor, v: torch.Tensor, slot_mapping: torch.Tensor, k_cac
     host-tier tensors of the layer (pages, block_size, H_kv, row), pinned; k_cache / v_cache are the GPU pool's K / V
     (slots, block_size, H_kv, row) and `slot_of` (pages,) int32 the layer's page table (-1: not resident).
     fp8 caches (row = D + 16) get quantised rows. No host sync (graph-capturable)."""
-    from ..kvcache.fp8 import FP8, row_elems
     from .offload_copy import kernel_arg
 
     T, H, D = k.shape

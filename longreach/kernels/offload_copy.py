@@ -15,6 +15,9 @@ import os
 
 import torch
 
+from . import use_triton
+from .fp8 import as_bytes
+
 try:
     import triton
     import triton.language as tl
@@ -41,12 +44,6 @@ def kernel_arg(t: torch.Tensor):
     if t.device.type == "cpu" and t.is_pinned() and os.environ.get("TRITON_INTERPRET") != "1":
         return HostPointer(t)
     return t
-
-
-def _on_kernels(*tensors: torch.Tensor) -> bool:
-    if triton is None:
-        return False
-    return any(t.is_cuda for t in tensors) or os.environ.get("TRITON_INTERPRET") == "1"
 
 
 if triton is not None:
@@ -89,7 +86,7 @@ def copy_chunks(src: torch.Tensor, src_idx: torch.Tensor, dst: torch.Tensor, dst
     n = src_idx.numel()
     if n == 0:
         return
-    if not _on_kernels(dst):
+    if not use_triton(dst, interpreter=True):
         return copy_chunks_reference(src, src_idx, dst, dst_idx, chunk)
     block = min(4096, triton.next_power_of_2(chunk))
     _copy_chunks_kernel[(n, triton.cdiv(chunk, block))](kernel_arg(src), src_idx, kernel_arg(dst), dst_idx, chunk,
@@ -97,8 +94,6 @@ def copy_chunks(src: torch.Tensor, src_idx: torch.Tensor, dst: torch.Tensor, dst
 
 
 def scatter_rows_reference(dst: torch.Tensor, rows: torch.Tensor, src: torch.Tensor) -> None:
-    from ..kvcache.fp8 import as_bytes
-
     R = src[0].numel() if src.shape[0] else 1
     as_bytes(dst).view(-1, R).index_copy_(0, rows.to(dst.device).long(),
                                           as_bytes(src).reshape(src.shape[0], R).to(dst.device))
@@ -113,7 +108,7 @@ def scatter_rows(dst: torch.Tensor, rows: torch.Tensor, src: torch.Tensor) -> No
     R = src[0].numel()
     if src.dtype != dst.dtype or not dst.is_contiguous() or dst.numel() % R:
         raise ValueError("scatter_rows needs a contiguous dst of src's dtype and whole rows")
-    if not _on_kernels(src):
+    if not use_triton(src, interpreter=True):
         return scatter_rows_reference(dst, rows, src)
     s = src.reshape(T, R)
     block = min(4096, triton.next_power_of_2(R))

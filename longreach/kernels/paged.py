@@ -12,6 +12,9 @@ from __future__ import annotations
 
 import typing
 
+from .fp8 import FP8, row_width
+from .kv_layout import TierView
+
 try:
     import triton
     import triton.language as tl
@@ -44,7 +47,7 @@ if triton is not None:
 
     @triton.jit
     def load_kv(base, off, head, stride_o, stride_h, d, mask, HEAD_DIM: tl.constexpr, FP8: tl.constexpr):
-        """`load_at` for K/V rows. FP8 caches (kvcache/fp8.py) keep each row's fp32 scale in the 4 bytes after its
+        """`load_at` for K/V rows. FP8 caches (fp8.py) keep each row's fp32 scale in the 4 bytes after its
         HEAD_DIM values: the row comes back dequantised (value * scale, fp32); callers cast to the query dtype."""
         x = load_at(base, off, head, stride_o, stride_h, d, mask)
         if FP8:
@@ -56,10 +59,8 @@ if triton is not None:
 
 
 def kv_format(cache, head_dim: int) -> bool:
-    """Is `cache` (pages, block_size, H_kv, row) fp8 with scales (row = head_dim + 16, kvcache/fp8.py)? Raises
+    """Is `cache` (pages, block_size, H_kv, row) fp8 with scales (row = head_dim + 16, fp8.py)? Raises
     ValueError for a row that fits neither format."""
-    from ..kvcache.fp8 import FP8, row_width
-
     row = cache.shape[-1]
     if cache.dtype == FP8:
         if row != row_width(head_dim):
@@ -71,9 +72,8 @@ def kv_format(cache, head_dim: int) -> bool:
 
 
 def tier_args(cache) -> tuple:
-    """(X, XH, Slots, stride_hp, TIERED) for a launcher: a `TierView` (kvcache/offload.py) gives its pool, host tier
+    """(X, XH, Slots, stride_hp, TIERED) for a launcher: a `TierView` (kv_layout.py) gives its pool, host tier
     and page table; a plain (pages, block_size, H_kv, D) tensor is the one tier (the other entries are unused)."""
-    from ..kvcache.offload import TierView
     from .offload_copy import kernel_arg
 
     if isinstance(cache, TierView):

@@ -20,6 +20,7 @@ import math
 import torch
 
 from .combine import combine_splits_triton
+from .kv_layout import as_tensor
 
 try:
     import triton
@@ -33,8 +34,6 @@ except ImportError:  # the CPU path never needs Triton
 
 def paged_decode_reference(q, k_cache, v_cache, block_tables, seq_lens, scale):
     """Plain PyTorch (fp32 math) equivalent of `paged_decode`: gathers every sequence's pages and masks the tail."""
-    from ..kvcache.offload import as_tensor
-
     k_cache, v_cache = as_tensor(k_cache, q.dtype), as_tensor(v_cache, q.dtype)
     B, Hq, D = q.shape
     _, page, Hkv, _ = k_cache.shape

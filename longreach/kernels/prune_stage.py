@@ -31,6 +31,7 @@ from ..rope.strategies import (
     prune_query_pos,
     rotate,
 )
+from .index_types import head_pairs
 
 try:
     import triton
@@ -106,8 +107,6 @@ def chunk_scores_reference(qs: torch.Tensor, row_ok: torch.Tensor, keys: torch.T
     `table_cache`: a dict kept by the caller for as long as `keys` is unchanged (one layer of one step): the keys
     moved by a strategy that depends on the key alone (rt, il, de) are computed once into it instead of per call.
     """
-    from ..attention.executor import head_pairs
-
     nb, R, Hq, _ = qs.shape
     dev = qs.device
     L, Hkv = keys.shape[:2]
@@ -336,8 +335,6 @@ def chunk_scores_triton(q: torch.Tensor, k_cache: torch.Tensor, block_table: tor
     ids (nb, G, C) int; block_table (pages,) int32 of the sequence; max_rows: a bound on lens known on the host
     (without it lens is read back, a host sync). Returns (nb, G, C) fp32.
     """
-    from ..attention.executor import head_pairs
-
     if triton is None:
         raise RuntimeError("chunk_scores_triton needs Triton")
     _, Hq, D = q.shape

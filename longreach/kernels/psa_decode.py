@@ -35,6 +35,8 @@ import math
 
 import torch
 
+from .kv_layout import as_tensor
+
 try:
     import triton
     import triton.language as tl
@@ -106,8 +108,6 @@ def psa_decode_reference(q, k_cache, v_cache, block_tables, seq_lens, ranked, ca
     active (n, H_kv) (active: the pairs that took part in this micro-batch). `rope` (inv_freq (D/2,), rope_from):
     rows at or past rope_from attend at rank-order positions (`rank_order_deltas`); None: true positions.
     """
-    from ..kvcache.offload import as_tensor
-
     cdt = torch.float64 if q.dtype == torch.float64 else torch.float32
     kc, vc = as_tensor(k_cache, cdt), as_tensor(v_cache, cdt)
     n, Hq, D = q.shape

@@ -1,6 +1,6 @@
 """Attention over key ranges then gathered key columns with one online softmax (MInference's Alg. 5), in Triton.
 
-Consumes a `RangeIndex` (attention/index.py) and computes exactly what `attention.executor.range_attention` (the
+Consumes a `RangeIndex` (index_types.py) and computes exactly what `attention.executor.range_attention` (the
 PyTorch reference) computes: each query row attends to the keys of its block's tiles and columns at or before its
 own position (causal inside the kernel; no mask tensor).
 
@@ -27,8 +27,8 @@ import math
 
 import torch
 
-from ..attention.index import RangeIndex
 from .bsa import _pair_tensors, query_block_tensors
+from .index_types import RangeIndex
 from .paged import kv_args, load_kv, page_slots, row_base
 from .softmax import online_softmax_finish, online_softmax_step
 

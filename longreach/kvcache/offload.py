@@ -32,15 +32,15 @@ Mutates: `store`, `note_reads`, `end_step`, `free_pages`. Not thread-safe; the e
 from __future__ import annotations
 
 import dataclasses
-from dataclasses import dataclass
-
 from typing import TYPE_CHECKING
 
 import numpy as np
 import torch
 
+from ..kernels import kv_store, page_reads, use_triton
+from ..kernels.kv_layout import TierView, as_tensor  # noqa: F401 (as_tensor: its old home)
 from ..kernels.offload_copy import copy_chunks, scatter_rows
-from .fp8 import as_bytes, encode, row_bytes, row_elems, values
+from .fp8 import as_bytes, encode, row_bytes, row_elems
 
 if TYPE_CHECKING:
     from .block_manager import BlockManager
@@ -69,50 +69,6 @@ def pinned_empty(shape: tuple, dtype: torch.dtype, owner: object) -> torch.Tenso
     return t
 
 
-@dataclass
-class TierView:
-    """One layer's K (or V) across both tiers, as the kernels read it (kernels/paged.py)."""
-
-    pool: torch.Tensor  # (S + 1, block_size, H_kv, D): the slots' K or V
-    host: torch.Tensor  # (P, block_size, H_kv, D): the layer's K or V in the host tier
-    slots: torch.Tensor  # (P,) int32: page -> slot, -1 when not resident
-
-    @property
-    def shape(self) -> torch.Size:
-        return self.host.shape
-
-    @property
-    def dtype(self) -> torch.dtype:
-        return self.pool.dtype
-
-    @property
-    def device(self) -> torch.device:
-        return self.pool.device
-
-    def pages(self, idx: torch.Tensor) -> torch.Tensor:
-        """Pages idx (n,) as (n, block_size, H_kv, D) on the pool's device, each from its slot or its host home."""
-        idx = idx.to(self.slots.device).long()
-        slot = self.slots[idx].long()
-        out = self.host[idx.cpu()].to(self.pool.device)
-        res = (slot >= 0).nonzero().squeeze(1)
-        out[res] = self.pool[slot[res]]
-        return out
-
-    def resolve(self) -> torch.Tensor:
-        """The layer as one (P, block_size, H_kv, D) tensor on the pool's device: resident pages from their slots,
-        the rest from the host tier (reference paths; on a GPU this copies the whole layer)."""
-        out = self.host.to(self.pool.device, copy=True)
-        res = (self.slots >= 0).nonzero().squeeze(1)
-        out[res] = self.pool[self.slots[res].long()]
-        return out
-
-
-def as_tensor(cache, dtype: torch.dtype = torch.float32) -> torch.Tensor:
-    """A one-tier cache of plain values for reference code: a `TierView` resolved, fp8 rows dequantised to `dtype`,
-    anything else as it is."""
-    return values(cache.resolve() if isinstance(cache, TierView) else cache, dtype)
-
-
 class OffloadedKVCache:
     def __init__(self, num_layers: int, num_pages: int, num_slots: int, block_size: int, num_kv_heads: int,
                  head_dim: int, dtype: torch.dtype, device: torch.device, staging_pages: int = 0):
@@ -123,7 +79,7 @@ class OffloadedKVCache:
         self.num_blocks, self.block_size = num_pages, block_size  # PagedKVCache's names
         self.device = device
         pin = device.type == "cuda"
-        row = row_elems(head_dim, dtype)  # fp8: values + scale (kvcache/fp8.py)
+        row = row_elems(head_dim, dtype)  # fp8: values + scale (kernels/fp8.py)
         shape = (L, 2, P, block_size, num_kv_heads, row)
         self.host = pinned_empty(shape, dtype, self) if pin else torch.empty(shape, dtype=dtype)
         self.pool = torch.zeros(S + 1, 2, block_size, num_kv_heads, row, dtype=dtype, device=device)
@@ -167,12 +123,9 @@ class OffloadedKVCache:
     def store(self, layer: int, k: torch.Tensor, v: torch.Tensor, slot_mapping: torch.Tensor) -> None:
         """Write k, v (T, H_kv, D) at token slots (T,) (page * block_size + offset) of `layer`: into the host tier,
         and into the page's GPU slot when it is resident. No host sync (graph-capturable)."""
-        if self.pool.is_cuda:  # one kernel: quantise, write through, write the resident slot (kernels/kv_store.py)
-            from ..kernels import kv_store
-
-            if kv_store.triton is not None:
-                return kv_store.store_kv(k, v, slot_mapping, self.pool[:, 0], self.pool[:, 1],
-                                         host=(self.host[layer, 0], self.host[layer, 1]), slot_of=self.slot_of[layer])
+        if use_triton(self.pool):  # one kernel: quantise, write through, write the resident slot (kernels/kv_store.py)
+            return kv_store.store_kv(k, v, slot_mapping, self.pool[:, 0], self.pool[:, 1],
+                                     host=(self.host[layer, 0], self.host[layer, 1]), slot_of=self.slot_of[layer])
         P, bs = self.num_pages, self.block_size
         t = slot_mapping.long()
         page, off = t // bs, t % bs
@@ -236,13 +189,10 @@ class OffloadedKVCache:
         nb = seq.shape[0]
         if nb == 0:
             return
-        if dev.type == "cuda":  # one kernel instead of ~25 small ops (kernels/page_reads.py)
-            from ..kernels import page_reads
-
-            if page_reads.triton is not None:
-                return page_reads.mark_reads(self.wanted, layer, self.num_pages, block_tables.to(dev), seq.to(dev),
-                                             first.to(dev), last.to(dev), max_rows, blocks.to(dev), block_k, bs,
-                                             n_sink, n_window)
+        if use_triton(dev):  # one kernel instead of ~25 small ops (kernels/page_reads.py)
+            return page_reads.mark_reads(self.wanted, layer, self.num_pages, block_tables.to(dev), seq.to(dev),
+                                         first.to(dev), last.to(dev), max_rows, blocks.to(dev), block_k, bs, n_sink,
+                                         n_window)
         seq, first, last = seq.long().to(dev), first.long().to(dev), last.long().to(dev)
         last_page = last // bs
         sink = torch.arange(-(-n_sink // bs), device=dev).expand(nb, -1)

@@ -11,7 +11,9 @@ from __future__ import annotations
 
 import torch
 
-from .fp8 import as_bytes, encode, row_bytes, row_elems, values
+from ..kernels import kv_store, use_triton
+from ..kernels.kv_layout import gather_tokens  # noqa: F401 (its old home)
+from .fp8 import as_bytes, encode, row_bytes, row_elems
 
 
 class PagedKVCache:
@@ -31,33 +33,14 @@ class PagedKVCache:
 
     def layer(self, layer: int) -> tuple[torch.Tensor, torch.Tensor]:
         """(k_cache, v_cache) of one layer, each (num_blocks, block_size, H_kv, D) (D + 16 fp8 bytes with scales:
-        kvcache/fp8.py)."""
+        kernels/fp8.py)."""
         return self.kv[layer, 0], self.kv[layer, 1]
 
     def store(self, layer: int, k: torch.Tensor, v: torch.Tensor, slot_mapping: torch.Tensor) -> None:
         """Write k, v (T, H_kv, D) into slots (T,) of `layer` (quantised for an fp8 cache): one fused kernel on a
         GPU (kernels/kv_store.py), the PyTorch ops elsewhere."""
         kc, vc = self.layer(layer)
-        if k.is_cuda:
-            from ..kernels import kv_store
-
-            if kv_store.triton is not None:
-                return kv_store.store_kv(k, v, slot_mapping, kc, vc)
+        if use_triton(k):
+            return kv_store.store_kv(k, v, slot_mapping, kc, vc)
         for c, x in ((kc, k), (vc, v)):
             as_bytes(c).view(-1, *c.shape[2:]).index_copy_(0, slot_mapping, as_bytes(encode(x, c.dtype)))
-
-
-def gather_tokens(cache: torch.Tensor, block_table: torch.Tensor, length: int, start: int = 0) -> torch.Tensor:
-    """Tokens [start, length) of one sequence as a contiguous (length - start, H_kv, D) tensor (float32 values for
-    an fp8 cache); only the pages that hold them are read.
-
-    cache (num_blocks, block_size, H_kv, D), or a two-tier `TierView` (kvcache/offload.py: each page from its GPU
-    slot or its host home); block_table (>= ceil(length / block_size),) page ids.
-    """
-    bs = cache.shape[1]
-    first = start // bs
-    n = -(-length // bs) - first
-    idx = block_table[first:first + n].long()
-    pages = cache.pages(idx) if hasattr(cache, "pages") else cache[idx]
-    skip = start - first * bs
-    return values(pages.reshape(n * bs, *cache.shape[2:])[skip:skip + length - start], torch.float32)
