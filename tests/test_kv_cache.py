@@ -74,3 +74,46 @@ def test_store_then_gather_returns_tokens_in_order():
     assert torch.equal(gather_tokens(kc, table, 6), k[:6])
     for a, b in ((0, 11), (3, 11), (4, 9), (5, 6), (8, 11)):  # a range reads only its pages
         assert torch.equal(gather_tokens(kc, table, b, start=a), k[a:b])
+
+
+def test_both_stores_implement_the_kv_cache_protocol_and_the_engine_never_names_offloading():
+    """kvcache/base.py: the GPU-resident and the offloaded store are one KVCache to the engine; engine/ code (imports,
+    names, attributes; comments aside) holds no branch on offloading, so a third store needs no engine change."""
+    import ast
+    import pathlib
+
+    from longreach.kvcache.base import OCCUPANCY_KEYS, KVCache
+    from longreach.kvcache.block_manager import BlockManager
+    from longreach.kvcache.offload import OffloadedKVCache
+    from longreach.kvcache.paged import PagedKVCache
+
+    cpu = torch.device("cpu")
+    resident = PagedKVCache(2, 5, 4, 2, 8, torch.float32, cpu)
+    offloaded = OffloadedKVCache(2, 9, 3, 4, 2, 8, torch.float32, cpu, staging_pages=6)
+    blocks = BlockManager(4, 4)
+    blocks.ensure(0, 6)  # two pages in use
+    for cache, host in ((resident, 0), (offloaded, 4)):
+        assert isinstance(cache, KVCache)
+        occ = cache.occupancy(blocks)
+        assert set(occ) == set(OCCUPANCY_KEYS)
+        assert occ["host_pages_total"] == host and occ["offload"] == (host > 0)
+    assert resident.prefill_view(None, []) is None and resident.decode_reads() is None and resident.end_step() is None
+    assert resident.max_prefill_pages is None and offloaded.max_prefill_pages == 6
+    assert offloaded.decode_reads() is offloaded
+    offloaded.staging()
+    offloaded.release_transient()
+    assert offloaded.staging_allocated_nbytes == 0
+
+    engine = pathlib.Path(__file__).resolve().parents[1] / "longreach" / "engine"
+    found = []
+    for path in sorted(engine.glob("*.py")):
+        for node in ast.walk(ast.parse(path.read_text())):
+            words = []
+            if isinstance(node, ast.Name):
+                words = [node.id]
+            elif isinstance(node, ast.Attribute):
+                words = [node.attr]
+            elif isinstance(node, (ast.Import, ast.ImportFrom)):
+                words = [a.name for a in node.names] + [getattr(node, "module", None) or ""]
+            found += [f"{path.name}:{node.lineno} {w}" for w in words if "offload" in w.lower()]
+    assert not found, found

@@ -20,7 +20,7 @@ import torch
 from ..attention.compose import make_backend
 from ..config import EngineConfig
 from ..kvcache.block_manager import BlockManager
-from ..kvcache.offload import build_offloaded_cache
+from ..kvcache.build import GiB, build_kv_cache, dtype_name, kv_needs  # noqa: F401 (dtype_name: its old home)
 from ..kvcache.paged import PagedKVCache
 from ..models.loader import load_model
 from ..sampling_params import SamplingParams
@@ -34,8 +34,6 @@ from .sequence import Sequence, SequenceStatus
 logger = logging.getLogger("longreach")
 
 _DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
-_CPU_KV_DEFAULT_GB = 4.0
-GiB = 1 << 30
 
 
 def resolve_device(name: str) -> torch.device:
@@ -44,10 +42,6 @@ def resolve_device(name: str) -> torch.device:
     if name.startswith("cuda") and not torch.cuda.is_available():
         raise ValueError(f"device {name!r} was asked for but CUDA is not available here; use --device cpu")
     return torch.device(name)
-
-
-def dtype_name(dtype: torch.dtype) -> str:
-    return str(dtype).replace("torch.", "")
 
 
 def resolve_kv_dtype(name: str, run_dtype: torch.dtype) -> torch.dtype:
@@ -112,27 +106,14 @@ class LLMEngine:
 
         self.kv_dtype = resolve_kv_dtype(config.kv_cache_dtype, self.dtype)
         layout = self.backend.kv_layout  # a bounded cache's own slot layout (attention/backend.py), or None
-        if config.offload:
-            self._init_offloaded_cache()
-        else:
-            num_blocks = self._num_kv_blocks()
-            self.blocks = BlockManager(num_blocks, config.block_size, slots_for=layout and layout.slots_for)
-            # One extra page: the scratch page that padded CUDA-graph rows write to.
-            self.kv_cache = PagedKVCache(mc.num_layers, num_blocks + 1, config.block_size, mc.num_kv_heads,
-                                         mc.head_dim, self.kv_dtype, self.device)
-            logger.info("KV cache: %d pages x %d tokens = %d tokens (%.2f GiB, %s)", num_blocks, config.block_size,
-                        num_blocks * config.block_size, self.kv_cache.nbytes / GiB, dtype_name(self.kv_dtype))
-            if layout is not None:
-                per_seq = self.blocks.blocks_for(config.max_model_len)
-                logger.info("KV cache: %s keeps every sequence in at most %d pages (%d slots: its bounded cache plus "
-                            "one prefill chunk), whatever its length; %d pages serve %d such sequences at once",
-                            config.attention, per_seq, layout.max_slots, num_blocks, num_blocks // per_seq)
+        self.blocks, self.kv_cache = build_kv_cache(config, mc, self.kv_dtype, self.device,
+                                                    kv_needs(self.backend, self.dtype), self._profile_free_gpu_memory)
         self.backend.bind_kv_cache(self.blocks.num_blocks * config.block_size, self.dtype)
         self.runner = ModelRunner(self.model, config, self.kv_cache, self.blocks, self.backend, self.device)
         self.runner.capture_graphs()
         self.scheduler = Scheduler(self.blocks, config.max_num_seqs, config.max_num_batched_tokens,
                                    on_release=lambda seq: self.backend.free_sequence(seq.seq_id),
-                                   max_prefill_pages=self.kv_cache.staging_pages if config.offload else None,
+                                   max_prefill_pages=self.kv_cache.max_prefill_pages,
                                    chunk_align=layout.stride if layout else 1)
         self.sampler = Sampler(self.device, config.seed)
         self._requests: dict[str, _Request] = {}
@@ -152,61 +133,10 @@ class LLMEngine:
         self.model.rotary = RotaryEmbedding(rope, mc.head_dim).to(self.device)
         logger.info("RoPE scaling overridden: %s (the checkpoint's: %s)", rope.rope_type, mc.rope.rope_type)
 
-    # ---- KV sizing -----------------------------------------------------------------------------------------------
-    def _init_offloaded_cache(self) -> None:
-        dense_layers = getattr(getattr(self.backend, "config", None), "dense_layers", ())
-        self.blocks, self.kv_cache = build_offloaded_cache(self.config, self.model_config, self.kv_dtype, self.device,
-                                                           dense_layers, self._profile_free_gpu_memory,
-                                                           self._page_state_bytes())
-
+    # ---- KV (sized and built in kvcache/build.py) ---------------------------------------------------------------
     def kv_cache_stats(self) -> dict:
-        """KV-cache occupancy and, with offloading, the cumulative page counters (kvcache/offload.py)."""
-        b = self.blocks
-        out = {"offload": self.config.offload, "host_pages_total": 0, "host_pages_used": 0, "pages_hit": 0,
-               "pages_missed": 0, "pages_evicted": 0, "pages_installed": 0, "bytes_h2d": 0}
-        if self.config.offload:
-            st = self.kv_cache.stats()
-            out.update({k: st[k] for k in ("pages_hit", "pages_missed", "pages_evicted", "pages_installed",
-                                           "bytes_h2d")})
-            out.update(gpu_pages_total=st["gpu_slots_total"], gpu_pages_used=st["gpu_slots_used"],
-                       host_pages_total=b.num_blocks, host_pages_used=b.num_blocks - b.num_free_blocks)
-        else:
-            out.update(gpu_pages_total=b.num_blocks, gpu_pages_used=b.num_blocks - b.num_free_blocks)
-        return out
-
-    def _num_kv_blocks(self) -> int:
-        cfg, mc = self.config, self.model_config
-        per_block = PagedKVCache.bytes_per_block(mc.num_layers, cfg.block_size, mc.num_kv_heads, mc.head_dim,
-                                                 self.kv_dtype)
-        layout = self.backend.kv_layout  # a bounded cache: a sequence needs at most layout.max_slots slots
-        need = cfg.max_model_len if layout is None else layout.slots_for(cfg.max_model_len)
-        if layout is not None:
-            per_block += layout.side_bytes_per_token * cfg.block_size
-        pages_per_seq = -(-need // cfg.block_size)
-        if cfg.kv_cache_memory_gb is None and self.device.type == "cuda":
-            per_block += self._page_state_bytes()  # sized from free memory: leave room for per-page backend state
-        if cfg.kv_cache_memory_gb is not None:
-            budget = cfg.kv_cache_memory_gb * GiB
-        elif self.device.type == "cuda":
-            budget = self._profile_free_gpu_memory()
-        else:
-            budget = min(_CPU_KV_DEFAULT_GB * GiB, per_block * pages_per_seq * cfg.max_num_seqs)
-        num_blocks = int(budget // per_block)
-        if layout is not None:  # more pages than max_num_seqs bounded sequences can use would sit idle
-            num_blocks = min(num_blocks, pages_per_seq * cfg.max_num_seqs)
-        if num_blocks * cfg.block_size < need:
-            what = f"max_model_len={cfg.max_model_len}" if layout is None else \
-                f"the {need} slots one {cfg.attention} sequence needs (its cache plus one prefill chunk)"
-            raise ValueError(
-                f"the KV cache fits {num_blocks * cfg.block_size} tokens ({budget / GiB:.2f} GiB), fewer than "
-                f"{what}; raise kv_cache_memory_gb / gpu_memory_utilization or lower max_model_len")
-        return num_blocks
-
-    def _page_state_bytes(self) -> int:
-        """GPU bytes the (decode) attention backend keeps per KV page, e.g. psa's block metadata; 0 for most."""
-        backend = getattr(self.backend, "decode", self.backend)  # composed backends: the decode half keeps it
-        fn = getattr(backend, "page_state_bytes", None)
-        return fn(self.dtype) if fn is not None else 0
+        """KV-cache occupancy and, with offloading, the cumulative page counters (kvcache/base.py: occupancy)."""
+        return self.kv_cache.occupancy(self.blocks)
 
     @torch.inference_mode()
     def _profile_free_gpu_memory(self) -> float:
@@ -388,8 +318,8 @@ class LLMEngine:
         for seq in batch.seqs:
             if seq.times.first_scheduled is None:
                 seq.times.first_scheduled = t0
-        if not batch.is_prefill and self.config.offload:
-            self.kv_cache.release_staging()  # no prefill is pending (the scheduler runs prefill work first)
+        if not batch.is_prefill:
+            self.kv_cache.release_transient()  # no prefill is pending (the scheduler runs prefill work first)
         logits, sample_idx = self.runner.execute(batch)
         kv_counts = self.runner.last_kv_counts
         if kv_counts is not None:

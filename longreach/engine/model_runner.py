@@ -16,8 +16,7 @@ import torch
 from ..attention.backend import AttentionBackend, AttentionMetadata
 from ..config import EngineConfig
 from ..kvcache.block_manager import BlockManager
-from ..kvcache.offload import OffloadedKVCache, StagedPrefill
-from ..kvcache.paged import PagedKVCache
+from ..kvcache.base import KVCache
 from ..models.llama import LlamaForCausalLM
 from .scheduler import ScheduledBatch
 
@@ -27,11 +26,11 @@ logger = logging.getLogger("longreach")
 class StepContext:
     """The model's view of the engine for one forward pass (models/llama.py: ForwardContext).
 
-    `staged`: a prefill step over an offloaded cache (kvcache/offload.py: StagedPrefill) runs attention on the
-    staging area it fills per layer."""
+    `staged`: a prefill step's view of a store whose pages are not all on the GPU (kvcache/base.py: prefill_view)
+    runs the attention itself (the offloaded store: on the staging area it fills per layer)."""
 
-    def __init__(self, kv_cache: "PagedKVCache | OffloadedKVCache", backend: AttentionBackend, meta: AttentionMetadata,
-                 max_position: int | None, staged: "StagedPrefill | None" = None):
+    def __init__(self, kv_cache: KVCache, backend: AttentionBackend, meta: AttentionMetadata,
+                 max_position: int | None, staged=None):
         self.kv_cache, self.backend, self.meta, self.max_position = kv_cache, backend, meta, max_position
         self.staged = staged
 
@@ -44,7 +43,7 @@ class StepContext:
 
 
 class ModelRunner:
-    def __init__(self, model: LlamaForCausalLM, config: EngineConfig, kv_cache: PagedKVCache,
+    def __init__(self, model: LlamaForCausalLM, config: EngineConfig, kv_cache: KVCache,
                  blocks: BlockManager, backend: AttentionBackend, device: torch.device):
         self.model, self.config, self.kv_cache, self.blocks, self.backend = model, config, kv_cache, blocks, backend
         self.device = device
@@ -52,8 +51,7 @@ class ModelRunner:
         self.scratch_page = blocks.num_blocks  # the cache has one page more than the block manager hands out
         self._graphs: dict[tuple, typing.Callable[[], torch.Tensor]] = {}  # (rows, backend variant) -> step
         self._graph_sizes: list[int] = []
-        self.offload = isinstance(kv_cache, OffloadedKVCache)
-        self.last_kv_counts: dict | None = None  # offloading: the last decode step's page counts (end_step)
+        self.last_kv_counts: dict | None = None  # the last decode step's page counts, where the store keeps them
 
     # ---- batch tensors -------------------------------------------------------------------------------------------
     def _metadata(self, batch: ScheduledBatch):
@@ -87,7 +85,7 @@ class ModelRunner:
             max_seq_len=max(seq_lens),
             max_query_len=max(batch.num_tokens),
             prompt_lens=[s.num_tokens for s in batch.seqs],
-            kv_store=self.kv_cache if self.offload and not batch.is_prefill else None,
+            kv_store=None if batch.is_prefill else self.kv_cache.decode_reads(),
         )
         input_ids = torch.tensor(ids, dtype=torch.long).to(dev, non_blocking=True)
         positions = torch.from_numpy(np.concatenate(pos)).to(dev, non_blocking=True)
@@ -109,8 +107,8 @@ class ModelRunner:
         input_ids, positions, meta, qsl = self._metadata(batch)
         self.backend.begin_step(meta)
         staged = None
-        if self.offload and batch.is_prefill:
-            staged = self.kv_cache.prefill_step(meta, [self.blocks.table(s.seq_id) for s in batch.seqs])
+        if batch.is_prefill:
+            staged = self.kv_cache.prefill_view(meta, [self.blocks.table(s.seq_id) for s in batch.seqs])
         ctx = StepContext(self.kv_cache, self.backend, meta, meta.max_seq_len - 1, staged)
         hidden = self.model(input_ids, positions, ctx)
         if not batch.is_prefill:
@@ -121,9 +119,8 @@ class ModelRunner:
         return self.model.logits(hidden.index_select(0, rows)), sample_idx
 
     def _end_step(self) -> None:
-        """Offloading: install the pages this decode step missed (kvcache/offload.py)."""
-        if self.offload:
-            self.last_kv_counts = self.kv_cache.end_step()
+        """After a decode step: the store's page counts (the offloaded store installs the pages the step missed)."""
+        self.last_kv_counts = self.kv_cache.end_step()
 
     # ---- CUDA graphs for decode ----------------------------------------------------------------------------------
     def graphs_supported(self) -> tuple[bool, str]:
@@ -187,7 +184,7 @@ class ModelRunner:
         self.backend.graph_scratch()
         meta = AttentionMetadata(False, [-1] * n, [1] * n, [0] * n, self._g_qsl[: n + 1], self._g_lens[:n],
                                  self._g_tables[:n], self._g_slots[:n], self.config.max_model_len, 1,
-                                 kv_store=self.kv_cache if self.offload else None)
+                                 kv_store=self.kv_cache.decode_reads())
         ctx = StepContext(self.kv_cache, self.backend, meta, None)
         run = lambda: self.model.logits(self.model(self._g_ids[:n], self._g_pos[:n], ctx))  # noqa: E731
         if self._emulate:

@@ -166,8 +166,8 @@ class OffloadedKVCache:
 
     def release_staging(self) -> None:
         """Give the staging area back to the GPU (decode never reads it; the next prefill step allocates it again).
-        The engine calls this on a decode step, i.e. when no prefill work is pending, so the KV side of a decoding
-        engine is the pool alone. Freed through the caching allocator and `empty_cache`, so other processes see it."""
+        The engine calls this (as `release_transient`) on a decode step, i.e. when no prefill work is pending, so the
+        KV side of a decoding engine is the pool alone. Freed through the caching allocator and `empty_cache`, so other processes see it."""
         if self._staging is not None:
             self._staging = None
             if self.device.type == "cuda":
@@ -175,6 +175,29 @@ class OffloadedKVCache:
 
     def prefill_step(self, meta, tables: list[list[int]]) -> "StagedPrefill":
         return StagedPrefill(self, meta, tables)
+
+    # ---- the KVCache protocol (kvcache/base.py) ---------------------------------------------------------------------
+    @property
+    def max_prefill_pages(self) -> int:
+        """A prefill step's sequences' whole contexts sit in the staging area: at most its pages per step."""
+        return self.staging_pages
+
+    def prefill_view(self, meta, tables: list[list[int]]) -> "StagedPrefill":
+        return self.prefill_step(meta, tables)
+
+    def decode_reads(self) -> "OffloadedKVCache":
+        """Decode attention reports the pages it reads here (`note_reads`); `end_step` installs the missed ones."""
+        return self
+
+    def release_transient(self) -> None:
+        self.release_staging()
+
+    def occupancy(self, blocks) -> dict:
+        """The host tier is what the block manager hands out; the GPU holds `num_slots` of its pages at a time."""
+        st = self.stats()
+        return {"offload": True, "gpu_pages_total": st["gpu_slots_total"], "gpu_pages_used": st["gpu_slots_used"],
+                "host_pages_total": blocks.num_blocks, "host_pages_used": blocks.num_blocks - blocks.num_free_blocks,
+                **{k: st[k] for k in ("pages_hit", "pages_missed", "pages_evicted", "pages_installed", "bytes_h2d")}}
 
     # ---- decode: reads reported by the attention, installs after the step ------------------------------------------
     def note_reads(self, layer: int, block_tables: torch.Tensor, seq: torch.Tensor, first: torch.Tensor,

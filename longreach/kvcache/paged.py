@@ -5,7 +5,8 @@ A token's slot is `page * block_size + offset`. Keys are stored *rotated at thei
 reads them as they are, and a method that attends with other positions (rolling / chunk-indexed RoPE) re-rotates a
 key by the position delta (rope/scaling.py: rotations compose), so no second copy of the cache is needed.
 
-The engine talks to this class only through `store` and `layer`; a host-offloaded store (later) keeps that interface.
+The engine talks to it through the KVCache protocol (kvcache/base.py), which the host-offloaded store (offload.py)
+implements too; for this cache every step hook is a no-op.
 """
 from __future__ import annotations
 
@@ -13,10 +14,13 @@ import torch
 
 from ..kernels import kv_store, use_triton
 from ..kernels.kv_layout import gather_tokens  # noqa: F401 (its old home)
+from .base import resident_occupancy
 from .fp8 import as_bytes, encode, row_bytes, row_elems
 
 
 class PagedKVCache:
+    max_prefill_pages = None  # a prefill step reads its pages where they are: no limit
+
     def __init__(self, num_layers: int, num_blocks: int, block_size: int, num_kv_heads: int, head_dim: int,
                  dtype: torch.dtype, device: torch.device):
         self.num_blocks, self.block_size = num_blocks, block_size
@@ -44,3 +48,19 @@ class PagedKVCache:
             return kv_store.store_kv(k, v, slot_mapping, kc, vc)
         for c, x in ((kc, k), (vc, v)):
             as_bytes(c).view(-1, *c.shape[2:]).index_copy_(0, slot_mapping, as_bytes(encode(x, c.dtype)))
+
+    # ---- the KVCache protocol's step hooks (kvcache/base.py): nothing to do for a GPU-resident cache --------------
+    def prefill_view(self, meta, tables: list[list[int]]) -> None:
+        return None
+
+    def decode_reads(self) -> None:
+        return None
+
+    def end_step(self) -> None:
+        return None
+
+    def release_transient(self) -> None:
+        pass
+
+    def occupancy(self, blocks) -> dict:
+        return resident_occupancy(blocks)
