@@ -117,3 +117,44 @@ def test_both_stores_implement_the_kv_cache_protocol_and_the_engine_never_names_
                 words = [a.name for a in node.names] + [getattr(node, "module", None) or ""]
             found += [f"{path.name}:{node.lineno} {w}" for w in words if "offload" in w.lower()]
     assert not found, found
+
+
+def test_backends_declare_their_kv_needs_and_capabilities_instead_of_being_probed():
+    """AttentionBackend declares prefill_only / bounded_cache and kv_needs (page state, always-dense layers, bounded
+    layout); nothing in longreach/ reads them with getattr any more."""
+    import ast
+    import pathlib
+
+    from longreach.attention.registry import available_backends, get_backend_class
+    from longreach.kvcache.base import KVNeeds
+
+    flags = {n: (get_backend_class(n).prefill_only, get_backend_class(n).bounded_cache) for n in available_backends()}
+    assert flags["minference"] == (True, False) and flags["cascading"] == (False, True)
+    assert flags["dense"] == (False, False) and flags["infinitehip"] == (False, False)
+    assert KVNeeds() == KVNeeds(layout=None, page_state_bytes=0, dense_layers=())
+
+    probed = {"prefill_only", "bounded_cache", "page_state_bytes", "dense_layers", "kv_needs"}
+    root = pathlib.Path(__file__).resolve().parents[1] / "longreach"
+    found = []
+    for path in sorted(root.rglob("*.py")):
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.Call) and getattr(node.func, "id", None) in ("getattr", "hasattr") \
+                    and len(node.args) >= 2 and isinstance(node.args[1], ast.Constant) and node.args[1].value in probed:
+                found.append(f"{path.relative_to(root)}:{node.lineno} {node.args[1].value}")
+    assert not found, found
+
+
+def test_kv_needs_of_a_sparse_and_a_composed_backend(tmp_path):
+    """The declared needs reach the store: infinitehip keeps stage-0 boxes per page and names its dense layers; a
+    composed backend reports its decode half's."""
+    from conftest import make_tiny_hf_model
+
+    from longreach.engine.llm import LLM
+
+    path = make_tiny_hf_model(tmp_path / "m", max_position_embeddings=512)[0]
+    kw = dict(device="cpu", dtype="float32", kv_cache_memory_gb=0.01, max_num_batched_tokens=64)
+    hip = LLM(path, attention="hip", **kw).engine.backend
+    needs = hip.kv_needs(torch.float32)
+    assert needs.dense_layers == tuple(hip.config.dense_layers) == (0, 1, 2) and needs.layout is None
+    composed = LLM(path, attention="minference", decode_attention="hip", **kw).engine.backend
+    assert composed.kv_needs(torch.float32) == hip.kv_needs(torch.float32)

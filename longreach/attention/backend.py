@@ -31,6 +31,8 @@ from typing import TYPE_CHECKING, ClassVar, Protocol
 
 import torch
 
+from ..kvcache.base import KVNeeds
+
 if TYPE_CHECKING:
     import numpy as np
 
@@ -87,6 +89,8 @@ class AttentionBackend(ABC):
     name: ClassVar[str] = ""
     supports_cuda_graph: ClassVar[bool] = False  # may the decode step be captured in a CUDA graph?
     kv_layout: KVLayout | None = None  # a bounded cache's slot layout; None: token t in slot t (see the docstring)
+    prefill_only: ClassVar[bool] = False  # cannot decode (alone it decodes densely; composed, another backend does)
+    bounded_cache: ClassVar[bool] = False  # keeps a bounded cache of its own (kv_layout): cannot be composed
     preset_notes: ClassVar[dict[str, str]] = {}  # preset -> one line on what it is for (`longreach backends`)
 
     def __init__(self, model_config: "ModelConfig", engine_config: "EngineConfig", device: torch.device):
@@ -94,6 +98,19 @@ class AttentionBackend(ABC):
         self.engine_config = engine_config
         self.device = device
         self.scale = model_config.head_dim ** -0.5
+
+    # ---- what the KV store must provide (kvcache/build.py sizes the store from it) ---------------------------------
+    def kv_needs(self, dtype: torch.dtype) -> KVNeeds:
+        return KVNeeds(layout=self.kv_layout, page_state_bytes=self.page_state_bytes(dtype),
+                       dense_layers=self.always_dense_layers())
+
+    def page_state_bytes(self, dtype: torch.dtype) -> int:
+        """GPU bytes of backend state per KV page (sized with the cache); 0: none."""
+        return 0
+
+    def always_dense_layers(self) -> tuple[int, ...]:
+        """Layers that attend densely whatever the context (with offloading each reads every page)."""
+        return ()
 
     @classmethod
     def resolve_config(cls, engine_config: "EngineConfig") -> object | None:

@@ -17,6 +17,7 @@ import contextlib
 import dataclasses
 import logging
 
+from ..kvcache.base import KVNeeds
 from .backend import AttentionBackend, AttentionMetadata
 from .registry import MethodSpec, available_backends, get_backend_class
 
@@ -46,7 +47,7 @@ def make_backend(model_config, config, device) -> AttentionBackend:
         and config.decode_attention_config == config.attention_config
     if spec is None or same:
         backend = prefill_cls(model_config, config, device)
-        if config.offload and getattr(prefill_cls, "prefill_only", False):
+        if config.offload and prefill_cls.prefill_only:
             logger.warning("%s decodes densely: with KV offloading every decode step reads the whole context from "
                            "host memory; --decode-attention infinitehip (or hip, streaming) reads a few thousand "
                            "tokens per step", config.attention)
@@ -54,11 +55,11 @@ def make_backend(model_config, config, device) -> AttentionBackend:
     dcfg = decode_config(config)
     decode_cls = get_backend_class(dcfg.attention)
     for cls in (prefill_cls, decode_cls):
-        if getattr(cls, "bounded_cache", False):
+        if cls.bounded_cache:
             raise ValueError(f"{cls.name} keeps a bounded cache of its own (it forgets tokens), so it cannot be "
                              "composed with another method: drop --decode-attention")
-    if getattr(decode_cls, "prefill_only", False):
-        decoders = [n for n in available_backends() if not getattr(get_backend_class(n), "prefill_only", False)]
+    if decode_cls.prefill_only:
+        decoders = [n for n in available_backends() if not get_backend_class(n).prefill_only]
         raise ValueError(f"{dcfg.attention} is a prefill-only method and cannot decode; --decode-attention takes one "
                          f"of {', '.join(decoders)}")
     _checked(decode_cls, model_config, dcfg, "decode ")
@@ -80,6 +81,11 @@ class ComposedBackend(AttentionBackend):
         self.name = f"{prefill.name}+{decode.name}"
         self.supports_cuda_graph = decode.supports_cuda_graph
         self.config = getattr(decode, "config", None)  # what decode reads (the engine's offloading warnings)
+
+    def kv_needs(self, dtype) -> KVNeeds:
+        """The decode half's: it keeps the per-page state and reads the cache every step (no bounded cache here)."""
+        return KVNeeds(page_state_bytes=self.decode.page_state_bytes(dtype),
+                       dense_layers=self.decode.always_dense_layers())
 
     def begin_step(self, meta: AttentionMetadata) -> None:
         self.prefill.begin_step(meta)

@@ -432,6 +432,9 @@ class MInferenceBackend(AttentionBackend):
             cfg = dataclasses.replace(cfg, patterns=resolve_patterns(None, engine_config.model))
         return cfg
 
+    def always_dense_layers(self) -> tuple[int, ...]:
+        return tuple(self.config.dense_layers)
+
     @classmethod
     def unsupported_reasons(cls, model_config, engine_config) -> list[str]:
         try:

@@ -273,6 +273,9 @@ class PSABackend(AttentionBackend):
     def resolve_config(cls, engine_config) -> PSAConfig:
         return config_from(PSAConfig, *preset_and_overrides("psa", PSA.presets, PSA.default_preset, engine_config))
 
+    def always_dense_layers(self) -> tuple[int, ...]:
+        return tuple(self.config.dense_layers)
+
     @classmethod
     def unsupported_reasons(cls, model_config, engine_config) -> list[str]:
         try:

@@ -359,6 +359,9 @@ class SparseBackend(GraphDecode, KeptBoxes, AttentionBackend):
         m = cls.method_cls
         return config_from(m.config_cls, *preset_and_overrides(m.name, m.presets, m.default_preset, engine_config))
 
+    def always_dense_layers(self) -> tuple[int, ...]:
+        return tuple(self.config.dense_layers)
+
     @classmethod
     def unsupported_reasons(cls, model_config, engine_config) -> list[str]:
         try:

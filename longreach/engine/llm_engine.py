@@ -20,7 +20,7 @@ import torch
 from ..attention.compose import make_backend
 from ..config import EngineConfig
 from ..kvcache.block_manager import BlockManager
-from ..kvcache.build import GiB, build_kv_cache, dtype_name, kv_needs  # noqa: F401 (dtype_name: its old home)
+from ..kvcache.build import GiB, build_kv_cache, dtype_name  # noqa: F401 (dtype_name: its old home)
 from ..kvcache.paged import PagedKVCache
 from ..models.loader import load_model
 from ..sampling_params import SamplingParams
@@ -107,7 +107,7 @@ class LLMEngine:
         self.kv_dtype = resolve_kv_dtype(config.kv_cache_dtype, self.dtype)
         layout = self.backend.kv_layout  # a bounded cache's own slot layout (attention/backend.py), or None
         self.blocks, self.kv_cache = build_kv_cache(config, mc, self.kv_dtype, self.device,
-                                                    kv_needs(self.backend, self.dtype), self._profile_free_gpu_memory)
+                                                    self.backend.kv_needs(self.dtype), self._profile_free_gpu_memory)
         self.backend.bind_kv_cache(self.blocks.num_blocks * config.block_size, self.dtype)
         self.runner = ModelRunner(self.model, config, self.kv_cache, self.blocks, self.backend, self.device)
         self.runner.capture_graphs()

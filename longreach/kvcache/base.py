@@ -14,6 +14,7 @@ A step's life as the engine drives it:
 """
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Protocol, runtime_checkable
 
 import torch
@@ -21,6 +22,15 @@ import torch
 # the keys of `occupancy`, in this order (the server's /metrics and `kv_cache_stats` read them)
 OCCUPANCY_KEYS = ("offload", "gpu_pages_total", "gpu_pages_used", "host_pages_total", "host_pages_used", "pages_hit",
                   "pages_missed", "pages_evicted", "pages_installed", "bytes_h2d")
+
+
+@dataclass(frozen=True)
+class KVNeeds:
+    """What an attention backend asks of the KV store (`AttentionBackend.kv_needs`), declared, not probed."""
+
+    layout: object = None  # a bounded cache's slot layout (attention/backend.py: KVLayout); None: token t in slot t
+    page_state_bytes: int = 0  # GPU bytes of backend state per KV page (psa's block metadata, stage-0 boxes)
+    dense_layers: tuple[int, ...] = ()  # layers that always attend densely (each reads every page)
 
 
 @runtime_checkable

@@ -1,18 +1,15 @@
 """The one place where the KV store is sized and built: GPU-resident pages (paged.py) or host pages with a GPU page
 cache (offload.py), from the engine config, the model's shape and what the attention backend needs.
 
-`KVNeeds` is what a backend asks of the store: a bounded cache's slot layout (`kv_layout`, attention/backend.py), GPU
-bytes of backend state per page (psa's block metadata) and the layers that attend densely (each reads every page).
+What the backend needs (`KVNeeds`, kvcache/base.py) it declares through `AttentionBackend.kv_needs`.
 """
 from __future__ import annotations
 
 import logging
 from collections.abc import Callable
-from dataclasses import dataclass
-
 import torch
 
-from .base import KVCache
+from .base import KVCache, KVNeeds
 from .block_manager import BlockManager
 from .offload import GiB, build_offloaded_cache
 from .paged import PagedKVCache
@@ -20,21 +17,6 @@ from .paged import PagedKVCache
 logger = logging.getLogger("longreach")
 
 CPU_KV_DEFAULT_GB = 4.0  # the KV budget of a CPU run without --kv-cache-memory-gb (capped by what max_num_seqs need)
-
-
-@dataclass(frozen=True)
-class KVNeeds:
-    layout: object = None  # a bounded cache's slot layout (slots_for, max_slots, stride, side_bytes_per_token)
-    page_state_bytes: int = 0  # GPU bytes of backend state per KV page
-    dense_layers: tuple[int, ...] = ()
-
-
-def kv_needs(backend, dtype: torch.dtype) -> KVNeeds:
-    """A backend's KV needs. A composed backend (attention/compose.py) keeps its per-page state in its decode half."""
-    decode = getattr(backend, "decode", backend)
-    fn = getattr(decode, "page_state_bytes", None)
-    return KVNeeds(layout=backend.kv_layout, page_state_bytes=fn(dtype) if fn is not None else 0,
-                   dense_layers=tuple(getattr(getattr(backend, "config", None), "dense_layers", ())))
 
 
 def dtype_name(dtype: torch.dtype) -> str:
