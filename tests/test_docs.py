@@ -18,3 +18,28 @@ def test_readme_has_the_two_quick_start_commands():
 def test_ci_runs_exactly_the_readme_test_command():
     ci_lines = (ROOT / ".ci" / "run").read_text().strip().splitlines()
     assert ci_lines[-1] == _readme_commands()[1]
+
+
+def test_rendered_tables_match_their_json():
+    """Every `<!-- render: ... -->` block in docs/*.md and README.md equals what scripts/render_docs.py makes from its
+    results JSON now (a hand edit inside a block, or a report changed without re-rendering, fails here)."""
+    import subprocess
+    import sys
+
+    script = pathlib.Path(__file__).resolve().parents[1] / "scripts" / "render_docs.py"
+    run = subprocess.run([sys.executable, str(script), "--check"], capture_output=True, text=True)
+    assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-2000:]
+
+
+def test_render_check_fails_on_a_hand_edit(tmp_path, monkeypatch):
+    """The check can fail: a block whose numbers were edited by hand differs from its render."""
+    import importlib.util
+
+    script = pathlib.Path(__file__).resolve().parents[1] / "scripts" / "render_docs.py"
+    spec = importlib.util.spec_from_file_location("render_docs", script)
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    text = (mod.ROOT / "docs" / "quality.md").read_text()
+    assert "<!-- render: ladder" in text and mod.rendered(text) == text
+    edited = text.replace("| dense | 100 [84-100] | 100 [84-100] |", "| dense | 100 [84-100] | 99 [84-100] |", 1)
+    assert edited != text and mod.rendered(edited) != edited
