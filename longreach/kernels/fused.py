@@ -12,13 +12,14 @@ Numerics follow the PyTorch code they replace (models/llama.py, rope/scaling.py)
     difference from PyTorch is the order of the fp32 sum of squares (and rsqrt's last bit): bf16 results differ by
     at most one unit in the last place, rarely.
   * `rope_qk`: every product, difference and sum is rounded to the dtype as PyTorch's elementwise ops do; bit-exact.
-    The kernel is compiled without FMA contraction (`enable_fp_fusion=False`): with it, the first H100 run differed
-    from PyTorch by 0.0156 where x1*c and x2*s nearly cancel (the product fused into the difference, unrounded).
+    The kernel is compiled without FMA contraction (`enable_fp_fusion=False`): with it, the result can differ
+    from PyTorch by many units (0.0156 seen) where x1*c and x2*s nearly cancel (the product fused into the
+    difference, unrounded).
   * `silu_mul`: SiLU in fp32 rounded to the dtype, then the product rounded; the exponential is Triton's, so a result
     may differ from PyTorch's by one unit in the last place.
 On CPU (and anywhere Triton is missing) the same functions run the PyTorch references, which are what the model ran
-before. Tested: the interpreter in fp32/fp16 (tests/test_fused.py); GPU bf16 at Llama-8B sizes (scripts/gpu_check.py,
-not yet run on a GPU).
+before. Tested: the interpreter in fp32/fp16 (tests/test_fused.py); GPU bf16 at Llama-8B sizes (scripts/gpu_check.py, on a
+GPU).
 """
 from __future__ import annotations
 
@@ -155,7 +156,7 @@ def rope_qk_(qk: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, kernel: boo
         return qk
     half = D // 2
     # no FMA contraction: fused into the difference, a*c would skip the rounding PyTorch gives every product, and
-    # where the two products nearly cancel the result then differs by many units (the first H100 run: 0.0156)
+    # where the two products nearly cancel the result then differs by many units (0.0156 seen on a GPU)
     _rope_kernel[(T, H)](qk, cos, sin, qk.stride(0), qk.stride(1), cos.stride(0), HALF=half,
                          BLOCK=triton.next_power_of_2(half), enable_fp_fusion=False)
     return qk

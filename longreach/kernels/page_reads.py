@@ -60,8 +60,8 @@ def mark_reads(wanted: torch.Tensor, layer: int, num_pages: int, block_tables: t
                block_size: int, n_sink: int, n_window: int, chunk: int = 1024) -> None:
     """The kernel behind `OffloadedKVCache.note_reads` (same arguments; wanted (L * P + 1,) bool). A program marks at
     most `chunk` selected pages (a power of two); more go to further programs on grid axis 2. One program per
-    selection made a 1M-token PSA step (65K ranked blocks) a single 131,072-wide block in one warp: its compile and
-    run did not finish in minutes on an H100 (2026-11-25)."""
+    selection made a 1M-token PSA step (65K ranked blocks) a single 131,072-wide block in one warp, which neither
+    compiled nor ran in reasonable time."""
     if chunk < 1 or chunk & (chunk - 1):
         raise ValueError(f"chunk must be a power of two (pages per program), got {chunk}")
     nb = seq.shape[0]
