@@ -69,7 +69,8 @@ def load_model(model: str, dtype: torch.dtype, device: torch.device) -> LoadedMo
     if model.startswith("random:"):  # a named shape with random weights, for benchmarks (random_init.py)
         from .random_init import load_random_model
 
-        return load_random_model(model, dtype, device)
+        cfg, net = load_random_model(model, dtype, device)
+        return LoadedModel(cfg, net, None, model)
     path = resolve_model_path(model)
     t0 = time.perf_counter()
     if path.endswith(".gguf"):

@@ -93,10 +93,9 @@ def build_random_model(cfg: ModelConfig, dtype: torch.dtype, device: torch.devic
     return net.eval()
 
 
-def load_random_model(model: str, dtype: torch.dtype, device: torch.device):
-    """`loader.load_model` for "random:<shape>": a LoadedModel with no tokenizer."""
-    from .loader import LoadedModel
-
+def load_random_model(model: str, dtype: torch.dtype, device: torch.device) -> tuple[ModelConfig, nn.Module]:
+    """(config, model) of "random:<shape>", for `loader.load_model`, which wraps them in a LoadedModel with no
+    tokenizer (loader imports this module, not the other way round)."""
     shape = random_shape(model)
     t0 = time.perf_counter()
     net = build_random_model(shape.config, dtype, device)
@@ -106,4 +105,4 @@ def load_random_model(model: str, dtype: torch.dtype, device: torch.device):
     logger.warning("%s: %s (seed %d, normal std %g; %s parameters, made on %s in %.1f s): its outputs mean "
                    "nothing, it is for speed and memory only; no tokenizer: prompts must be token ids", model,
                    weights_note(model, dtype), SEED, INIT_STD, f"{n_params:,}", device, time.perf_counter() - t0)
-    return LoadedModel(shape.config, net, None, model)
+    return shape.config, net

@@ -14,7 +14,7 @@ import math
 
 import torch
 
-from ..models.config import RopeConfig
+from .config import RopeConfig
 
 
 def _base_inv_freq(theta: float, dim: int) -> torch.Tensor:
