@@ -22,6 +22,9 @@ from .eval.common import make_llm, parse_methods
 _REFERENCE = {"model": "smollm2", "tokens": 15710, "probe_s": 0.047}
 _CPU_SECONDS = {"infinitehip": (203.1, 1.85, 0.72), "dense": (69.5, 2.0, 0.89)}  # (seconds, length_exp, speed_exp)
 
+HELP = "a pass key hidden past the trained context: sparse attention vs dense"
+DESCRIPTION = __doc__.split("\n\n")[1]
+
 
 def add_arguments(p) -> None:
     from .eval.common import context_length

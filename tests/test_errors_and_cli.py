@@ -209,6 +209,18 @@ def test_import_is_cheap():
     assert r.stdout.strip() == "False", r.stderr
 
 
+def test_cli_is_only_the_entry_point():
+    """cli.py stays small (issue 29: at most 200 lines): each command's flags and run live in its own module; building
+    the whole parser imports no torch."""
+    import pathlib
+
+    import longreach.cli
+
+    assert len(pathlib.Path(longreach.cli.__file__).read_text().splitlines()) <= 200
+    code = "import sys, longreach.cli as c; c.build_parser(); print('torch' in sys.modules)"
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
+    assert r.stdout.strip() == "False", r.stderr
+
 def test_demo_answers_and_reports(capsys):
     """The README's demo end to end at a short length on CPU (the sparse method runs dense below its budget here;
     the GPU runs in docs/quality.md are the long-context evidence)."""

@@ -1,5 +1,6 @@
 """An OpenAI-compatible HTTP server over one LLMEngine (`longreach serve`); docs/serving.md describes it.
 
+  command.py      `longreach serve`: its flags (the server's and the engine's) and the run that starts it
   config.py       ServerConfig: the serve-only flags
   validation.py   body -> JSON -> request model; every failure an OpenAI-shaped APIError (4xx)
   protocol.py     the request models per endpoint (strict pydantic), and their SamplingParams
