@@ -122,7 +122,7 @@ class EngineConfig:
 
         check_backend_name(self.attention)
         if self.decode_attention is not None:
-            MethodSpec.parse(self.decode_attention, what="decode_attention", check_preset=False)  # _check_methods
+            MethodSpec.parse(self.decode_attention, what="decode_attention")  # _check_methods
         if self.decode_attention_config is not None and self.decode_attention is None:
             bad("decode_attention_config needs decode_attention (the method it configures)")
         for name in ("attention_config", "decode_attention_config"):  # JSON text is parsed here, once
@@ -157,3 +157,14 @@ class EngineConfig:
     @classmethod
     def help(cls, name: str) -> str:
         return next(f.metadata.get("help", "") for f in fields(cls) if f.name == name)
+
+
+def parse_method(text: str, what: str = "attention method"):
+    """`METHOD[:PRESET]` as an `attention.registry.MethodSpec`, its preset checked: ValueError naming the known methods
+    (unknown method) or the method's presets (unknown preset; this imports the backend's module)."""
+    from .attention.registry import MethodSpec
+
+    spec = MethodSpec.parse(text, what)
+    if spec.preset is not None:
+        EngineConfig(attention=spec.method, preset=spec.preset)  # its __post_init__ resolves the method's config
+    return spec

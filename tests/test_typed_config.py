@@ -115,21 +115,25 @@ def test_method_spec_parses_method_and_preset(text, want):
     (None, r"attention method must be METHOD\[:PRESET\] .*got None"),
 ])
 def test_method_spec_errors_name_the_known_methods_and_presets(text, message):
+    """config.parse_method: MethodSpec.parse (attention/registry.py) plus the preset check (which needs EngineConfig,
+    above attention/)."""
+    from longreach.config import parse_method
+
     with pytest.raises(ValueError, match=message):
-        MethodSpec.parse(text)
+        parse_method(text)
 
 
-def test_method_spec_names_what_it_parses_and_may_leave_the_preset_unchecked():
+def test_method_spec_names_what_it_parses_and_leaves_the_preset_to_config():
     with pytest.raises(ValueError, match=r"decode_attention must be METHOD\[:PRESET\]"):
         EngineConfig(decode_attention="")
-    assert MethodSpec.parse("infinitehip:9k", check_preset=False) == ("infinitehip", "9k")
+    assert MethodSpec.parse("infinitehip:9k") == ("infinitehip", "9k")
     with pytest.raises(ValueError, match="unknown attention backend 'nope'"):
-        MethodSpec.parse("nope", check_preset=False)
+        MethodSpec.parse("nope")
 
 
 def test_method_spec_without_a_preset_imports_no_torch():
     code = ("import sys; from longreach.attention.registry import MethodSpec; MethodSpec.parse('infinitehip'); "
-            "MethodSpec.parse('psa:0.9', check_preset=False); import longreach.cli; "
+            "MethodSpec.parse('psa:0.9'); import longreach.cli; "
             "assert 'torch' not in sys.modules, 'torch imported'")
     r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
     assert r.returncode == 0, r.stderr

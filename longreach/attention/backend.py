@@ -36,7 +36,6 @@ from ..kvcache.base import KVNeeds
 if TYPE_CHECKING:
     import numpy as np
 
-    from ..config import EngineConfig
     from ..models.config import ModelConfig
 
 
@@ -85,6 +84,22 @@ class KVLayout(Protocol):
         ...
 
 
+class EngineSettings(Protocol):
+    """The engine settings a backend reads: config.EngineConfig satisfies it (attention/ sits below config/, which
+    validates methods through the registry, so it names this protocol instead of importing EngineConfig)."""
+
+    attention: str
+    preset: str | None
+    attention_config: dict | None
+    model: str
+    offload: bool
+    block_size: int
+    kv_cache_dtype: str
+    max_model_len: int | None
+    max_num_batched_tokens: int
+    max_num_seqs: int
+
+
 class AttentionBackend(ABC):
     name: ClassVar[str] = ""
     supports_cuda_graph: ClassVar[bool] = False  # may the decode step be captured in a CUDA graph?
@@ -93,7 +108,7 @@ class AttentionBackend(ABC):
     bounded_cache: ClassVar[bool] = False  # keeps a bounded cache of its own (kv_layout): cannot be composed
     preset_notes: ClassVar[dict[str, str]] = {}  # preset -> one line on what it is for (`longreach backends`)
 
-    def __init__(self, model_config: "ModelConfig", engine_config: "EngineConfig", device: torch.device):
+    def __init__(self, model_config: "ModelConfig", engine_config: EngineSettings, device: torch.device):
         self.model_config = model_config
         self.engine_config = engine_config
         self.device = device
@@ -113,14 +128,14 @@ class AttentionBackend(ABC):
         return ()
 
     @classmethod
-    def resolve_config(cls, engine_config: "EngineConfig") -> object | None:
+    def resolve_config(cls, engine_config: EngineSettings) -> object | None:
         """The method's own config from `engine_config.preset` and `.attention_config` (None: it has none). Needs no
         model, so EngineConfig calls it to reject a bad preset or override before anything loads: raise ValueError
         saying what was wrong and what is allowed."""
         return None
 
     @classmethod
-    def unsupported_reasons(cls, model_config: "ModelConfig", engine_config: "EngineConfig") -> list[str]:
+    def unsupported_reasons(cls, model_config: "ModelConfig", engine_config: EngineSettings) -> list[str]:
         """Why this backend cannot serve this model/config (empty: it can); by default, what `resolve_config` says."""
         try:
             cls.resolve_config(engine_config)

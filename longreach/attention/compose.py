@@ -26,7 +26,7 @@ logger = logging.getLogger("longreach")
 
 def decode_config(config):
     """The EngineConfig the decode backend sees: its own name, preset and attention_config."""
-    name, preset = MethodSpec.parse(config.decode_attention, what="decode_attention", check_preset=False)
+    name, preset = MethodSpec.parse(config.decode_attention, what="decode_attention")
     return dataclasses.replace(config, attention=name, preset=preset, attention_config=config.decode_attention_config,
                                decode_attention=None, decode_attention_config=None)
 
@@ -43,7 +43,7 @@ def make_backend(model_config, config, device) -> AttentionBackend:
     composed. Raises ValueError with what is wrong and what is allowed."""
     prefill_cls = _checked(get_backend_class(config.attention), model_config, config, "")
     spec = getattr(config, "decode_attention", None)
-    same = spec is not None and MethodSpec.parse(spec, check_preset=False) == (config.attention, config.preset) \
+    same = spec is not None and MethodSpec.parse(spec) == (config.attention, config.preset) \
         and config.decode_attention_config == config.attention_config
     if spec is None or same:
         backend = prefill_cls(model_config, config, device)

@@ -41,28 +41,16 @@ class MethodSpec(NamedTuple):
     preset: str | None = None
 
     @classmethod
-    def parse(cls, text: str, what: str = "attention method", check_preset: bool = True) -> "MethodSpec":
+    def parse(cls, text: str, what: str = "attention method") -> "MethodSpec":
         """"infinitehip:3k-fast" -> MethodSpec("infinitehip", "3k-fast"); "dense" (or "dense:") -> preset None.
-        Raises ValueError naming the known methods for an empty text or an unknown method, and (`check_preset`) the
-        method's presets for an unknown preset, which imports that backend's module; `what` names the text in the
-        first of these messages."""
+        Raises ValueError naming the known methods for an empty text or an unknown method; `what` names the text.
+        The preset is checked by `config.parse_method` (it needs EngineConfig, which sits above attention/)."""
         if not isinstance(text, str) or not text.strip():
             raise ValueError(f"{what} must be METHOD[:PRESET] with METHOD one of {', '.join(available_backends())}, "
                              f"got {text!r}")
         method, _, preset = text.partition(":")
         check_backend_name(method)
-        spec = cls(method, preset or None)
-        if check_preset:
-            spec.check_preset()
-        return spec
-
-    def check_preset(self) -> None:
-        """Raise ValueError listing the method's presets when it has none called `self.preset` (dense: it takes no
-        preset). Imports the backend's module when there is a preset to check."""
-        if self.preset is not None:
-            from ..config import EngineConfig
-
-            EngineConfig(attention=self.method, preset=self.preset)  # its __post_init__ resolves the method's config
+        return cls(method, preset or None)
 
     def __str__(self) -> str:
         return f"{self.method}:{self.preset}" if self.preset else self.method

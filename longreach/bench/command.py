@@ -144,7 +144,7 @@ def _long(args) -> int:
             raise ValueError(f"cannot read --text-file {args.text_file!r}: {e.strerror}") from None
     else:
         text = paul_graham_text()
-    methods = [MethodSpec.parse(a, check_preset=False) for a in args.attention]  # checked by parse_methods
+    methods = [MethodSpec.parse(a) for a in args.attention]  # checked by parse_methods
     run_long(args.model, text, sorted(args.lengths), methods, args.new_tokens, args.device, args.out, args.eager_too,
              args.attention_config)
     return 0

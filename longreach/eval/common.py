@@ -70,9 +70,9 @@ def parse_methods(items: list[str], default_preset: str | None = None, attention
     for item in items:
         base, _, variant = item.partition("@")
         base, _, decode = base.partition("+")
-        name, preset = MethodSpec.parse(base, check_preset=False)  # check_spec checks presets, naming the run
+        name, preset = MethodSpec.parse(base)  # check_spec checks presets, naming the run
         if decode:
-            MethodSpec.parse(decode, what="the decode method after '+'", check_preset=False)
+            MethodSpec.parse(decode, what="the decode method after '+'")
         preset = preset or (default_preset if name != "dense" else None)
         label = (f"{name}:{preset}" if preset else name) + (f"+{decode}" if decode else "") + \
             (f"@{variant}" if variant else "")
@@ -105,7 +105,7 @@ def decode_spec(spec: RunSpec) -> RunSpec | None:
         return None
     from ..attention.registry import MethodSpec
 
-    name, preset = MethodSpec.parse(spec.decode, check_preset=False)
+    name, preset = MethodSpec.parse(spec.decode)
     variant = spec.label.partition("@")[2]
     return RunSpec(name, preset, spec.decode + (f"@{variant}" if variant else ""))
 
