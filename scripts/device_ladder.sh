@@ -7,6 +7,7 @@
 #   bash scripts/device_ladder.sh [SECONDS]     # run the jobs not done yet, P at a time, until SECONDS have passed
 #   ONLY='REGEX' P=3 bash scripts/device_ladder.sh 540   # only the jobs whose name matches; 3 at a time
 #   SUITE=qwen_wall MODEL=/tmp/m/model.gguf bash scripts/device_ladder.sh   # another job list (suite_* below)
+#   LIST=1 SUITE=qwen_rest bash scripts/device_ladder.sh    # print a suite's jobs and run nothing
 #
 # Jobs run in priority order; each writes /tmp/ladder/NAME.json, and a job whose JSON exists is skipped, so calls on
 # a warm machine resume where the last one stopped (a job killed at the deadline runs again from scratch). Every
@@ -15,13 +16,8 @@ set -u
 budget=${1:-560}
 P=${P:-3}  # 4 evals at 12 GiB of KV each ran out of GPU memory on an H100 beside hip
 KV_GB=${KV_GB:-12}  # KV per eval; 128K of SmolLM2 is 2.8 GiB, so 6 lets P=6 share an H100
-out=${OUT:-out}; mkdir -p "$out"
+out=${OUT:-out}
 model=${MODEL:-/tmp/m/model.gguf}
-ident="$(stat -c %s "$model" 2>/dev/null) $model"  # the model's size names it well enough here
-if [ -e /tmp/ladder/.model ] && [ "$(cat /tmp/ladder/.model)" != "$ident" ]; then
-    mv /tmp/ladder "/tmp/ladder.$(date +%s)"  # another model's reports: kept aside, never merged with these
-fi
-mkdir -p /tmp/ladder && echo "$ident" > /tmp/ladder/.model
 export PYTHONUNBUFFERED=1
 yarn='{"rope_type": "yarn", "factor": 16}'
 ntk='{"rope_type": "dynamic", "factor": 16}'
@@ -186,12 +182,57 @@ suite_qwen_next() {  # the cells issue 28 still lacks, in priority order (the ne
     job "ppl__paul-graham__infinitehip-3k-box__32k-512k" ppl --text-source paul-graham --lengths 32k 128k 512k \
         --samples 2 --attention infinitehip:3k-box
 }
+# the default's cells on Qwen (infinitehip:3k-box, label infinitehip-3k-box; passkey in the essays)
+DEFAULT=infinitehip:3k-box
+ORACLE8K='{"budgets": [8192], "early_last_budget": 16384}'  # the exact top 8K tokens: 4x the oracle's budget
+DENSE32K='{"dense_below": 32768}'  # exact attention while a sequence is inside the trained 32K
+pk() {  # pk LENGTHS [eval args...]: the default's passkey cell(s), label infinitehip-3k-box
+    job "passkey__paul-graham__infinitehip-3k-box__${1// /-}" passkey --haystack paul-graham --lengths $1 "${@:2}" \
+        --attention "$DEFAULT"
+}
+rl() {  # rl TASK LENGTHS SAMPLES: the default's RULER cell(s)
+    job "ruler__$1__infinitehip-3k-box__${2// /-}" ruler --tasks "$1" --lengths $2 --samples "$3" --attention "$DEFAULT"
+}
+pk_1m() {  # pk_1m SEEDS: the default's 1M passkey, one job per depth (a call's deadline cuts little)
+    local d
+    for d in 0.1 0.3 0.5 0.7 0.9; do
+        job "passkey__paul-graham__infinitehip-3k-box__1M-d${d#0.}" passkey --haystack paul-graham --lengths 1M \
+            --seeds "$1" --depths "$d" --attention "$DEFAULT"
+    done
+}
+rl_1m() {  # rl_1m TASK SAMPLES: the default's 1M RULER cell, one job per seed (42-46)
+    local s
+    for s in 42 43 44 45 46; do
+        job "ruler__$1__infinitehip-3k-box__1M-s$s" ruler --tasks "$1" --lengths 1M --samples "$2" --seed "$s" \
+            --attention "$DEFAULT"
+    done
+}
+oracle8k_256k() {
+    job "passkey__paul-graham__oracle8k__256k" passkey --haystack paul-graham --lengths 256k --seeds 2 \
+        --attention infinitehip:oracle --attention-config "$ORACLE8K"
+}
+ppl_essays_512k() {  # the same windows' ends at every length, dense beside the default inside the window
+    job "ppl__paul-graham__dense+3k-box__32k-512k" ppl --text-source paul-graham --lengths 32k 128k 512k \
+        --samples 1 --attention dense "$DEFAULT" --max-dense-length 32768
+}
+ppl_hotpotqa_1m() {  # the essays are ~700K tokens: too short for 1M
+    job "ppl__hotpotqa__dense+3k-box__32k-1M" ppl --text-source hotpotqa --lengths 32k 128k 512k 1M --samples 1 \
+        --attention dense "$DEFAULT" --max-dense-length 32768
+}
+dense32k_256k() {  # the candidate default past the window
+    job "passkey__paul-graham__3k-box-dense32k__256k" passkey --haystack paul-graham --lengths 256k --seeds 2 \
+        --attention "$DEFAULT" --attention-config "$DENSE32K"
+}
+streaming16k() {  # streaming with the memory of cascading:16k (16,384 tokens)
+    job "passkey__paul-graham__streaming-16k__64k-128k" passkey --haystack paul-graham --lengths 64k 128k \
+        --attention streaming --attention-config '{"n_sink": 64, "n_window": 16320}'
+}
 suite_qwen_close() {  # issue 28's remaining cells on the 0.5B, in priority order over three calls of one lease
-    local t m d s
+    local t m n
     # inside the window: the remedy for the default's misses (exact attention while inside the trained 32K)
     for t in niah_multikey_1 niah_multivalue niah_single_3; do
         job "ruler__${t}__3k-box-dense32k__16k-32k" ruler --tasks "$t" --lengths 16k 32k --samples 20 \
-            --attention infinitehip:3k-box --attention-config '{"dense_below": 32768}'
+            --attention "$DEFAULT" --attention-config "$DENSE32K"
     done
     # every method inside the window on the essay passkey, dense beside them (psa metered: keys read per query)
     for m in "dense dense" "infinitehip-3k-box infinitehip:3k-box" "streaming streaming" "hip hip" "quest quest"; do
@@ -205,77 +246,39 @@ suite_qwen_close() {  # issue 28's remaining cells on the 0.5B, in priority orde
     # bounded memory past the window: cascading 16k against streaming with the same 16,384 tokens
     job "passkey__paul-graham__cascading-16k__64k-128k" passkey --haystack paul-graham --lengths 64k 128k \
         --attention cascading:16k
-    job "passkey__paul-graham__streaming-16k__64k-128k" passkey --haystack paul-graham --lengths 64k 128k \
-        --attention streaming --attention-config '{"n_sink": 64, "n_window": 16320}'
+    streaming16k
     # beyond: >= 10 prompts per cell at 256K and 512K for the default, the oracle8k rung beside it
     for n in 256k 512k; do
-        job "passkey__paul-graham__infinitehip-3k-box__$n" passkey --haystack paul-graham --lengths $n --seeds 2 \
-            --attention infinitehip:3k-box
-        for t in niah_single_1 niah_single_2; do
-            job "ruler__${t}__infinitehip-3k-box__$n" ruler --tasks "$t" --lengths $n --samples 10 \
-                --attention infinitehip:3k-box
-        done
+        pk "$n" --seeds 2
+        rl niah_single_1 "$n" 10
+        rl niah_single_2 "$n" 10
     done
-    job "passkey__paul-graham__oracle8k__256k" passkey --haystack paul-graham --lengths 256k --seeds 2 \
-        --attention infinitehip:oracle --attention-config '{"budgets": [8192], "early_last_budget": 16384}'
-    # perplexity: the same windows' ends at every length, dense beside the default inside the window
-    job "ppl__paul-graham__dense+3k-box__32k-512k" ppl --text-source paul-graham --lengths 32k 128k 512k \
-        --samples 1 --attention dense infinitehip:3k-box --max-dense-length 32768
-    # 1M: one job per depth (passkey) or per seed (RULER), so that a call's deadline cuts little
-    for d in 0.1 0.3 0.5 0.7 0.9; do
-        job "passkey__paul-graham__infinitehip-3k-box__1M-d${d#0.}" passkey --haystack paul-graham --lengths 1M \
-            --seeds 2 --depths "$d" --attention infinitehip:3k-box
-    done
-    for s in 42 43 44 45 46; do
-        job "ruler__niah_single_1__infinitehip-3k-box__1M-s$s" ruler --tasks niah_single_1 --lengths 1M --samples 2 \
-            --seed "$s" --attention infinitehip:3k-box
-    done
-    job "ppl__hotpotqa__dense+3k-box__32k-1M" ppl --text-source hotpotqa --lengths 32k 128k 512k 1M --samples 1 \
-        --attention dense infinitehip:3k-box --max-dense-length 32768  # the essays are ~700K tokens: too short
-    for s in 42 43 44 45 46; do
-        job "ruler__niah_single_2__infinitehip-3k-box__1M-s$s" ruler --tasks niah_single_2 --lengths 1M --samples 2 \
-            --seed "$s" --attention infinitehip:3k-box
-    done
-    # the candidate default (dense inside the trained window) past the window, beside the default's rows above
-    job "passkey__paul-graham__3k-box-dense32k__256k" passkey --haystack paul-graham --lengths 256k --seeds 2 \
-        --attention infinitehip:3k-box --attention-config '{"dense_below": 32768}'
+    oracle8k_256k
+    ppl_essays_512k
+    pk_1m 2
+    rl_1m niah_single_1 2
+    ppl_hotpotqa_1m
+    rl_1m niah_single_2 2
+    dense32k_256k
 }
 suite_qwen_close2() {  # the second lease of qwen_close (the first went back after one call): dense beside the
     # remedy inside the window, then the cells past 128K, 1M last
-    local t d s
+    local t
     for t in niah_multikey_1 niah_multivalue niah_single_3; do
         job "ruler__${t}__dense__16k-32k" ruler --tasks "$t" --lengths 16k 32k --samples 20 --attention dense
     done
-    job "ruler__niah_single_2__infinitehip-3k-box__256k" ruler --tasks niah_single_2 --lengths 256k --samples 10 \
-        --attention infinitehip:3k-box
-    job "passkey__paul-graham__infinitehip-3k-box__512k" passkey --haystack paul-graham --lengths 512k --seeds 2 \
-        --attention infinitehip:3k-box
-    for t in niah_single_1 niah_single_2; do
-        job "ruler__${t}__infinitehip-3k-box__512k" ruler --tasks "$t" --lengths 512k --samples 10 \
-            --attention infinitehip:3k-box
-    done
-    job "passkey__paul-graham__oracle8k__256k" passkey --haystack paul-graham --lengths 256k --seeds 2 \
-        --attention infinitehip:oracle --attention-config '{"budgets": [8192], "early_last_budget": 16384}'
-    job "ppl__paul-graham__dense+3k-box__32k-512k" ppl --text-source paul-graham --lengths 32k 128k 512k \
-        --samples 1 --attention dense infinitehip:3k-box --max-dense-length 32768
-    for s in 42 43 44 45 46; do
-        job "ruler__niah_single_1__infinitehip-3k-box__1M-s$s" ruler --tasks niah_single_1 --lengths 1M --samples 2 \
-            --seed "$s" --attention infinitehip:3k-box
-    done
-    for d in 0.1 0.3 0.5 0.7 0.9; do
-        job "passkey__paul-graham__infinitehip-3k-box__1M-d${d#0.}" passkey --haystack paul-graham --lengths 1M \
-            --seeds 2 --depths "$d" --attention infinitehip:3k-box
-    done
-    job "ppl__hotpotqa__dense+3k-box__32k-1M" ppl --text-source hotpotqa --lengths 32k 128k 512k 1M --samples 1 \
-        --attention dense infinitehip:3k-box --max-dense-length 32768
-    job "passkey__paul-graham__3k-box-dense32k__256k" passkey --haystack paul-graham --lengths 256k --seeds 2 \
-        --attention infinitehip:3k-box --attention-config '{"dense_below": 32768}'
-    job "passkey__paul-graham__streaming-16k__64k-128k" passkey --haystack paul-graham --lengths 64k 128k \
-        --attention streaming --attention-config '{"n_sink": 64, "n_window": 16320}'
-    for s in 42 43 44 45 46; do
-        job "ruler__niah_single_2__infinitehip-3k-box__1M-s$s" ruler --tasks niah_single_2 --lengths 1M --samples 2 \
-            --seed "$s" --attention infinitehip:3k-box
-    done
+    rl niah_single_2 256k 10
+    pk 512k --seeds 2
+    rl niah_single_1 512k 10
+    rl niah_single_2 512k 10
+    oracle8k_256k
+    ppl_essays_512k
+    rl_1m niah_single_1 2
+    pk_1m 2
+    ppl_hotpotqa_1m
+    dense32k_256k
+    streaming16k
+    rl_1m niah_single_2 2
 }
 suite_qwen_remedy() {  # exact attention inside the trained 32K (dense_below 32768) against the default, in one run:
     # inside the window with dense beside, and past it on the two tasks the default loses most
@@ -296,65 +299,43 @@ suite_qwen_remedy() {  # exact attention inside the trained 32K (dense_below 327
     done
 }
 suite_qwen_rest() {  # the 0.5B cells issue 28 still lacks after runs 1-5 (docs/quality.md), ~2 calls of 560 s
-    local d s
-    job "ppl__hotpotqa__dense+3k-box__32k-1M" ppl --text-source hotpotqa --lengths 32k 128k 512k 1M --samples 1 \
-        --attention dense infinitehip:3k-box --max-dense-length 32768
-    for s in 42 43 44 45 46; do
-        job "ruler__niah_single_2__infinitehip-3k-box__1M-s$s" ruler --tasks niah_single_2 --lengths 1M --samples 2 \
-            --seed "$s" --attention infinitehip:3k-box
-    done
-    for d in 0.1 0.3 0.5 0.7 0.9; do
-        job "passkey__paul-graham__infinitehip-3k-box__1M-d${d#0.}" passkey --haystack paul-graham --lengths 1M \
-            --seeds 2 --depths "$d" --attention infinitehip:3k-box
-    done
-    job "ruler__niah_multikey_1__infinitehip-3k-box__64k-128k" ruler --tasks niah_multikey_1 --lengths 64k 128k \
-        --samples 20 --attention infinitehip:3k-box
+    ppl_hotpotqa_1m
+    rl_1m niah_single_2 2
+    pk_1m 2
+    rl niah_multikey_1 "64k 128k" 20
     job "ruler__niah_multikey_1__dense__32k" ruler --tasks niah_multikey_1 --lengths 32k --samples 20 --attention dense
-    job "ruler__niah_single_1__infinitehip-3k-box__512k" ruler --tasks niah_single_1 --lengths 512k --samples 10 \
-        --attention infinitehip:3k-box
-    job "passkey__paul-graham__oracle8k__256k" passkey --haystack paul-graham --lengths 256k --seeds 2 \
-        --attention infinitehip:oracle --attention-config '{"budgets": [8192], "early_last_budget": 16384}'
+    rl niah_single_1 512k 10
+    oracle8k_256k
 }
 suite_qwen15_rest() {  # the 1.5B cells after run 4: 512K and 1M, ~3 calls
-    local d s
-    job "passkey__paul-graham__infinitehip-3k-box__512k" passkey --haystack paul-graham --lengths 512k --seeds 2 \
-        --attention infinitehip:3k-box
-    job "ruler__niah_single_2__infinitehip-3k-box__512k" ruler --tasks niah_single_2 --lengths 512k --samples 10 \
-        --attention infinitehip:3k-box
-    for d in 0.1 0.3 0.5 0.7 0.9; do
-        job "passkey__paul-graham__infinitehip-3k-box__1M-d${d#0.}" passkey --haystack paul-graham --lengths 1M \
-            --seeds 2 --depths "$d" --attention infinitehip:3k-box
-    done
-    for s in 42 43 44 45 46; do
-        job "ruler__niah_single_2__infinitehip-3k-box__1M-s$s" ruler --tasks niah_single_2 --lengths 1M --samples 2 \
-            --seed "$s" --attention infinitehip:3k-box
-    done
+    pk 512k --seeds 2
+    rl niah_single_2 512k 10
+    pk_1m 2
+    rl_1m niah_single_2 2
 }
 suite_qwen15() {  # issue 28's 1.5B rows: passkey and niah_single_2 at 32K (dense beside), 128K, 512K, 1M
-    local t m d
+    local m
     for m in "dense dense" "infinitehip-3k-box infinitehip:3k-box"; do
         set -- $m
         job "passkey__paul-graham__${1}__32k" passkey --haystack paul-graham --lengths 32k --attention "$2"
         job "ruler__niah_single_2__${1}__32k" ruler --tasks niah_single_2 --lengths 32k --samples 20 --attention "$2"
     done
-    job "passkey__paul-graham__infinitehip-3k-box__128k" passkey --haystack paul-graham --lengths 128k \
-        --attention infinitehip:3k-box
-    job "ruler__niah_single_2__infinitehip-3k-box__128k" ruler --tasks niah_single_2 --lengths 128k --samples 20 \
-        --attention infinitehip:3k-box
-    job "passkey__paul-graham__infinitehip-3k-box__512k" passkey --haystack paul-graham --lengths 512k --seeds 2 \
-        --attention infinitehip:3k-box
-    job "ruler__niah_single_2__infinitehip-3k-box__512k" ruler --tasks niah_single_2 --lengths 512k --samples 10 \
-        --attention infinitehip:3k-box
-    for d in 0.1 0.3 0.5 0.7 0.9; do
-        job "passkey__paul-graham__infinitehip-3k-box__1M-d${d#0.}" passkey --haystack paul-graham --lengths 1M \
-            --seeds 1 --depths "$d" --attention infinitehip:3k-box
-    done
-    for s in 42 43 44 45 46; do
-        job "ruler__niah_single_2__infinitehip-3k-box__1M-s$s" ruler --tasks niah_single_2 --lengths 1M --samples 1 \
-            --seed "$s" --attention infinitehip:3k-box
-    done
+    pk 128k
+    rl niah_single_2 128k 20
+    pk 512k --seeds 2
+    rl niah_single_2 512k 10
+    pk_1m 1
+    rl_1m niah_single_2 1
 }
 suite_"${SUITE:-smollm2}"
+if [ -n "${LIST:-}" ]; then printf '%s\n' "${JOBS[@]}"; exit 0; fi  # LIST=1: print the suite's jobs, run nothing
+
+mkdir -p "$out"
+ident="$(stat -c %s "$model" 2>/dev/null) $model"  # the model's size names it well enough here
+if [ -e /tmp/ladder/.model ] && [ "$(cat /tmp/ladder/.model)" != "$ident" ]; then
+    mv /tmp/ladder "/tmp/ladder.$(date +%s)"  # another model's reports: kept aside, never merged with these
+fi
+mkdir -p /tmp/ladder && echo "$ident" > /tmp/ladder/.model
 
 start=$SECONDS
 launch() {  # launch NAME KIND ARGS...
