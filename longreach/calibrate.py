@@ -177,11 +177,9 @@ def main(args) -> int:
         raise ValueError(f"--out: the directory {out_dir} does not exist")
     text_sha = None
     if args.text_file:
-        try:
-            with open(args.text_file, encoding="utf-8") as f:
-                text = f.read()
-        except OSError as e:
-            raise ValueError(f"cannot read --text-file {args.text_file!r}: {e.strerror}") from None
+        from .eval.data import read_text_file
+
+        text = read_text_file(args.text_file)
         text_sha = hashlib.sha256(text.encode()).hexdigest()
     t0 = time.perf_counter()
     engine = LLMEngine(EngineConfig(model=args.model, device=args.device, dtype=args.dtype,

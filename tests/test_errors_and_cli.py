@@ -254,3 +254,14 @@ def test_sigusr1_prints_the_python_stacks_and_the_run_goes_on(capfd):
     finally:
         faulthandler.unregister(signal.SIGUSR1)
     assert "test_sigusr1_prints_the_python_stacks" in err and "File" in err
+
+
+def test_every_text_file_flag_says_which_file_cannot_be_read(tmp_path):
+    """eval ppl / recall, bench long and calibrate read --text-file through one reader (eval/data.py): a missing
+    file is a one-line error naming the flag and the path, exit code 2."""
+    missing = str(tmp_path / "no-such.txt")
+    for sub in (["eval", "ppl", "--lengths", "2k"], ["eval", "recall", "--length", "2048", "--attention", "streaming"], ["bench", "long"],
+                ["calibrate", "--method", "minference", "--out", str(tmp_path / "p.json")]):
+        r = _cli(*sub, "--model", "smollm2", "--text-file", missing)
+        assert r.returncode == 2, (sub, r.stderr[-2000:])
+        assert f"cannot read --text-file {missing!r}: No such file or directory" in r.stderr, (sub, r.stderr[-2000:])

