@@ -80,7 +80,7 @@ class ComposedBackend(AttentionBackend):
         self.prefill, self.decode = prefill, decode
         self.name = f"{prefill.name}+{decode.name}"
         self.supports_cuda_graph = decode.supports_cuda_graph
-        self.config = getattr(decode, "config", None)  # what decode reads (the engine's offloading warnings)
+        self.config = getattr(decode, "config", None)  # the decode method's config, for tools that inspect it
 
     def kv_needs(self, dtype) -> KVNeeds:
         """The decode half's: it keeps the per-page state and reads the cache every step (no bounded cache here)."""

@@ -20,7 +20,7 @@ import torch
 from ..attention.compose import make_backend
 from ..config import EngineConfig
 from ..kvcache.block_manager import BlockManager
-from ..kvcache.build import GiB, build_kv_cache, dtype_name  # noqa: F401 (dtype_name: its old home)
+from ..kvcache.build import GiB, build_kv_cache
 from ..kvcache.paged import PagedKVCache
 from ..models.loader import load_model
 from ..sampling_params import SamplingParams

@@ -19,7 +19,7 @@ from typing import Protocol, runtime_checkable
 
 import torch
 
-# the keys of `occupancy`, in this order (the server's /metrics and `kv_cache_stats` read them)
+# the keys of `occupancy` (the server's /metrics and `kv_cache_stats` read them)
 OCCUPANCY_KEYS = ("offload", "gpu_pages_total", "gpu_pages_used", "host_pages_total", "host_pages_used", "pages_hit",
                   "pages_missed", "pages_evicted", "pages_installed", "bytes_h2d")
 

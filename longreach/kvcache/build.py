@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Callable
+
 import torch
 
 from .base import KVCache, KVNeeds
