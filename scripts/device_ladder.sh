@@ -306,6 +306,9 @@ suite_qwen_rest() {  # the 0.5B cells issue 28 still lacks after runs 1-5 (docs/
     job "ruler__niah_multikey_1__dense__32k" ruler --tasks niah_multikey_1 --lengths 32k --samples 20 --attention dense
     rl niah_single_1 512k 10
     oracle8k_256k
+    # the positions-only rung at 128K: every key attended, only the positions remapped (the selection ruled out)
+    job "passkey__paul-graham__positions-st__128k" passkey --haystack paul-graham --lengths 128k \
+        --attention infinitehip:positions-st
 }
 suite_qwen15_rest() {  # the 1.5B cells after run 4: 512K and 1M, ~3 calls
     pk 512k --seeds 2
