@@ -43,3 +43,21 @@ def test_render_check_fails_on_a_hand_edit(tmp_path, monkeypatch):
     assert "<!-- render: ladder" in text and mod.rendered(text) == text
     edited = text.replace("| dense | 100 [84-100] | 100 [84-100] |", "| dense | 100 [84-100] | 99 [84-100] |", 1)
     assert edited != text and mod.rendered(edited) != edited
+
+
+def test_ppl_render_shows_skipped_lengths_and_the_tails_change():
+    import sys
+
+    sys.path.insert(0, str(ROOT / "scripts"))
+    import render_docs
+
+    report = {"lengths": [32768, 1 << 20], "tail": 1024, "text": "t", "windows": {"ends": [1 << 20]},
+              "methods": {"dense": {"32768": {"ppl_tail": 10.0, "ppl_all": 11.0}, "1048576": None},
+                          "m": {"32768": {"ppl_tail": 10.0, "ppl_all": 11.0},
+                                "1048576": {"ppl_tail": 12.5, "ppl_all": 13.0}}},
+              "provenance": {"commit": "abc", "gpu": "G"}}
+    out = render_docs.ppl_table(report)
+    assert "| method | 32K | 1M |" in out
+    assert "| dense, tail PPL | 10.00 | - |" in out and "dense, tail change" not in out  # one length: no change row
+    assert "| m, tail change | +0.0% | +25.0% |" in out and "| m, whole-window PPL | 11.00 | 13.00 |" in out
+    assert "commit abc" in out
