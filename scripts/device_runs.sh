@@ -1,25 +1,25 @@
 #!/usr/bin/env bash
 # The GPU runs the open issues wait for, grouped so that one device call does one group or a few (each fits 10
 # minutes on an H100). Logs and JSON go to $OUT (the device tool brings them back). Usage, from the repository root:
-#   bash scripts/device_runs.sh kernels     # gpu_check without a model: kernels vs references (bf16, fp8, tiered);
+#   bash scripts/device_runs.sh kernels     # tests/gpu without a model: kernels vs references (bf16, fp8, tiered);
 #                                           # then bench attention (prefill and decode vs cuDNN, 128K-1M)
-#   bash scripts/device_runs.sh recheck     # gpu_check: the fused and psa kernels only
+#   bash scripts/device_runs.sh recheck     # tests/gpu: the fused and psa kernels only
 #   bash scripts/device_runs.sh decode1m    # bench decode, Llama-3.1-8B shape, fp8 + offload: 1M, infinitehip
 #   bash scripts/device_runs.sh decode128k  # the same at 128K: infinitehip and psa with a profile, dense 4K/128K
-#   bash scripts/device_runs.sh engine      # needs /tmp/m/model.gguf (scripts/device_model.sh): gpu_check engine
+#   bash scripts/device_runs.sh engine      # needs /tmp/m/model.gguf (scripts/device_model.sh): tests/gpu engine
 #   bash scripts/device_runs.sh smollm1m    # needs the model: SmolLM2 at 1M, offloaded (2 GiB pool) vs not
 #   bash scripts/device_runs.sh serve       # needs the model: scripts/device_serve_bench.sh
 #   bash scripts/device_runs.sh quality     # needs the model: passkey 16K-128K, infinitehip / minference / psa
 #   bash scripts/device_runs.sh lowq        # needs the model: passkey 4K/8K, dense / minference / psa / infinitehip
 #   bash scripts/device_runs.sh prefill128k # needs the model: SmolLM2 128K prefill, minference / infinitehip vs dense
-#   bash scripts/device_runs.sh cascadecheck # needs the model: gpu_check's cascading checks (engine, passkey, prefill)
+#   bash scripts/device_runs.sh cascadecheck # needs the model: tests/gpu's cascading tests (engine, passkey, prefill)
 #   bash scripts/device_runs.sh fp8quality  # needs the model: the same prompts, infinitehip with fp8 KV
 #   bash scripts/device_runs.sh cascading   # needs the model: passkey 128K and 1M, cascading 65K vs streaming
 #   bash scripts/device_runs.sh psa1m       # needs the model: SmolLM2 at 1M offloaded, infinitehip vs its prefill +
 #                                           # psa decode (true positions, and rank positions), keys read metered
 #   bash scripts/device_runs.sh verify7     # needs the model: the gathered prefill's checks, 1M prefill again (JIT notes)
 #   bash scripts/device_runs.sh psaeps      # needs the model: psa at 1M offloaded, epsilon 0.5 / 0.8 (rank) vs infinitehip
-#   bash scripts/device_runs.sh psarank     # needs the model: gpu_check psa rank rope (kernels, bf16); passkey
+#   bash scripts/device_runs.sh psarank     # needs the model: tests/gpu psa rank rope (kernels, bf16); passkey
 #                                           # 16K-128K, infinitehip vs infinitehip prefill + psa decode at rank
 #                                           # positions, keys read per decode query metered
 #   bash scripts/device_runs.sh psarecall   # needs the model: eval recall at 32K and 128K, psa 0.9-0.98 vs infinitehip
@@ -47,18 +47,21 @@ run() {  # run NAME SECONDS CMD...: the command's output in $out/NAME.log, its t
     echo "== $name: exit $?"
     tail -14 "$out/$name.log"
 }
+gpu_tests() {  # gpu_tests NAME SECONDS PYTEST-ARGS...: GPU tests (tests/gpu), their JSON report in $out/NAME.json
+    local name=$1 secs=$2; shift 2
+    run "$name" "$secs" python3 -m pytest -s -q --gpu-report "$out/$name.json" "$@"
+}
 bd="python3 -m longreach bench decode --kv-cache-dtype fp8 --kv-cache-memory-gb 4 --max-num-batched-tokens 65536"
 for group in "$@"; do
 case "$group" in
 kernels)
-    run gpu_check_kernels 330 python3 scripts/gpu_check.py --out "$out" --only paged block-sparse chunk offload \
-        minference fused "cascading kernels" "cascading insert" psa
+    gpu_tests gpu_check_kernels 330 tests/gpu -k "not box"  # no model: the engine tests skip
     # minference (each pure pattern) and infinitehip prefill vs cuDNN, one 8B-shaped layer
     run bench_attention 230 python3 -m longreach bench attention --contexts 128K 512K 1M --no-flex --repeats 3 \
         --out "$out/bench-attention.json"
     ;;
 recheck)  # the kernel checks that failed or were fixed since their last GPU run
-    run gpu_check_recheck 180 python3 scripts/gpu_check.py --out "$out" --only fused psa
+    gpu_tests gpu_check_recheck 180 tests/gpu -k "fused or psa"
     ;;
 decode1m)
     run decode_1m 570 $bd --kv-offloading-size 76 --lengths 1M --attention infinitehip:3k-flash --dense-lengths \
@@ -69,7 +72,7 @@ decode128k)
         --dense-lengths 4k 128k --profile-steps 8 --out "$out/bench-decode-128k.json"
     ;;
 engine)
-    run gpu_check_engine 560 python3 scripts/gpu_check.py --model "$model" --out "$out" --only engine fp32
+    gpu_tests gpu_check_engine 560 tests/gpu -k engine --gpu-model "$model"
     ;;
 smollm1m)
     # offloaded with a 2 GiB GPU page cache, then the same without offloading (its 23 GiB of KV fit an H100)
@@ -99,10 +102,9 @@ prefill128k)  # needs the model: end-to-end SmolLM2 prefill at 128K, minference 
         --max-num-batched-tokens 32768 --decode-tokens 32 --out "$out/bench-prefill-128k-smollm2.json"
     ;;
 cascadecheck)  # needs the model: cascading on the GPU == CPU, passkey 4k cache vs streaming 8K-64K, prefill vs dense
-    run gpu_check_cascading 300 python3 scripts/gpu_check.py --model "$model" --out "$out" --only "cascading kernels" \
-        "cascading engine" "cascading passkey"
-    mkdir -p "$out/prefill" && run gpu_check_cascading_prefill 280 python3 scripts/gpu_check.py --model "$model" \
-        --out "$out/prefill" --only "cascading prefill"
+    gpu_tests gpu_check_cascading 300 tests/gpu/test_cascading.py -k "kernels or engine or passkey" \
+        --gpu-model "$model"
+    gpu_tests gpu_check_cascading_prefill 280 tests/gpu/test_cascading.py::test_cascading_prefill --gpu-model "$model"
     ;;
 fp8quality)  # needs the model: infinitehip with fp8 KV on the prompts of `quality` (16K-32K), and with offload
     run passkey_fp8 150 python3 -m longreach eval passkey --model "$model" --lengths 16k 32k 64k 128k \
@@ -135,8 +137,7 @@ psaeps)  # needs the model: psa's 1M offloaded decode time against the keys it r
 verify7)  # needs the model: what the seventh session changed after its measurements, on a fresh machine: the gathered
     # prefill one sequence at a time (kernel and engine checks), then the 1M prefill again (infinitehip's row shows
     # whether kernels compile inside its timed prefill: prefill_jit), then psaeps
-    run gpu_check_cascading_flash 200 python3 scripts/gpu_check.py --model "$model" --out "$out" --only \
-        "cascading flash" "cascading engine"
+    gpu_tests gpu_check_cascading_flash 200 tests/gpu/test_cascading.py -k "flash or engine" --gpu-model "$model"
     run smollm2_1m_prefill_verify 330 python3 -m longreach bench decode --model "$model" --text-source paul-graham \
         --lengths 1M --dense-lengths --max-num-batched-tokens 65536 --decode-tokens 16 \
         --attention infinitehip cascading:16k --out "$out/bench-prefill-smollm2-1m-verify.json"
@@ -144,7 +145,7 @@ verify7)  # needs the model: what the seventh session changed after its measurem
     ;;
 psarank)  # needs the model: PSA past the trained length (rope "rank", attention/psa.py), after a sparse prefill;
     # keys read per decode query metered (count_reads) beside each length's accuracy
-    run gpu_check_psa_rank 150 python3 scripts/gpu_check.py --out "$out" --only "psa rank"
+    gpu_tests gpu_check_psa_rank 150 tests/gpu/test_psa.py::test_psa_rank_rope
     run passkey_psa_rank 420 python3 -m longreach eval passkey --model "$model" --lengths 16k 32k 64k 128k \
         --depths 0.1 0.5 0.9 --seeds 2 --attention infinitehip infinitehip+psa ${RANK_METHODS:-} \
         --attention-config '{"psa": {"rope": "rank", "count_reads": true}}' --out "$out/passkey-psa-rank.json"
@@ -157,8 +158,7 @@ psarecall)  # needs the model: the budget each method reads past the trained len
     ;;
 prefill1m)  # needs the model: 1M prefill on the GPU (SmolLM2's 23 GiB of KV fit), the bounded cache vs infinitehip;
     # first the fused insertion kernels against torch (16k sizes) and through the engine against the CPU reference
-    run gpu_check_cascade_insert 240 python3 scripts/gpu_check.py --model "$model" --out "$out" --only \
-        "cascading insert" "cascading engine"
+    gpu_tests gpu_check_cascade_insert 240 tests/gpu/test_cascading.py -k "insert or engine" --gpu-model "$model"
     run smollm2_1m_prefill 400 python3 -m longreach bench decode --model "$model" --text-source paul-graham \
         --lengths 1M --dense-lengths --max-num-batched-tokens 65536 --decode-tokens 64 \
         --attention infinitehip cascading:16k --out "$out/bench-prefill-smollm2-1m.json"
@@ -187,7 +187,7 @@ box1m)
         --out "$out/bench-decode-1m-box.json"
     ;;
 psa128k)
-    run gpu_check_psa_step 150 python3 scripts/gpu_check.py --out "$out" --only "psa step"
+    gpu_tests gpu_check_psa_step 150 tests/gpu/test_psa.py::test_psa_step_times
     run psa_128k 400 python3 -m longreach bench decode --lengths 128k --attention ${PSA_METHODS:-infinitehip psa \
         psa@waves} --attention-config '{"psa@waves": {"decode_kernel": "waves"}}' --dense-lengths ${DENSE-128k} \
         --decode-tokens 64 --profile-steps 4 --out "$out/bench-decode-128k-psa.json"

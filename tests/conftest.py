@@ -60,6 +60,16 @@ def run_with_joins(engine, prompts, params, joins: dict[int, int], max_steps: in
     return [out[str(i)] for i in range(len(joins))]
 
 
+def pytest_addoption(parser):
+    """Options of the GPU tests (tests/gpu/conftest.py reads them). pytest takes options only from the conftests it
+    loads at start-up (this one, on any run from the repository root) or from plugins, so they are declared here."""
+    group = parser.getgroup("gpu", "GPU tests (tests/gpu, marker gpu)")
+    group.addoption("--gpu-model", default=os.environ.get("LONGREACH_GPU_MODEL"), metavar="PATH",
+                    help="the model of the engine tests (default $LONGREACH_GPU_MODEL; without one they skip)")
+    group.addoption("--gpu-report", default=None, metavar="PATH",
+                    help="write the GPU tests' JSON report here (default $OUT/gpu_check.json where $OUT is set)")
+
+
 @pytest.fixture(scope="module")
 def one_thread():
     """Hundreds of tiny ops per step: on a shared 2-core machine two intra-op threads stall each other (~8 ms per

@@ -1,7 +1,7 @@
 """Triton block-sparse attention and chunk-scoring kernels vs their PyTorch references.
 
 On a machine without a GPU they run in Triton's interpreter (TRITON_INTERPRET=1, set by conftest) in fp16/fp32 at
-small sizes; scripts/gpu_check.py runs the same comparisons in bf16 at real sizes on a GPU.
+small sizes; tests/gpu/test_kernels.py runs the same comparisons in bf16 at real sizes on a GPU.
 """
 import pytest
 import torch

@@ -3,7 +3,7 @@
 The GPU pool is a small CPU tensor here, so every path of the store runs: misses read from the host tier, installs,
 LRU eviction, write-through, prefill staging, preemption and freed sequences. The Triton kernels run in the
 interpreter (fp16/fp32, and fp8 rows), reading through a page table whose "host" tier is another CPU tensor; real
-UVA reads of pinned memory and bf16 are covered by scripts/gpu_check.py on a GPU.
+UVA reads of pinned memory and bf16 are covered by tests/gpu/test_offload.py on a GPU.
 """
 from __future__ import annotations
 

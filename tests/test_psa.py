@@ -2,7 +2,7 @@
 recall (the engine paths: tests/test_psa_engine.py).
 
 Kernels run in Triton's interpreter (fp16/fp32, small sizes) on machines without a GPU; bf16 at real sizes is
-scripts/gpu_check.py's `psa` check.
+tests/gpu/test_psa.py.
 """
 import math
 

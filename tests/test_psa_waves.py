@@ -2,7 +2,7 @@
 reference: the same blocks read (counts equal), the same output and lse up to fp32 reassociation.
 
 Interpreter, fp16/fp32, small sizes; small first waves (and merge chunks) make the decisions cross wave and chunk
-boundaries. bf16 at real sizes and the timing are scripts/gpu_check.py's `psa` check.
+boundaries. bf16 at real sizes and the timing are in tests/gpu/test_psa.py.
 """
 import pytest
 import torch

@@ -15,7 +15,7 @@ programs (flash-decoding) and `combine.py` merges the partial results with their
 Returns out (T, H_q, D) in q's dtype and lse (T, H_q) fp32, natural log, -inf for a row that reads no key.
 Limits: head_dim a power of two in [16, 256]; selection groups 1, H_kv or H_q. Tested: CPU interpreter
 (TRITON_INTERPRET=1) in fp16/fp32 against the reference (tests/test_kernel_bsa.py); H100 in bf16
-(scripts/gpu_check.py).
+(tests/gpu/test_kernels.py).
 """
 from __future__ import annotations
 

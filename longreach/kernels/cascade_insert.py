@@ -23,7 +23,7 @@ launches instead of ~10 ops per ring level, and the step's RoPE work in one laun
 
 References: `cascade_insert_reference` (the EMA in torch + `execute_plan`), `cascade_plan.apply_moves` and
 `cascade_rope_reference`, which are also the CPU path. Tested in the interpreter (tests/test_cascading_backend.py)
-in fp32 and fp16 rows; the GPU (bf16, real sizes) check is `scripts/gpu_check.py --only "cascading insert"`. The
+in fp32 and fp16 rows; the GPU (bf16, real sizes) check is tests/gpu/test_cascading.py::test_cascading_insert. The
 EMA may round differently from torch on a GPU (the compiler may fuse the multiply-add), so a near-tie there can
 resolve the other way: the check compares the sources against the rules applied to the kernel's own importances.
 """

@@ -30,7 +30,7 @@ the boxes are built from the keys on each call (`key_boxes`). Scoring: the kept 
 that reads them through the table (`box_scores_triton`); elsewhere torch ops (gather + einsum, its reference).
 
 Kernels (each with its PyTorch reference, tested in the interpreter: tests/test_chunk_box.py; bf16 at real sizes
-in scripts/gpu_check.py --only box):
+in tests/gpu/test_box.py):
   * `_chunk_box_kernel`, grid (rows, NC, H_kv): row r boxes its chunks lo[r] + t for t < NC below hi[r], both
     flavours, reading keys through the block table (and the offload page table), fp8 rows dequantised. Programs
     past hi[r] load and store nothing.

@@ -16,7 +16,7 @@ ops (`_e4m3_bits`) rather than Triton's fp8 cast: bit-exact with PyTorch's `.to(
 representable value and every tie, on the GPU and in the interpreter (whose fp8 cast mis-rounds values that round up
 into the next binade, e.g. 124.3 -> 64 instead of 128).
 Tested: the interpreter in fp32 / fp16 / fp8 caches, one and two tiers, bytes equal to the PyTorch path
-(tests/test_kv_store.py); GPU bf16 / fp8 in scripts/gpu_check.py (on a GPU).
+(tests/test_kv_store.py); GPU bf16 / fp8 in tests/gpu/test_kernels.py (on a GPU).
 """
 from __future__ import annotations
 

@@ -7,7 +7,7 @@
 * `scatter_rows(dst, dst_rows, src)`: dst.view(-1, R)[dst_rows[t]] = src[t]: new tokens' K or V written into the
   host tier from the GPU (write-through), graph-capturable, no host sync.
 On CPU tensors both run their PyTorch references (plain indexing), which are also what the tests compare against.
-Tested: CPU interpreter in fp16/fp32 (tests/test_offload.py); H100/H200 in bf16 and fp8 (scripts/gpu_check.py).
+Tested: CPU interpreter in fp16/fp32 (tests/test_offload.py); H100/H200 in bf16 and fp8 (tests/gpu/test_offload.py).
 """
 from __future__ import annotations
 

@@ -11,7 +11,7 @@ seq_lens (B,) int32. Returns out (B, H_q, D) in q's dtype and lse (B, H_q) fp32 
 Limits: head_dim a power of two in [16, 256]; GQA group <= 64. Shapes are static for a given batch size and
 num_splits, so the launch can be captured in a CUDA graph (sequence lengths are read on the device).
 Tested: CPU interpreter (TRITON_INTERPRET=1) in fp16/fp32 against `paged_decode_reference`; H100 in bf16
-(scripts/gpu_check.py).
+(tests/gpu/test_kernels.py).
 """
 from __future__ import annotations
 

@@ -16,7 +16,7 @@ block table) and scores it against all rows with one tl.dot. No iteration needs 
 the whole search is one launch with no global synchronisation, parallel over the key dimension like flash-decoding.
 Keys are read as stored (rotated at their true positions) and so are the queries.
 Tested: CPU interpreter in fp16/fp32 against `chunk_scores_reference` (tests/test_kernel_bsa.py); H100 in bf16
-(scripts/gpu_check.py). Limits: head_dim a power of two in [16, 256].
+(tests/gpu/test_kernels.py). Limits: head_dim a power of two in [16, 256].
 """
 from __future__ import annotations
 

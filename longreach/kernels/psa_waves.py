@@ -32,8 +32,7 @@ H_kv x (heads per group, rounded up to a power of two >= 2) x (D + 3) per row an
 (Llama-8B at 128K, page 16, m 4: 1024 x 16 KB = 16 MB per row), capped by `scratch_bytes` (waves stop growing).
 
 Arguments, results and limits are psa_decode.py's. Tested: interpreter in fp16/fp32 against the loop kernel and the
-reference (tests/test_psa_waves.py); bf16 at real sizes in scripts/gpu_check.py's `psa` check (docs/kernel-notes.md
-v11).
+reference (tests/test_psa_waves.py); bf16 at real sizes in tests/gpu/test_psa.py (docs/kernel-notes.md v11).
 """
 from __future__ import annotations
 

@@ -8,7 +8,7 @@ Kernel: one program per row. The k-th largest score is found by bisection on the
 order-preserving int32 keys (32 counting passes over the row, no sort); the kept ids are then compacted in order with
 a cumulative sum. This replaces topk + gather + mask + sort + cast + count (six to eight launches) with one.
 Reference: `topk_ascending_reference`. Inputs must list each row's valid ids in ascending order (candidate lists do).
-Tested: CPU interpreter in fp32 (tests/test_kernel_bsa.py); H100/H200 (scripts/gpu_check.py).
+Tested: CPU interpreter in fp32 (tests/test_kernel_bsa.py); H100/H200 (tests/gpu/test_kernels.py).
 """
 from __future__ import annotations
 

@@ -19,7 +19,7 @@ TIERED) a GPU pool + host tier with a page table, in bf16/fp16/fp32 or (constexp
 Returns out (T, H_q, D) in q's dtype and lse (T, H_q) fp32, natural log, -inf for a row that reads no key.
 Limits: head_dim a power of two in [16, 256]; tiles of at most BLOCK_N keys; selection groups 1, H_kv or H_q.
 Tested: CPU interpreter (TRITON_INTERPRET=1) in fp16/fp32 against the reference (tests/test_minference.py);
-compiled for sm_90 by scripts/compile_check.py; bf16 at real sizes in scripts/gpu_check.py (on a GPU).
+compiled for sm_90 by scripts/compile_check.py; bf16 at real sizes in tests/gpu/test_kernels.py (on a GPU).
 """
 from __future__ import annotations
 

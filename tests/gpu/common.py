@@ -1,21 +1,25 @@
-"""Helpers shared by the GPU checks (scripts/gpu_check.py and its check modules)."""
+"""Helpers shared by the GPU tests: error measures, RoPE frequencies, two-tier caches, timing, the essay text."""
 from __future__ import annotations
+
+import os
 
 import torch
 
 
-def _rel(out, ref):
+def rel_err(out, ref) -> float:
+    """|out - ref| / |ref| (Frobenius norms) in float64."""
     return ((out.double() - ref.double()).norm() / ref.double().norm()).item()
 
 
-def _inv_freq(D):
+def llama_inv_freq(D: int) -> torch.Tensor:
+    """Llama-3's RoPE frequencies (theta 500,000) for head size D, on the GPU: (D // 2,)."""
     from longreach.models.config import RopeConfig
     from longreach.rope.scaling import rope_inv_freq
 
     return rope_inv_freq(RopeConfig(theta=500000.0), D)[0].cuda()
 
 
-def _tier(kc, vc, share, g):
+def two_tier(kc, vc, share, g):
     """A two-tier copy of one-tier caches kc/vc (P, page, H_kv, D): host pinned, `share` of the pages resident in a
     pool at random slots (the rest read over PCIe)."""
     from longreach.kvcache.offload import TierView
@@ -34,7 +38,8 @@ def _tier(kc, vc, share, g):
     return views
 
 
-def _median_us(fn, reps: int = 50) -> float:
+def median_us(fn, reps: int = 50) -> float:
+    """The median time of fn() in microseconds, by CUDA events around each call (3 warm-up calls first)."""
     for _ in range(3):
         fn()
     torch.cuda.synchronize()
@@ -47,3 +52,13 @@ def _median_us(fn, reps: int = 50) -> float:
         torch.cuda.synchronize()
         times.append(a.elapsed_time(b) * 1000)
     return sorted(times)[reps // 2]
+
+
+def essay_text() -> str:
+    """The Paul Graham essays: from .carry/b/pg.txt where a device call carried them, else longreach's copy."""
+    from longreach.eval.data import paul_graham_text
+
+    if os.path.exists(".carry/b/pg.txt"):
+        with open(".carry/b/pg.txt") as f:
+            return f.read()
+    return paul_graham_text()

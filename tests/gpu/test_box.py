@@ -1,22 +1,24 @@
-"""GPU checks of the box-scored stage 0 (kernels/chunk_box.py, attention/box_pool.py), for scripts/gpu_check.py."""
+"""The box-scored stage 0 (kernels/chunk_box.py, attention/box_pool.py) on the GPU: the box-build kernel against its
+reference in bf16 at 128K with the decode-step costs it adds, and `infinitehip:3k-box` through the engine."""
 from __future__ import annotations
 
 import gc
 
 import torch
 
-from gpu_check_common import _inv_freq, _median_us, _tier
+from .common import llama_inv_freq, median_us, two_tier
 
 
-def box_matrix(dev: str = "cuda", L: int = 131072 + 37, shapes=((32, 8, 128), (9, 3, 64)), page: int = 16,
-               chunk: int = 64, per: int = 16, timing: bool = True):
+def test_box_kernels(detail):
     """The box-build kernel against its reference at real sizes in bf16 (8B and SmolLM2 shapes, 128K tokens, every
     chunk of two sequences, stored and moved flavours, one tier and two tiers), then, at the 8B shape, the time of
     what a step adds per layer: boxing one chunk, and stage 0's box scores over 2,048 chunks by the Triton kernel
     against the torch reference (values, top-k sets, time in CUDA graphs), for a decode query and a prefill step."""
-    from longreach.kernels.chunk_box import build_boxes_reference, build_boxes_triton
+    from longreach.kernels.chunk_box import (BoxView, _box_scores_torch, box_queries, box_scores_triton,
+                                             build_boxes_reference, build_boxes_triton, pair_index)
     from longreach.rope.strategies import RopeArgs
 
+    dev, L, shapes, page, chunk, per = "cuda", 131072 + 37, ((32, 8, 128), (9, 3, 64)), 16, 64, 16
     notes, worst, build_us = [], 0.0, None
     for Hq, Hkv, D in shapes:
         g = torch.Generator(device=dev).manual_seed(Hkv)
@@ -33,8 +35,8 @@ def box_matrix(dev: str = "cuda", L: int = 131072 + 37, shapes=((32, 8, 128), (9
         lo = torch.zeros(2, dtype=torch.int32, device=dev)
         hi = torch.tensor(chunks, dtype=torch.int32, device=dev)
         for mode, tiered in (("rt", False), (None, False), ("rt", True)):
-            rope = None if mode is None else RopeArgs(mode, _inv_freq(D), rope_from=0, n_window=1024)
-            cache = _tier(kc, kc, 0.5, g)[0] if tiered else kc
+            rope = None if mode is None else RopeArgs(mode, llama_inv_freq(D), rope_from=0, n_window=1024)
+            cache = two_tier(kc, kc, 0.5, g)[0] if tiered else kc
             got = torch.zeros(2 * span * per, 2, 2, Hkv, D, dtype=torch.bfloat16, device=dev)
             build_boxes_triton(cache, tables, lens_t, lo, hi, box_tables, got, per, chunk, "minmax", rope,
                                max(chunks))
@@ -45,18 +47,14 @@ def box_matrix(dev: str = "cuda", L: int = 131072 + 37, shapes=((32, 8, 128), (9
             if err > 1e-2:  # bf16 rounding of the stored centre and radius: 2^-8 relative
                 raise AssertionError(f"H={Hq}/{Hkv} D={D} rope={mode} tiered={tiered}: box error {err:.3g}")
         notes.append(f"{Hq}/{Hkv}x{D}")
-        if timing and build_us is None:  # the first shape (8B's): one chunk per row, as a decode step boxes
-            rope = RopeArgs("rt", _inv_freq(D), rope_from=0, n_window=1024)
+        if build_us is None:  # the first shape (8B's): one chunk per row, as a decode step boxes
+            rope = RopeArgs("rt", llama_inv_freq(D), rope_from=0, n_window=1024)
             one_lo = (hi - 1).contiguous()
-            build_us = _median_us(lambda: build_boxes_triton(kc, tables, lens_t, one_lo, hi, box_tables, got, per,
-                                                             chunk, "minmax", rope, 1))
+            build_us = median_us(lambda: build_boxes_triton(kc, tables, lens_t, one_lo, hi, box_tables, got, per,
+                                                            chunk, "minmax", rope, 1))
     out = f"build kernel == reference at {L} tokens ({', '.join(notes)}; rt/none, 1-2 tiers), worst rel. {worst:.1e}"
-    if not timing:
-        return out
     # decode-step costs at the 8B shape, 128K: one chunk boxed per row (above); stage 0's box scores of one query
     # over every chunk, and of a prefill step's 128 blocks of 64 rows, by the kernel and by the torch reference
-    from longreach.kernels.chunk_box import BoxView, _box_scores_torch, box_queries, box_scores_triton, pair_index
-
     Hq, Hkv, D = shapes[0]
     g = torch.Generator(device=dev).manual_seed(0)
     n_chunks = -(-L // chunk)
@@ -64,7 +62,7 @@ def box_matrix(dev: str = "cuda", L: int = 131072 + 37, shapes=((32, 8, 128), (9
     pool = torch.randn(span * per, 2, 2, Hkv, D, device=dev, generator=g).to(torch.bfloat16)
     pool[:, :, 1] = pool[:, :, 1].abs()
     view = BoxView(pool, torch.randperm(span, device=dev, generator=g).int(), per, n_chunks)
-    rope = RopeArgs("rt", _inv_freq(D), rope_from=65536, n_window=1024)
+    rope = RopeArgs("rt", llama_inv_freq(D), rope_from=65536, n_window=1024)
     times, worst_rel, worst_set = {}, 0.0, 1.0
     for nb, rows in ((1, 1), (128, 64)):
         qs = torch.randn(nb, rows, Hq, D, device=dev, generator=g).to(torch.bfloat16)
@@ -87,19 +85,19 @@ def box_matrix(dev: str = "cuda", L: int = 131072 + 37, shapes=((32, 8, 128), (9
             graph = torch.cuda.CUDAGraph()
             with torch.cuda.graph(graph):
                 fn()
-            times[(nb, name)] = _median_us(graph.replay, reps=20)
+            times[(nb, name)] = median_us(graph.replay, reps=20)
     if worst_rel > 2e-2 or worst_set < 0.97:
         raise AssertionError(f"score kernel vs torch: rel. error {worst_rel:.2e}, top-512 overlap {worst_set:.3f}")
     del pool
     gc.collect()
     torch.cuda.empty_cache()
-    return out + (f"; score kernel == torch (tf32 vs fp32: rel. {worst_rel:.1e}, top-512 overlap {worst_set:.3f}); "
+    detail(out + (f"; score kernel == torch (tf32 vs fp32: rel. {worst_rel:.1e}, top-512 overlap {worst_set:.3f}); "
                   f"per layer at 8B/128K: box one chunk {build_us:.1f} us; score {n_chunks} chunks, decode "
                   f"{times[(1, 'kernel')]:.1f} us (torch {times[(1, 'torch')]:.1f}), a prefill step of 128 blocks x 64 "
-                  f"rows {times[(128, 'kernel')] / 1000:.2f} ms (torch {times[(128, 'torch')] / 1000:.2f}), graphs")
+                  f"rows {times[(128, 'kernel')] / 1000:.2f} ms (torch {times[(128, 'torch')] / 1000:.2f}), graphs"))
 
 
-def box_engine(model: str):
+def test_box_engine(gpu_model, detail):
     """`infinitehip:3k-box` on SmolLM2 past its trained length (12K tokens): CUDA-graph decode (boxes built and
     scored inside the graph) == eager decode, greedy tokens; a batch of two with a catch-up (one prompt just under
     the shortest limit, growing past it)."""
@@ -111,8 +109,8 @@ def box_engine(model: str):
     for eager in (False, True):
         gc.collect()
         torch.cuda.empty_cache()
-        llm = LLM(model, attention="infinitehip", preset="3k-box", max_model_len=16384, kv_cache_memory_gb=2, max_num_seqs=4,
-                  enforce_eager=eager)
+        llm = LLM(gpu_model, attention="infinitehip", preset="3k-box", max_model_len=16384, kv_cache_memory_gb=2,
+                  max_num_seqs=4, enforce_eager=eager)
         ids = llm.get_tokenizer().encode(text)
         prompts = [{"prompt_token_ids": ids[:12000]}, {"prompt_token_ids": ids[:3320]}]
         params = SamplingParams(temperature=0, max_tokens=48, ignore_eos=True)
@@ -124,4 +122,4 @@ def box_engine(model: str):
     if same != [48, 48]:
         raise AssertionError(f"graph vs eager greedy tokens equal: {same} of 48 each")
     catchup = any(key[4] for key in variants)
-    return f"graph == eager, 48/48 tokens for both prompts (12K; 3.3K crossing the limit), catch-up ran: {catchup}"
+    detail(f"graph == eager, 48/48 tokens for both prompts (12K; 3.3K crossing the limit), catch-up ran: {catchup}")

@@ -1,103 +1,22 @@
-"""GPU checks of the methods beyond infinitehip: MInference and the Cascading KV cache (run from scripts/gpu_check.py;
-PSA's are in gpu_check_psa.py)."""
+"""The Cascading KV cache (attention/cascading.py) on the GPU: its kernels (cache-RoPE attention, key mass, insertion
+and moves, the gathered prefill) against their references at the `16k` preset's real sizes with their times, and
+through the engine on a real model: GPU kernels == the CPU reference, passkey against streaming with the same memory,
+and prefill time against dense."""
 from __future__ import annotations
 
 import gc
-import os
 import time
 
 import torch
-from gpu_check_common import _inv_freq, _rel
 
 from longreach.rope.strategies import RopeArgs
 
+from .common import essay_text, llama_inv_freq, median_us, rel_err
 
-def minference_matrix():
-    """MInference: the range/column kernel vs the PyTorch executor (fp32 math on the same bf16 inputs) at real sizes,
-    per head and per KV group, every pattern kind mixed in one layer, a chunk after a long prefix + a whole prompt."""
-    from longreach.attention.executor import range_attention
-    from longreach.attention.index import QueryBlocks
-    from longreach.attention.minference import MInference, MInferenceConfig, index_cost
-    from longreach.kernels.vertical_slash import range_attention_triton
-
-    dev = "cuda"
-    worst, n, costs = 0.0, 0, []
-    for (Hq, Hkv, D) in [(32, 8, 128), (9, 3, 64)]:
-        for gran in ("head", "kv_head"):
-            G = Hq if gran == "head" else Hkv
-            mix = [("vertical_slash", 500, 1500), ("a_shape", 1024, 4096), ("block_sparse", 100),
-                   ("vertical_slash", 3000, 200)]
-            pats = [mix[i % len(mix)] for i in range(G)]
-            g = torch.Generator(device=dev).manual_seed(Hq + G)
-            lens_ctx, lens_q = [40000, 0], [2048 + 37, 9000]
-            L = [c + q for c, q in zip(lens_ctx, lens_q)]
-            page = 16
-            need = [-(-x // page) for x in L]
-            kc = torch.randn(sum(need) + 4, page, Hkv, D, device=dev, dtype=torch.bfloat16, generator=g)
-            vc = torch.randn_like(kc)
-            perm = torch.randperm(kc.shape[0], device=dev, generator=g).int()
-            tables = torch.zeros(2, max(need), dtype=torch.int32, device=dev)
-            tables[0, : need[0]], tables[1, : need[1]] = perm[: need[0]], perm[need[0]: need[0] + need[1]]
-            q = torch.randn(sum(lens_q), Hq, D, device=dev, dtype=torch.bfloat16, generator=g)
-            m = MInference(MInferenceConfig(granularity=gran), Hq, Hkv)
-            qb = QueryBlocks.build(lens_q, lens_ctx, 64)
-            tiles, cols, row0 = [], [], 0
-            for i, nq in enumerate(lens_q):
-                blocks = [(qb.start[b] - row0, qb.length[b], qb.pos[b]) for b in qb.of_sequence(i)]
-                t, c = m.build(0, q[row0:row0 + nq], blocks, (kc, tables[i]), L[i], D ** -0.5, patterns=pats)
-                tiles.append(t)
-                cols.append(c)
-                row0 += nq
-            idx = m.index(qb, tiles, cols)
-            ref, _ = range_attention(q, kc, vc, tables, idx, D ** -0.5)
-            out = torch.full_like(q, float("nan"))
-            range_attention_triton(q, kc, vc, tables, idx, D ** -0.5, out=out)
-            err = _rel(out, ref)
-            n += 1
-            costs.append(index_cost(idx))
-            if torch.isnan(out).any() or err > 1e-2:
-                raise AssertionError(f"H={Hq}/{Hkv} D={D} granularity={gran}: rel err {err:.2e}")
-            worst = max(worst, err)
-    return (f"{n} cases (per head / per KV group, Λ + vertical-slash + block-sparse in one layer), worst relative "
-            f"error {worst:.2e} vs fp32 reference; kernel keys/row {min(costs):.0f}-{max(costs):.0f}")
+CASCADE_SMALL = '{"n_sink": 64, "num_subcaches": 4, "subcache_size": 256, "stride": 512}'  # 1,088 tokens: drops
 
 
-def minference_engine(model: str):
-    """minference end to end: kernels vs the CPU reference (greedy tokens), and minference prefill + infinitehip
-    decode with CUDA graphs == eager."""
-    from longreach import LLM, SamplingParams
-    from longreach.eval.data import paul_graham_text
-
-    text = open(".carry/b/pg.txt").read() if os.path.exists(".carry/b/pg.txt") else paul_graham_text()
-    conf = '{"pattern": ["vertical_slash", 64, 512], "dense_below": 0}'
-    params = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)
-    outs = []
-    for device, dtype in (("cuda", "float32"), ("cpu", "float32")):
-        gc.collect()
-        torch.cuda.empty_cache()
-        llm = LLM(model, attention="minference", attention_config=conf, device=device, dtype=dtype,
-                  max_model_len=4096, kv_cache_memory_gb=1, max_num_seqs=1)
-        ids = llm.get_tokenizer().encode(text)[:3000]
-        outs.append(llm.generate({"prompt_token_ids": ids}, params, use_tqdm=False)[0].token_ids)
-        del llm
-    same = sum(a == b for a, b in zip(*outs))
-    if same < 20:
-        raise AssertionError(f"minference: GPU kernels and CPU reference agree on only {same}/24 greedy tokens")
-    composed = []
-    for eager in (False, True):
-        gc.collect()
-        torch.cuda.empty_cache()
-        llm = LLM(model, attention="minference", attention_config=conf, decode_attention="infinitehip",
-                  max_model_len=16384, kv_cache_memory_gb=2, max_num_seqs=4, enforce_eager=eager)
-        ids = llm.get_tokenizer().encode(text)[:12000]
-        composed.append(llm.generate({"prompt_token_ids": ids}, params, use_tqdm=False)[0].token_ids)
-        del llm
-    if composed[0] != composed[1]:
-        raise AssertionError("minference + infinitehip decode: CUDA-graph tokens differ from eager")
-    return f"kernels vs CPU reference {same}/24 tokens; minference + infinitehip decode at 12K: graph == eager"
-
-
-def cascading_kernels():
+def test_cascading_kernels(detail):
     """Cascading: the block-sparse kernel with RoPE strategy "cache" over one-token pages (a virtual sequence: sink,
     cached tokens, chunk) and the key-mass kernel vs their PyTorch references, bf16 inputs, real sizes."""
     from longreach.attention.executor import block_sparse_attention
@@ -122,27 +41,27 @@ def cascading_kernels():
                    for p, ln in zip(qb.pos, qb.length)]
             blocks, counts = SparseIndex.pack(sel, dev)
             idx = SparseIndex(bq, BK, S, 64, 1, qb, blocks, counts)
-            rope = RopeArgs("cache", _inv_freq(D), 0)
+            rope = RopeArgs("cache", llama_inv_freq(D), 0)
             ref, lse_ref = block_sparse_attention(q, kc, vc, table, idx, D ** -0.5, rope=rope)
             out = torch.full_like(q, float("nan"))
             splits = 1 if rows > 1 else 16
             block_sparse_attention_triton(q, kc, vc, table, idx, D ** -0.5, num_splits=splits, rope=rope, out=out)
-            worst_o = max(worst_o, _rel(out, ref))
+            worst_o = max(worst_o, rel_err(out, ref))
             args = (q, kc, table, torch.arange(B, device=dev) * rows, torch.full((B,), rows, device=dev),
                     torch.full((B,), cached, device=dev), torch.full((B,), V, device=dev), lse_ref,
                     torch.rand(B * rows, device=dev, generator=g), D ** -0.5, rope)
             mref = key_mass_reference(*args)
             mgot = key_mass_triton(*args)
-            worst_m = max(worst_m, _rel(mgot, mref))
+            worst_m = max(worst_m, rel_err(mgot, mref))
             n += 1
             if torch.isnan(out).any() or worst_o > 2e-2 or worst_m > 2e-2:
                 raise AssertionError(f"H={Hq}/{Hkv} D={D} rows={rows} keys={V}: attention rel err {worst_o:.2e}, "
                                      f"key mass rel err {worst_m:.2e}")
-    return f"{n} cases (prefill 1024 rows x 17K keys, decode x4 over 65K), worst rel err attention {worst_o:.2e}, " \
-           f"key mass {worst_m:.2e} (bf16 vs fp32 reference)"
+    detail(f"{n} cases (prefill 1024 rows x 17K keys, decode x4 over 65K), worst rel err attention {worst_o:.2e}, "
+           f"key mass {worst_m:.2e} (bf16 vs fp32 reference)")
 
 
-def cascading_insert():
+def test_cascading_insert(detail):
     """Cascading insertion and RoPE kernels (kernels/cascade_insert.py) vs their PyTorch references at the `16k`
     preset's real sizes (64 sink + 8 x 2040, rings full), a 4,096-token prefill stride and a decode step, SmolLM2's
     and Llama-8B's KV heads: the EMA within fp32 rounding, every source exactly as `execute_plan` resolves it on the
@@ -150,7 +69,6 @@ def cascading_insert():
     one (layer, stride) either way (CUDA events around the host calls, so launch overhead counts)."""
     import numpy as np
 
-    from gpu_check_common import _median_us
     from longreach.attention.cascading_attend import unrotation
     from longreach.kernels.cascade_insert import (cascade_insert_reference, cascade_insert_triton,
                                                   cascade_rope_reference, cascade_rope_triton, move_rows_triton)
@@ -180,8 +98,8 @@ def cascading_insert():
             cascade_insert_reference(plan, s_ref, mass, slots, key, decay)
             src = cascade_insert_triton(plan, s_got, mass, slots, key, decay)
             torch.cuda.synchronize()
-            if _rel(s_got, s_ref) > 1e-6:
-                raise AssertionError(f"H={H} n={n}: EMA rel err {_rel(s_got, s_ref):.2e}")
+            if rel_err(s_got, s_ref) > 1e-6:
+                raise AssertionError(f"H={H} n={n}: EMA rel err {rel_err(s_got, s_ref):.2e}")
             want_src = execute_plan(plan, s_got)[1]  # the rules on the kernel's own importances
             if not torch.equal(src, want_src):
                 raise AssertionError(f"H={H} n={n}: {(src != want_src).sum().item()} of {src.numel()} sources differ")
@@ -191,9 +109,9 @@ def cascading_insert():
             move_rows_triton(plan.dst, src, *got)
             if not all(torch.equal(a, b) for a, b in zip(got, want)):
                 raise AssertionError(f"H={H} n={n}: moved rows differ from apply_moves")
-            t_torch = _median_us(lambda: apply_moves(
+            t_torch = median_us(lambda: apply_moves(
                 plan.dst, cascade_insert_reference(plan, score, mass, slots, key, decay), (*kv, score, pos)))
-            t_kern = _median_us(lambda: move_rows_triton(
+            t_kern = median_us(lambda: move_rows_triton(
                 plan.dst, cascade_insert_triton(plan, score, mass, slots, key, decay), *kv, score, pos))
             lines.append(f"H{H} d{D} n={n}: {plan.dst.shape[0]} moves, torch {t_torch:.0f} us, kernels {t_kern:.0f} us")
             # the step's RoPE kernel: n rows (strided q/k views as the model hands them), H query heads per 3
@@ -201,21 +119,21 @@ def cascading_insert():
             q, k = qkv[:, :3 * H], qkv[:, 3 * H:4 * H]
             tpos = torch.arange(n, device=dev) + (1 << 20) - n
             virt = torch.arange(n, device=dev)[:, None] + 16000
-            tables = unrotation(tpos, _inv_freq(D)), rotation(virt, _inv_freq(D))
+            tables = unrotation(tpos, llama_inv_freq(D)), rotation(virt, llama_inv_freq(D))
             rows = torch.randperm(nslots, device=dev, generator=g)[:n]
             want, got = (kv[0].clone(), pos.clone()), (kv[0].clone(), pos.clone())
             q_ref = cascade_rope_reference(q, k, *want, rows, tpos[:, None].int(), *tables)
             q_got = cascade_rope_triton(q, k, *got, rows, tpos[:, None].int(), *tables)
-            err = max(_rel(q_got, q_ref), _rel(got[0], want[0]))
+            err = max(rel_err(q_got, q_ref), rel_err(got[0], want[0]))
             if err > 1e-2 or not torch.equal(got[1], want[1]):
                 raise AssertionError(f"H={H} n={n}: rope kernel rel err {err:.2e} or positions differ")
-            t_rr = _median_us(lambda: cascade_rope_reference(q, k, *want, rows, tpos[:, None].int(), *tables))
-            t_rk = _median_us(lambda: cascade_rope_triton(q, k, *got, rows, tpos[:, None].int(), *tables))
+            t_rr = median_us(lambda: cascade_rope_reference(q, k, *want, rows, tpos[:, None].int(), *tables))
+            t_rk = median_us(lambda: cascade_rope_triton(q, k, *got, rows, tpos[:, None].int(), *tables))
             lines.append(f"rope rel err {err:.1e}, torch {t_rr:.0f} us, kernel {t_rk:.0f} us")
-    return "; ".join(lines)
+    detail("; ".join(lines))
 
 
-def cascading_flash():
+def test_cascading_flash(detail):
     """Cascading's gathered prefill path (gather_virtual + FlashAttention, attention/cascading.py) vs its block-sparse
     path (the Triton kernel, keys rotated per query block) on the same stride, at the `16k` preset's real sizes
     (64 sink + 8 x 2040 rings full, a 4,096-row stride: 20,480 keys), SmolLM2's and Llama-8B's heads, bf16: output,
@@ -225,7 +143,6 @@ def cascading_flash():
 
     import numpy as np
 
-    from gpu_check_common import _median_us
     from longreach.attention.cascading import CascadingBackend
     from longreach.attention.cascading_attend import causal_attention_lse, gather_virtual
     from longreach.config import EngineConfig
@@ -264,37 +181,33 @@ def cascading_flash():
         kg, vg = gather_virtual(kf, vf, sub.table[0], *be._virt_cs)
         o_r, l_r = causal_attention_lse(q.float(), kg.float(), vg.float(), be.scale, "reference")
         l_f = causal_attention_lse(q, kg, vg, be.scale, "flash")[1]
-        errs = dict(out=_rel(o_f, o_r), out_bsa=_rel(o_b, o_r), lse=(l_f - l_r).abs().max().item(),
-                    lse_bsa=(l_b - l_r).abs().max().item(), mass=_rel(m_f, m_b))
+        errs = dict(out=rel_err(o_f, o_r), out_bsa=rel_err(o_b, o_r), lse=(l_f - l_r).abs().max().item(),
+                    lse_bsa=(l_b - l_r).abs().max().item(), mass=rel_err(m_f, m_b))
         if errs["out"] > 2e-2 or errs["lse"] > 2e-2 or errs["mass"] > 2e-2 or errs["out_bsa"] > 2e-2:
             raise AssertionError(f"H{Hq}/{Hkv} d{D}: {errs}")
-        t_b = _median_us(lambda: be._attend(q, *kv1, sub), reps=20)
-        t_f = _median_us(lambda: causal_attention_lse(q, *gather_virtual(kf, vf, sub.table[0], *be._virt_cs),
-                                                      be.scale, "flash"), reps=20)
-        t_mb = _median_us(lambda: be._key_mass(q, kv1[0], sub.table, l_b, sub, be.rope), reps=20)
-        t_step = _median_us(lambda: be._gathered_step(q, kf, vf, sub, "flash"), reps=20)
+        t_b = median_us(lambda: be._attend(q, *kv1, sub), reps=20)
+        t_f = median_us(lambda: causal_attention_lse(q, *gather_virtual(kf, vf, sub.table[0], *be._virt_cs),
+                                                     be.scale, "flash"), reps=20)
+        t_mb = median_us(lambda: be._key_mass(q, kv1[0], sub.table, l_b, sub, be.rope), reps=20)
+        t_step = median_us(lambda: be._gathered_step(q, kf, vf, sub, "flash"), reps=20)
         lines.append(f"H{Hq}/{Hkv} d{D} {n}x{V}: rel err out {errs['out']:.1e} (bsa {errs['out_bsa']:.1e}), lse "
                      f"{errs['lse']:.1e}, mass vs bsa path {errs['mass']:.1e}; attention bsa {t_b:.0f} us, "
                      f"gather+flash {t_f:.0f} us ({t_b / t_f:.2f}x); with the key mass: block-sparse path "
                      f"{t_b + t_mb:.0f} us, gathered step {t_step:.0f} us ({(t_b + t_mb) / t_step:.2f}x)")
-    return "; ".join(lines)
+    detail("; ".join(lines))
 
 
-CASCADE_SMALL = '{"n_sink": 64, "num_subcaches": 4, "subcache_size": 256, "stride": 512}'  # 1,088 tokens: drops
-
-
-def cascading_engine(model: str):
+def test_cascading_engine(gpu_model, detail):
     """Cascading through the engine on the GPU (Triton kernels) vs the CPU reference path: a 3K-token prompt with a
     1,088-token cache (hundreds of drops), 24 greedy tokens."""
     from longreach import LLM, SamplingParams
-    from longreach.eval.data import paul_graham_text
 
-    text = open(".carry/b/pg.txt").read() if os.path.exists(".carry/b/pg.txt") else paul_graham_text()
+    text = essay_text()
     outs = []
     for device in ("cuda", "cpu"):
         gc.collect()
         torch.cuda.empty_cache()
-        llm = LLM(model, attention="cascading", attention_config=CASCADE_SMALL, device=device, dtype="float32",
+        llm = LLM(gpu_model, attention="cascading", attention_config=CASCADE_SMALL, device=device, dtype="float32",
                   max_model_len=4096, max_num_seqs=1, kv_cache_memory_gb=1)
         ids = llm.get_tokenizer().encode(text)[:3000]
         outs.append(llm.generate({"prompt_token_ids": ids}, SamplingParams(temperature=0, max_tokens=24,
@@ -310,7 +223,7 @@ def cascading_engine(model: str):
         gc.collect()
         torch.cuda.empty_cache()
         conf = CASCADE_SMALL[:-1] + f', "flash_prefill": {str(flash).lower()}}}'
-        llm = LLM(model, attention="cascading", attention_config=conf, device="cuda", max_model_len=4096,
+        llm = LLM(gpu_model, attention="cascading", attention_config=conf, device="cuda", max_model_len=4096,
                   max_num_seqs=1, kv_cache_memory_gb=1)
         bf.append(llm.generate({"prompt_token_ids": ids}, SamplingParams(temperature=0, max_tokens=24,
                                                                          ignore_eos=True), use_tqdm=False)[0])
@@ -318,26 +231,26 @@ def cascading_engine(model: str):
     lead = next((i for i, (a, b) in enumerate(zip(bf[0].token_ids, bf[1].token_ids)) if a != b), 24)
     if lead < 4:
         raise AssertionError(f"cascading bf16: flash and block-sparse prefill differ from greedy token {lead}")
-    return (f"GPU kernels vs CPU reference, fp32, {same}/24 greedy tokens equal; bf16 flash vs block-sparse prefill: "
-            f"the first {lead}/24 greedy tokens equal")
+    detail(f"GPU kernels vs CPU reference, fp32, {same}/24 greedy tokens equal; bf16 flash vs block-sparse prefill: "
+           f"the first {lead}/24 greedy tokens equal")
 
 
-def cascading_passkey(model: str, lengths=(8192, 16384, 32768, 65536), depths=(0.05, 0.25, 0.5, 0.75, 0.95),
-                      seeds=2):
+def test_cascading_passkey(gpu_model, detail):
     """Passkey: cascading `4k` (64 sink + 4 x 1008) vs streaming with the same memory (64 sink + 4032 window) at
     growing lengths, every depth (the blog's experiment at SmolLM2's scale; the blog: 65K cache to 1M on a larger
     model). Reports accuracy per length and depth and prefill seconds; quality is measured, not asserted."""
     from longreach import LLM, SamplingParams
     from longreach.eval.passkey import passkey_prompt, score
 
+    lengths, depths, seeds = (8192, 16384, 32768, 65536), (0.05, 0.25, 0.5, 0.75, 0.95), 2
     rows = {}
     for name, conf in (("cascading:4k", ("cascading", None)),
                        ("streaming:4096", ("streaming", '{"n_sink": 64, "n_window": 4032}'))):
         gc.collect()
         torch.cuda.empty_cache()
-        llm = LLM(model, attention=conf[0], preset="4k" if conf[0] == "cascading" else None, attention_config=conf[1],
-                  max_model_len=max(lengths) + 16, max_num_seqs=4, kv_cache_memory_gb=8 if conf[0] == "streaming"
-                  else 2, max_num_batched_tokens=8192)
+        llm = LLM(gpu_model, attention=conf[0], preset="4k" if conf[0] == "cascading" else None,
+                  attention_config=conf[1], max_model_len=max(lengths) + 16, max_num_seqs=4,
+                  kv_cache_memory_gb=8 if conf[0] == "streaming" else 2, max_num_batched_tokens=8192)
         tok = llm.get_tokenizer()
         acc, secs = {}, {}
         for n in lengths:
@@ -358,14 +271,15 @@ def cascading_passkey(model: str, lengths=(8192, 16384, 32768, 65536), depths=(0
         per_len = ", ".join(f"{n // 1024}K " + "/".join(f"{acc[(n, d)]:.1f}" for d in depths) +
                             f" ({secs[n]} s)" for n in lengths)
         lines.append(f"{name}: {per_len}")
-    return f"depths {list(depths)}, {seeds} keys per cell: " + "; ".join(lines)
+    detail(f"depths {list(depths)}, {seeds} keys per cell: " + "; ".join(lines))
 
 
-def cascading_prefill(model: str, lengths=(131072, 1048576)):
+def test_cascading_prefill(gpu_model, detail):
     """Prefill time of cascading `16k` (64 sink + 8 x 2040, stride 4096) through the engine vs dense (cuDNN) at the
     lengths where its KV fits, SmolLM2; the blog: 15% of FlashAttention's time at 1M with a 16K cache (A6000)."""
     from longreach import LLM, SamplingParams
 
+    lengths = (131072, 1048576)
     res = []
     for name in ("cascading", "dense"):
         for n in lengths:
@@ -373,7 +287,7 @@ def cascading_prefill(model: str, lengths=(131072, 1048576)):
                 continue  # 1M dense: ~23 GB of KV and minutes; extrapolated from 128K below
             gc.collect()
             torch.cuda.empty_cache()
-            llm = LLM(model, attention=name, preset="16k" if name == "cascading" else None, max_model_len=n + 16,
+            llm = LLM(gpu_model, attention=name, preset="16k" if name == "cascading" else None, max_model_len=n + 16,
                       max_num_seqs=1, max_num_batched_tokens=8192,
                       kv_cache_memory_gb=2 if name == "cascading" else n * 23040 / 2**30 * 1.1 + 0.5)
             ids = torch.randint(100, 40000, (n,), generator=torch.Generator().manual_seed(0)).tolist()
@@ -384,4 +298,4 @@ def cascading_prefill(model: str, lengths=(131072, 1048576)):
     t = {(a, n): s for a, n, s in res}
     dense128 = t.get(("dense", 131072))
     extra = f"; dense at 1M extrapolated x64 from 128K: {dense128 * 64:.0f} s" if dense128 else ""
-    return ", ".join(f"{a} {n // 1024}K {s:.1f} s" for a, n, s in res) + extra
+    detail(", ".join(f"{a} {n // 1024}K {s:.1f} s" for a, n, s in res) + extra)

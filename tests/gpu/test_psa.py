@@ -1,9 +1,10 @@
-"""GPU checks of PSA (attention/psa.py): the decode, metadata and scoring kernels against their references, the
-parts of a decode step timed in CUDA graphs, and the `rope: rank` positions. Run through scripts/gpu_check.py."""
+"""PSA (attention/psa.py) on the GPU: the decode, metadata and scoring kernels against their references (bf16, 8B
+shape, 128K), the parts of a decode step timed in CUDA graphs, and the `rope: rank` positions."""
 from __future__ import annotations
 
 import torch
-from gpu_check_common import _inv_freq, _median_us, _rel, _tier
+
+from .common import llama_inv_freq, median_us, rel_err, two_tier
 
 
 def _random_paged(dev, g, lengths, page: int, Hkv: int, D: int, dtype):
@@ -23,22 +24,22 @@ def _random_paged(dev, g, lengths, page: int, Hkv: int, D: int, dtype):
     return tables, seq_lens, kc, vc
 
 
-def psa_matrix(dev: str = "cuda", lengths=(131072 + 5, 40000, 777), shape=(32, 8, 128), pages=(16, 32),
-               dtype=torch.bfloat16, timing: bool = True):
+def test_psa_kernels(detail):
     """PSA at Llama-8B's shape and 128K (attention/psa.py): the metadata, scoring and both decode kernels (loop and
     waves, kernels/psa_decode.py) against their PyTorch references (fp32 math on the same bf16 inputs), one tier,
     two tiers (pinned host pages over UVA) and fp8 rows; the decode step captured in a CUDA graph == eager, with
     either kernel; and the time of one decode step (rank + loop) next to the dense paged-decode kernel, with the keys
-    it read, and of the two decode kernels alone (CUDA graphs, batch 1). (The defaults are the GPU run; a CPU smoke
-    run shrinks them.)"""
+    it read, and of the two decode kernels alone (CUDA graphs, batch 1)."""
     from longreach.attention.psa import PSA, PSAConfig
     from longreach.kernels.block_meta import (block_scores_reference, block_scores_triton,
                                               build_block_meta_reference, build_block_meta_triton)
     from longreach.kernels.psa_decode import psa_decode_reference, psa_decode_triton
     from longreach.kernels.psa_waves import psa_decode_waves
+    from longreach.kernels.paged_decode import paged_decode
     from longreach.kvcache.fp8 import encode
 
-    Hq, Hkv, D = shape
+    dev, lengths, pages, dtype = "cuda", (131072 + 5, 40000, 777), (16, 32), torch.bfloat16
+    Hq, Hkv, D = 32, 8, 128
     kernels = {"loop": psa_decode_triton, "waves": psa_decode_waves}
     notes, pairs, disagree = [], 0, 0
     worst, mismatched = dict.fromkeys(kernels, 0.0), dict.fromkeys(kernels, 0)
@@ -67,7 +68,7 @@ def psa_matrix(dev: str = "cuda", lengths=(131072 + 5, 40000, 777), shape=(32, 8
         build_block_meta_triton(kc, tables, lo, hi, int(hi.max()), meta, "cuboid-mean")
         ref_meta = torch.zeros(P, 2, Hkv, D, dtype=torch.float32, device=dev)
         build_block_meta_reference(kc, tables, lo, hi, ref_meta, "cuboid-mean")
-        err = _rel(meta.float(), ref_meta)
+        err = rel_err(meta.float(), ref_meta)
         if err > 1e-2:
             raise AssertionError(f"page {page}: block metadata rel err {err:.2e}")
         methods = {name: PSA(PSAConfig(n_sink=64, n_window=128, decode_kernel=name), Hq, Hkv) for name in kernels}
@@ -77,13 +78,11 @@ def psa_matrix(dev: str = "cuda", lengths=(131072 + 5, 40000, 777), shape=(32, 8
         scores = block_scores_triton(q, meta, tables, cand_lo, cand_hi, W)
         ref_scores = block_scores_reference(q, meta, tables, cand_lo, cand_hi, W)
         fin = torch.isfinite(ref_scores)
-        if not torch.equal(fin, torch.isfinite(scores)) or _rel(scores[fin], ref_scores[fin]) > 1e-3:
+        if not torch.equal(fin, torch.isfinite(scores)) or rel_err(scores[fin], ref_scores[fin]) > 1e-3:
             raise AssertionError(f"page {page}: block scores differ from the reference")
         ranked = scores.sort(dim=-1, descending=True, stable=True).indices.int()
         scale = D ** -0.5
-        caches = {"one tier": (kc, vc)}
-        if dev == "cuda":
-            caches["two tiers"] = tuple(_tier(kc, vc, 0.3, g))
+        caches = {"one tier": (kc, vc), "two tiers": tuple(two_tier(kc, vc, 0.3, g))}
         f8 = (encode(kc, torch.float8_e4m3fn), encode(vc, torch.float8_e4m3fn))
         for eps in (0.9, 0.95, 1.0):
             args = (tables, seq_lens, ranked, cand_lo, cand_hi, eps, 4, scale)
@@ -101,7 +100,7 @@ def psa_matrix(dev: str = "cuda", lengths=(131072 + 5, 40000, 777), shape=(32, 8
                 reads[name] = counts
                 # a threshold crossing within fp rounding may flip a (row, group): compare outputs on the kernel's reads
                 mismatched[name] += int((counts != ref_counts).sum())
-                err = _rel(out, reference_on(counts))
+                err = rel_err(out, reference_on(counts))
                 worst[name] = max(worst[name], err)
                 if torch.isnan(out).any() or err > 1e-2:
                     raise AssertionError(f"{name} kernel, page {page} eps {eps}: rel err {err:.2e} vs the reference")
@@ -114,69 +113,65 @@ def psa_matrix(dev: str = "cuda", lengths=(131072 + 5, 40000, 777), shape=(32, 8
                         if not (torch.equal(o2, out) and torch.equal(c2, counts)):
                             raise AssertionError(f"{name} kernel, page {page} eps {eps}: {cache} != one tier")
                 o8, _, c8 = run(q, *f8, *args)
-                if _rel(o8, reference_on(c8, True)) > 1e-2:
+                if rel_err(o8, reference_on(c8, True)) > 1e-2:
                     raise AssertionError(f"{name} kernel, page {page} eps {eps}: fp8 rel err "
-                                         f"{_rel(o8, reference_on(c8, True)):.2e}")
+                                         f"{rel_err(o8, reference_on(c8, True)):.2e}")
             pairs += ref_counts.numel()
             disagree += int((reads["loop"] != reads["waves"]).sum())
             if eps == 0.95:
                 keys = (reads["loop"].float() * page).mean().item()
                 notes.append(f"page {page}: eps 0.95 reads {keys:.0f} ranked keys per (row, KV head) of "
                              f"{(cand_hi.float() - cand_lo).mean().item() * page:.0f}")
-        if dev == "cuda":  # the decode step (scores, sort, loop or waves) in a CUDA graph, replayed on new queries
-            for name, method in methods.items():
-                graph, outs = captured(lambda: method.attend(q, kc, vc, tables, seq_lens, meta, W, scale, True)[:2])
-                q.mul_(-1.0)
-                graph.replay()
-                torch.cuda.synchronize()
-                again = method.attend(q, kc, vc, tables, seq_lens, meta, W, scale, True)[:2]
-                if not (torch.equal(outs[0], again[0]) and torch.equal(outs[1], again[1])):
-                    raise AssertionError(f"page {page}, {name} kernel: graph replay differs from eager after the "
-                                         "query changed")
-                q.mul_(-1.0)
-            if timing:
-                from longreach.kernels.paged_decode import paged_decode
-
-                one = slice(0, 1)  # batch 1 at 128K
-                step = (q[one], kc, vc, tables[one], seq_lens[one], meta, W, scale, True)
-                t_psa = _median_us(lambda: m.attend(*step))
-                t_dense = _median_us(lambda: paged_decode(q[one], kc, vc, tables[one], seq_lens[one], scale,
-                                                          num_splits=32))
-                notes.append(f"page {page}, batch 1 at {lengths[0]}: psa decode step {t_psa:.0f} us (scores + sort "
-                             f"+ loop), dense paged decode {t_dense:.0f} us")
-                dec = (q[one], kc, vc, tables[one], seq_lens[one], ranked[one], cand_lo, cand_hi[one], 0.95, 4, scale)
-                t = {name: _median_us(captured(lambda run=run: run(*dec))[0].replay) for name, run in kernels.items()}
-                read = psa_decode_waves(*dec)[2]
-                fixed = cand_lo * page + lengths[0] - int(cand_hi[0]) * page  # sink + tail keys per KV head
-                gb = (read.sum().item() * page + fixed * Hkv) * D * 2 * kc.element_size() / 1e9
-                notes.append(f"decode kernel alone (eps 0.95, CUDA graph): loop {t['loop']:.0f} us, waves "
-                             f"{t['waves']:.0f} us ({gb * 1e3:.0f} MB of K/V, {gb / t['waves'] * 1e6:.0f} GB/s); "
-                             f"loop / waves = {t['loop'] / t['waves']:.2f}x")
+        # the decode step (scores, sort, loop or waves) in a CUDA graph, replayed on new queries
+        for name, method in methods.items():
+            graph, outs = captured(lambda: method.attend(q, kc, vc, tables, seq_lens, meta, W, scale, True)[:2])
+            q.mul_(-1.0)
+            graph.replay()
+            torch.cuda.synchronize()
+            again = method.attend(q, kc, vc, tables, seq_lens, meta, W, scale, True)[:2]
+            if not (torch.equal(outs[0], again[0]) and torch.equal(outs[1], again[1])):
+                raise AssertionError(f"page {page}, {name} kernel: graph replay differs from eager after the "
+                                     "query changed")
+            q.mul_(-1.0)
+        one = slice(0, 1)  # the time of one decode step, batch 1 at 128K
+        step = (q[one], kc, vc, tables[one], seq_lens[one], meta, W, scale, True)
+        t_psa = median_us(lambda: m.attend(*step))
+        t_dense = median_us(lambda: paged_decode(q[one], kc, vc, tables[one], seq_lens[one], scale, num_splits=32))
+        notes.append(f"page {page}, batch 1 at {lengths[0]}: psa decode step {t_psa:.0f} us (scores + sort "
+                     f"+ loop), dense paged decode {t_dense:.0f} us")
+        dec = (q[one], kc, vc, tables[one], seq_lens[one], ranked[one], cand_lo, cand_hi[one], 0.95, 4, scale)
+        t = {name: median_us(captured(lambda run=run: run(*dec))[0].replay) for name, run in kernels.items()}
+        read = psa_decode_waves(*dec)[2]
+        fixed = cand_lo * page + lengths[0] - int(cand_hi[0]) * page  # sink + tail keys per KV head
+        gb = (read.sum().item() * page + fixed * Hkv) * D * 2 * kc.element_size() / 1e9
+        notes.append(f"decode kernel alone (eps 0.95, CUDA graph): loop {t['loop']:.0f} us, waves "
+                     f"{t['waves']:.0f} us ({gb * 1e3:.0f} MB of K/V, {gb / t['waves'] * 1e6:.0f} GB/s); "
+                     f"loop / waves = {t['loop'] / t['waves']:.2f}x")
     for name, bad in mismatched.items():
         if bad > 0.01 * pairs:
             raise AssertionError(f"{name} kernel: blocks read differ from the reference in {bad}/{pairs} pairs")
     if disagree > 0.01 * pairs:
         raise AssertionError(f"waves and loop kernels read different blocks in {disagree}/{pairs} pairs")
-    gpu_only = "; tiered == one tier; graph replay == eager" if dev == "cuda" else " (CPU smoke run: no tiers, graph)"
-    return (f"kernels == references (worst output rel err loop {worst['loop']:.2e} / waves {worst['waves']:.2e}, "
-            f"reads equal in {pairs - mismatched['loop']} / {pairs - mismatched['waves']} of {pairs} pairs; "
-            f"waves == loop reads in {pairs - disagree}/{pairs}); fp8{gpu_only}. " + "; ".join(notes))
+    detail(f"kernels == references (worst output rel err loop {worst['loop']:.2e} / waves {worst['waves']:.2e}, "
+           f"reads equal in {pairs - mismatched['loop']} / {pairs - mismatched['waves']} of {pairs} pairs; "
+           f"waves == loop reads in {pairs - disagree}/{pairs}); fp8; tiered == one tier; graph replay == eager. "
+           + "; ".join(notes))
 
 
-def psa_step_times(dev: str = "cuda", lengths=(131072 + 5, 1048576 + 5), shape=(32, 8, 128), page: int = 16,
-                   dtype=torch.bfloat16) -> str:
+def test_psa_step_times(detail):
     """Where a PSA decode step's time goes, every part captured in a CUDA graph and timed by its replays (batch 1,
     8B shape, random keys with a few hot blocks, eps 0.95): block scores, the stable sort, the loop and waves
     kernels alone, the whole step (`PSA.attend`) with either kernel, and dense paged decode over the same cache.
-    The width is the engine's: the graph bucket (a power of two >= the length) in pages. psa_matrix checks the
-    results; this only times them."""
+    The width is the engine's: the graph bucket (a power of two >= the length) in pages. test_psa_kernels checks
+    the results; this only times them."""
     from longreach.attention.psa import PSA, PSAConfig
     from longreach.kernels.block_meta import block_scores_triton, build_block_meta_triton
     from longreach.kernels.paged_decode import default_num_splits, paged_decode
     from longreach.kernels.psa_decode import psa_decode_triton
     from longreach.kernels.psa_waves import psa_decode_waves
 
-    Hq, Hkv, D = shape
+    dev, lengths, page, dtype = "cuda", (131072 + 5, 1048576 + 5), 16, torch.bfloat16
+    Hq, Hkv, D = 32, 8, 128
     rows = []
 
     def timed(fn) -> float:
@@ -185,7 +180,7 @@ def psa_step_times(dev: str = "cuda", lengths=(131072 + 5, 1048576 + 5), shape=(
         graph = torch.cuda.CUDAGraph()
         with torch.cuda.graph(graph):
             fn()
-        return _median_us(graph.replay)
+        return median_us(graph.replay)
 
     for length in lengths:
         g = torch.Generator(device=dev).manual_seed(length)
@@ -228,11 +223,10 @@ def psa_step_times(dev: str = "cuda", lengths=(131072 + 5, 1048576 + 5), shape=(
                         + f" us; dense / step(waves) = {t['dense'] / t['step(waves)']:.2f}x; {keys:.0f} ranked keys "
                         f"read per KV head of {(int(cand_hi) - cand_lo) * page}")
             print(rows[-1], flush=True)
-    return "; ".join(rows)
+    detail("; ".join(rows))
 
 
-def psa_rank_rope(dev: str = "cuda", lengths=(131072 + 5, 100003, 65536, 40000, 9000, 777), shape=(32, 8, 128),
-                  page: int = 16, rope_from: int = 8192, dtype=torch.bfloat16) -> str:
+def test_psa_rank_rope(detail):
     """PSA's `rope: rank` positions in bf16 at the 8B shape: the moved-key metadata kernel and both decode kernels
     against their PyTorch references (fp32 math on the same bf16 inputs); rows past and before rope_from."""
     from longreach.attention.psa import PSA, PSAConfig
@@ -241,12 +235,14 @@ def psa_rank_rope(dev: str = "cuda", lengths=(131072 + 5, 100003, 65536, 40000, 
     from longreach.kernels.psa_decode import psa_decode_reference, psa_decode_triton
     from longreach.kernels.psa_waves import psa_decode_waves
 
-    Hq, Hkv, D = shape
+    dev, page, rope_from, dtype = "cuda", 16, 8192, torch.bfloat16
+    lengths = (131072 + 5, 100003, 65536, 40000, 9000, 777)
+    Hq, Hkv, D = 32, 8, 128
     g = torch.Generator(device=dev).manual_seed(11)
     tables, seq_lens, kc, vc = _random_paged(dev, g, lengths, page, Hkv, D, dtype)
     P = kc.shape[0]
     q = torch.randn(len(lengths), Hq, D, device=dev, generator=g, dtype=dtype)
-    inv = _inv_freq(D).float()
+    inv = llama_inv_freq(D).float()
     lo = torch.zeros(len(lengths), dtype=torch.int32, device=dev)
     hi = ((seq_lens - 1) // page).int()
     meta = torch.zeros(P, 2, Hkv, D, dtype=dtype, device=dev)
@@ -254,7 +250,7 @@ def psa_rank_rope(dev: str = "cuda", lengths=(131072 + 5, 100003, 65536, 40000, 
     ref_meta = torch.zeros(P, 2, Hkv, D, dtype=torch.float32, device=dev)
     build_block_meta_reference(kc, tables, lo, hi, ref_meta, "cuboid-mean", inv)
     built = torch.cat([tables[i, :int(hi[i])] for i in range(len(lengths))]).long()
-    err_meta = _rel(meta[built].float(), ref_meta[built])
+    err_meta = rel_err(meta[built].float(), ref_meta[built])
     if err_meta > 1e-2:
         raise AssertionError(f"moved metadata rel err {err_meta:.2e}")
     m = PSA(PSAConfig(), Hq, Hkv)
@@ -268,7 +264,7 @@ def psa_rank_rope(dev: str = "cuda", lengths=(131072 + 5, 100003, 65536, 40000, 
         for name, run in (("loop", psa_decode_triton), ("waves", psa_decode_waves)):
             out, _, counts = run(*args, rope=rope)
             forced = psa_decode_reference(*args, counts=counts, rope=rope)[0]
-            err = _rel(out, forced)
+            err = rel_err(out, forced)
             if torch.isnan(out).any() or err > 1e-2:
                 raise AssertionError(f"{name}, eps {eps}: rel err {err:.2e} against the reference on its reads")
             # The stop test compares a running estimate with epsilon: a row near it stops one micro-batch earlier
@@ -282,4 +278,4 @@ def psa_rank_rope(dev: str = "cuda", lengths=(131072 + 5, 100003, 65536, 40000, 
                                      f"{ref_counts.tolist()}")
             notes.append(f"{name} eps {eps}: rel err {err:.1e}, reads equal {agree}/{counts.numel()} (at most "
                          f"{off} blocks apart)")
-    return f"moved metadata rel err {err_meta:.1e}; " + "; ".join(notes)
+    detail(f"moved metadata rel err {err_meta:.1e}; " + "; ".join(notes))

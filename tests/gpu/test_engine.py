@@ -1,0 +1,125 @@
+"""The engine on a real model on the GPU (--gpu-model PATH or $LONGREACH_GPU_MODEL, e.g. SmolLM2's GGUF at
+/tmp/m/model.gguf): CUDA graphs vs eager and chunked prefill, fp32 logits against transformers, and the sparse
+backends and MInference through their kernels against their CPU reference paths. The engine tests of offloading,
+the box stage and Cascading are in test_offload.py, test_box.py and test_cascading.py."""
+from __future__ import annotations
+
+import gc
+import os
+
+import torch
+
+from .common import essay_text
+
+
+def test_graphs_eager_chunked(gpu_model, detail):
+    """Greedy decode of four prompts: CUDA graphs == eager, token for token; chunked prefill (128-token steps) beside
+    the unchunked run (reported, not asserted)."""
+    from longreach import LLM, SamplingParams
+
+    def fresh(**kw):  # a fixed KV pool so that several engines fit on the GPU one after another
+        gc.collect()
+        torch.cuda.empty_cache()
+        return LLM(gpu_model, max_num_seqs=32, kv_cache_memory_gb=4, **kw)
+
+    llm = fresh()
+    prompts = ["The history of the Roman Empire", "def quicksort(arr):", "Photosynthesis is " * 40,
+               "Once upon a time, " * 100]
+    params = SamplingParams(temperature=0, max_tokens=64, ignore_eos=True)
+    graphed = [o.token_ids for o in llm.generate(prompts, params, use_tqdm=False)]
+    del llm
+    eager = fresh(enforce_eager=True)
+    eager_out = [o.token_ids for o in eager.generate(prompts, params, use_tqdm=False)]
+    same = sum(a == b for a, b in zip(graphed, eager_out))
+    if same != len(prompts):
+        raise AssertionError(f"CUDA-graph decode differs from eager on {len(prompts) - same}/{len(prompts)} prompts")
+    del eager
+    chunked = fresh(max_num_batched_tokens=128)
+    chunk_out = [o.token_ids for o in chunked.generate(prompts, params, use_tqdm=False)]
+    agree = sum(a == b for a, b in zip(graphed, chunk_out))
+    detail(f"graph == eager on {same}/{len(prompts)}; chunked-prefill (128) == unchunked on {agree}/{len(prompts)}")
+
+
+def test_fp32_parity(gpu_model, detail):
+    """fp32 prompt logits on the GPU against transformers' on the same GGUF file (--gpu-model must be a GGUF path),
+    one sentence 40 times: max |diff| <= 1e-2."""
+    from transformers import AutoModelForCausalLM
+
+    from longreach.config import EngineConfig
+    from longreach.engine.llm_engine import LLMEngine
+
+    gc.collect()
+    torch.cuda.empty_cache()
+    eng = LLMEngine(EngineConfig(model=gpu_model, dtype="float32", kv_cache_memory_gb=4))
+    ids = eng.tokenizer.encode("The quick brown fox jumps over the lazy dog. " * 40)
+    ours = eng.prompt_logits(ids)
+    d, f = os.path.split(gpu_model)
+    hf = AutoModelForCausalLM.from_pretrained(d, gguf_file=f, dtype=torch.float32).cuda().eval()
+    with torch.no_grad():
+        ref = hf(torch.tensor([ids], device="cuda")).logits[0].float()
+    diff = (ours - ref).abs().max().item()
+    if diff > 1e-2:
+        raise AssertionError(f"max |logit diff| {diff:.2e}")
+    detail(f"fp32 on GPU, {len(ids)} tokens: max |logit diff| vs transformers {diff:.2e}")
+
+
+def test_sparse_backends(gpu_model, detail):
+    """Each sparse backend end to end on the GPU (kernels) vs the same backend's CPU reference path, 3K-token prompt
+    with small budgets so that selection prunes; greedy tokens should agree."""
+    from longreach import LLM, SamplingParams
+
+    cfg = {"infinitehip": '{"n_sink": 64, "n_window": 256, "budgets": [2048, 1024, 256], "early_last_budget": 512}',
+           "hip": '{"n_sink": 64, "n_window": 256, "budget": 256}',
+           "streaming": '{"n_sink": 64, "n_window": 512}'}
+    text = essay_text()
+    rows = []
+    for name, conf in cfg.items():
+        outs = []
+        for device, dtype in (("cuda", "float32"), ("cpu", "float32")):
+            gc.collect()
+            torch.cuda.empty_cache()
+            llm = LLM(gpu_model, attention=name, attention_config=conf, device=device, dtype=dtype, max_model_len=4096,
+                      kv_cache_memory_gb=1, max_num_seqs=1)
+            ids = llm.get_tokenizer().encode(text)[:3000]
+            outs.append(llm.generate({"prompt_token_ids": ids}, SamplingParams(temperature=0, max_tokens=24,
+                                                                               ignore_eos=True), use_tqdm=False)[0])
+            del llm
+        same = sum(a == b for a, b in zip(outs[0].token_ids, outs[1].token_ids))
+        rows.append(f"{name} {same}/24")
+        if same < 20:
+            raise AssertionError(f"{name}: GPU kernels and CPU reference agree on only {same}/24 greedy tokens")
+    detail("GPU kernels vs CPU reference, fp32, greedy tokens equal: " + ", ".join(rows))
+
+
+def test_minference_engine(gpu_model, detail):
+    """minference end to end: kernels vs the CPU reference (greedy tokens), and minference prefill + infinitehip
+    decode with CUDA graphs == eager."""
+    from longreach import LLM, SamplingParams
+
+    text = essay_text()
+    conf = '{"pattern": ["vertical_slash", 64, 512], "dense_below": 0}'
+    params = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)
+    outs = []
+    for device, dtype in (("cuda", "float32"), ("cpu", "float32")):
+        gc.collect()
+        torch.cuda.empty_cache()
+        llm = LLM(gpu_model, attention="minference", attention_config=conf, device=device, dtype=dtype,
+                  max_model_len=4096, kv_cache_memory_gb=1, max_num_seqs=1)
+        ids = llm.get_tokenizer().encode(text)[:3000]
+        outs.append(llm.generate({"prompt_token_ids": ids}, params, use_tqdm=False)[0].token_ids)
+        del llm
+    same = sum(a == b for a, b in zip(*outs))
+    if same < 20:
+        raise AssertionError(f"minference: GPU kernels and CPU reference agree on only {same}/24 greedy tokens")
+    composed = []
+    for eager in (False, True):
+        gc.collect()
+        torch.cuda.empty_cache()
+        llm = LLM(gpu_model, attention="minference", attention_config=conf, decode_attention="infinitehip",
+                  max_model_len=16384, kv_cache_memory_gb=2, max_num_seqs=4, enforce_eager=eager)
+        ids = llm.get_tokenizer().encode(text)[:12000]
+        composed.append(llm.generate({"prompt_token_ids": ids}, params, use_tqdm=False)[0].token_ids)
+        del llm
+    if composed[0] != composed[1]:
+        raise AssertionError("minference + infinitehip decode: CUDA-graph tokens differ from eager")
+    detail(f"kernels vs CPU reference {same}/24 tokens; minference + infinitehip decode at 12K: graph == eager")
