@@ -224,7 +224,7 @@ def sparse_engine(model: str):
     """Each sparse backend end to end on the GPU (kernels) vs the same backend's CPU reference path, 3K-token prompt
     with small budgets so that selection prunes; greedy tokens should agree."""
     from longreach import LLM, SamplingParams
-    from longreach.eval.data import paul_graham_text
+    from longreach.tools.eval.data import paul_graham_text
 
     cfg = {"infinitehip": '{"n_sink": 64, "n_window": 256, "budgets": [2048, 1024, 256], "early_last_budget": 512}',
            "hip": '{"n_sink": 64, "n_window": 256, "budget": 256}',

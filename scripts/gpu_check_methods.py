@@ -66,7 +66,7 @@ def minference_engine(model: str):
     """minference end to end: kernels vs the CPU reference (greedy tokens), and minference prefill + infinitehip
     decode with CUDA graphs == eager."""
     from longreach import LLM, SamplingParams
-    from longreach.eval.data import paul_graham_text
+    from longreach.tools.eval.data import paul_graham_text
 
     text = open(".carry/b/pg.txt").read() if os.path.exists(".carry/b/pg.txt") else paul_graham_text()
     conf = '{"pattern": ["vertical_slash", 64, 512], "dense_below": 0}'
@@ -287,7 +287,7 @@ def cascading_engine(model: str):
     """Cascading through the engine on the GPU (Triton kernels) vs the CPU reference path: a 3K-token prompt with a
     1,088-token cache (hundreds of drops), 24 greedy tokens."""
     from longreach import LLM, SamplingParams
-    from longreach.eval.data import paul_graham_text
+    from longreach.tools.eval.data import paul_graham_text
 
     text = open(".carry/b/pg.txt").read() if os.path.exists(".carry/b/pg.txt") else paul_graham_text()
     outs = []
@@ -328,7 +328,7 @@ def cascading_passkey(model: str, lengths=(8192, 16384, 32768, 65536), depths=(0
     growing lengths, every depth (the blog's experiment at SmolLM2's scale; the blog: 65K cache to 1M on a larger
     model). Reports accuracy per length and depth and prefill seconds; quality is measured, not asserted."""
     from longreach import LLM, SamplingParams
-    from longreach.eval.passkey import passkey_prompt, score
+    from longreach.tools.eval.passkey import passkey_prompt, score
 
     rows = {}
     for name, conf in (("cascading:4k", ("cascading", None)),

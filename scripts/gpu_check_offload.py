@@ -201,7 +201,7 @@ def offload_engine(model: str, length: int = 131072):
     """SmolLM2 at `length` with infinitehip: offloaded (GPU pool = 1/8 of the KV) == not offloaded, greedy tokens and
     prompt logits bit for bit; hit ratio and decode tok/s of both."""
     from longreach import LLM, SamplingParams
-    from longreach.eval.data import paul_graham_text
+    from longreach.tools.eval.data import paul_graham_text
 
     text = open(".carry/b/pg.txt").read() if os.path.exists(".carry/b/pg.txt") else paul_graham_text()
     res = {}

@@ -21,7 +21,7 @@ import torch
 
 from longreach.engine.llm import LLM
 from longreach.sampling_params import SamplingParams
-from longreach.eval.passkey import passkey_prompt, score
+from longreach.tools.eval.passkey import passkey_prompt, score
 import longreach.attention.sparse as sp
 from longreach.kvcache.paged import gather_tokens
 
