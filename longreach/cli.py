@@ -5,7 +5,9 @@
   longreach backends   list the attention backends
 
 Each command lives in a module next to the code it drives, with HELP, DESCRIPTION, add_arguments(parser) and
-main(args) -> int (`_COMMANDS`). Bad input exits with status 2 and a one-line message on stderr, never a traceback.
+main(args) -> int (`_COMMANDS`): the engine's own (commands/, server/, models/) and the lab's (tools/: bench, eval,
+calibrate, demo). Bad input exits with status 2 and a one-line message on stderr, never a traceback; so does a command
+whose install extra is missing (`_EXTRAS`), with the pip command that brings it.
 """
 from __future__ import annotations
 
@@ -19,13 +21,21 @@ from . import __version__
 _COMMANDS = {  # command -> its module (relative to this package), in the order --help lists them
     "generate": ".commands.generate",
     "serve": ".server.command",
-    "bench": ".bench.command",
-    "eval": ".eval.command",
-    "demo": ".demo",
-    "calibrate": ".calibrate",
+    "bench": ".tools.bench.command",
+    "eval": ".tools.eval.command",
+    "demo": ".tools.demo",
+    "calibrate": ".tools.calibrate",
     "download": ".models.hub",
     "backends": ".commands.backends",
 }
+_EXTRAS = {  # pyproject.toml's install extras -> the modules each brings (import names)
+    "serve": ("fastapi", "uvicorn", "prometheus_client"),
+    "eval": ("matplotlib", "wonderwords", "scipy", "yaml"),
+    "bench": ("transformers", "accelerate"),  # `bench engine`'s reference
+}
+# the extras' modules a command imports on every run: looked up before it runs, so that a missing extra fails at once
+# rather than at the plot after an hour's run; any other module of an extra is named when its import fails
+_NEEDS = {"serve": _EXTRAS["serve"], "eval": ("matplotlib",), "demo": ("wonderwords", "yaml")}
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -70,6 +80,29 @@ def _parse_json_configs(args: argparse.Namespace) -> None:
             setattr(args, name, config_dict(getattr(args, name), name))
 
 
+def _missing_extra(module: str) -> str | None:
+    """The one-line error for a module of an install extra that is not installed; None for any other module."""
+    top = module.partition(".")[0]
+    for extra, modules in _EXTRAS.items():
+        if top in modules:
+            return f'{top} is not installed; it comes with the [{extra}] extra: pip install "longreach[{extra}]"'
+    return None
+
+
+def _check_extras(command: str) -> None:
+    """Raise ValueError naming the first module of an extra that `command` needs and this Python lacks (found without
+    importing it)."""
+    import importlib.util
+
+    for module in _NEEDS.get(command, ()):
+        try:
+            found = importlib.util.find_spec(module) is not None
+        except (ImportError, ValueError):  # a broken install, or a module set to None in sys.modules
+            found = False
+        if not found:
+            raise ValueError(_missing_extra(module))
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
@@ -78,10 +111,17 @@ def main(argv: list[str] | None = None) -> int:
     logging.basicConfig(level=level, format="[longreach] %(message)s", stream=sys.stderr)
     _stack_dumps_on_sigusr1()
     try:
+        _check_extras(args.command)
         _parse_json_configs(args)
         return args.func(args)
     except ValueError as e:
         print(f"longreach {args.command}: error: {e}", file=sys.stderr)
+        return 2
+    except ModuleNotFoundError as e:  # an extra's module imported by a command that does not declare the extra
+        message = _missing_extra(e.name or "")
+        if message is None:
+            raise
+        print(f"longreach {args.command}: error: {message}", file=sys.stderr)
         return 2
     except KeyboardInterrupt:
         print("longreach: interrupted", file=sys.stderr)

@@ -52,7 +52,7 @@ fi
 echo "staged piece $i of $n"
 SH
 done
-# the code the reports will name (eval/common.py: provenance); the device copy has no git history
+# the code the reports will name (tools/eval/common.py: provenance); the device copy has no git history
 commit=$(git rev-parse --short HEAD)$(git diff --quiet HEAD -- longreach scripts tests || echo +dirty)
 # Sourced by the job's call: no `set -e` here, it would leak into the caller's shell.
 cat > ".carry/$n/assemble.sh" <<SH

@@ -15,7 +15,7 @@ import pathlib
 import sys
 
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1]))
-from longreach.eval.common import format_length as length_label, wilson  # noqa: E402
+from longreach.tools.eval.common import format_length as length_label, wilson  # noqa: E402
 
 
 def load(directory: pathlib.Path) -> dict:

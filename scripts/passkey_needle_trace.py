@@ -21,8 +21,9 @@ import sys
 import time
 
 from longreach.engine.llm import LLM
-from longreach.eval.passkey import NEEDLES, passkey_prompt, score
 from longreach.sampling_params import SamplingParams
+from longreach.tools.eval.passkey import NEEDLES, passkey_prompt, score
+from longreach.tools.eval.presets import register
 
 
 def digit_positions(tok, prompt: list[int], key: str, phrasing: str) -> list[int]:
@@ -38,6 +39,7 @@ def main() -> int:
     lengths = [int(x) for x in lengths.split(",")]
     depths = [float(x) for x in depths.split(",")]
     haystack, phrasing = os.environ.get("HAYSTACK", "filler"), os.environ.get("NEEDLE", "classic")
+    register()  # PRESET may name an evaluation preset (oracle, positions-*)
     llm = LLM(model, attention="infinitehip", preset=os.environ.get("PRESET"), attention_config=overrides,
               max_model_len=max(lengths) + 16, max_num_seqs=1, enforce_eager=True,
               kv_cache_memory_gb=float(os.environ.get("KV_GB", 20)),

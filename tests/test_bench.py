@@ -7,7 +7,7 @@ import json
 
 import torch
 
-import longreach.bench.attention as A
+import longreach.tools.bench.attention as A
 
 
 def test_bench_attention_runs_on_cpu(tmp_path, monkeypatch):

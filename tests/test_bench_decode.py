@@ -108,8 +108,8 @@ def test_bench_decode_end_to_end_on_cpu(tmp_path, capsys):
 
 @pytest.mark.skipif("kv_offloading_size" not in EngineConfig.field_names(), reason="needs the KV offload store")
 def test_bench_decode_reports_offload_counters(tmp_path):
-    from longreach.bench.decode import run
-    from longreach.eval.common import parse_methods
+    from longreach.tools.bench.decode import run
+    from longreach.tools.eval.common import parse_methods
 
     engine = {"device": "cpu", "dtype": "float32", "attention_config": SMALL, "kv_offloading_size": 0.01,
               "kv_cache_memory_gb": 0.00005}  # a GPU tier of ~13 one-layer pages: most reads miss
@@ -125,7 +125,7 @@ def test_bench_decode_reports_offload_counters(tmp_path):
 
 
 def test_dense_extrapolation_is_the_line_through_the_largest_and_smallest_dense_contexts():
-    from longreach.bench.decode_report import _fill_dense_column, dense_fit
+    from longreach.tools.bench.decode_report import _fill_dense_column, dense_fit
 
     dense = [{"context": n, "status": "measured", "step_s_mean": t, "decode_tok_s": 1 / t}
              for n, t in ((4096, 0.010), (131072, 0.0125), (524288, 0.020))]
@@ -147,7 +147,7 @@ def test_dense_extrapolation_is_the_line_through_the_largest_and_smallest_dense_
 def test_bench_kv_bytes_per_token_match_the_stores(kv_dtype):
     """bench decode sizes each run's host tier (and the dense GPU KV) from its own per-token bytes: they must be the
     stores' (an fp8 row is 128 values + a 16-byte scale area, not + 4: the first GPU run refused its own tier)."""
-    from longreach.bench.decode_memory import _kv_bytes_per_token
+    from longreach.tools.bench.decode_memory import _kv_bytes_per_token
     from longreach.engine.llm_engine import resolve_kv_dtype
     from longreach.kvcache.offload import OffloadedKVCache
     from longreach.kvcache.paged import PagedKVCache
@@ -177,8 +177,8 @@ def test_composed_method_decodes_with_its_decode_method(tmp_path):
 def test_profile_steps_are_profiled_and_left_out_of_the_rate(tmp_path):
     """--profile-steps 3: the last 3 decode steps run under torch.profiler (a kernel table in the JSON) and count as
     warm-up steps, not in the rate."""
-    from longreach.bench.decode import run
-    from longreach.eval.common import RunSpec
+    from longreach.tools.bench.decode import run
+    from longreach.tools.eval.common import RunSpec
 
     out = tmp_path / "bd.json"
     report = run("random:tiny", [512], [RunSpec("streaming", None, "streaming")],
@@ -196,9 +196,9 @@ def test_profile_steps_are_profiled_and_left_out_of_the_rate(tmp_path):
 def test_profile_prefill_steps_profile_prefill_steps_two_on(tmp_path, capsys):
     """--profile-prefill-steps 2 over a 4-chunk prefill: prefill steps 2 and 3 run under the profiler (a kernel table
     of its own in the JSON), decode is not profiled, and a negative count is a clear error."""
-    from longreach.bench.decode import run
+    from longreach.tools.bench.decode import run
     from longreach.cli import main
-    from longreach.eval.common import RunSpec
+    from longreach.tools.eval.common import RunSpec
 
     report = run("random:tiny", [512], [RunSpec("streaming", None, "streaming")],
                  {"device": "cpu", "kv_cache_memory_gb": 0.01, "max_num_batched_tokens": 128}, decode_tokens=4,
@@ -229,7 +229,7 @@ def _fire_compile(name: str) -> None:
 def test_jit_watch_times_compilations_chains_earlier_hooks_and_restores_them():
     from triton import knobs
 
-    from longreach.bench.jit_watch import JitWatch
+    from longreach.tools.bench.jit_watch import JitWatch
 
     seen = []
     before = lambda **kw: seen.append(("before", kw["fn"].name))  # noqa: E731
@@ -263,9 +263,9 @@ def test_compilations_inside_timed_steps_are_reported_and_decode_ones_left_out_o
                                                                                           monkeypatch):
     """A kernel that compiles inside the timed prefill is counted, timed and named in the row (prefill_jit) and a
     note says the prefill time includes it; a decode step in which one compiles is a warm-up step (decode_jit)."""
-    from longreach.bench.decode import run
+    from longreach.tools.bench.decode import run
     from longreach.engine.llm_engine import LLMEngine
-    from longreach.eval.common import RunSpec
+    from longreach.tools.eval.common import RunSpec
 
     step, calls = LLMEngine.step, []
 

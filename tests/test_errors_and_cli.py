@@ -172,25 +172,29 @@ def test_cli_config_errors_come_before_the_model(args, message):
 
 
 def test_backends_lists_every_preset_with_a_note():
-    """`longreach backends`: under each method, its presets (the default first), one line each."""
+    """`longreach backends`: under each method, its presets (the default first), one line each; not the evaluation
+    presets, which only the lab registers (this process may have, through an earlier test: they are left out here)."""
     from longreach.attention.registry import available_backends, get_backend_class
+    from longreach.tools.eval.presets import INFINITEHIP
 
     out = _cli("backends").stdout.splitlines()[1:]
     for name in available_backends():
         cls = get_backend_class(name)
+        lab = set(INFINITEHIP) if name == "infinitehip" else set()
         at = next(i for i, line in enumerate(out) if line.split()[0] == name)
         listed = []
         for line in out[at + 1:]:
             if not line.startswith(" "):
                 break
             listed.append(line.split()[0])
-        assert listed == list(cls.preset_notes), name
+        assert listed == [p for p in cls.preset_notes if p not in lab], name
+        assert not lab & set(listed), name
         if not listed:
             continue
         with pytest.raises(ValueError) as e:  # the presets the method knows, from its own error message
             cls.resolve_config(SimpleNamespace(preset="?", attention_config=None))
         known = str(e.value).split("available: ")[1].split(" (default")[0].split(", ")
-        assert sorted(known) == sorted(listed), name
+        assert sorted(p for p in known if p not in lab) == sorted(listed), name
         assert cls.resolve_config(EngineConfig(attention=name)) == cls.resolve_config(
             EngineConfig(attention=name, preset=listed[0])), f"{name}: the first preset listed is not the default"
 
@@ -257,7 +261,7 @@ def test_sigusr1_prints_the_python_stacks_and_the_run_goes_on(capfd):
 
 
 def test_every_text_file_flag_says_which_file_cannot_be_read(tmp_path):
-    """eval ppl / recall, bench long and calibrate read --text-file through one reader (eval/data.py): a missing
+    """eval ppl / recall, bench long and calibrate read --text-file through one reader (tools/eval/data.py): a missing
     file is a one-line error naming the flag and the path, exit code 2."""
     missing = str(tmp_path / "no-such.txt")
     for sub in (["eval", "ppl", "--lengths", "2k"], ["eval", "recall", "--length", "2048", "--attention", "streaming"], ["bench", "long"],
@@ -265,3 +269,108 @@ def test_every_text_file_flag_says_which_file_cannot_be_read(tmp_path):
         r = _cli(*sub, "--model", "smollm2", "--text-file", missing)
         assert r.returncode == 2, (sub, r.stderr[-2000:])
         assert f"cannot read --text-file {missing!r}: No such file or directory" in r.stderr, (sub, r.stderr[-2000:])
+
+
+def test_evaluation_presets_belong_to_the_lab(tmp_path):
+    """infinitehip's oracle and positions-only presets are registered by the lab (tools/eval/presets.py): the eval
+    commands accept them, `longreach generate` gives the usual unknown-preset error and `backends` does not list them."""
+    r = _cli("generate", "--prompt", "Hi", "--attention", "infinitehip", "--preset", "oracle", "--model",
+             "/no/such/model")
+    assert r.returncode == 2 and "unknown infinitehip preset 'oracle'; available: 3k" in r.stderr, r.stderr
+    listed = {line.split()[0] for line in _cli("backends").stdout.splitlines() if line.startswith(" ")}
+    assert "3k-box" in listed and not listed & {"oracle", "oracle-true", "positions-st", "positions-de"}
+    r = _cli("eval", "passkey", "--attention", "infinitehip:oracle", "infinitehip:positions-de", "--model",
+             "/no/such/model", "--lengths", "1k")
+    assert r.returncode == 2 and "preset" not in r.stderr and "/no/such/model" in r.stderr, r.stderr
+
+
+def test_register_presets_adds_checks_and_is_idempotent():
+    from longreach.attention.infinitehip import InfiniteHiP, InfiniteHiPBackend, InfiniteHiPConfig
+    from longreach.attention.registry import register_presets
+    from longreach.tools.eval.presets import INFINITEHIP, register
+
+    register()
+    register()  # again: nothing changes
+    assert InfiniteHiP.presets["oracle"] == INFINITEHIP["oracle"][0]
+    assert InfiniteHiPBackend.preset_notes["positions-st"] == INFINITEHIP["positions-st"][1]
+    assert InfiniteHiPBackend.resolve_config(EngineConfig(attention="infinitehip", preset="oracle")).budgets == (2048,)
+    with pytest.raises(ValueError, match="'oracle' already exists with another config"):
+        register_presets("infinitehip", {"oracle": (InfiniteHiPConfig(), "another")})
+    with pytest.raises(ValueError, match="must be a InfiniteHiPConfig"):
+        register_presets("infinitehip", {"x": ({"budgets": [8]}, "a dict")})
+    with pytest.raises(ValueError, match="'dense' has no preset table"):
+        register_presets("dense", {"x": (InfiniteHiPConfig(), "")})
+    with pytest.raises(ValueError, match="unknown attention backend"):
+        register_presets("nonsense", {})
+
+
+@pytest.mark.parametrize("argv, module, extra", [
+    (["serve", "--model", "/no/such/model"], "fastapi", "serve"),
+    (["eval", "passkey", "--model", "/no/such/model"], "matplotlib", "eval"),
+    (["demo", "--model", "/no/such/model"], "wonderwords", "eval"),
+])
+def test_a_missing_extra_is_one_line_with_the_fix(monkeypatch, capsys, argv, module, extra):
+    """A command whose install extra is missing says which package and how to get it, before it loads anything."""
+    from longreach.cli import main
+
+    monkeypatch.setitem(sys.modules, module, None)  # `import module` now fails, find_spec finds nothing
+    assert main(argv) == 2
+    err = capsys.readouterr().err.strip()
+    assert err == (f'longreach {argv[0]}: error: {module} is not installed; it comes with the [{extra}] extra: '
+                   f'pip install "longreach[{extra}]"')
+
+
+def test_an_extra_module_missing_mid_run_is_one_line_too(monkeypatch, capsys):
+    """A module of an extra that a command imports only on some paths (bench engine's transformers) fails the same
+    way when its import does; any other missing module keeps its traceback."""
+    import longreach.tools.bench.command as bench
+    from longreach.cli import main
+
+    monkeypatch.setitem(sys.modules, "transformers", None)
+    monkeypatch.setattr(bench, "_engine", lambda args: __import__("transformers") and 0)
+    assert main(["bench", "engine"]) == 2
+    assert 'transformers is not installed; it comes with the [bench] extra: pip install "longreach[bench]"' in \
+        capsys.readouterr().err
+    monkeypatch.setattr(bench, "_engine", lambda args: __import__("no_such_module_anywhere"))
+    with pytest.raises(ModuleNotFoundError):
+        main(["bench", "engine"])
+
+
+def test_the_extras_match_pyproject():
+    """cli._EXTRAS names the extras of pyproject.toml and, for each, the modules of its packages."""
+    import pathlib
+
+    from longreach.cli import _EXTRAS
+
+    tomllib = pytest.importorskip("tomllib")  # Python >= 3.11
+
+    project = tomllib.loads((pathlib.Path(__file__).resolve().parents[1] / "pyproject.toml").read_text())["project"]
+    extras = project["optional-dependencies"]
+    module_of = {"pyyaml": "yaml"}  # the packages whose module has another name
+    for extra, modules in _EXTRAS.items():
+        names = [__import__("re").split(r"[<>=;\[ ]", req)[0].lower() for req in extras[extra]]
+        assert tuple(module_of.get(n, n) for n in names) == modules, extra
+    runtime = " ".join(project["dependencies"])
+    assert not any(m in runtime for modules in _EXTRAS.values() for m in modules)
+
+
+def test_the_runtime_imports_without_any_extra():
+    """`pip install longreach` alone: with every extra's modules missing, each runtime module imports, the CLI builds
+    its parser and `longreach backends` runs (the server's app and the lab's runs are what need the extras)."""
+    from longreach.cli import _EXTRAS
+
+    blocked = sorted({m for modules in _EXTRAS.values() for m in modules} | {"pydantic", "starlette"})
+    code = f"""
+import importlib, pkgutil, sys
+for m in {blocked!r}:
+    sys.modules[m] = None
+import longreach
+for info in pkgutil.walk_packages(longreach.__path__, "longreach."):
+    lab_or_app = info.name.startswith(("longreach.tools.", "longreach.server."))
+    if not lab_or_app or info.name in ("longreach.server.command", "longreach.server.config"):
+        importlib.import_module(info.name)
+from longreach.cli import main
+sys.exit(main(["backends"]))
+"""
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=600)
+    assert r.returncode == 0 and "infinitehip" in r.stdout, r.stderr[-3000:]

@@ -3,8 +3,8 @@ import json
 
 import pytest
 
-from longreach.eval.common import parse_methods
-from longreach.eval.data import paul_graham_text
+from longreach.tools.eval.common import parse_methods
+from longreach.tools.eval.data import paul_graham_text
 
 
 @pytest.fixture(scope="module")
@@ -13,7 +13,7 @@ def text():
 
 
 def test_recall_tool_reports_per_layer_and_mean(text):
-    from longreach.eval.recall import run
+    from longreach.tools.eval.recall import run
 
     configs = json.dumps({"infinitehip:3k": {"n_sink": 16, "n_window": 64, "budgets": [256, 128, 64],
                                           "early_last_budget": None},
@@ -35,7 +35,7 @@ def test_recall_tool_reports_per_layer_and_mean(text):
 
 
 def test_agreement_tool(text):
-    from longreach.eval.agreement import run
+    from longreach.tools.eval.agreement import run
 
     report = run("smollm2", text, 400, 8, parse_methods(["streaming:3k"]),
                  '{"n_sink": 8, "n_window": 32, "dense_below": 0}', "cpu", "float32")
@@ -45,7 +45,7 @@ def test_agreement_tool(text):
 
 
 def test_wilson_interval_known_values():
-    from longreach.eval.common import wilson
+    from longreach.tools.eval.common import wilson
 
     lo, hi = wilson(0, 1)
     assert lo == 0.0 and abs(hi - 0.7935) < 1e-3
@@ -62,7 +62,7 @@ def test_reports_carry_their_provenance(tmp_path, monkeypatch, capsys):
     import json
     import subprocess
 
-    from longreach.eval.common import emit
+    from longreach.tools.eval.common import emit
 
     out = tmp_path / "r.json"
     emit({"methods": {}}, str(out))

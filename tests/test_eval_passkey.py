@@ -6,7 +6,7 @@ import re
 
 import pytest
 
-from longreach.eval.passkey import (
+from longreach.tools.eval.passkey import (
     INTRO,
     NEEDLE,
     QUESTION,
@@ -115,7 +115,7 @@ def test_cli_end_to_end_on_the_real_model(tmp_path, capsys):
 
 @pytest.mark.parametrize("haystack", ["paul-graham", "squad"])
 def test_natural_haystacks_and_needle_phrasings(tok, haystack):
-    from longreach.eval.passkey import NEEDLES
+    from longreach.tools.eval.passkey import NEEDLES
 
     phrasings = ("classic", "secret", "code")
     for seed in range(3):
@@ -135,7 +135,7 @@ def test_natural_haystacks_and_needle_phrasings(tok, haystack):
 
 def test_summary_sums_metered_decode_reads_per_length_once_per_batch():
     """Each cell holds its batch's decode-read totals; a length's summary counts each batch once."""
-    from longreach.eval.passkey import summarize, table
+    from longreach.tools.eval.passkey import summarize, table
 
     batch = {"keys": 600.0, "queries": 4.0, "context_keys": 2000.0}
     cells = [{"length": 1000, "correct": c, "prefill_seconds": 1.0, "decode_reads_batch": batch, "batch_size": 2}

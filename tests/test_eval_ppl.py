@@ -9,7 +9,7 @@ from conftest import make_tiny_hf_model
 
 from longreach import cli
 from longreach.engine.llm import LLM
-from longreach.eval import ppl
+from longreach.tools.eval import ppl
 
 STREAMING = '{"n_sink": 8, "n_window": 24, "block_q": 8, "dense_below": 0}'
 TEXT = ("It is a truth universally acknowledged, that a single man in possession of a good fortune, must be in want "
@@ -81,7 +81,7 @@ def test_windows_end_at_the_same_tokens_at_every_length():
 
 
 def test_dense_ppl_of_smollm2_on_paul_graham_is_plausible(smollm2):
-    from longreach.eval.data import paul_graham_text
+    from longreach.tools.eval.data import paul_graham_text
 
     ids = smollm2.tokenizer.encode(paul_graham_text()[:5000], add_special_tokens=False)
     row = ppl.score(smollm2, [ids[:512]], tail=256, label="dense")  # the tail: tokens 256..511, after 256 of context
@@ -140,7 +140,7 @@ def test_cli_errors(tiny, tmp_path, capsys):
 
 def test_hotpotqa_text_is_long_deduplicated_natural_text():
     """The 1M-token perplexity source: titled Wikipedia paragraphs, each title once, at least the 8M-character cap."""
-    from longreach.eval.data import HOTPOTQA_CHARS, hotpotqa_text
+    from longreach.tools.eval.data import HOTPOTQA_CHARS, hotpotqa_text
 
     text = hotpotqa_text()
     paragraphs = text.split("\n\n")

@@ -7,7 +7,7 @@ import sys
 import pytest
 
 from longreach.cli import main
-from longreach.eval import ruler, ruler_tasks
+from longreach.tools.eval import ruler, ruler_tasks
 
 ALL_TASKS = ["niah_single_1", "niah_single_2", "niah_single_3", "niah_multikey_1", "niah_multikey_2",
              "niah_multikey_3", "niah_multivalue", "niah_multiquery", "vt", "cwe", "fwe", "qa_1", "qa_2"]
@@ -159,7 +159,7 @@ def test_lengths_are_1024_based():
 
 
 def test_import_is_light():
-    code = ("import sys, longreach.eval.ruler; "
+    code = ("import sys, longreach.tools.eval.ruler; "
             "print(sorted(m for m in ('torch', 'matplotlib', 'nltk', 'numpy', 'yaml') if m in sys.modules))")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
     assert out.strip() == "[]"

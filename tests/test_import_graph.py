@@ -6,8 +6,10 @@ same, only hidden) and under `if TYPE_CHECKING:`, with relative imports resolved
 
 Layers, lowest first (`LAYERS`): an arrow may only point to a lower layer or stay inside its package:
   rope, progress, sampling_params < kernels < kvcache, models < attention < config < engine < longreach (the root
-  package: `__version__`, lazy `LLM`), commands < eval, server < bench, calibrate, demo < cli < __main__
-(a package not named in LAYERS is still in the circle test)
+  package: `__version__`, lazy `LLM`), commands < server < tools (the lab: bench, eval, calibrate, demo) < cli <
+  __main__
+(a package not named in LAYERS is still in the circle test). Nothing of the runtime imports the lab (tools/), so that
+`pip install longreach` needs none of the lab's dependencies; inside tools/, eval < bench, calibrate, demo.
 
 Circles removed and kept out by these tests: kernels -> rope -> models -> kernels (RopeConfig now lives in
 rope/config.py, models/config.py re-exports it), models.loader <-> models.random_init (random_init returns the config
@@ -27,7 +29,7 @@ import pytest
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 PKG = ROOT / "longreach"
 # what kernels/ may not import: everything above it
-FORBIDDEN = tuple(f"longreach.{p}" for p in ("attention", "kvcache", "engine", "models", "server", "eval", "bench"))
+FORBIDDEN = tuple(f"longreach.{p}" for p in ("attention", "kvcache", "engine", "models", "server", "tools"))
 CORE = ("kernels", "attention", "kvcache")  # no circle among these packages
 
 
@@ -120,8 +122,8 @@ LAYERS = (
     ("config",),
     ("engine",),
     ("longreach", "commands"),
-    ("eval", "server"),
-    ("bench", "calibrate", "demo"),
+    ("server",),
+    ("tools",),
     ("cli",),
     ("__main__",),
 )
@@ -232,3 +234,41 @@ def test_no_circle_among_the_modules_of_models_and_rope():
                     if owner != mod and owner != f"longreach.{pkg}":
                         arrows.setdefault(owner, set()).add(str(path.relative_to(ROOT)))
         assert circles(graph) == [], f"module circles in {pkg}/: {circles(graph)}"
+
+
+def test_the_runtime_never_imports_the_lab():
+    """Only the lab itself (tools/), the CLI and __main__ may import longreach.tools: the engine, the server and the
+    commands of the engine run with the runtime's dependencies alone."""
+    bad = []
+    for path in sorted(PKG.rglob("*.py")):
+        mod = module_name(path)
+        if in_package(mod, "longreach.tools") or mod in ("longreach.cli", "longreach.__main__"):
+            continue
+        for line, target in imports(path.read_text(), mod, path.name == "__init__.py"):
+            if in_package(target, "longreach.tools"):
+                bad.append(f"{path.relative_to(ROOT)}:{line} imports {target}")
+    assert not bad, "the runtime imports the lab:\n" + "\n".join(bad)
+
+
+# inside the lab, lowest first: the evaluations are what the benchmarks, calibration and demo build on
+LAB_LAYERS = (("eval",), ("bench", "calibrate", "demo"))
+
+
+def test_the_lab_imports_only_downwards():
+    layer = {name: i for i, names in enumerate(LAB_LAYERS) for name in names}
+    lab = PKG / "tools"
+    assert {p.stem if p.is_file() else p.name for p in lab.iterdir() if p.name != "__init__.py"
+            and not p.name.startswith("__")} == set(layer), "a part of tools/ missing from LAB_LAYERS"
+    bad = []
+    for path in sorted(lab.rglob("*.py")):
+        mod = module_name(path)
+        parts = mod.split(".")
+        if len(parts) < 3:
+            continue
+        src = parts[2]
+        for line, target in imports(path.read_text(), mod, path.name == "__init__.py"):
+            t = target.split(".")
+            if len(t) >= 3 and t[:2] == ["longreach", "tools"] and t[2] in layer and t[2] != src \
+                    and layer[t[2]] >= layer[src]:
+                bad.append(f"{path.relative_to(ROOT)}:{line} ({src}) imports {target}")
+    assert not bad, "imports against the order of LAB_LAYERS:\n" + "\n".join(bad)

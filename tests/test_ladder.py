@@ -1,5 +1,14 @@
-"""The retrieval ladder's rungs (issue: where is the needle lost?): the oracle selection and positions-only presets."""
+"""The retrieval ladder's rungs (issue: where is the needle lost?): the oracle selection and positions-only presets,
+which the lab registers (longreach/tools/eval/presets.py)."""
+import pytest
 import torch
+
+
+@pytest.fixture(autouse=True)
+def _eval_presets():
+    from longreach.tools.eval.presets import register
+
+    register()
 
 
 def _keys_and_queries(seed, L=300, Hq=4, Hkv=2, D=16):

@@ -367,7 +367,7 @@ def test_calibration_chooses_the_planted_patterns(tmp_path):
     verticals: k_v 48, not 4), vertical-slash for the diagonal head, Λ-shape for the local head; every candidate
     costs about the Λ budget; the file loads and runs through the engine."""
     from longreach.attention.minference_search import SearchSpace
-    from longreach.calibrate import calibrate
+    from longreach.tools.calibrate import calibrate
     from longreach.config import EngineConfig
     from longreach.engine.llm_engine import LLMEngine
 
@@ -435,7 +435,7 @@ def test_calibrate_command_writes_provenance_and_the_file_loads(tmp_path, capsys
 
 
 def test_eval_method_specs_compose_prefill_and_decode():
-    from longreach.eval.common import method_config, parse_methods
+    from longreach.tools.eval.common import method_config, parse_methods
 
     (a, b) = parse_methods(["minference:bs+infinitehip:3k-fast@x", "minference"])
     assert (a.name, a.preset, a.decode, a.label) == ("minference", "bs", "infinitehip:3k-fast",
@@ -452,7 +452,7 @@ def test_eval_config_of_a_composed_variant_reaches_its_decode_side_and_unread_ke
     """"infinitehip+psa@e50": the decode side reads "psa@e50" (then "psa"), not silently nothing; a keyed entry no
     listed method reads, if it names a label (variant or composition), is an error naming what each method reads;
     entries by method name may sit unread (one config for several runs)."""
-    from longreach.eval.common import decode_kwargs, decode_spec, method_config, parse_methods
+    from longreach.tools.eval.common import decode_kwargs, decode_spec, method_config, parse_methods
 
     cfg = {"psa@e50": {"epsilon": 0.5}, "psa:0.9": {"microbatch": 8}, "psa": {"count_reads": True}}
     a, b, c = parse_methods(["infinitehip+psa@e50", "infinitehip+psa:0.9", "infinitehip+psa"], attention_config=cfg)

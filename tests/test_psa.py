@@ -325,7 +325,7 @@ def test_recall_reports_a_keys_read_distribution_and_psa_finds_planted_blocks():
     0.95 ranks their blocks first and stops after reading a small share of the context, with mass recall >= 0.95; at
     epsilon 1 it reads every causal key. The report carries the keys-read distribution for every method."""
     from longreach.attention.quest import Quest, QuestConfig
-    from longreach.eval.recall import Capture, evaluate
+    from longreach.tools.eval.recall import Capture, evaluate
 
     g = torch.Generator().manual_seed(0)
     Hq, Hkv, D, L, R = 6, 2, 16, 640, 16

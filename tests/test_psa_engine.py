@@ -101,7 +101,7 @@ def test_decode_read_meter_counts_keys_per_query_eager_and_under_graphs(tiny):
     every key of the context; a lower epsilon reads fewer, and the graph path (3 rows in a 4-row graph: one padding
     row, plus the capture's scratch run) meters exactly what eager decode meters. Off by default: None."""
     from longreach import SamplingParams
-    from longreach.eval.common import reads_between
+    from longreach.tools.eval.common import reads_between
 
     lengths, steps = (150, 90, 120), 4
     prompts = _prompts(7, lengths)

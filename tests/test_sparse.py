@@ -12,7 +12,7 @@ from longreach.attention.index import QueryBlocks, SparseIndex
 from longreach.attention.infinitehip import InfiniteHiP, InfiniteHiPConfig
 from longreach.attention.quest import Quest, QuestConfig
 from longreach.attention.streaming import Streaming, StreamingConfig
-from longreach.eval.recall import attended_mask, metrics
+from longreach.tools.eval.recall import attended_mask, metrics
 from longreach.kvcache.paged import gather_tokens
 
 Hq, Hkv, D = 6, 2, 16

@@ -140,7 +140,7 @@ def test_method_spec_without_a_preset_imports_no_torch():
 
 
 def test_eval_configs_travel_as_dicts():
-    from longreach.eval.common import decode_kwargs, eval_config, method_config, parse_methods
+    from longreach.tools.eval.common import decode_kwargs, eval_config, method_config, parse_methods
 
     keyed = {"infinitehip": {"exact_below": 0}, "psa": {"epsilon": 0.9}}
     (a,) = parse_methods(["infinitehip+psa"], attention_config=keyed)

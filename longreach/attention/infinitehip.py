@@ -124,19 +124,8 @@ class InfiniteHiP(SelectionMethod):
         # 3k-exact with stage 0 scored from Quest's min/max box of each 64-token chunk (kernels/chunk_box.py) instead
         # of every key: one centre and one radius per chunk, 1/32 of exact's reads (boxes kept in a paged pool)
         "3k-box": InfiniteHiPConfig(chunk_sizes=(64, 32, 8), stage0_scores="minmax"),
-        # rungs of the retrieval ladder (docs/quality.md), for evaluation, not speed:
-        # the best selection of 3k's size: the top 2048 tokens (4096 in layers 0-2) in 8-token chunks ranked by their
-        # exact best key, recomputed every decode step; attention as 3k (rolling positions). Past the trained length
-        # the keys are scored at relative positions (rt, the method's own for layers 3+: every key one step beyond
-        # the window); `oracle-true` scores them at true positions, which the model never saw there
-        "oracle": InfiniteHiPConfig(chunk_sizes=(8,), budgets=(2048,), refresh=(1,), exact_below=8, prune_rope="rt"),
-        "oracle-true": InfiniteHiPConfig(chunk_sizes=(8,), budgets=(2048,), refresh=(1,), exact_below=8,
-                                         prune_rope="none"),
-        # every key (up to 1M tokens), only the positions remapped: rolling (st) or SelfExtend groups (de)
-        "positions-st": InfiniteHiPConfig(chunk_sizes=(64,), budgets=(1 << 20,), early_last_budget=None,
-                                          refresh=(1,), prune_rope="none", attend_rope="st"),
-        "positions-de": InfiniteHiPConfig(chunk_sizes=(64,), budgets=(1 << 20,), early_last_budget=None,
-                                          refresh=(1,), prune_rope="none", attend_rope="de"),
+        # the evaluation-only rungs of the retrieval ladder (oracle, positions-*) are registered by the lab
+        # (tools/eval/presets.py), so that this table holds only what a user should pick
     }
     # 3k-box: on the retrieval suite it equals or beats the paper's 3k and is faster on the 8B shape (the runs that
     # decided it: docs/quality.md "The retrieval ladder", docs/benchmarks.md)
@@ -286,9 +275,5 @@ class InfiniteHiPBackend(SparseBackend):
         "3k-flash": "3k with the paper's flash refresh, every 96/24/8 decode steps: the fastest decode",
         "3k-exact": "every stage scored exactly: the oracle's selection, but stage 0 grows with the square of the "
                     "context",
-        "oracle": "evaluation: the exact top 2,048 tokens per query block, recomputed every decode step",
-        "oracle-true": "evaluation: the oracle scored at true positions",
-        "positions-st": "evaluation: every key, only the positions remapped (rolling, StreamingLLM's)",
-        "positions-de": "evaluation: every key, only the positions remapped (SelfExtend's groups)",
     }
     supports_cuda_graph = True

@@ -70,6 +70,28 @@ def register_backend(name: str, cls: "type[AttentionBackend] | str") -> None:
     _registry[name] = cls
 
 
+def register_presets(method: str, presets: dict[str, tuple[object, str]]) -> None:
+    """Add named presets to a preset-based method's table: name -> (config, the one line `longreach backends` shows).
+
+    For presets that serve evaluation rather than users: the lab (longreach/tools/eval/presets.py) registers the
+    retrieval ladder's rungs this way, so the runtime's own table lists only what a user should pick. Registering a
+    name again with an equal config does nothing; a different config under a name already taken, or a config of
+    another class than the method's, raises ValueError. Imports the backend's module; mutates its class's tables
+    (process-wide)."""
+    cls = get_backend_class(method)
+    method_cls = getattr(cls, "method_cls", None)
+    if method_cls is None:
+        raise ValueError(f"attention backend {method!r} has no preset table")
+    for name, (config, _) in presets.items():
+        if not isinstance(config, method_cls.config_cls):
+            raise ValueError(f"{method} preset {name!r} must be a {method_cls.config_cls.__name__}, "
+                             f"got {type(config).__name__}")
+        if method_cls.presets.get(name, config) != config:
+            raise ValueError(f"{method} preset {name!r} already exists with another config")
+    method_cls.presets = {**method_cls.presets, **{name: config for name, (config, _) in presets.items()}}
+    cls.preset_notes = {**cls.preset_notes, **{name: note for name, (_, note) in presets.items()}}
+
+
 def get_backend_class(name: str) -> "type[AttentionBackend]":
     check_backend_name(name)
     entry = _registry[name]

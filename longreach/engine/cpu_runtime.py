@@ -3,9 +3,8 @@ glibc's allocator.
 
 Threads. Torch starts one thread per core, and every op waits for all of its threads. When another process keeps a
 core busy, each op waits for the thread that shares that core, so a run of many small ops (the sparse methods'
-PyTorch references) crawls. On 2 cores, a 16-token infinitehip generate (300-token prompt) decoded at 22.5 tok/s
-with 2 threads and 14.5 with 1 on an idle machine; beside a process using a fifth of a core, 16.7 and 14.2; half a
-core, 14.8 and 14.8; a whole core, 7.6 and 14.4 (with other processes on both cores it has been 0.4 against 5.2).
+PyTorch references) crawls: no faster than one thread alone once another process takes half a core, and slower
+beyond (docs/benchmarks.md, "On a CPU", has the measurements).
 Auto: the cores this process may run on (its affinity) minus the cores other processes kept busy while the engine
 loaded its model (from /proc/stat, less this process's own CPU time), at least 1. A core counts as taken once others
 use more than `TAKEN_FROM` of it, below the break-even half: one thread too few costs at most its share of the work,
@@ -13,11 +12,10 @@ one too many can cost several times the run. The user's own choice wins: OMP_NUM
 environment, or a `torch.set_num_threads` call made before the engine starts, are left as they are.
 
 Allocator. glibc serves every allocation above 32 MiB with its own mmap and unmaps it when freed, so each large
-temporary (a prefill chunk's scores) is faulted in page by page again: on 2 cores that was 7-16% of a prefill
-(infinitehip at 4K tokens: 4.8M page faults, 7.8 of 51 s in the kernel; dense at 8K: 2.7 of 36 s).
-`keep_freed_memory` has glibc serve them from its heap and keep what is freed for the next one, as
-MALLOC_MMAP_MAX_=0 would; the process's peak memory stays what it was, but it is not returned to the system until
-the process exits. Left alone when the user set any MALLOC_* variable, and outside glibc.
+temporary (a prefill chunk's scores) is faulted in page by page again, a share of a CPU prefill worth saving
+(docs/benchmarks.md, "On a CPU"). `keep_freed_memory` has glibc serve them from its heap and keep what is freed for
+the next one, as MALLOC_MMAP_MAX_=0 would; the process's peak memory stays what it was, but it is not returned to the
+system until the process exits. Left alone when the user set any MALLOC_* variable, and outside glibc.
 """
 from __future__ import annotations
 

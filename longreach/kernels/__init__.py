@@ -3,7 +3,8 @@
 A leaf package: its modules import torch, triton, the standard library, each other and rope/ (the rotation math),
 never attention/, kvcache/, engine/ or models/ (tests/test_import_graph.py checks it). The types the kernels consume
 live here: the sparse indexes (index_types.py), the fp8 row format (fp8.py), the two-tier page view and the cascading
-cache's packed plan (kv_layout.py, cascade_plan.py); attention/ and kvcache/ re-export them under their old names.
+cache's packed plan (kv_layout.py, cascade_plan.py); attention/ and kvcache/ re-export them for their own
+users.
 
 `use_triton` is the one switch between a kernel and its PyTorch reference.
 """

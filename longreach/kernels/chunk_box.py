@@ -13,8 +13,8 @@ Two flavours per chunk, [0] and [1] of a box's second axis:
   1  the keys moved to the pruning position of the layer's strategy, read by blocks past it. For rt and il that
      position depends on the key alone (rt: 1, the right-branch position an exactly scored key gets; il: 0), so a
      bound at those positions bounds the exact scores there. Chunk-indexed positions (ci) depend on the block's
-     candidate list, which a box per chunk cannot follow: the box uses rt in its place (decision; on SmolLM2 rt in
-     layers 0-2 changed passkey by at most one prompt in 20 per cell, docs/quality.md). SelfExtend groups (de) change
+     candidate list, which a box per chunk cannot follow: the box uses rt in its place (decision: rt in layers 0-2
+     instead of ci changed passkey within noise, docs/quality.md "What the ladder says"). SelfExtend groups (de) change
      with the context length, so a kept box would go stale: the engine refuses de with a box stage 0 (the reference
      below still takes it, for tests).
 A query block reads the flavour its position picks, chosen per block with a `where` (no host sync).

@@ -17,8 +17,8 @@ Numerics follow the PyTorch code they replace (models/llama.py, rope/scaling.py)
     difference, unrounded).
   * `silu_mul`: SiLU in fp32 rounded to the dtype, then the product rounded; the exponential is Triton's, so a result
     may differ from PyTorch's by one unit in the last place.
-On CPU (and anywhere Triton is missing) the same functions run the PyTorch references, which are what the model ran
-before. Tested: the interpreter in fp32/fp16 (tests/test_fused.py); GPU bf16 at Llama-8B sizes
+On CPU (and anywhere Triton is missing) the same functions run the PyTorch references, the code the kernels replace.
+Tested: the interpreter in fp32/fp16 (tests/test_fused.py); GPU bf16 at Llama-8B sizes
 (tests/gpu/test_kernels.py, on a GPU).
 """
 from __future__ import annotations

@@ -3,7 +3,7 @@
 * `copy_chunks(src, src_idx, dst, dst_idx)`: dst.view(-1, E)[dst_idx[i]] = src.view(-1, E)[src_idx[i]] for every i.
   With src the pinned host tier and dst the GPU pool (installing missed pages) or the prefill staging area (a layer's
   prefix), the kernel reads host memory directly (UVA zero-copy): one launch gathers any number of scattered pages,
-  where a CPU gather + copy would stage them first (../shared/facts.md: 16 vs 3 GB/s for random 256-byte rows).
+  where a CPU gather + copy would stage them first, several times slower for scattered rows (docs/offload.md).
 * `scatter_rows(dst, dst_rows, src)`: dst.view(-1, R)[dst_rows[t]] = src[t]: new tokens' K or V written into the
   host tier from the GPU (write-through), graph-capturable, no host sync.
 On CPU tensors both run their PyTorch references (plain indexing), which are also what the tests compare against.

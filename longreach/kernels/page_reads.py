@@ -10,8 +10,8 @@ the pages of group g's selected blocks of block i; program (i, G, 0) marks the s
 past the block's last query are skipped, logical pages are clamped into the block table, and the scratch page (the
 last page, where padded graph rows point) is never marked. Several programs may set the same byte: they all write 1.
 Tested: the interpreter against the PyTorch path, random blocks and tables, one slice and several
-(tests/test_offload.py). GPU: every offloaded decode runs it (infinitehip at 1M on an H100, docs/benchmarks.md);
-the slices (kernel-notes v15) have not run on a GPU yet.
+(tests/test_offload.py); on an H100, every offloaded decode at 1M runs it, several slices per selection for psa
+(docs/benchmarks.md).
 """
 from __future__ import annotations
 
@@ -59,9 +59,9 @@ def mark_reads(wanted: torch.Tensor, layer: int, num_pages: int, block_tables: t
                first: torch.Tensor, last: torch.Tensor, max_rows: int, blocks: torch.Tensor, block_k: int,
                block_size: int, n_sink: int, n_window: int, chunk: int = 1024) -> None:
     """The kernel behind `OffloadedKVCache.note_reads` (same arguments; wanted (L * P + 1,) bool). A program marks at
-    most `chunk` selected pages (a power of two); more go to further programs on grid axis 2. One program per
-    selection made a 1M-token PSA step (65K ranked blocks) a single 131,072-wide block in one warp, which neither
-    compiled nor ran in reasonable time."""
+    most `chunk` selected pages (a power of two); more go to further programs on grid axis 2: one program per
+    selection would make a 1M-token PSA step (65K ranked blocks) a single 131,072-wide block in one warp, whose
+    compile alone takes minutes (docs/kernel-notes.md v15)."""
     if chunk < 1 or chunk & (chunk - 1):
         raise ValueError(f"chunk must be a power of two (pages per program), got {chunk}")
     nb = seq.shape[0]

@@ -359,11 +359,11 @@ def chunk_scores_triton(q: torch.Tensor, k_cache: torch.Tensor, block_table: tor
     hpp_pad = triton.next_power_of_2(hpp)
     bq_pad = max(16, rows) if per_head else max(16 // hpp_pad, rows)
     tile_rows = bq_pad if per_head else hpp_pad * bq_pad
-    if block_c is None:  # measured on H200 (docs/kernel-notes.md)
+    if block_c is None:  # the fastest widths on the GPU (docs/kernel-notes.md v2-v4)
         block_c = max(1, 128 // chunk) if exact else (64 if tile_rows <= 64 else 32)
-    # exact scoring with plenty of programs (long prefill): each walks 4 chunk tiles so its query tile is loaded once
-    # (H200, 1M prefill stage 3: 13.7 -> 10.7 ms); SelectRep is latency-bound and loses from it (stage 1: 50.6 ->
-    # 76.4 ms), and decode keeps every tile a program of its own (docs/kernel-notes.md)
+    # exact scoring with plenty of programs (long prefill): each walks 4 chunk tiles so its query tile is loaded once;
+    # SelectRep is latency-bound and loses from it, and decode keeps every tile a program of its own (the timings:
+    # docs/kernel-notes.md v4)
     if tiles is None:
         tiles = 4 if exact and rows > 1 and nb * P * triton.cdiv(C, block_c) >= 8192 else 1
     n_tiles = triton.cdiv(C, block_c * tiles)

@@ -25,9 +25,8 @@ missing ones from pinned host memory), fp8 rows dequantised on load.
 Returns out (n, H_q, D) in q's dtype, lse (n, H_q) fp32 (natural log, over the keys read) and counts (n, H_kv)
 int32: ranked blocks read. Limits (kernels): head_dim a power of two in [16, 256]; micro-batch x block_size >= 16
 and both powers of two; cand_hi - cand_lo <= W (the loop kernel reads past `ranked` otherwise, the waves stop at
-W). Tested: interpreter in fp16/fp32 (tests/test_psa.py, tests/test_psa_waves.py); bf16 at real sizes is
-tests/gpu/test_psa.py (H100, 128K, 8B shape: waves == loop reads in 144/144 pairs; kernel alone 49 vs
-124 µs at page 16, 40 vs 66 µs at page 32; docs/kernel-notes.md v11).
+W). Tested: interpreter in fp16/fp32 (tests/test_psa.py, tests/test_psa_waves.py); bf16 at real sizes on an H100
+in tests/gpu/test_psa.py (128K, 8B shape; its results and the kernels' timings: docs/kernel-notes.md v11).
 """
 from __future__ import annotations
 

@@ -13,9 +13,9 @@ first_wave micro-batches in wave 0. Each wave is two launches:
      output acc (D fp32) and the smallest block log-mass. A pair already stopped (a flag set by the previous
      merge) or a micro-batch past the row's candidates reads nothing. The cap keeps the late waves of a long
      context (16,384 micro-batches in the last wave at 1M) from launching a program per micro-batch that only
-     reads a flag: measured on an H100 at 1M, such launches made the waves kernel 3x slower than the loop kernel
-     when a pair stops early (docs/kernel-notes.md v13). The extra program of wave 0
-     attends to the fixed keys and writes the pair's running state.
+     reads a flag: at 1M those launches cost more than the loop kernel's whole walk when a pair stops early
+     (docs/kernel-notes.md v13). The extra program of wave 0 attends to the fixed keys and writes the pair's
+     running state.
   B. grid (rows, KV heads, D / merge_cols): merge the wave's partials into the running state in rank order. The
      scalars go first, a chunk at a time: a prefix scan of the associative merge of (m, l, lse_min), the stop test
      of the loop kernel after every micro-batch, the first micro-batch that passes ends it. Then the program's acc

@@ -18,8 +18,8 @@ except ImportError:  # pragma: no cover
 if triton is not None:
     # The GPU's approximate sin/cos (one special-function instruction each; abs. error ~5e-7 on [-pi, pi], where the
     # angle is reduced first) instead of libdevice's accurate ones (dozens of instructions each): a probe of the
-    # pruning kernel rotates every key it reads, and the accurate functions made RoPE-remapped prefill 3.6-3.8x slower
-    # than prefill at true positions (kernel-notes v7). The CPU interpreter has no fast variants: it keeps tl.sin/cos.
+    # pruning kernel rotates every key it reads, and with the accurate functions the trig dominated RoPE-remapped
+    # prefill (docs/kernel-notes.md v7). The CPU interpreter has no fast variants: it keeps tl.sin/cos.
     FAST_TRIG: tl.constexpr = tl.constexpr(os.environ.get("TRITON_INTERPRET", "0") != "1")
 
     @triton.jit

@@ -1,5 +1,5 @@
 """fp8 (e4m3) KV cache rows: the format lives with the kernels that decode it (kernels/fp8.py, which says why it is
-what it is); this module keeps the old import path."""
+what it is); re-exported here for the KV cache's users, who name it with the cache."""
 from __future__ import annotations
 
 from ..kernels.fp8 import (  # noqa: F401

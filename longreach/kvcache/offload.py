@@ -38,7 +38,7 @@ import numpy as np
 import torch
 
 from ..kernels import kv_store, page_reads, use_triton
-from ..kernels.kv_layout import TierView, as_tensor  # noqa: F401 (as_tensor: its old home)
+from ..kernels.kv_layout import TierView, as_tensor  # noqa: F401 (as_tensor: re-exported for the store's readers)
 from ..kernels.offload_copy import copy_chunks, scatter_rows
 from .fp8 import as_bytes, encode, row_bytes, row_elems
 

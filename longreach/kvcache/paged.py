@@ -13,7 +13,7 @@ from __future__ import annotations
 import torch
 
 from ..kernels import kv_store, use_triton
-from ..kernels.kv_layout import gather_tokens  # noqa: F401 (its old home)
+from ..kernels.kv_layout import gather_tokens  # noqa: F401 (re-exported for the cache's readers)
 from .base import resident_occupancy
 from .fp8 import as_bytes, encode, row_bytes, row_elems
 

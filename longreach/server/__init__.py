@@ -11,5 +11,7 @@
   metrics.py      Prometheus `longreach:` metrics and the periodic throughput log line
   app.py          the FastAPI app: routes, API key, error handlers, lifespan; `serve()` runs it on uvicorn
 
-Importing this package imports FastAPI and pydantic but not torch; the engine is created by `serve()`.
+FastAPI, uvicorn and the Prometheus client come with the `[serve]` extra. command.py and config.py import none of
+them, nor torch (the CLI builds its parser from them; it names the extra when one is missing); the engine is
+created by `serve()`.
 """

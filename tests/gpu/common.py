@@ -56,7 +56,7 @@ def median_us(fn, reps: int = 50) -> float:
 
 def essay_text() -> str:
     """The Paul Graham essays: from .carry/b/pg.txt where a device call carried them, else longreach's copy."""
-    from longreach.eval.data import paul_graham_text
+    from longreach.tools.eval.data import paul_graham_text
 
     if os.path.exists(".carry/b/pg.txt"):
         with open(".carry/b/pg.txt") as f:

@@ -109,7 +109,7 @@ def pytest_sessionfinish(session):
     path = _report_path(session.config)
     if path is None or not RESULTS:
         return
-    from longreach.eval.common import provenance
+    from longreach.tools.eval.common import provenance
 
     report = {"command": "python -m pytest " + shlex.join(session.config.invocation_params.args), **provenance(),
               "torch": torch.__version__, "results": list(RESULTS.values())}

@@ -102,7 +102,7 @@ def test_box_engine(gpu_model, detail):
     scored inside the graph) == eager decode, greedy tokens; a batch of two with a catch-up (one prompt just under
     the shortest limit, growing past it)."""
     from longreach import LLM, SamplingParams
-    from longreach.eval.data import paul_graham_text
+    from longreach.tools.eval.data import paul_graham_text
 
     text = paul_graham_text()
     outs = {}

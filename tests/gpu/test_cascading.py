@@ -240,7 +240,7 @@ def test_cascading_passkey(gpu_model, detail):
     growing lengths, every depth (the blog's experiment at SmolLM2's scale; the blog: 65K cache to 1M on a larger
     model). Reports accuracy per length and depth and prefill seconds; quality is measured, not asserted."""
     from longreach import LLM, SamplingParams
-    from longreach.eval.passkey import passkey_prompt, score
+    from longreach.tools.eval.passkey import passkey_prompt, score
 
     lengths, depths, seeds = (8192, 16384, 32768, 65536), (0.05, 0.25, 0.5, 0.75, 0.95), 2
     rows = {}

@@ -4,7 +4,7 @@ One prompt, RULER's niah_single_1 (eval/ruler_tasks.py: "One of the special magi
 hidden in a long filler text, then the question), answered by the sparse method and then by dense attention for
 contrast; says first how long that should take on this machine, shows progress while it runs (progress.py), and
 prints each answer, whether it holds the number, and the time. (The classic pass-key prompt of
-eval/passkey.py is harder for SmolLM2 under sparse attention: right in 60–67% of prompts at 8K–16K, docs/quality.md.)
+eval/passkey.py is harder for SmolLM2 under sparse attention, docs/quality.md.)
 The default length suits the default model (SmolLM2, trained on 8K tokens): 16K tokens, where dense attention is
 already past the model's trained length and fails, on a GPU and on a CPU (minutes on 2 cores: `estimate`);
 `--length` changes it.
@@ -15,10 +15,10 @@ import time
 
 from .eval.common import make_llm, parse_methods
 
-# The default model on a quiet 2-core CPU (Xeon with AVX-512, 2 threads), the default 15,710-token prompt: seconds per
-# run; how they grew from the 7,585-token prompt (53.0 -> 203.1 s, 15.5 -> 69.5 s: time ~ length^length_exp); and how
-# they follow `_probe` (0.047 s there): with 1 thread beside a busy core the probe took 2.1x as long, infinitehip 1.72x
-# (349.0 s, its many small ops gain less from threads) and dense 1.96x (136.2 s): time ~ probe^speed_exp.
+# What `estimate` scales from: the default model and prompt on a quiet 2-core CPU, seconds per run, and how a run's
+# time follows the prompt's length (time ~ length^length_exp) and this machine's speed as `_probe` sees it (time ~
+# probe^speed_exp; infinitehip's many small ops gain less from threads). The measurements: docs/benchmarks.md,
+# "On a CPU".
 _REFERENCE = {"model": "smollm2", "tokens": 15710, "probe_s": 0.047}
 _CPU_SECONDS = {"infinitehip": (203.1, 1.85, 0.72), "dense": (69.5, 2.0, 0.89)}  # (seconds, length_exp, speed_exp)
 
@@ -62,7 +62,7 @@ def estimate(engine, model: str, runs: list, length: int) -> str:
     """One sentence: how long the runs should take on this machine (roughly), before they start."""
     import torch
 
-    from .progress import format_seconds
+    from ..progress import format_seconds
 
     dev = engine.device
     if dev.type == "cuda":
@@ -86,8 +86,8 @@ def main(args) -> int:
 
     import torch
 
-    from .progress import format_seconds
-    from .sampling_params import SamplingParams
+    from ..progress import format_seconds
+    from ..sampling_params import SamplingParams
 
     sparse = parse_methods([args.attention])[0]
     if sparse.name == "dense":

@@ -8,11 +8,10 @@ decisions taken there: the offline shims, the haystack sizing, lengths past RULE
 Decisions:
 - Prompt format: `base` (default) feeds RULER's 'base' template (task text + answer prefix) as plain text;
   `chat` puts the task text in the user turn of the model's chat template and opens the assistant turn with the
-  answer prefix (as RULER's chat templates do). SmolLM2-135M-Instruct, 4K, dense, fp32 on CPU, base / chat:
-  niah_single_1 100 / 100 (6 samples), niah_single_2 100 / 100 (6), niah_multikey_1 62.5 / 31.3 (16 samples, two
-  seeds; in the chat turn it more often gives a distractor needle's number). Base leaves more room to see a method
-  lose accuracy; its cost is decode: the model ends a chat answer with <|im_end|> but runs a base answer on to the
-  task's tokens_to_generate.
+  answer prefix (as RULER's chat templates do). Base is the default because it leaves more room to see a method
+  lose accuracy: on SmolLM2 the chat turn scores lower on multi-key NIAH even with dense attention, giving a
+  distractor's number (docs/quality.md, "The RULER prompt format"). Its cost is decode: the model ends a chat answer
+  with <|im_end|> but runs a base answer on to the task's tokens_to_generate.
 """
 from __future__ import annotations
 
@@ -73,7 +72,7 @@ length_label = format_length
 def run(model: str, task_list: list[Task], lengths: list[int], num_samples: int, seed: int, methods,
         attention_config: dict | str | None, device: str, dtype: str, prompt_format: str, **engine_kw) -> dict:
     """Every method on every task and length; samples are generated once (with the first engine's tokenizer)."""
-    from ..sampling_params import SamplingParams
+    from ...sampling_params import SamplingParams
 
     attention_config = eval_config(attention_config)  # a dict (JSON text from a Python caller: parsed once, here)
     report: dict = {"tasks": {t.name: {"kind": t.kind, "metric": t.metric, "tokens_to_generate": t.tokens_to_generate,

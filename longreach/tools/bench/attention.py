@@ -108,7 +108,7 @@ class Context:
         self.v = self.v_cache.view(-1, HKV, D)[:n].permute(1, 0, 2).unsqueeze(0).contiguous()
 
     def keys(self):
-        from ..attention.sparse import SequenceKeys
+        from ...attention.sparse import SequenceKeys
 
         return SequenceKeys(self.k_cache, self.table, self.n)
 
@@ -119,8 +119,8 @@ CONFIG_OVERRIDES: dict[str, dict] = {}  # per method name; the CPU smoke test sh
 def _method(name: str, preset: str, extra: dict | None = None):
     import dataclasses
 
-    from ..attention.hip import HiP
-    from ..attention.infinitehip import InfiniteHiP
+    from ...attention.hip import HiP
+    from ...attention.infinitehip import InfiniteHiP
 
     cls = {"infinitehip": InfiniteHiP, "hip": HiP}[name]
     cfg = dataclasses.replace(cls.presets[preset], **CONFIG_OVERRIDES.get(name, {}), **(extra or {}))
@@ -143,7 +143,7 @@ MINFERENCE_LAYER = 16  # the layer of a calibration file the mix is taken from (
 
 
 def _index(method, blocks_host, selection):
-    from ..attention.index import QueryBlocks, SparseIndex
+    from ...attention.index import QueryBlocks, SparseIndex
 
     qb = QueryBlocks(*[list(x) for x in zip(*[(0, s, n, p) for s, n, p in blocks_host])])
     blocks, counts = SparseIndex.pack([selection], DEVICE)
@@ -180,9 +180,9 @@ def _minference_prefill(ctx: Context, q, pattern, granularity, patterns_file, re
     """MInference on the last chunk: index building (estimation + merge) and the range kernel, timed separately."""
     import dataclasses
 
-    from ..attention.index import QueryBlocks
-    from ..attention.minference import MInference, MInferenceConfig, index_cost
-    from ..kernels.vertical_slash import RangePlan, range_attention_triton
+    from ...attention.index import QueryBlocks
+    from ...attention.minference import MInference, MInferenceConfig, index_cost
+    from ...kernels.vertical_slash import RangePlan, range_attention_triton
 
     n, c = ctx.n, q.shape[0]
     base = dataclasses.replace(MInferenceConfig(), **CONFIG_OVERRIDES.get("minference", {}))
@@ -216,7 +216,7 @@ def _minference_prefill(ctx: Context, q, pattern, granularity, patterns_file, re
 
 
 def prefill(ctx: Context, methods, repeats: int, flex: bool, minference_patterns: str | None = None) -> dict:
-    from ..kernels.bsa import BSAPlan, block_sparse_attention_triton
+    from ...kernels.bsa import BSAPlan, block_sparse_attention_triton
 
     n, c = ctx.n, min(CHUNK, ctx.n)
     g = torch.Generator(device=DEVICE).manual_seed(1)
@@ -229,7 +229,7 @@ def prefill(ctx: Context, methods, repeats: int, flex: bool, minference_patterns
         m = _method(name, preset, extra)
         bq = m.cfg.block_q
         blocks_host = [(r, min(bq, c - r), n - c + r) for r in range(0, c, bq)]
-        from ..attention.sparse import BlockQueries
+        from ...attention.sparse import BlockQueries
 
         bqs = BlockQueries.build(blocks_host, DEVICE)
         select = lambda: m.select(3, q, bqs, keys)  # noqa: E731  layer 3: not one of the early, larger layers
@@ -300,9 +300,9 @@ def _flex_prefill(ctx: Context, q, method, sel, repeats: int) -> float:
 
 
 def decode(ctx: Context, repeats: int) -> dict:
-    from ..attention.index import SparseIndex
-    from ..attention.sparse import BlockQueries
-    from ..kernels.bsa import BSAPlan, block_sparse_attention_triton
+    from ...attention.index import SparseIndex
+    from ...attention.sparse import BlockQueries
+    from ...kernels.bsa import BSAPlan, block_sparse_attention_triton
 
     n = ctx.n
     g = torch.Generator(device=DEVICE).manual_seed(2)
@@ -321,7 +321,7 @@ def decode(ctx: Context, repeats: int) -> dict:
 
     def attention_step(m, sel_fn):
         """One decode step: sel_fn() -> (ids, counts) or None (mask cached), then block-sparse attention."""
-        from ..attention.index import QueryBlocks
+        from ...attention.index import QueryBlocks
 
         sel = sel_fn()
         ids0, counts0 = sel if sel is not None else cached

@@ -2,8 +2,8 @@
 
 A kernel specialised by a length bucket (a power of two of the candidate count, a stage width) compiles the first
 time a run reaches that bucket. `bench decode` warms each engine up on a prompt of one prefill chunk + 4K tokens, so a
-1M-token run on a fresh machine can still compile a variant inside its timed prefill (one such stall of 12 s is in
-docs/benchmarks.md).
+1M-token run on a fresh machine can still compile a variant inside its timed prefill (docs/benchmarks.md has one
+such stall).
 `JitWatch` records every in-process compilation (Triton's `jit_cache_hook` fires before it, `jit_post_compile_hook`
 after; a hit in Triton's disk cache counts too, at a few ms), so the report can say what its time includes.
 """

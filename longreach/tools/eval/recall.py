@@ -16,8 +16,8 @@ from dataclasses import dataclass
 
 import torch
 
-from ..attention.index import QueryBlocks, SparseIndex
-from ..attention.sparse import SelectionMethod
+from ...attention.index import QueryBlocks, SparseIndex
+from ...attention.sparse import SelectionMethod
 
 
 @dataclass
@@ -42,7 +42,7 @@ def capture(engine, token_ids: list[int], num_queries: int) -> Capture:
         if lo < c + n:
             qs.setdefault(layer, []).append(q[lo - c:].float().cpu())
         if c + n == L:  # last chunk: the whole sequence is in the cache
-            from ..kvcache.paged import gather_tokens
+            from ...kvcache.paged import gather_tokens
 
             ks[layer] = gather_tokens(k_cache, meta.block_tables[0], L).float().cpu()
             vs[layer] = gather_tokens(v_cache, meta.block_tables[0], L).float().cpu()
@@ -182,9 +182,9 @@ def run(model: str, text: str, length: int, methods: list, attention_config: dic
     """Capture `model` on the first `length` tokens of `text` and evaluate each method (`common.RunSpec`)."""
     import json
 
-    from ..attention.registry import get_backend_class
-    from ..config import EngineConfig
-    from ..engine.llm_engine import LLMEngine
+    from ...attention.registry import get_backend_class
+    from ...config import EngineConfig
+    from ...engine.llm_engine import LLMEngine
     from .common import eval_config, method_config
 
     attention_config = eval_config(attention_config)  # a dict (JSON text from a Python caller: parsed once, here)

@@ -58,7 +58,7 @@ def greedy_agreement(llm, hf, dev, new_tokens: int = 48) -> list[dict]:
     """
     import torch
 
-    from ..sampling_params import SamplingParams
+    from ...sampling_params import SamplingParams
 
     tok = llm.get_tokenizer()
     eos = sorted(llm.engine.eos_token_ids)
@@ -89,8 +89,8 @@ def run(model: str, hf_dir: str, hf_file: str | None, device: str, batch_sizes=(
     import torch
     from transformers import AutoModelForCausalLM
 
-    from ..engine.llm import LLM
-    from ..sampling_params import SamplingParams
+    from ...engine.llm import LLM
+    from ...sampling_params import SamplingParams
 
     dev = torch.device(device)
     max_len = max(prefill_len, prompt_len + new_tokens) + 1
@@ -205,9 +205,9 @@ def run_long(model: str, text: str, lengths: list[int], methods: list[tuple[str,
 
     import torch
 
-    from ..engine.llm import LLM
+    from ...engine.llm import LLM
     from ..eval.common import eval_config
-    from ..sampling_params import SamplingParams
+    from ...sampling_params import SamplingParams
 
     attention_config = eval_config(attention_config)  # a dict (JSON text from a Python caller: parsed once, here)
     report = {"date": time.strftime("%Y-%m-%d"), "runs": []}

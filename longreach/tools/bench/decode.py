@@ -120,8 +120,8 @@ def _drive(engine, prompts: list[list[int]], decode_tokens: int, label: str, pro
     second one on, `profile_prefill_steps` of them (their time stays in the prefill seconds, profiler overhead
     included: a run that profiles its prefill says where the time goes, not how much there is). `timed`: False for
     the warm-up run (no note about what compiled in it)."""
-    from ..progress import Progress
-    from ..sampling_params import SamplingParams
+    from ...progress import Progress
+    from ...sampling_params import SamplingParams
     from .jit_watch import JitWatch
     from .profile import StepProfiler
 
@@ -216,7 +216,7 @@ def _measure(model: str, context: int, spec, engine_kwargs: dict, batch: int, de
     """Build one engine, run it, free it; the row of the report (raises what the engine raises)."""
     import torch
 
-    from ..engine.llm import LLM
+    from ...engine.llm import LLM
     from ..eval.common import reads_between
 
     label = f"{_fmt_len(context)} {spec.label}"
@@ -352,10 +352,10 @@ def run(model: str, lengths: list[int], methods: list, engine_kwargs: dict, batc
     returns the report (configs in it as JSON text)."""
     import torch
 
-    from .. import __version__
-    from ..engine.llm_engine import resolve_device, resolve_dtype
+    from ... import __version__
+    from ...engine.llm_engine import resolve_device, resolve_dtype
     from ..eval.common import decode_kwargs, eval_config, method_config
-    from ..models.random_init import is_random_model, random_shape, weights_note
+    from ...models.random_init import is_random_model, random_shape, weights_note
 
     if engine_kwargs.get("attention_config") is not None:  # a dict (JSON text from a Python caller: parsed here)
         engine_kwargs = {**engine_kwargs, "attention_config": eval_config(engine_kwargs["attention_config"])}

@@ -61,9 +61,11 @@ def parse_methods(items: list[str], default_preset: str | None = None, attention
     """["dense", "infinitehip:3k", "infinitehip@no-rope", "hip"] -> RunSpecs (presets default to
     `default_preset`; dense has none), each checked with its share of `attention_config` (the command's
     --attention-config, parsed) before any model loads. A key of a keyed object that no listed method would read is
-    an error, not silently ignored."""
-    from ..attention.registry import MethodSpec
+    an error, not silently ignored. The evaluation presets (presets.py) are registered first."""
+    from ...attention.registry import MethodSpec
+    from .presets import register
 
+    register()
     attention_config = eval_config(attention_config)
 
     out = []
@@ -89,7 +91,7 @@ def parse_methods(items: list[str], default_preset: str | None = None, attention
 def check_spec(spec: RunSpec, attention_config: dict | None) -> None:
     """Raise ValueError, naming the method, when its preset or overrides (or its decode method's) are not ones it
     accepts: an eval checks every method it will run before it loads a model for the first."""
-    from ..config import EngineConfig
+    from ...config import EngineConfig
 
     try:
         EngineConfig(attention=spec.name, preset=spec.preset, attention_config=method_config(spec, attention_config),
@@ -103,7 +105,7 @@ def decode_spec(spec: RunSpec) -> RunSpec | None:
     "psa:0.9@x" (its --attention-config entry may be keyed "psa:0.9@x", "psa:0.9" or "psa"); None if not composed."""
     if not spec.decode:
         return None
-    from ..attention.registry import MethodSpec
+    from ...attention.registry import MethodSpec
 
     name, preset = MethodSpec.parse(spec.decode)
     variant = spec.label.partition("@")[2]
@@ -116,7 +118,7 @@ def _config_keys(spec: RunSpec) -> tuple[str, ...]:
 
 
 def _keyed(parsed: dict) -> bool:
-    from ..attention.registry import available_backends
+    from ...attention.registry import available_backends
 
     return bool(parsed) and all(k.partition("@")[0].partition(":")[0].partition("+")[0] in available_backends()
                                 for k in parsed)
@@ -127,7 +129,7 @@ def eval_config(attention_config: dict | str | None) -> dict | None:
     Python caller is parsed here (config.config_dict, which says what is wrong with anything else)."""
     if attention_config is None or isinstance(attention_config, dict):
         return attention_config
-    from ..config import config_dict
+    from ...config import config_dict
 
     return config_dict(attention_config, "--attention-config")
 
@@ -194,9 +196,12 @@ def decode_kwargs(spec: RunSpec, attention_config: dict | None) -> dict:
 
 def make_llm(model: str, spec: RunSpec, attention_config: dict | None, device: str, dtype: str,
              max_model_len: int, **engine_kwargs):
-    """An `LLM` running one method (`attention_config`: the eval-wide option, see `method_config`)."""
-    from ..engine.llm import LLM
+    """An `LLM` running one method (`attention_config`: the eval-wide option, see `method_config`); the evaluation
+    presets (presets.py) are registered first."""
+    from ...engine.llm import LLM
+    from .presets import register
 
+    register()
     engine_kwargs = {**engine_kwargs, **decode_kwargs(spec, attention_config)}
     return LLM(model, attention=spec.name, preset=spec.preset, attention_config=method_config(spec, attention_config),
                device=device, dtype=dtype, max_model_len=max_model_len, **engine_kwargs)
@@ -209,11 +214,11 @@ def provenance() -> dict:
     import os
     import subprocess
 
-    from .. import __version__
+    from ... import __version__
 
     commit = os.environ.get("LONGREACH_COMMIT")
     if commit is None:
-        repo = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+        repo = os.path.abspath(os.path.join(os.path.dirname(__file__), "..", "..", ".."))  # longreach/tools/eval/
         try:
             head = subprocess.run(["git", "-C", repo, "rev-parse", "--short", "HEAD"], capture_output=True,
                                   text=True, timeout=10)

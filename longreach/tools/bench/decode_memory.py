@@ -84,8 +84,8 @@ def _offload_summary(snaps: list, steps: list[dict], prefill_before: dict | None
 def _kv_bytes_per_token(mc, kv_cache_dtype: str, run_dtype) -> int:
     """KV bytes per token, all layers, as the engine stores them: K and V rows (fp8 rows carry their scale in 16
     bytes after the values, kvcache/fp8.py)."""
-    from ..engine.llm_engine import resolve_kv_dtype
-    from ..kvcache.fp8 import row_bytes
+    from ...engine.llm_engine import resolve_kv_dtype
+    from ...kvcache.fp8 import row_bytes
 
     return 2 * mc.num_layers * mc.num_kv_heads * row_bytes(mc.head_dim, resolve_kv_dtype(kv_cache_dtype, run_dtype))
 
@@ -110,7 +110,7 @@ def _weights_bytes(model) -> int:
 def _estimate_weights_bytes(mc, run_dtype) -> int:
     import torch
 
-    from ..models.llama import LlamaForCausalLM
+    from ...models.llama import LlamaForCausalLM
 
     with torch.device("meta"):  # shapes only, no memory
         return sum(p.numel() for p in LlamaForCausalLM(mc).parameters()) * run_dtype.itemsize

@@ -5,10 +5,9 @@ The prompt (the classic test of Mohtashami & Jaggi, "Landmark Attention", 2023):
 and the answer is right when the first number generated is the key (`score`).
 
 Decisions:
-- Plain completion, not the chat template, and the question follows the haystack after one space. On
-  SmolLM2-135M-Instruct (dense, CPU, fp32) this scored 6/6 at 2K and 6/6 at 4K (depths 0.1, 0.5, 0.9, two keys
-  each). At 2K the chat template (task in the user turn, "The pass key is" opening the assistant turn) scored 0/7 and
-  1/3, and a plain prompt with "\\n\\n" before the question 1/7: the model goes on about "a magical key" instead.
+- Plain completion, not the chat template, and the question follows the haystack after one space: with the chat
+  template, or a blank line before the question, SmolLM2-135M-Instruct goes on about "a magical key" instead of
+  answering, where this prompt finds the key (docs/quality.md, "The pass-key prompt").
 - Prompts are built by token counts, so each has exactly `length` tokens with the model's tokenizer: every filler
   sentence is tokenized once (with its leading space, which is how it tokenizes in running text), repeated and trimmed
   at the end; the needle goes in at the sentence boundary nearest `depth` x the haystack's tokens.
@@ -164,7 +163,7 @@ def check_args(args: argparse.Namespace) -> None:
 def run_method(llm, prompts: list[dict], new_tokens: int, label: str) -> list[dict]:
     """Answer every prompt ({"length", "depth", "seed", "key", "ids"}) with one engine -> one result per prompt.
     A result's seconds run from its scheduling to its last token, so prompts batched together overlap."""
-    from ..sampling_params import SamplingParams
+    from ...sampling_params import SamplingParams
 
     params = SamplingParams(temperature=0, max_tokens=new_tokens)
     batches: list[list[dict]] = []

@@ -9,7 +9,7 @@ def run(model: str, text: str, length: int, new_tokens: int, methods: list, atte
         device: str, dtype: str) -> dict:
     """Prompt = the first `length - new_tokens` tokens of `text`; each method (`common.RunSpec`) generates
     `new_tokens` greedily."""
-    from ..sampling_params import SamplingParams
+    from ...sampling_params import SamplingParams
     from .common import eval_config, make_llm, parse_methods
 
     attention_config = eval_config(attention_config)  # a dict (JSON text from a Python caller: parsed once, here)

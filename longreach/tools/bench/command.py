@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import importlib
 
-from ..commands.engine_args import add_engine_args
-from ..config import EngineConfig
+from ...commands.engine_args import add_engine_args
+from ...config import EngineConfig
 from ..eval.common import context_length
 
 HELP = "benchmarks (always with the baseline measured in the same run)"
@@ -107,7 +107,7 @@ def main(args) -> int:
 def _engine(args) -> int:
     import os
 
-    from ..models.loader import resolve_model_path
+    from ...models.loader import resolve_model_path
     from .engine import run
 
     hf = resolve_model_path(args.hf_model or args.model)
@@ -130,7 +130,7 @@ def _attention(args) -> int:
 
 
 def _long(args) -> int:
-    from ..attention.registry import MethodSpec
+    from ...attention.registry import MethodSpec
     from ..eval.common import parse_methods
     from ..eval.data import paul_graham_text, read_text_file
     from .engine import run_long
@@ -147,7 +147,7 @@ def _decode(args) -> int:
     import shlex
 
     from ..eval.common import parse_methods
-    from ..models.random_init import is_random_model, random_shape
+    from ...models.random_init import is_random_model, random_shape
     from .decode import run
 
     if args.batch < 1 or args.decode_tokens < 2:

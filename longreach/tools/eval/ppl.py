@@ -83,7 +83,7 @@ def score(engine, windows: list[list[int]], tail: int, label: str = "") -> dict:
     """Score each window (token ids) through `engine`: PPL over all predicted tokens and over the last `tail`."""
     import torch
 
-    from ..progress import Progress
+    from ...progress import Progress
 
     t0 = time.perf_counter()
     nll_all, nll_tail = [], []

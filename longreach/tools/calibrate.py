@@ -116,9 +116,9 @@ def calibrate(engine, token_ids: list[int], space, granularity: str = "head", bl
               progress: bool = True) -> list[dict]:
     """Per layer the search result (attention/minference_search.py: space, cost, errors, choice) for `engine` (a
     dense LLMEngine whose max_num_batched_tokens holds the prompt) on `token_ids`."""
-    from .attention.minference import MInference, MInferenceConfig
-    from .attention.minference_search import LayerSearch, search_layer
-    from .progress import Progress
+    from ..attention.minference import MInference, MInferenceConfig
+    from ..attention.minference_search import LayerSearch, search_layer
+    from ..progress import Progress
 
     mc = engine.model_config
     method = MInference(MInferenceConfig(block=block, granularity=granularity, segment=max(block, -(
@@ -128,12 +128,12 @@ def calibrate(engine, token_ids: list[int], space, granularity: str = "head", bl
     results: dict[int, dict] = {}
     scale = mc.head_dim ** -0.5
     if engine.device.type == "cuda":
-        from .kernels.vertical_slash import range_attention_triton
+        from ..kernels.vertical_slash import range_attention_triton
 
         def attend(q, kc, vc, bt, idx):
             return range_attention_triton(q, kc, vc, bt, idx, scale, block_n=block)[0]
     else:
-        from .attention.executor import range_attention
+        from ..attention.executor import range_attention
 
         def attend(q, kc, vc, bt, idx):
             return range_attention(q, kc, vc, bt, idx, scale, need_lse=False)[0]
@@ -159,12 +159,12 @@ def calibrate(engine, token_ids: list[int], space, granularity: str = "head", bl
 
 
 def main(args) -> int:
-    from . import __version__
-    from .attention.minference import PATTERNS_FORMAT
-    from .attention.minference_search import SearchSpace
-    from .config import EngineConfig
-    from .engine.llm_engine import LLMEngine
-    from .models.loader import resolve_model_path
+    from .. import __version__
+    from ..attention.minference import PATTERNS_FORMAT
+    from ..attention.minference_search import SearchSpace
+    from ..config import EngineConfig
+    from ..engine.llm_engine import LLMEngine
+    from ..models.loader import resolve_model_path
 
     target, verticals = _ints(args.target, "--target"), _ints(args.verticals, "--verticals")
     if len(target) != 2:
