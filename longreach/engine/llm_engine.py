@@ -6,13 +6,11 @@ one prefill or decode step and returns the requests that finished in it. Mutates
 """
 from __future__ import annotations
 
-import contextlib
 import dataclasses
 import itertools
 import json
 import logging
 import time
-from collections.abc import Iterator
 from dataclasses import dataclass
 
 import torch
@@ -25,39 +23,16 @@ from ..kvcache.paged import PagedKVCache
 from ..models.loader import load_model
 from ..sampling_params import SamplingParams
 from . import cpu_runtime
+from .devices import resolve_device, resolve_dtype, resolve_kv_dtype
 from .model_runner import ModelRunner
 from .outputs import CompletionOutput, RequestMetrics, RequestOutput
 from .sampler import Sampler, seeded_generator
 from .scheduler import ScheduledBatch, Scheduler
+from .scoring import PromptScorer
 from .sequence import Sequence, SequenceStatus
+from .stopping import append_token
 
 logger = logging.getLogger("longreach")
-
-_DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
-
-
-def resolve_device(name: str) -> torch.device:
-    if name == "auto":
-        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    if name.startswith("cuda") and not torch.cuda.is_available():
-        raise ValueError(f"device {name!r} was asked for but CUDA is not available here; use --device cpu")
-    return torch.device(name)
-
-
-def resolve_kv_dtype(name: str, run_dtype: torch.dtype) -> torch.dtype:
-    """--kv-cache-dtype: auto = the run dtype; fp8 = e4m3 (kernels dequantise on load)."""
-    if name == "auto":
-        return run_dtype
-    if name == "fp8":
-        return torch.float8_e4m3fn
-    return _DTYPES[name]
-
-
-def resolve_dtype(name: str, device: torch.device) -> torch.dtype:
-    if name == "auto":
-        return torch.bfloat16 if device.type == "cuda" else torch.float32
-    return _DTYPES[name]
-
 
 @dataclass
 class StepStats:
@@ -121,6 +96,8 @@ class LLMEngine:
         self.eos_token_ids = frozenset(mc.eos_token_ids) | (
             {self.tokenizer.eos_token_id} if self.tokenizer and self.tokenizer.eos_token_id is not None else set())
         self.last_step: StepStats | None = None
+        self.scorer = PromptScorer(self.config, self.scheduler, self.blocks, self.runner, self.backend, self.device,
+                                   lambda: next(self._seq_ids))
 
     def _override_rope(self, override: dict) -> None:
         """--rope-scaling: replace the checkpoint's RoPE scaling (model config and the rotary module)."""
@@ -225,89 +202,18 @@ class LLMEngine:
             return None
         return [CompletionOutput(s.index, s.text, s.output_token_ids, s.finish_reason, s.stop_reason) for s in req.seqs]
 
-    @torch.inference_mode()
     def prompt_logprobs(self, token_ids: list[int], num_top: int = 0, start: int = 1
                         ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """Score `token_ids` as one prompt: for each position t in [start, T), log p(token t | tokens < t) and the
-        `num_top` most likely tokens at t (the OpenAI API's `logprobs` / `echo`).
+        """log p(token t | tokens < t) for t in [start, T) and the `num_top` likeliest tokens (engine/scoring.py)."""
+        return self.scorer.prompt_logprobs(token_ids, num_top, start)
 
-        Returns fp32 / int64 CPU tensors: logprobs (T - start,), top_ids (T - start, num_top), top_logprobs
-        (T - start, num_top). The same chunked prefill as `prompt_nll`: needs an idle engine, and holds one chunk's
-        (n, V) logits at a time, never the whole (T, V).
-        """
-        T = len(token_ids)
-        if not 1 <= start < T:
-            raise ValueError(f"start must be in [1, {T}) for {T} tokens, got {start}")
-        targets = torch.tensor(token_ids, dtype=torch.long, device=self.device)
-        lps, top_ids, top_lps, row0 = [], [], [], 0
-        with contextlib.closing(self._prefill_chunks(token_ids, True)) as chunks:
-            for logits in chunks:  # (n, V); row i predicts token row0 + i + 1
-                n = logits.shape[0]
-                lo, hi = max(start - 1 - row0, 0), min(n, T - 1 - row0)  # rows whose target is in [start, T)
-                if lo < hi:
-                    lp = torch.log_softmax(logits[lo:hi], dim=-1)
-                    lps.append(lp.gather(1, targets[row0 + lo + 1: row0 + hi + 1, None])[:, 0])
-                    if num_top:
-                        v, i = lp.topk(num_top, dim=-1)
-                        top_lps.append(v)
-                        top_ids.append(i)
-                row0 += n
-        out = torch.cat(lps).cpu()
-        if not num_top:
-            return out, torch.empty(len(out), 0, dtype=torch.long), torch.empty(len(out), 0)
-        return out, torch.cat(top_ids).cpu(), torch.cat(top_lps).cpu()
-
-    @torch.inference_mode()
     def prompt_logits(self, token_ids: list[int], return_logits: bool = True) -> torch.Tensor | None:
-        """fp32 logits (T, V) of every position of `token_ids`, via chunked prefill through the engine's backend.
+        """fp32 logits (T, V) of every position, by chunked prefill outside the scheduler (engine/scoring.py)."""
+        return self.scorer.prompt_logits(token_ids, return_logits)
 
-        Runs outside the scheduler (call it while no requests are queued); pages are taken and returned here.
-        With `return_logits=False` only the forward passes run (e.g. to capture attention inputs).
-        """
-        chunks = list(self._prefill_chunks(token_ids, return_logits))
-        return torch.cat(chunks) if return_logits else None
-
-    @torch.inference_mode()
     def prompt_nll(self, token_ids: list[int], progress=None) -> torch.Tensor:
-        """Per-token negative log-likelihood (T-1,) fp32: entry t is -log p(token t+1 | tokens <= t).
-
-        The same chunked prefill as `prompt_logits`, but each chunk's logits are reduced as soon as they come back,
-        so memory holds one chunk's (n, V) logits, never the whole (T, V). `progress` (a progress.Progress) counts
-        the chunks' tokens.
-        """
-        if len(token_ids) < 2:
-            raise ValueError(f"prompt_nll needs at least 2 tokens (one context, one target), got {len(token_ids)}")
-        targets = torch.tensor(token_ids[1:], dtype=torch.long, device=self.device)
-        nll, start = [], 0
-        with contextlib.closing(self._prefill_chunks(token_ids, True)) as chunks:  # frees the pages on an error here
-            for logits in chunks:  # (n, V); row i predicts token start + i + 1
-                tgt = targets[start: start + logits.shape[0]]  # the sequence's last row has no target
-                nll.append(torch.nn.functional.cross_entropy(logits[: len(tgt)], tgt, reduction="none"))
-                start += logits.shape[0]
-                if progress is not None:
-                    progress.update(logits.shape[0])
-        return torch.cat(nll)
-
-    def _prefill_chunks(self, token_ids: list[int], all_logits: bool) -> Iterator[torch.Tensor | None]:
-        """Prefill `token_ids` as one throw-away sequence, max_num_batched_tokens at a time, outside the scheduler;
-        yields each chunk's fp32 logits (n, V) (None without `all_logits`). Its pages are freed when the generator
-        finishes or is closed."""
-        if self.scheduler.has_unfinished():
-            raise RuntimeError("scoring a prompt needs an idle engine (requests are queued or running)")
-        if not 0 < len(token_ids) <= self.config.max_model_len:
-            raise ValueError(f"token_ids must have 1..{self.config.max_model_len} tokens, got {len(token_ids)}")
-        seq = Sequence(next(self._seq_ids), "score", 0, list(token_ids), SamplingParams(max_tokens=1), frozenset(), 1)
-        try:
-            while seq.num_computed < seq.num_tokens:
-                n = self.scheduler.chunk(seq, self.config.max_num_batched_tokens)
-                if not self.blocks.ensure(seq.seq_id, seq.num_computed + n):
-                    raise ValueError(f"the KV cache cannot hold {len(token_ids)} tokens")
-                logits, _ = self.runner.execute(ScheduledBatch(True, [seq], [n]), all_logits=all_logits)
-                seq.num_computed += n
-                yield logits if all_logits else None
-        finally:
-            self.blocks.free(seq.seq_id)
-            self.backend.free_sequence(seq.seq_id)
+        """Per-token negative log-likelihood (T-1,) fp32 (engine/scoring.py)."""
+        return self.scorer.prompt_nll(token_ids, progress)
 
     # ---- the loop ------------------------------------------------------------------------------------------------
     def step(self) -> list[RequestOutput]:
@@ -335,7 +241,7 @@ class LLMEngine:
         for seq, tok in zip(sampling, tokens):
             if seq.times.first_token is None:
                 seq.times.first_token = now
-            self._append_token(seq, tok)
+            append_token(seq, tok)
             if seq.finished:
                 seq.times.finished = now
                 self.scheduler.finish(seq)
@@ -357,41 +263,6 @@ class LLMEngine:
                          self.blocks.num_blocks - self.blocks.num_free_blocks, self.blocks.num_blocks,
                          len(self.scheduler.waiting), kv)
         return finished
-
-    def _append_token(self, seq: Sequence, tok: int) -> None:
-        """Record a sampled token and decide whether the sequence stops (EOS, stop token/string, length)."""
-        p = seq.params
-        seq.output_token_ids.append(tok)
-        n_out = len(seq.output_token_ids)
-        may_stop = n_out >= p.min_tokens
-        if may_stop and tok in p.stop_token_ids:
-            self._finish(seq, "stop", tok)
-        elif may_stop and tok in seq.eos_token_ids:
-            self._finish(seq, "stop", None)
-        else:
-            if seq.decoder is not None:
-                new = seq.decoder.push(tok)
-                seq.text += new
-                if may_stop and p.stop and new:
-                    self._check_stop_strings(seq, len(new))
-            if not seq.finished and n_out >= seq.max_tokens:
-                self._finish(seq, "length", None)
-
-    @staticmethod
-    def _check_stop_strings(seq: Sequence, new_len: int) -> None:
-        longest = max(len(s) for s in seq.params.stop)
-        start = max(0, len(seq.text) - new_len - longest + 1)  # a match must overlap the new text
-        hits = [(i, s) for s in seq.params.stop if (i := seq.text.find(s, start)) >= 0]
-        if hits:
-            i, s = min(hits)
-            seq.text = seq.text[: i + len(s)] if seq.params.include_stop_str_in_output else seq.text[:i]
-            LLMEngine._finish(seq, "stop", s)
-
-    @staticmethod
-    def _finish(seq: Sequence, reason: str, stop_reason) -> None:
-        seq.status = SequenceStatus.FINISHED
-        seq.finish_reason = reason
-        seq.stop_reason = stop_reason
 
     def _request_output_if_done(self, request_id: str) -> RequestOutput | None:
         req = self._requests[request_id]
