@@ -61,6 +61,10 @@ cat \$(for i in \$(seq 1 $n); do echo /tmp/m/piece\$i; done) > /tmp/m/model.gguf
 echo "$sha  /tmp/m/model.gguf" | sha256sum -c - || return 1
 rm -f /tmp/m/piece*
 export PYTHONPATH=/tmp/site:\$PWD LONGREACH_COMMIT=$commit
+# the wheels of call 1 once went missing from /tmp/site on a warm machine (gguf not found in the job's call): check
+# them, and install them again from .carry/1 (still there: ignored paths stay between calls) where they are not
+python3 -c "import gguf, long_context_eval" 2>/dev/null || python3 -m pip install -q --upgrade --no-index --no-deps \
+    --no-compile --target /tmp/site .carry/1/*.whl || { echo "the wheels of call 1 are missing: start again"; return 1; }
 SH
 du -sh .carry/*
 echo "device calls for $alias ($n, back to back, nothing in between):"
