@@ -117,7 +117,7 @@ def calibrate(engine, token_ids: list[int], space, granularity: str = "head", bl
     """Per layer the search result (attention/minference_search.py: space, cost, errors, choice) for `engine` (a
     dense LLMEngine whose max_num_batched_tokens holds the prompt) on `token_ids`."""
     from .attention.minference import MInference, MInferenceConfig
-    from .attention.minference_search import LayerSearch, search_layer
+    from .attention.minference.search import LayerSearch, search_layer
     from .progress import Progress
 
     mc = engine.model_config
@@ -161,7 +161,7 @@ def calibrate(engine, token_ids: list[int], space, granularity: str = "head", bl
 def main(args) -> int:
     from . import __version__
     from .attention.minference import PATTERNS_FORMAT
-    from .attention.minference_search import SearchSpace
+    from .attention.minference.search import SearchSpace
     from .config import EngineConfig
     from .engine.llm_engine import LLMEngine
     from .models.loader import resolve_model_path

@@ -151,11 +151,11 @@ def cascading_insert():
     import numpy as np
 
     from gpu_check_common import _median_us
-    from longreach.attention.cascading_attend import unrotation
+    from longreach.attention.cascading.attend import unrotation
     from longreach.kernels.cascade_insert import (cascade_insert_reference, cascade_insert_triton,
                                                   cascade_rope_reference, cascade_rope_triton, move_rows_triton)
     from longreach.rope.strategies import rotation
-    from longreach.kvcache.cascade import CascadeRings, apply_moves, batch_plans, execute_plan
+    from longreach.attention.cascading.rings import CascadeRings, apply_moves, batch_plans, execute_plan
 
     dev, S, sizes = "cuda", 64, [2040] * 8
     lines = []
@@ -227,9 +227,9 @@ def cascading_flash():
 
     from gpu_check_common import _median_us
     from longreach.attention.cascading import CascadingBackend
-    from longreach.attention.cascading_attend import causal_attention_lse, gather_virtual
+    from longreach.attention.cascading.attend import causal_attention_lse, gather_virtual
     from longreach.config import EngineConfig
-    from longreach.kvcache.cascade import CascadeRings
+    from longreach.attention.cascading.rings import CascadeRings
     from longreach.models.config import ModelConfig, RopeConfig
     from longreach.rope.strategies import rotation
 

@@ -22,7 +22,7 @@ import torch
 from longreach.engine.llm import LLM
 from longreach.sampling_params import SamplingParams
 from longreach.eval.passkey import passkey_prompt, score
-import longreach.attention.sparse as sp
+import longreach.attention.sparse.backend as sp
 from longreach.kvcache.paged import gather_tokens
 
 MODE = "renorm"

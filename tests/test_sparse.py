@@ -369,6 +369,6 @@ def test_graph_decode_path_equals_eager_decode_with_staggered_sequences(tiny, me
     # the 90-token prompt decodes below dense_below beside longer ones: a variant where only a prefix of the rows
     # (longest first) runs the selection stages
     assert any(0 < key[3] < rows for rows, key in engine.runner._graphs), sorted(engine.runner._graphs)
-    assert not engine.backend._slot and not engine.backend._cached  # finished sequences gave their state back
+    assert not engine.backend.graph.slots and not engine.backend.graph.cached  # finished sequences gave state back
     if method.endswith("-box"):
-        assert any(key[4] for key in keys) and not engine.backend._boxes.rows  # a catch-up ran; boxes given back
+        assert any(key[4] for key in keys) and not engine.backend.boxes.rows  # a catch-up ran; boxes given back

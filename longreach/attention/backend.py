@@ -69,7 +69,7 @@ class AttentionMetadata:
 
 class KVLayout(Protocol):
     """Where a bounded cache puts a sequence's tokens among its own slots (local slot i = page table[i // block_size]
-    at offset i % block_size); attention/cascading.py: CascadeLayout."""
+    at offset i % block_size); attention/cascading/config.py: CascadeLayout."""
 
     max_slots: int  # the most slots any sequence uses
     stride: int  # prefill chunks end on multiples of this position (except at a prompt's end): the backend's unit
@@ -145,7 +145,7 @@ class AttentionBackend(ABC):
 
     def bind_kv_cache(self, capacity_tokens: int, dtype: torch.dtype) -> None:
         """The engine made the KV cache: it holds `capacity_tokens` tokens (with offloading, the host tier's) and the
-        model runs in `dtype`. Backends that keep state sized by the cache make it here (sparse.py's box pool)."""
+        model runs in `dtype`. Backends that keep state sized by the cache make it here (stage-0 boxes)."""
 
     def begin_step(self, meta: AttentionMetadata) -> None:
         """Once per forward pass, before layer 0."""

@@ -22,7 +22,7 @@ def block_sparse_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
     """`rope`: remap the positions of far keys (rope/strategies.py, attention strategies) for query blocks ending
     at or past rope.rope_from; None or mode "none" keeps true positions.
 
-    Strategy "cache" (a bounded cache, attention/cascading.py): keys are stored un-rotated and each is rotated at its
+    Strategy "cache" (a bounded cache, attention/cascading/): keys are stored un-rotated and each is rotated at its
     position; queries are used as given.
 
     `need_lse=False` (the engine on CPU): the softmax runs as one fused SDPA call per slice over the same keys and
