@@ -19,7 +19,7 @@ from ..kernels import use_triton
 from ..kernels.combine import sm_count
 from ..kernels.paged_decode import default_num_splits, paged_decode, paged_decode_reference
 from ..kvcache.paged import gather_tokens
-from .backend import AttentionBackend, AttentionMetadata
+from .backend import AttentionBackend, AttentionMetadata, Capabilities, GraphSupport
 
 
 def _sdpa_context(device: torch.device):
@@ -52,7 +52,7 @@ def causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: f
 
 class DenseBackend(AttentionBackend):
     name = "dense"
-    supports_cuda_graph = True
+    capabilities = Capabilities(graph=GraphSupport.STATIC)
 
     def forward(self, layer, q, k, v, k_cache, v_cache, meta: AttentionMetadata):
         if meta.is_prefill:

@@ -13,7 +13,7 @@ import typing
 import numpy as np
 import torch
 
-from ..attention.backend import AttentionBackend, AttentionMetadata
+from ..attention.backend import AttentionBackend, AttentionMetadata, GraphSupport
 from ..config import EngineConfig
 from ..kvcache.block_manager import BlockManager
 from ..kvcache.base import KVCache
@@ -139,7 +139,7 @@ class ModelRunner:
     def capture_graphs(self, emulate: bool = False) -> None:
         """Set up graph decode: static input buffers, and a graph per batch-size bucket for each variant the backend
         lists up front (dense: its only one). Variants the backend names later (sparse: per context bucket and mask
-        refresh level, see attention/graph_decode.py) are captured the first time a step needs them.
+        refresh level, see attention/sparse/graph.py) are captured the first time a step needs them.
 
         `emulate` (tests, any device): run the same static-buffer decode path eagerly instead of capturing, so the
         graph path's logic is checked on a CPU.
@@ -162,7 +162,8 @@ class ModelRunner:
         self._emulate = emulate
         self._pool = None if emulate else torch.cuda.graph_pool_handle()
         self._graph_sizes = sizes
-        keys = self.backend.graph_keys_upfront()
+        # STATIC: the one variant, captured now; VARIANTS: each captured the first time a step needs it
+        keys = [()] if self.backend.capabilities.graph is GraphSupport.STATIC else []
         for key in keys:
             for n in reversed(sizes):  # largest first, so smaller graphs reuse its memory
                 self._capture(n, key)
@@ -213,7 +214,7 @@ class ModelRunner:
 
     def _replay(self, batch: ScheduledBatch) -> torch.Tensor:
         """One graph-decoded step. The rows are fed longest first (a sparse backend then runs its selection only
-        for the prefix of rows that need one, attention/graph_decode.py); the logits come back in batch order."""
+        for the prefix of rows that need one, attention/sparse/graph.py); the logits come back in batch order."""
         n = len(batch.seqs)
         size = self._graph_sizes[bisect.bisect_left(self._graph_sizes, n)]
         bs = self.block_size

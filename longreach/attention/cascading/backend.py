@@ -42,7 +42,7 @@ from ...kernels.cascade_insert import (cascade_insert_reference, cascade_insert_
 from ...kernels import use_triton
 from ...kernels.combine import sm_count, split_count
 from ...rope.strategies import RopeArgs, rotation
-from ..backend import AttentionBackend, AttentionMetadata
+from ..backend import AttentionBackend, AttentionMetadata, Capabilities
 from ..presets import resolve
 from .attend import causal_attention_lse, gather_virtual, unrotation
 from .config import DEFAULT_PRESET, PRESET_NOTES, PRESETS, CascadeLayout, CascadingConfig
@@ -56,9 +56,9 @@ class CascadingBackend(AttentionBackend):
     """Cascading KV cache: sink + sub-caches with exponential acceptance and importance eviction; bounded memory."""
 
     name = "cascading"
-    supports_cuda_graph = False
+    # no graphs (the insertion plan is host work every step); its own bounded cache: cannot be composed
+    capabilities = Capabilities(bounded_cache=True)
     preset_notes = PRESET_NOTES
-    bounded_cache = True  # keeps its own bounded cache: cannot be composed with another method
 
     def __init__(self, model_config, engine_config, device):
         super().__init__(model_config, engine_config, device)

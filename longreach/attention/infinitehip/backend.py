@@ -1,6 +1,7 @@
 """InfiniteHiP's engine backend: the shared sparse backend with its method, plus the stage-0 boxes it keeps."""
 from __future__ import annotations
 
+from ..backend import Capabilities, GraphSupport
 from ..sparse.backend import SparseBackend
 from .boxes import BoxPool
 from .config import PRESET_NOTES
@@ -13,7 +14,7 @@ class InfiniteHiPBackend(SparseBackend):
     name = "infinitehip"
     method_cls = InfiniteHiP
     preset_notes = PRESET_NOTES
-    supports_cuda_graph = True
+    capabilities = Capabilities(graph=GraphSupport.VARIANTS)
 
     def make_boxes(self) -> BoxPool | None:
         """A box-scored stage 0's boxes (boxes.py), kept for the sequences longer than the shortest limit any

@@ -8,7 +8,7 @@ import logging
 import torch
 
 from ...kernels import use_triton
-from ..backend import AttentionBackend, AttentionMetadata
+from ..backend import AttentionBackend, AttentionMetadata, Capabilities, GraphSupport
 from ..dense import DenseFallback
 from ..index import QueryBlocks, RangeIndex
 from ..presets import config_from, preset_and_overrides
@@ -22,10 +22,10 @@ class MInferenceBackend(AttentionBackend):
     """MInference: per-head Λ-shape / vertical-slash / block-sparse prefill from a calibration file; dense decode."""
 
     name = "minference"
-    supports_cuda_graph = True  # decode is dense (or, composed, another backend's: attention/compose.py)
+    # decode is dense (the dense backend's graphs), or composed, another backend's (attention/compose.py)
+    capabilities = Capabilities(graph=GraphSupport.STATIC, prefill_only=True)
     method_cls = MInference
     preset_notes = PRESET_NOTES
-    prefill_only = True
 
     def __init__(self, model_config, engine_config, device):
         super().__init__(model_config, engine_config, device)
@@ -102,7 +102,3 @@ class MInferenceBackend(AttentionBackend):
         from ..executor import range_attention
 
         return range_attention(q, k_cache, v_cache, block_tables, index, self.scale, need_lse=False)[0]
-
-    # decode is the dense backend's, CUDA graphs included
-    def graph_unsupported(self):
-        return self.fallback.backend.graph_unsupported()

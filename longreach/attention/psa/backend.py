@@ -11,7 +11,7 @@ import torch
 from ...kernels import use_triton
 from ...kernels.block_meta import build_block_meta_reference, build_block_meta_triton
 from ...rope.strategies import RopeFrame
-from ..backend import AttentionBackend, AttentionMetadata
+from ..backend import AttentionBackend, AttentionMetadata, Capabilities, GraphSupport
 from ..dense import DenseFallback
 from ..presets import resolve
 from .config import PRESET_NOTES, PSAConfig
@@ -24,7 +24,7 @@ class PSABackend(AttentionBackend):
     """PSA: per query, blocks in metadata-rank order until the attended mass reaches epsilon; dense prefill."""
 
     name = "psa"
-    supports_cuda_graph = True
+    capabilities = Capabilities(graph=GraphSupport.VARIANTS)  # per context bucket: captured on first use
     method_cls = PSA
     preset_notes = PRESET_NOTES
 
@@ -161,9 +161,6 @@ class PSABackend(AttentionBackend):
         return {"keys": keys, "queries": queries, "context_keys": context}
 
     # ---- graph decode (attention/backend.py) -----------------------------------------------------------------------
-    def graph_keys_upfront(self) -> list:
-        return []  # variants depend on the context length: captured on first use
-
     def graph_step(self, seq_ids, seq_lens):
         """Variant (bucket, catchup): bucket a power of two >= the longest sequence (capped at max_model_len) sizes
         the ranking; catchup when a sequence has more than one block to build (its first decode step after a

@@ -12,3 +12,4 @@ class QuestBackend(SparseBackend):
     name = "quest"
     method_cls = Quest
     preset_notes = PRESET_NOTES
+    # capabilities: the default, no graphs (its selection is the PyTorch reference, with host-sized shapes)

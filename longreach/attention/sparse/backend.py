@@ -18,7 +18,7 @@ import torch
 from ...kernels import use_triton
 from ...kernels.combine import sm_count, split_count
 from ...rope.strategies import RopeFrame
-from ..backend import AttentionBackend, AttentionMetadata
+from ..backend import AttentionBackend, AttentionMetadata, GraphSupport
 from ..dense import DenseFallback
 from ..executor import block_sparse_attention
 from ..index import QueryBlocks, SparseIndex
@@ -32,7 +32,7 @@ class SparseBackend(AttentionBackend):
     """Engine backend for a `SelectionMethod` (set `method_cls` in the subclass)."""
 
     method_cls: ClassVar[type[SelectionMethod]]
-    supports_cuda_graph = False  # set by methods whose decode selection is graph-capturable (graph_stage_widths)
+    # capabilities: GraphSupport.VARIANTS for methods whose decode selection is graph-capturable (graph_stage_widths)
 
     def __init__(self, model_config, engine_config, device):
         super().__init__(model_config, engine_config, device)
@@ -111,12 +111,9 @@ class SparseBackend(AttentionBackend):
 
     # ---- graph decode (attention/backend.py; the work is graph.py's) -----------------------------------------------
     def graph_unsupported(self) -> str | None:
-        if not self.supports_cuda_graph:
+        if self.capabilities.graph is GraphSupport.NONE:
             return f"{self.method.name}'s decode selection is not graph-capturable"
         return self.graph.unsupported()
-
-    def graph_keys_upfront(self) -> list:
-        return []
 
     def graph_step(self, seq_ids, seq_lens):
         return self.graph.step(seq_ids, seq_lens, [self._next_decode_step(seq_id) for seq_id in seq_ids])

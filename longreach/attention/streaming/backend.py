@@ -1,6 +1,7 @@
 """StreamingLLM's engine backend: the shared sparse backend with its method."""
 from __future__ import annotations
 
+from ..backend import Capabilities, GraphSupport
 from ..sparse.backend import SparseBackend
 from .config import PRESET_NOTES
 from .method import Streaming
@@ -12,4 +13,4 @@ class StreamingBackend(SparseBackend):
     name = "streaming"
     method_cls = Streaming
     preset_notes = PRESET_NOTES
-    supports_cuda_graph = True
+    capabilities = Capabilities(graph=GraphSupport.VARIANTS)
