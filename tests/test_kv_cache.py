@@ -97,9 +97,9 @@ def test_both_stores_implement_the_kv_cache_protocol_and_the_engine_never_names_
         occ = cache.occupancy(blocks)
         assert set(occ) == set(OCCUPANCY_KEYS)
         assert occ["host_pages_total"] == host and occ["offload"] == (host > 0)
-    assert resident.prefill_view(None, []) is None and resident.decode_reads() is None and resident.end_step() is None
+    assert resident.prefill_view(None, []) is None and not resident.wants_reads and resident.end_step() is None
     assert resident.max_prefill_pages is None and offloaded.max_prefill_pages == 6
-    assert offloaded.decode_reads() is offloaded
+    assert offloaded.wants_reads
     offloaded.staging()
     offloaded.release_transient()
     assert offloaded.staging_allocated_nbytes == 0

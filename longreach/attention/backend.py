@@ -20,6 +20,11 @@ refreshes), so each graph-decoded step the runner calls `graph_step`, which does
 key (a graph is captured per key and batch size, on first use) and a `load` function that writes the step's inputs
 into the backend's own static buffers just before replay (engine/model_runner.py).
 
+Reads as data: in a decode step whose KV store learns from what attention read (the offloaded store installs those
+pages on the GPU), `meta.page_reads` is a list; the backend appends one `PageReads` per layer (the index it attended,
+device tensors) and the runner hands it to the store (`KVCache.record_reads`) after the layer. The backend never calls
+the store.
+
 KV layout: the engine places token t of a sequence in slot t of its pages. A backend that keeps a *bounded* cache of
 its own (cascading) sets `kv_layout` instead (a `KVLayout`): the block manager then gives a sequence of n tokens
 `slots_for(n)` slots (bounded whatever n) and the model runner stores a step's new tokens at `slot_index`; the backend
@@ -36,7 +41,7 @@ from typing import TYPE_CHECKING, ClassVar, Protocol
 
 import torch
 
-from ..kvcache.base import KVNeeds
+from ..kvcache.base import KVNeeds, PageReads
 
 if TYPE_CHECKING:
     import numpy as np
@@ -63,9 +68,10 @@ class AttentionMetadata:
     # prefill: each sequence's prompt length (tokens the whole prefill covers; a chunk may end before it); None: the
     # prompts end in this step
     prompt_lens: list[int] | None = None
-    # decode with KV offloading: the two-tier store (kvcache/offload.py), told which pages the sparse attention reads
-    # (`note_reads`) so that it can install them after the step; None otherwise
-    kv_store: object | None = None
+    # decode with a KV store that learns from reads (the offloaded one installs the pages read): the backend appends
+    # the index each layer attended (`PageReads`) and the runner hands it to the store after the layer; None: no
+    # store asks (prefill, a GPU-resident cache)
+    page_reads: list[PageReads] | None = None
 
     @property
     def num_seqs(self) -> int:

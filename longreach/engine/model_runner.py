@@ -39,7 +39,13 @@ class StepContext:
             return self.staged.attention(layer, q, k, v, self.backend)
         self.kv_cache.store(layer, k, v, self.meta.slot_mapping)
         k_cache, v_cache = self.kv_cache.layer(layer)
-        return self.backend.forward(layer, q, k, v, k_cache, v_cache, self.meta)
+        out = self.backend.forward(layer, q, k, v, k_cache, v_cache, self.meta)
+        reads = self.meta.page_reads
+        if reads:  # what the layer attended, handed to the store now (device ops: inside a captured step too)
+            for r in reads:
+                self.kv_cache.record_reads(r)
+            reads.clear()
+        return out
 
 
 class ModelRunner:
@@ -85,7 +91,7 @@ class ModelRunner:
             max_seq_len=max(seq_lens),
             max_query_len=max(batch.num_tokens),
             prompt_lens=[s.num_tokens for s in batch.seqs],
-            kv_store=None if batch.is_prefill else self.kv_cache.decode_reads(),
+            page_reads=[] if not batch.is_prefill and self.kv_cache.wants_reads else None,
         )
         input_ids = torch.tensor(ids, dtype=torch.long).to(dev, non_blocking=True)
         positions = torch.from_numpy(np.concatenate(pos)).to(dev, non_blocking=True)
@@ -185,7 +191,7 @@ class ModelRunner:
         self.backend.graph_scratch()
         meta = AttentionMetadata(False, [-1] * n, [1] * n, [0] * n, self._g_qsl[: n + 1], self._g_lens[:n],
                                  self._g_tables[:n], self._g_slots[:n], self.config.max_model_len, 1,
-                                 kv_store=self.kv_cache.decode_reads())
+                                 page_reads=[] if self.kv_cache.wants_reads else None)
         ctx = StepContext(self.kv_cache, self.backend, meta, None)
         run = lambda: self.model.logits(self.model(self._g_ids[:n], self._g_pos[:n], ctx))  # noqa: E731
         if self._emulate:

@@ -16,7 +16,7 @@ Design (docs/offload.md has the byte budgets and the measurements):
     zero-copy, kernels/paged.py), so a miss costs PCIe latency, never a host round trip, and decode stays
     graph-capturable.
   * **What gets installed**: the pages the block-sparse attention of a decode step reads (sink, window and selected
-    blocks: the sparse backend reports them through `note_reads`). After the step, `end_step` stamps the hits and
+    blocks: the backend returns the index it attended as `PageReads` and the runner hands it to `record_reads`). After the step, `end_step` stamps the hits and
     installs the misses into free or least-recently-used slots (never a slot read in this step). Pruning-stage probes
     and dense reads pass through uncached: a stage-0 refresh touches a few keys of every chunk of the context and
     would flush the pool for one use.
@@ -27,7 +27,7 @@ Design (docs/offload.md has the byte budgets and the measurements):
     the backend (block ids, not keys).
 
 Counters (`stats()`): pages hit / missed / evicted / installed and bytes copied host -> GPU by installs, cumulative.
-Mutates: `store`, `note_reads`, `end_step`, `free_pages`. Not thread-safe; the engine calls it from its one loop.
+Mutates: `store`, `record_reads` / `note_reads`, `end_step`, `free_pages`. Not thread-safe; the engine calls it from its one loop.
 """
 from __future__ import annotations
 
@@ -40,6 +40,7 @@ import torch
 from ..kernels import kv_store, page_reads, use_triton
 from ..kernels.kv_layout import TierView, as_tensor  # noqa: F401 (as_tensor: its old home)
 from ..kernels.offload_copy import copy_chunks, scatter_rows
+from .base import PageReads
 from .fp8 import as_bytes, encode, row_bytes, row_elems
 
 if TYPE_CHECKING:
@@ -70,6 +71,8 @@ def pinned_empty(shape: tuple, dtype: torch.dtype, owner: object) -> torch.Tenso
 
 
 class OffloadedKVCache:
+    wants_reads = True  # it installs on the GPU the pages decode attention read (`record_reads`, `end_step`)
+
     def __init__(self, num_layers: int, num_pages: int, num_slots: int, block_size: int, num_kv_heads: int,
                  head_dim: int, dtype: torch.dtype, device: torch.device, staging_pages: int = 0):
         if num_slots < 1:
@@ -185,10 +188,6 @@ class OffloadedKVCache:
     def prefill_view(self, meta, tables: list[list[int]]) -> "StagedPrefill":
         return self.prefill_step(meta, tables)
 
-    def decode_reads(self) -> "OffloadedKVCache":
-        """Decode attention reports the pages it reads here (`note_reads`); `end_step` installs the missed ones."""
-        return self
-
     def release_transient(self) -> None:
         self.release_staging()
 
@@ -199,7 +198,13 @@ class OffloadedKVCache:
                 "host_pages_total": blocks.num_blocks, "host_pages_used": blocks.num_blocks - blocks.num_free_blocks,
                 **{k: st[k] for k in ("pages_hit", "pages_missed", "pages_evicted", "pages_installed", "bytes_h2d")}}
 
-    # ---- decode: reads reported by the attention, installs after the step ------------------------------------------
+    # ---- decode: what attention read, installs after the step --------------------------------------------------------
+    def record_reads(self, reads: PageReads) -> None:
+        """Mark the pages one layer's decode attention read (the index it attended, `PageReads`) for `end_step`."""
+        r = reads
+        self.note_reads(r.layer, r.block_tables, r.seq, r.first, r.last, r.max_rows, r.blocks, r.block_k, r.n_sink,
+                        r.n_window)
+
     def note_reads(self, layer: int, block_tables: torch.Tensor, seq: torch.Tensor, first: torch.Tensor,
                    last: torch.Tensor, max_rows: int, blocks: torch.Tensor, block_k: int, n_sink: int,
                    n_window: int) -> None:
@@ -359,7 +364,7 @@ class StagedPrefill:
         self.dst = torch.tensor(dst, dtype=torch.long).to(dev)
         self.slots = torch.from_numpy(np.concatenate(slots)).to(dev)
         self.meta = dataclasses.replace(meta, block_tables=torch.from_numpy(bt).to(dev), slot_mapping=self.slots,
-                                        kv_store=None)
+                                        page_reads=None)
         self.buf = store.staging()
 
     def attention(self, layer: int, q, k, v, backend):

@@ -10,6 +10,7 @@ import torch
 
 from ...kernels import use_triton
 from ...kernels.block_meta import build_block_meta_reference, build_block_meta_triton
+from ...kvcache.base import PageReads
 from ...rope.strategies import RopeFrame
 from ..backend import AttentionBackend, AttentionMetadata, Capabilities, GraphSupport
 from ..dense import DenseFallback
@@ -136,12 +137,12 @@ class PSABackend(AttentionBackend):
                                                 self.scale, kernels)
         if self.config.count_reads:
             self._count_reads(m, counts, cand_hi, meta.seq_lens, page)
-        if meta.kv_store is not None:  # offloaded: the store installs the pages this step read (LRU)
+        if meta.page_reads is not None:  # the store learns what this layer read (offloading: installs it, LRU)
             rows = torch.arange(q.shape[0], device=q.device)
             pos = meta.seq_lens.long() - 1
             reads = m.read_blocks(ranked, counts, cand_hi, meta.seq_lens, page)
-            meta.kv_store.note_reads(layer, meta.block_tables, rows, pos, pos, 1, reads, page,
-                                     m.sink_blocks(page) * page, 0)
+            meta.page_reads.append(PageReads(layer, meta.block_tables, rows, pos, pos, 1, reads, page,
+                                             m.sink_blocks(page) * page, 0))
         return out
 
     def _count_reads(self, m: PSA, counts, cand_hi, seq_lens, page: int) -> None:

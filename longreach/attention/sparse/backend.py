@@ -17,6 +17,7 @@ import torch
 
 from ...kernels import use_triton
 from ...kernels.combine import sm_count, split_count
+from ...kvcache.base import PageReads
 from ...rope.strategies import RopeFrame
 from ..backend import AttentionBackend, AttentionMetadata, GraphSupport
 from ..dense import DenseFallback
@@ -162,13 +163,13 @@ class SparseBackend(AttentionBackend):
         block_q = self.config.block_q if meta.is_prefill else 1
         index = SparseIndex(block_q, m.block_k, self.config.n_sink, self.config.n_window, m.groups, qb, blocks, counts)
         rope = m.rope_args(layer, "attend", context_len)
-        if meta.kv_store is not None:  # offloaded decode: the store installs what this step reads
+        if meta.page_reads is not None:  # the store learns what this layer read (offloading: installs it)
             if plan_queries is not None:
                 seq, _, qlen, pos = plan_queries
             else:
                 seq, qlen, pos = (torch.tensor(x, device=q.device) for x in (qb.seq, qb.length, qb.pos))
-            meta.kv_store.note_reads(layer, meta.block_tables, seq, pos, pos + qlen - 1, block_q, blocks, m.block_k,
-                                     self.config.n_sink, self.config.n_window)
+            meta.page_reads.append(PageReads(layer, meta.block_tables, seq, pos, pos + qlen - 1, block_q, blocks,
+                                             m.block_k, self.config.n_sink, self.config.n_window))
         if use_kernels(q):
             from ...kernels.bsa import BSAPlan, block_sparse_attention_triton
 
