@@ -142,7 +142,7 @@ verify7)  # needs the model: what the seventh session changed after its measurem
         --attention infinitehip cascading:16k --out "$out/bench-prefill-smollm2-1m-verify.json"
     grep -h "compilation(s) inside" "$out/smollm2_1m_prefill_verify.log"
     ;;
-psarank)  # needs the model: PSA past the trained length (rope "rank", attention/psa.py), after a sparse prefill;
+psarank)  # needs the model: PSA past the trained length (rope "rank", attention/psa/), after a sparse prefill;
     # keys read per decode query metered (count_reads) beside each length's accuracy
     run gpu_check_psa_rank 150 python3 scripts/gpu_check.py --out "$out" --only "psa rank"
     run passkey_psa_rank 420 python3 -m longreach eval passkey --model "$model" --lengths 16k 32k 64k 128k \

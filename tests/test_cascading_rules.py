@@ -1,4 +1,4 @@
-"""Cascading KV cache, the bookkeeping of kvcache/cascade.py: the schedule and the four eviction rules, batched strides
+"""Cascading KV cache, the bookkeeping of attention/cascading/rings.py: the schedule and the four eviction rules, batched strides
 == token by token, the importance EMA."""
 import random
 

@@ -1,5 +1,5 @@
-"""Stage 0 from boxes around each chunk's keys (kernels/chunk_box.py, `stage0_scores` in attention/infinitehip.py),
-kept by the engine in a paged pool (attention/box_pool.py). Kernels run in Triton's interpreter (conftest)."""
+"""Stage 0 from boxes around each chunk's keys (kernels/chunk_box.py, `stage0_scores` in attention/infinitehip/),
+kept by the engine in a paged pool (attention/infinitehip/boxes.py). Kernels run in Triton's interpreter (conftest)."""
 import pytest
 import torch
 
