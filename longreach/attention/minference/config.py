@@ -128,7 +128,7 @@ DEFAULT_PRESET = "vs"
 
 PRESET_NOTES = {  # preset -> what it is for (`longreach backends`)
     "vs": "every head vertical-slash (500 columns, 1,500 diagonals); the default where no pattern file is shipped "
-          "for the model's alias (shipped: minference/patterns/<alias>.json)",
+          "for the model's alias (shipped: attention/minference/patterns/<alias>.json)",
     "a-shape": "every head Λ-shape: 1,024 sink + 4,096 window tokens (StreamingLLM's baseline)",
     "bs": "every head block-sparse: its top 100 key blocks of 64 tokens",
 }
