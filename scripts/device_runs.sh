@@ -143,7 +143,7 @@ verify7)  # needs the model: what the seventh session changed after its measurem
         --attention infinitehip cascading:16k --out "$out/bench-prefill-smollm2-1m-verify.json"
     grep -h "compilation(s) inside" "$out/smollm2_1m_prefill_verify.log"
     ;;
-psarank)  # needs the model: PSA past the trained length (rope "rank", attention/psa.py), after a sparse prefill;
+psarank)  # needs the model: PSA past the trained length (rope "rank", attention/psa/), after a sparse prefill;
     # keys read per decode query metered (count_reads) beside each length's accuracy
     gpu_tests gpu_check_psa_rank 150 tests/gpu/test_psa.py::test_psa_rank_rope
     run passkey_psa_rank 420 python3 -m longreach eval passkey --model "$model" --lengths 16k 32k 64k 128k \

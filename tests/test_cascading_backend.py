@@ -11,7 +11,7 @@ from longreach.attention.backend import AttentionMetadata
 from longreach.attention.cascading import CascadeLayout, CascadingBackend, ema_weights
 from longreach.config import EngineConfig
 from longreach.kvcache.block_manager import BlockManager
-from longreach.kvcache.cascade import ReferenceCascade
+from longreach.attention.cascading.rings import ReferenceCascade
 from longreach.kvcache.paged import PagedKVCache
 from longreach.models.config import ModelConfig
 from longreach.rope.scaling import _base_inv_freq, apply_rope
@@ -266,7 +266,7 @@ def _random_stride_plans(seed, H):
     """Several sequences, random sink/sub-cache sizes, advanced by random strides until their rings are full and
     cascading; returns the last stride's batched plan, its flat slot count, and EMA inputs over each sequence's slots
     (like `CascadingBackend._batch`: cached slots decay, the stride's new ones start from 0)."""
-    from longreach.kvcache.cascade import CascadeRings, batch_plans
+    from longreach.attention.cascading.rings import CascadeRings, batch_plans
 
     rng = random.Random(seed)
     seqs, off = [], 0
@@ -307,7 +307,7 @@ def test_insert_and_move_kernels_equal_torch(seed, dtype):
     rows, importance and positions exactly as `apply_moves`, on random multi-sequence plans with challenges and ties
     (small blocks: several tiles per level)."""
     from longreach.kernels.cascade_insert import cascade_insert_reference, cascade_insert_triton, move_rows_triton
-    from longreach.kvcache.cascade import apply_moves
+    from longreach.attention.cascading.rings import apply_moves
 
     H, Dk = 3, 16
     plan, nslots, score, mass, e_slots, e_key, decay = _random_stride_plans(seed, H)
@@ -333,7 +333,7 @@ def test_rope_kernel_equals_torch(dtype):
     """The step's RoPE kernel: keys un-rotated into their slots with their positions, queries moved to their virtual
     positions, from q and k as strided views of one projection (as the model hands them), 3 query heads per KV head;
     equal to `cascade_rope_reference`, slots not written left alone."""
-    from longreach.attention.cascading_attend import unrotation
+    from longreach.attention.cascading.attend import unrotation
     from longreach.kernels.cascade_insert import cascade_rope_reference, cascade_rope_triton
     from longreach.rope.strategies import rotation
 
@@ -363,7 +363,7 @@ def test_rope_kernel_equals_torch(dtype):
 def test_causal_attention_lse_aligns_at_the_bottom_right_and_refuses_bad_input():
     """The gathered path's reference: row i of n sees keys [0, V - n + i]; its lse is the log of the scaled scores'
     exp-sum; grouped heads use KV head h // group. Checked against a per-row loop."""
-    from longreach.attention.cascading_attend import causal_attention_lse
+    from longreach.attention.cascading.attend import causal_attention_lse
 
     g = torch.Generator().manual_seed(0)
     n, V = 5, 9
@@ -385,7 +385,7 @@ def test_causal_attention_lse_aligns_at_the_bottom_right_and_refuses_bad_input()
 def test_gather_virtual_rotates_each_key_at_its_virtual_position_in_chunks():
     """gather_virtual: row j is the key in slots[j] rotated at position j (the chunked fp32 rotation gives the same
     rows as one pass), values gathered as they are."""
-    from longreach.attention.cascading_attend import gather_virtual
+    from longreach.attention.cascading.attend import gather_virtual
     from longreach.rope.strategies import rotate, rotation
 
     g = torch.Generator().manual_seed(3)

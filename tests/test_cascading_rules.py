@@ -1,4 +1,4 @@
-"""Cascading KV cache, the bookkeeping of kvcache/cascade.py: the schedule and the four eviction rules, batched strides
+"""Cascading KV cache, the bookkeeping of attention/cascading/rings.py: the schedule and the four eviction rules, batched strides
 == token by token, the importance EMA."""
 import random
 
@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from longreach.attention.cascading import ema_weights
-from longreach.kvcache.cascade import CascadeRings, ReferenceCascade, apply_moves, batch_plans, execute_plan
+from longreach.attention.cascading.rings import CascadeRings, ReferenceCascade, apply_moves, batch_plans, execute_plan
 
 pytestmark = pytest.mark.usefixtures("one_thread")  # conftest.py: one intra-op thread
 

@@ -1,5 +1,5 @@
-"""Stage 0 from boxes around each chunk's keys (kernels/chunk_box.py, `stage0_scores` in attention/infinitehip.py),
-kept by the engine in a paged pool (attention/box_pool.py). Kernels run in Triton's interpreter (conftest)."""
+"""Stage 0 from boxes around each chunk's keys (kernels/chunk_box.py, `stage0_scores` in attention/infinitehip/),
+kept by the engine in a paged pool (attention/infinitehip/boxes.py). Kernels run in Triton's interpreter (conftest)."""
 import pytest
 import torch
 
@@ -222,7 +222,7 @@ def test_infinitehip_with_a_box_stage0(tiny_long, monkeypatch):
         logits[kind] = llm.engine.prompt_logits(ids)
         assert torch.isfinite(logits[kind]).all()
         tokens[kind] = llm.generate([{"prompt_token_ids": ids}], params, use_tqdm=False)[0].token_ids
-        boxes = llm.engine.backend._boxes
+        boxes = llm.engine.backend.boxes
         if kind == "selectrep":
             assert boxes is None
         else:
@@ -242,7 +242,7 @@ def test_the_pool_never_runs_out_while_the_kv_cache_has_room():
     """Sized from the KV capacity: as many of the shortest sequences that hold boxes as fit in it (each one token past
     the limit, so each needs a page of its own), or max_num_seqs of them, all get their pages; the reservation per
     token stays bounded for a limit of 0."""
-    from longreach.attention.box_pool import BoxPool
+    from longreach.attention.infinitehip import BoxPool
 
     for min_len, max_seqs in ((100, 64), (0, 8), (3328, 4)):
         pool = BoxPool(2, 64, "minmax", 2, 16, min_len, max_seqs, 1 << 16, torch.device("cpu"))
@@ -270,7 +270,7 @@ def test_the_pool_made_for_the_memory_probe_grows_to_the_real_cache():
     """The engine's GPU memory probe runs a prefill on a cache of one step's pages before it sizes the real cache
     (the H100 run that found it: 12 box pages for a 3M-token cache, then "the box pool is full"): the real cache's
     bind makes the pool again at its size; a pool with sequences in it refuses to grow."""
-    from longreach.attention.box_pool import BoxPool
+    from longreach.attention.infinitehip import BoxPool
 
     def pages(pool):
         return pool.pool.shape[1] // pool.per

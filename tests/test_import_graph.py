@@ -14,10 +14,10 @@ Layers, lowest first (`LAYERS`): an arrow may only point to a lower layer or sta
 Circles removed and kept out by these tests: kernels -> rope -> models -> kernels (RopeConfig now lives in
 rope/config.py, models/config.py re-exports it), models.loader <-> models.random_init (random_init returns the config
 and the model, loader wraps them), config <-> attention (attention/backend.py types the settings it reads with its own
-EngineSettings protocol, and the preset check that needs an EngineConfig is config.parse_method).
-Circles that remain (not checked here):
-  - inside attention/: sparse <-> graph_decode <-> box_pool (one class in three mixin files; module level, not
-    checked here).
+EngineSettings protocol, and the preset check that needs an EngineConfig is config.parse_method), and inside
+attention/ sparse <-> graph_decode <-> box_pool (one class in three mixin files: now the sparse backend owns a
+GraphDecoder and the method's kept boxes). No module of longreach imports another in a circle
+(`test_no_circle_among_the_modules_of_longreach`).
 """
 from __future__ import annotations
 
@@ -272,3 +272,56 @@ def test_the_lab_imports_only_downwards():
                     and layer[t[2]] >= layer[src]:
                 bad.append(f"{path.relative_to(ROOT)}:{line} ({src}) imports {target}")
     assert not bad, "imports against the order of LAB_LAYERS:\n" + "\n".join(bad)
+
+
+def module_of(target: str) -> str | None:
+    """The longreach module (a .py file or a package's __init__) that an import target names: the target itself, or
+    the module that defines the name it ends with; None outside longreach."""
+    parts = target.split(".")
+    if parts[0] != "longreach":
+        return None
+    while parts:
+        path = ROOT.joinpath(*parts)
+        if path.with_suffix(".py").is_file() or (path / "__init__.py").is_file():
+            return ".".join(parts)
+        parts = parts[:-1]
+    return None
+
+
+def module_graph() -> dict[str, dict[str, set[str]]]:
+    """module -> {imported module -> the lines that import it}, over every module of longreach. `from P import m` with
+    m a submodule of P counts as an import of m alone: that P's __init__ runs first is Python importing a parent
+    package, which every submodule does and which is no dependency of its own."""
+    graph: dict[str, dict[str, set[str]]] = {}
+    for path in sorted(PKG.rglob("*.py")):
+        mod = module_name(path)
+        arrows = graph.setdefault(mod, {})
+        by_line: dict[int, set[str]] = {}
+        for line, target in imports(path.read_text(), mod, path.name == "__init__.py"):
+            found = module_of(target)
+            if found is not None and found != mod:
+                by_line.setdefault(line, set()).add(found)
+        for line, found in by_line.items():
+            for m in found:
+                if any(other != m and other.startswith(m + ".") for other in found):
+                    continue  # `from P import m`: P only as m's parent package
+                arrows.setdefault(m, set()).add(f"{path.relative_to(ROOT)}:{line}")
+    return graph
+
+
+def test_the_module_graph_resolves_submodules_and_names():
+    assert module_of("longreach.attention.sparse.SparseBackend") == "longreach.attention.sparse"
+    assert module_of("longreach.attention.sparse.graph.GraphDecoder") == "longreach.attention.sparse.graph"
+    assert module_of("torch.nn") is None
+    graph = module_graph()
+    assert "longreach.attention.sparse.graph" in graph["longreach.attention.sparse.backend"]
+    # minference/method.py: `from . import index as mi` is an arrow to minference.index, not to minference/__init__
+    assert "longreach.attention.minference" not in graph["longreach.attention.minference.method"]
+
+
+def test_no_circle_among_the_modules_of_longreach():
+    """No module-level circle anywhere in the package (function-level imports included): e.g. the sparse backend's
+    graph decode and kept boxes, once mixins of one class in three files that imported each other, are objects the
+    backend owns (attention/sparse/backend.py)."""
+    got = circles(module_graph())
+    assert not got, "module import circles: " + "; ".join(" <-> ".join(sorted(c)) for c in got)

@@ -97,9 +97,9 @@ def test_both_stores_implement_the_kv_cache_protocol_and_the_engine_never_names_
         occ = cache.occupancy(blocks)
         assert set(occ) == set(OCCUPANCY_KEYS)
         assert occ["host_pages_total"] == host and occ["offload"] == (host > 0)
-    assert resident.prefill_view(None, []) is None and resident.decode_reads() is None and resident.end_step() is None
+    assert resident.prefill_view(None, []) is None and not resident.wants_reads and resident.end_step() is None
     assert resident.max_prefill_pages is None and offloaded.max_prefill_pages == 6
-    assert offloaded.decode_reads() is offloaded
+    assert offloaded.wants_reads
     offloaded.staging()
     offloaded.release_transient()
     assert offloaded.staging_allocated_nbytes == 0
@@ -120,20 +120,30 @@ def test_both_stores_implement_the_kv_cache_protocol_and_the_engine_never_names_
 
 
 def test_backends_declare_their_kv_needs_and_capabilities_instead_of_being_probed():
-    """AttentionBackend declares prefill_only / bounded_cache and kv_needs (page state, always-dense layers, bounded
-    layout); nothing in longreach/ reads them with getattr any more."""
+    """AttentionBackend declares its capabilities (a typed `Capabilities`: graph support, mixed batches, prefill_only,
+    bounded_cache) and kv_needs (page state, always-dense layers, bounded layout); nothing in longreach/ reads them
+    with getattr any more."""
     import ast
     import pathlib
 
+    from longreach.attention.backend import Capabilities, GraphSupport
     from longreach.attention.registry import available_backends, get_backend_class
     from longreach.kvcache.base import KVNeeds
 
-    flags = {n: (get_backend_class(n).prefill_only, get_backend_class(n).bounded_cache) for n in available_backends()}
+    caps = {n: get_backend_class(n).capabilities for n in available_backends()}
+    assert all(isinstance(c, Capabilities) for c in caps.values())
+    flags = {n: (c.prefill_only, c.bounded_cache) for n, c in caps.items()}
     assert flags["minference"] == (True, False) and flags["cascading"] == (False, True)
     assert flags["dense"] == (False, False) and flags["infinitehip"] == (False, False)
+    static, variants, none = GraphSupport.STATIC, GraphSupport.VARIANTS, GraphSupport.NONE
+    assert {n: c.graph for n, c in caps.items()} == {
+        "dense": static, "minference": static, "infinitehip": variants, "hip": variants, "streaming": variants,
+        "psa": variants, "quest": none, "cascading": none}
+    assert not any(c.mixed_batches for c in caps.values())  # the scheduler keeps prefill and decode steps apart
     assert KVNeeds() == KVNeeds(layout=None, page_state_bytes=0, dense_layers=())
 
-    probed = {"prefill_only", "bounded_cache", "page_state_bytes", "dense_layers", "kv_needs"}
+    probed = {"prefill_only", "bounded_cache", "page_state_bytes", "dense_layers", "kv_needs", "capabilities",
+              "supports_cuda_graph", "graph"}
     root = pathlib.Path(__file__).resolve().parents[1] / "longreach"
     found = []
     for path in sorted(root.rglob("*.py")):

@@ -20,7 +20,7 @@ def test_oracle_picks_the_chunks_with_the_best_exact_keys():
     """One decode query: the oracle's chunks are exactly the brute-force top-k 8-token chunks by max over the group's
     heads of <q, k>, among the candidates [n_sink, end - n_window)."""
     from longreach.attention.infinitehip import InfiniteHiP
-    from longreach.attention.sparse import config_from
+    from longreach.attention.presets import config_from
 
     m = InfiniteHiP.presets["oracle"]
     cfg = config_from(type(m), m, {"n_sink": 8, "n_window": 16, "budgets": [64], "early_last_budget": 64})
@@ -63,7 +63,7 @@ def test_exact_stages_select_what_the_oracle_selects():
     is at least each of its sub-chunks' best, nested exact stages whose budgets hold the oracle's chunks keep exactly
     the oracle's flat top-k (at equal positions: here inside the trained length, so true positions for both)."""
     from longreach.attention.infinitehip import InfiniteHiP
-    from longreach.attention.sparse import config_from
+    from longreach.attention.presets import config_from
 
     base = {"n_sink": 8, "n_window": 64, "early_last_budget": 64}
     oracle = InfiniteHiP(config_from(InfiniteHiP.config_cls, InfiniteHiP.presets["oracle"], {**base, "budgets": [64]}),
@@ -85,7 +85,7 @@ def test_box_preset_equals_exact_while_stage0_keeps_every_chunk():
     it, so the two select the same keys: the ladder's 4K-32K cells of the two presets are one measurement. Once stage
     0 must choose, the box path runs and may choose differently."""
     from longreach.attention.infinitehip import InfiniteHiP
-    from longreach.attention.sparse import config_from
+    from longreach.attention.presets import config_from
 
     def method(preset, budgets):
         cfg = config_from(InfiniteHiP.config_cls, InfiniteHiP.presets[preset],

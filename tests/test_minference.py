@@ -109,7 +109,7 @@ def test_range_executor_full_selection_equals_dense():
     q = torch.randn(n, Hq, D, generator=torch.Generator().manual_seed(1))
     ref = causal_attention(q, gather_tokens(kc, table, L), gather_tokens(vc, table, L), D ** -0.5)
     qb = QueryBlocks.build([n], [ctx], B)
-    import longreach.attention.minference_index as mi
+    import longreach.attention.minference.index as mi
 
     for G in (1, Hkv, Hq):
         pos0, lens = torch.tensor(qb.pos), torch.tensor(qb.length)
@@ -366,7 +366,7 @@ def test_calibration_chooses_the_planted_patterns(tmp_path):
     """On the planted layer the search picks vertical-slash with enough verticals for the vertical head (40
     verticals: k_v 48, not 4), vertical-slash for the diagonal head, Λ-shape for the local head; every candidate
     costs about the Λ budget; the file loads and runs through the engine."""
-    from longreach.attention.minference_search import SearchSpace
+    from longreach.attention.minference.search import SearchSpace
     from longreach.tools.calibrate import calibrate
     from longreach.config import EngineConfig
     from longreach.engine.llm_engine import LLMEngine

@@ -8,7 +8,7 @@ import sys
 import pytest
 import torch
 
-from longreach.attention import minference as mf
+from longreach.attention.minference import config as mf
 from longreach.attention.minference import MInferenceBackend, MInferenceConfig, resolve_patterns, shipped_patterns
 from longreach.config import EngineConfig
 from longreach.models.config import ModelConfig

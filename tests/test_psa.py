@@ -1,4 +1,4 @@
-"""PSA (attention/psa.py): the stop rule by hand, the kernels against their references, semantics, config and eval
+"""PSA (attention/psa/): the stop rule by hand, the kernels against their references, semantics, config and eval
 recall (the engine paths: tests/test_psa_engine.py).
 
 Kernels run in Triton's interpreter (fp16/fp32, small sizes) on machines without a GPU; bf16 at real sizes is

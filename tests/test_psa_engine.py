@@ -1,4 +1,4 @@
-"""PSA (attention/psa.py) through the engine on the random tiny model: epsilon 1 == dense, offload on == off, the
+"""PSA (attention/psa/) through the engine on the random tiny model: epsilon 1 == dense, offload on == off, the
 graph decode path == eager, a composed prefill, and the keys-read meter (count_reads). The kernels and the stop rule
 are tests/test_psa.py's.
 """

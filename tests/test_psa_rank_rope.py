@@ -1,4 +1,4 @@
-"""PSA's `rope: rank` positions (attention/psa.py; kernels/psa_decode.py `rank_order_deltas`): rows at or past
+"""PSA's `rope: rank` positions (attention/psa/; kernels/psa_decode.py `rank_order_deltas`): rows at or past
 rope_from see their sink moved beyond the ranked blocks, the ranked blocks just before the tail in rank order and
 the tail at true distances, so every attended key lies within rope_from - 1 of the query. Interpreter, small sizes.
 """

@@ -325,7 +325,7 @@ def test_sparse_differs_from_dense_and_unknown_preset_is_rejected(tiny):
 GRAPH_CFG = {  # refresh intervals that leave some steps with no stage recomputed, and a dense_below limit (100)
     "infinitehip": '{"n_sink": 8, "n_window": 16, "block_q": 8, "chunk_sizes": [32, 8, 2], "budgets": [128, 32, 8], '
                    '"early_layers": 1, "early_last_budget": 16, "refresh": [6, 3, 2], "dense_below": 100}',
-    # stage 0 from kept boxes (attention/box_pool.py): boxed inside the graph, a catch-up variant when the 90-token
+    # stage 0 from kept boxes (attention/infinitehip/boxes.py): boxed inside the graph, a catch-up variant when the 90-token
     # prompt grows past dense_below
     "infinitehip-box": '{"n_sink": 8, "n_window": 16, "block_q": 8, "chunk_sizes": [32, 8, 2], '
                        '"budgets": [64, 32, 8], "early_layers": 1, "early_last_budget": 16, "refresh": [6, 3, 2], '
@@ -369,6 +369,6 @@ def test_graph_decode_path_equals_eager_decode_with_staggered_sequences(tiny, me
     # the 90-token prompt decodes below dense_below beside longer ones: a variant where only a prefix of the rows
     # (longest first) runs the selection stages
     assert any(0 < key[3] < rows for rows, key in engine.runner._graphs), sorted(engine.runner._graphs)
-    assert not engine.backend._slot and not engine.backend._cached  # finished sequences gave their state back
+    assert not engine.backend.graph.slots and not engine.backend.graph.cached  # finished sequences gave state back
     if method.endswith("-box"):
-        assert any(key[4] for key in keys) and not engine.backend._boxes.rows  # a catch-up ran; boxes given back
+        assert any(key[4] for key in keys) and not engine.backend.boxes.rows  # a catch-up ran; boxes given back

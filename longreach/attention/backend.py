@@ -9,12 +9,21 @@ Life cycle, per engine step (prefill steps and decode steps are separate, see en
   2. `begin_step(meta)` runs once (shared per-step work: e.g. which sequences need a mask refresh);
   3. for each layer the model stores the new k/v in the cache and calls `forward(layer, q, k, v, cache, meta)`;
   4. when a sequence finishes or is preempted, `free_sequence(seq_id)` drops any state the backend kept for it.
-Decode steps may be captured in a CUDA graph when `supports_cuda_graph` is true (and `graph_unsupported()` finds no
-reason in the config): `forward` must then read only the device tensors of `meta` (their contents change between
-replays, their shapes do not) and never sync with the host. A backend whose decode step needs per-step host decisions
-(sparse mask refreshes) names **variants** instead: each graph-decoded step, the runner calls `graph_step`, which
-does the host work, returns the variant's key (a graph is captured per key and batch size) and a `load` function
-that writes the step's inputs into the backend's own static buffers just before replay (engine/model_runner.py).
+What a backend can do it declares, typed, on its class (`capabilities`: `Capabilities`), and what it asks of the KV
+store it declares through `kv_needs` (kvcache/base.py: `KVNeeds`); the engine reads both and probes nothing.
+
+Decode steps may be captured in CUDA graphs unless `capabilities.graph` is `GraphSupport.NONE` (or
+`graph_unsupported()` finds a reason in the config): `forward` must then read only the device tensors of `meta`
+(their contents change between replays, their shapes do not) and never sync with the host. `STATIC`: one graph per
+batch size, captured when the engine starts. `VARIANTS`: the decode step needs per-step host decisions (sparse mask
+refreshes), so each graph-decoded step the runner calls `graph_step`, which does the host work, returns the variant's
+key (a graph is captured per key and batch size, on first use) and a `load` function that writes the step's inputs
+into the backend's own static buffers just before replay (engine/model_runner.py).
+
+Reads as data: in a decode step whose KV store learns from what attention read (the offloaded store installs those
+pages on the GPU), `meta.page_reads` is a list; the backend appends one `PageReads` per layer (the index it attended,
+device tensors) and the runner hands it to the store (`KVCache.record_reads`) after the layer. The backend never calls
+the store.
 
 KV layout: the engine places token t of a sequence in slot t of its pages. A backend that keeps a *bounded* cache of
 its own (cascading) sets `kv_layout` instead (a `KVLayout`): the block manager then gives a sequence of n tokens
@@ -24,6 +33,7 @@ moves tokens among its sequence's slots itself.
 from __future__ import annotations
 
 import contextlib
+import enum
 import typing
 from abc import ABC, abstractmethod
 from dataclasses import dataclass
@@ -31,7 +41,7 @@ from typing import TYPE_CHECKING, ClassVar, Protocol
 
 import torch
 
-from ..kvcache.base import KVNeeds
+from ..kvcache.base import KVNeeds, PageReads
 
 if TYPE_CHECKING:
     import numpy as np
@@ -58,9 +68,10 @@ class AttentionMetadata:
     # prefill: each sequence's prompt length (tokens the whole prefill covers; a chunk may end before it); None: the
     # prompts end in this step
     prompt_lens: list[int] | None = None
-    # decode with KV offloading: the two-tier store (kvcache/offload.py), told which pages the sparse attention reads
-    # (`note_reads`) so that it can install them after the step; None otherwise
-    kv_store: object | None = None
+    # decode with a KV store that learns from reads (the offloaded one installs the pages read): the backend appends
+    # the index each layer attended (`PageReads`) and the runner hands it to the store after the layer; None: no
+    # store asks (prefill, a GPU-resident cache)
+    page_reads: list[PageReads] | None = None
 
     @property
     def num_seqs(self) -> int:
@@ -69,7 +80,7 @@ class AttentionMetadata:
 
 class KVLayout(Protocol):
     """Where a bounded cache puts a sequence's tokens among its own slots (local slot i = page table[i // block_size]
-    at offset i % block_size); attention/cascading.py: CascadeLayout."""
+    at offset i % block_size); attention/cascading/config.py: CascadeLayout."""
 
     max_slots: int  # the most slots any sequence uses
     stride: int  # prefill chunks end on multiples of this position (except at a prompt's end): the backend's unit
@@ -100,12 +111,30 @@ class EngineSettings(Protocol):
     max_num_seqs: int
 
 
+class GraphSupport(enum.Enum):
+    """How a backend's decode step goes through CUDA graphs (engine/model_runner.py; the module docstring)."""
+
+    NONE = "none"  # decode runs eagerly
+    STATIC = "static"  # one graph per batch size, captured when the engine starts
+    VARIANTS = "variants"  # a graph per batch size and variant key (`graph_step`), captured on first use
+
+
+@dataclass(frozen=True)
+class Capabilities:
+    """What a backend can do, declared on its class (`AttentionBackend.capabilities`) and read by the engine."""
+
+    graph: GraphSupport = GraphSupport.NONE  # may decode steps be captured in CUDA graphs, and how
+    # one step may carry prefill rows and decode rows together: no backend can today (AttentionMetadata holds one
+    # is_prefill per step), and the scheduler runs prefill and decode in separate steps (engine/scheduler.py)
+    mixed_batches: bool = False
+    prefill_only: bool = False  # cannot decode (alone it decodes densely; composed, another backend does)
+    bounded_cache: bool = False  # keeps a bounded cache of its own (kv_layout): cannot be composed
+
+
 class AttentionBackend(ABC):
     name: ClassVar[str] = ""
-    supports_cuda_graph: ClassVar[bool] = False  # may the decode step be captured in a CUDA graph?
+    capabilities: Capabilities = Capabilities()  # what it can do (a class's declaration; an instance may refine it)
     kv_layout: KVLayout | None = None  # a bounded cache's slot layout; None: token t in slot t (see the docstring)
-    prefill_only: ClassVar[bool] = False  # cannot decode (alone it decodes densely; composed, another backend does)
-    bounded_cache: ClassVar[bool] = False  # keeps a bounded cache of its own (kv_layout): cannot be composed
     preset_notes: ClassVar[dict[str, str]] = {}  # preset -> one line on what it is for (`longreach backends`)
 
     def __init__(self, model_config: "ModelConfig", engine_config: EngineSettings, device: torch.device):
@@ -145,7 +174,7 @@ class AttentionBackend(ABC):
 
     def bind_kv_cache(self, capacity_tokens: int, dtype: torch.dtype) -> None:
         """The engine made the KV cache: it holds `capacity_tokens` tokens (with offloading, the host tier's) and the
-        model runs in `dtype`. Backends that keep state sized by the cache make it here (sparse.py's box pool)."""
+        model runs in `dtype`. Backends that keep state sized by the cache make it here (stage-0 boxes)."""
 
     def begin_step(self, meta: AttentionMetadata) -> None:
         """Once per forward pass, before layer 0."""
@@ -166,15 +195,13 @@ class AttentionBackend(ABC):
     # ---- graph decode (see the module docstring) -------------------------------------------------------------------
     def graph_unsupported(self) -> str | None:
         """Why decode cannot be captured with this backend and config, or None."""
-        return None if self.supports_cuda_graph else f"attention backend {self.name!r} is not graph-capturable"
-
-    def graph_keys_upfront(self) -> list:
-        """The variants to capture when the engine starts (the others are captured on first use)."""
-        return [()]
+        if self.capabilities.graph is GraphSupport.NONE:
+            return f"attention backend {self.name!r} is not graph-capturable"
+        return None
 
     def graph_step(self, seq_ids: list[int], seq_lens: list[int]) -> tuple[tuple, "typing.Callable[[int], None] | None"]:
         """Host side of one graph-decoded step (once per step, in place of `begin_step`): (variant key, load(rows)
-        or None)."""
+        or None). STATIC backends have the one variant ()."""
         return (), None
 
     def graph_scratch(self) -> None:

@@ -18,7 +18,7 @@ import dataclasses
 import logging
 
 from ..kvcache.base import KVNeeds
-from .backend import AttentionBackend, AttentionMetadata
+from .backend import AttentionBackend, AttentionMetadata, Capabilities
 from .registry import MethodSpec, available_backends, get_backend_class
 
 logger = logging.getLogger("longreach")
@@ -47,7 +47,7 @@ def make_backend(model_config, config, device) -> AttentionBackend:
         and config.decode_attention_config == config.attention_config
     if spec is None or same:
         backend = prefill_cls(model_config, config, device)
-        if config.offload and prefill_cls.prefill_only:
+        if config.offload and prefill_cls.capabilities.prefill_only:
             logger.warning("%s decodes densely: with KV offloading every decode step reads the whole context from "
                            "host memory; --decode-attention infinitehip (or hip, streaming) reads a few thousand "
                            "tokens per step", config.attention)
@@ -55,11 +55,11 @@ def make_backend(model_config, config, device) -> AttentionBackend:
     dcfg = decode_config(config)
     decode_cls = get_backend_class(dcfg.attention)
     for cls in (prefill_cls, decode_cls):
-        if cls.bounded_cache:
+        if cls.capabilities.bounded_cache:
             raise ValueError(f"{cls.name} keeps a bounded cache of its own (it forgets tokens), so it cannot be "
                              "composed with another method: drop --decode-attention")
-    if decode_cls.prefill_only:
-        decoders = [n for n in available_backends() if not get_backend_class(n).prefill_only]
+    if decode_cls.capabilities.prefill_only:
+        decoders = [n for n in available_backends() if not get_backend_class(n).capabilities.prefill_only]
         raise ValueError(f"{dcfg.attention} is a prefill-only method and cannot decode; --decode-attention takes one "
                          f"of {', '.join(decoders)}")
     _checked(decode_cls, model_config, dcfg, "decode ")
@@ -79,7 +79,7 @@ class ComposedBackend(AttentionBackend):
         super().__init__(decode.model_config, prefill.engine_config, decode.device)
         self.prefill, self.decode = prefill, decode
         self.name = f"{prefill.name}+{decode.name}"
-        self.supports_cuda_graph = decode.supports_cuda_graph
+        self.capabilities = Capabilities(graph=decode.capabilities.graph)  # decodes as `decode` does
         self.config = getattr(decode, "config", None)  # the decode method's config, for tools that inspect it
 
     def kv_needs(self, dtype) -> KVNeeds:
@@ -108,9 +108,6 @@ class ComposedBackend(AttentionBackend):
 
     def graph_unsupported(self):
         return self.decode.graph_unsupported()
-
-    def graph_keys_upfront(self):
-        return self.decode.graph_keys_upfront()
 
     def graph_step(self, seq_ids, seq_lens):
         return self.decode.graph_step(seq_ids, seq_lens)

@@ -3,18 +3,23 @@
 Prefill: PyTorch SDPA per sequence (cuDNN first on GPU, then flash / mem-efficient; the math kernel on CPU). A chunk
 with a cached prefix gathers the prefix from the paged cache and uses a bottom-right-aligned causal mask.
 Decode: the Triton paged flash-decoding kernel on CUDA (CUDA-graph capturable), its PyTorch reference on CPU.
+
+`DenseFallback` is the sparse methods' shared rule for when they attend densely instead (always-dense layers, short
+contexts) and the dense backend that then runs.
 """
 from __future__ import annotations
 
 import contextlib
+from collections.abc import Callable
 
 import torch
 from torch.nn import functional as F
 
 from ..kernels import use_triton
+from ..kernels.combine import sm_count
 from ..kernels.paged_decode import default_num_splits, paged_decode, paged_decode_reference
 from ..kvcache.paged import gather_tokens
-from .backend import AttentionBackend, AttentionMetadata
+from .backend import AttentionBackend, AttentionMetadata, Capabilities, GraphSupport
 
 
 def _sdpa_context(device: torch.device):
@@ -47,7 +52,7 @@ def causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: f
 
 class DenseBackend(AttentionBackend):
     name = "dense"
-    supports_cuda_graph = True
+    capabilities = Capabilities(graph=GraphSupport.STATIC)
 
     def forward(self, layer, q, k, v, k_cache, v_cache, meta: AttentionMetadata):
         if meta.is_prefill:
@@ -78,8 +83,7 @@ class DenseBackend(AttentionBackend):
 
     def __init__(self, model_config, engine_config, device):
         super().__init__(model_config, engine_config, device)
-        cuda = device.type == "cuda"
-        self._num_sms = torch.cuda.get_device_properties(device).multi_processor_count if cuda else 1
+        self._num_sms = sm_count(device)
 
     def num_splits(self, batch: int) -> int:
         """Split count for the decode kernel: a function of the batch size only, so eager and graph runs agree."""
@@ -93,3 +97,29 @@ class DenseBackend(AttentionBackend):
         else:
             out, _ = paged_decode_reference(q, k_cache, v_cache, meta.block_tables, meta.seq_lens, self.scale)
         return out
+
+
+class DenseFallback:
+    """When a method attends densely instead of by its own rule, and the dense backend that then runs: in its
+    always-dense layers, and for a context no longer than the layer's limit (`limit(layer)` tokens; 0: never)."""
+
+    def __init__(self, model_config, engine_config, device: torch.device, dense_layers: tuple[int, ...],
+                 limit: Callable[[int], int] = lambda layer: 0):
+        self.backend = DenseBackend(model_config, engine_config, device)
+        self.num_layers = model_config.num_layers
+        self.layers = tuple(dense_layers)
+        self.limit = limit
+
+    def applies(self, layer: int, length: int) -> bool:
+        """Does `layer` attend densely when the longest sequence of the step holds `length` tokens?"""
+        return layer in self.layers or length <= self.limit(layer)
+
+    def sparse_layers(self) -> list[int]:
+        return [layer for layer in range(self.num_layers) if layer not in self.layers]
+
+    def limits(self) -> list[int]:
+        """The distinct limits over every layer, ascending."""
+        return sorted({self.limit(layer) for layer in range(self.num_layers)})
+
+    def forward(self, layer, q, k, v, k_cache, v_cache, meta: AttentionMetadata) -> torch.Tensor:
+        return self.backend.forward(layer, q, k, v, k_cache, v_cache, meta)

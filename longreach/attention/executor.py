@@ -22,14 +22,14 @@ def block_sparse_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
     """`rope`: remap the positions of far keys (rope/strategies.py, attention strategies) for query blocks ending
     at or past rope.rope_from; None or mode "none" keeps true positions.
 
-    Strategy "cache" (a bounded cache, attention/cascading.py): keys are stored un-rotated and each is rotated at its
+    Strategy "cache" (a bounded cache, attention/cascading/): keys are stored un-rotated and each is rotated at its
     position; queries are used as given.
 
     `need_lse=False` (the engine on CPU): the softmax runs as one fused SDPA call per slice over the same keys and
     mask, and lse comes back None. With remapped positions the far and near scores are two dot products; they become
     one by concatenating [q_far, q] against [k_far, 0] for far keys and [0, k] for near ones. Tested against the
     explicit softmax (tests/test_sparse.py)."""
-    from ..kvcache.offload import as_tensor
+    from ..kernels.kv_layout import as_tensor
 
     # two tiers (offloading) resolved, fp8 rows dequantised: plain values for the reference
     k_cache, v_cache = as_tensor(k_cache, q.dtype), as_tensor(v_cache, q.dtype)
@@ -147,7 +147,7 @@ def range_attention(q: torch.Tensor, k_cache, v_cache, block_tables: torch.Tenso
     PyTorch: the reference of kernels/vertical_slash.py. Same conventions as `block_sparse_attention`: out (T, H_q, D)
     in q's dtype and lse (T, H_q) fp32 (natural log, -inf for a row with no key); `need_lse=False` runs one fused SDPA
     call per slice over the same keys and mask. Caches may be two-tier or fp8 (resolved to plain values here)."""
-    from ..kvcache.offload import as_tensor
+    from ..kernels.kv_layout import as_tensor
 
     k_cache, v_cache = as_tensor(k_cache, q.dtype), as_tensor(v_cache, q.dtype)
     T, Hq, D = q.shape

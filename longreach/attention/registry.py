@@ -13,13 +13,13 @@ if TYPE_CHECKING:
 
 _BUILTIN = {
     "dense": "longreach.attention.dense:DenseBackend",
-    "infinitehip": "longreach.attention.infinitehip:InfiniteHiPBackend",
-    "hip": "longreach.attention.hip:HiPBackend",
-    "quest": "longreach.attention.quest:QuestBackend",
-    "streaming": "longreach.attention.streaming:StreamingBackend",
-    "minference": "longreach.attention.minference:MInferenceBackend",
-    "cascading": "longreach.attention.cascading:CascadingBackend",
-    "psa": "longreach.attention.psa:PSABackend",
+    "infinitehip": "longreach.attention.infinitehip.backend:InfiniteHiPBackend",
+    "hip": "longreach.attention.hip.backend:HiPBackend",
+    "quest": "longreach.attention.quest.backend:QuestBackend",
+    "streaming": "longreach.attention.streaming.backend:StreamingBackend",
+    "minference": "longreach.attention.minference.backend:MInferenceBackend",
+    "cascading": "longreach.attention.cascading.backend:CascadingBackend",
+    "psa": "longreach.attention.psa.backend:PSABackend",
 }
 _registry: dict[str, "str | type[AttentionBackend]"] = dict(_BUILTIN)
 

@@ -12,13 +12,14 @@ def add_arguments(p) -> None:
 
 
 def main(args) -> int:
+    from ..attention.backend import GraphSupport
     from ..attention.registry import available_backends, get_backend_class
 
     print(f"{'backend':<14} {'CUDA graphs':<12} description; below it, its presets (--preset), the default first")
     for name in available_backends():
         cls = get_backend_class(name)
         doc = (cls.__doc__ or sys.modules[cls.__module__].__doc__ or "").strip().splitlines()[0]
-        print(f"{name:<14} {'yes' if cls.supports_cuda_graph else 'no':<12} {doc}")
+        print(f"{name:<14} {'no' if cls.capabilities.graph is GraphSupport.NONE else 'yes':<12} {doc}")
         for preset, note in cls.preset_notes.items():
             print(f"    {preset:<14} {note}")
     return 0

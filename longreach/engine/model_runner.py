@@ -13,7 +13,7 @@ import typing
 import numpy as np
 import torch
 
-from ..attention.backend import AttentionBackend, AttentionMetadata
+from ..attention.backend import AttentionBackend, AttentionMetadata, GraphSupport
 from ..config import EngineConfig
 from ..kvcache.block_manager import BlockManager
 from ..kvcache.base import KVCache
@@ -39,7 +39,13 @@ class StepContext:
             return self.staged.attention(layer, q, k, v, self.backend)
         self.kv_cache.store(layer, k, v, self.meta.slot_mapping)
         k_cache, v_cache = self.kv_cache.layer(layer)
-        return self.backend.forward(layer, q, k, v, k_cache, v_cache, self.meta)
+        out = self.backend.forward(layer, q, k, v, k_cache, v_cache, self.meta)
+        reads = self.meta.page_reads
+        if reads:  # what the layer attended, handed to the store now (device ops: inside a captured step too)
+            for r in reads:
+                self.kv_cache.record_reads(r)
+            reads.clear()
+        return out
 
 
 class ModelRunner:
@@ -85,7 +91,7 @@ class ModelRunner:
             max_seq_len=max(seq_lens),
             max_query_len=max(batch.num_tokens),
             prompt_lens=[s.num_tokens for s in batch.seqs],
-            kv_store=None if batch.is_prefill else self.kv_cache.decode_reads(),
+            page_reads=[] if not batch.is_prefill and self.kv_cache.wants_reads else None,
         )
         input_ids = torch.tensor(ids, dtype=torch.long).to(dev, non_blocking=True)
         positions = torch.from_numpy(np.concatenate(pos)).to(dev, non_blocking=True)
@@ -139,7 +145,7 @@ class ModelRunner:
     def capture_graphs(self, emulate: bool = False) -> None:
         """Set up graph decode: static input buffers, and a graph per batch-size bucket for each variant the backend
         lists up front (dense: its only one). Variants the backend names later (sparse: per context bucket and mask
-        refresh level, see attention/graph_decode.py) are captured the first time a step needs them.
+        refresh level, see attention/sparse/graph.py) are captured the first time a step needs them.
 
         `emulate` (tests, any device): run the same static-buffer decode path eagerly instead of capturing, so the
         graph path's logic is checked on a CPU.
@@ -162,7 +168,8 @@ class ModelRunner:
         self._emulate = emulate
         self._pool = None if emulate else torch.cuda.graph_pool_handle()
         self._graph_sizes = sizes
-        keys = self.backend.graph_keys_upfront()
+        # STATIC: the one variant, captured now; VARIANTS: each captured the first time a step needs it
+        keys = [()] if self.backend.capabilities.graph is GraphSupport.STATIC else []
         for key in keys:
             for n in reversed(sizes):  # largest first, so smaller graphs reuse its memory
                 self._capture(n, key)
@@ -184,7 +191,7 @@ class ModelRunner:
         self.backend.graph_scratch()
         meta = AttentionMetadata(False, [-1] * n, [1] * n, [0] * n, self._g_qsl[: n + 1], self._g_lens[:n],
                                  self._g_tables[:n], self._g_slots[:n], self.config.max_model_len, 1,
-                                 kv_store=self.kv_cache.decode_reads())
+                                 page_reads=[] if self.kv_cache.wants_reads else None)
         ctx = StepContext(self.kv_cache, self.backend, meta, None)
         run = lambda: self.model.logits(self.model(self._g_ids[:n], self._g_pos[:n], ctx))  # noqa: E731
         if self._emulate:
@@ -213,7 +220,7 @@ class ModelRunner:
 
     def _replay(self, batch: ScheduledBatch) -> torch.Tensor:
         """One graph-decoded step. The rows are fed longest first (a sparse backend then runs its selection only
-        for the prefix of rows that need one, attention/graph_decode.py); the logits come back in batch order."""
+        for the prefix of rows that need one, attention/sparse/graph.py); the logits come back in batch order."""
         n = len(batch.seqs)
         size = self._graph_sizes[bisect.bisect_left(self._graph_sizes, n)]
         bs = self.block_size

@@ -1,4 +1,4 @@
-"""Per-block key metadata for PSA (attention/psa.py): built once a block is complete, scored against decode queries.
+"""Per-block key metadata for PSA (attention/psa/): built once a block is complete, scored against decode queries.
 
 A block is one KV page (block_size tokens of one sequence). Its metadata, per KV head, is a box around its keys,
 kept as a centre c and a radius r (D values each):
@@ -7,7 +7,7 @@ kept as a centre c and a radius r (D values each):
 A query's criticality score for the block is q.c + |q|.r. For minmax that is exactly Quest's upper bound
 sum_d max(q_d min_d, q_d max_d) >= q.k for every key of the block; cuboid-mean shrinks the box to the keys' mean
 distance from its centre: an estimate, not a bound, which ranked better in ArkVale's recall measurements.
-A KV-group's score is the max over the group's query heads (one ranking per sequence and KV head, attention/psa.py).
+A KV-group's score is the max over the group's query heads (one ranking per sequence and KV head, attention/psa/).
 
 Storage, per layer: (P, 2, H_kv, D) in the run dtype, indexed by page id ([:, 0] centres, [:, 1] radii), so the
 metadata lives beside the page pool: nothing per sequence, a freed page is simply rebuilt when it is full again.
@@ -66,7 +66,7 @@ def build_block_meta_reference(k_cache, block_tables: torch.Tensor, lo: torch.Te
                                meta: torch.Tensor, kind: str, inv_freq: torch.Tensor | None = None) -> None:
     """meta[page of block j of row r] = the block's metadata, for lo[r] <= j < hi[r] (host sync: CPU path).
     inv_freq (D/2,): box the keys *moved* to position 0 (each rotated back by its position j * block_size + t),
-    PSA's `rope: rank` ranking (attention/psa.py); None: the keys as stored."""
+    PSA's `rope: rank` ranking (attention/psa/); None: the keys as stored."""
     lo, hi = lo.long().cpu(), hi.long().cpu()
     rows = torch.repeat_interleave(torch.arange(lo.numel()), (hi - lo).clamp(min=0))
     if rows.numel() == 0:

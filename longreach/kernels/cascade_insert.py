@@ -1,12 +1,12 @@
 """The cascading cache's small per-layer work on the GPU, in few launches instead of many PyTorch ops
-(attention/cascading.py runs it once per layer and stride; a 1M-token prefill with stride 4,096 has 7,680 of those on
+(attention/cascading/ runs it once per layer and stride; a 1M-token prefill with stride 4,096 has 7,680 of those on
 SmolLM2, a decode step one per layer): the importance EMA, the stride plan's rules 3/4 and the slot moves in three
 launches instead of ~10 ops per ring level, and the step's RoPE work in one launch instead of ~20 ops.
 
   * `_insert_kernel`, grid (KV heads,): one program per KV head, which owns column h of the layer's importance, so
     the program may update it and then read it back after a barrier. It
       1. applies the EMA: score[slot, h] <- decay * score[slot, h] + mass[b, h, v] for the stride's cached and new
-         slots (attention/cascading.py: `_SubStride.ema_*`);
+         slots (attention/cascading/: `SubStride.ema_*`);
       2. walks the packed plan (cascade_plan.py: `BatchPlan`) level by level, exactly as `execute_plan` does:
          the old ring tokens a level reads and its accepted entries, each replaced by its challenger where the
          challenger is strictly more important (rule 4), form the level's pool; the written slots take

@@ -1,6 +1,6 @@
-"""The cascading cache's packed stride plan (`BatchPlan`, built by kvcache/cascade.py: `batch_plans`) and its
+"""The cascading cache's packed stride plan (`BatchPlan`, built by attention/cascading/rings.py: `batch_plans`) and its
 PyTorch execution: `execute_plan` resolves the challenges with one layer's importance and `apply_moves` moves the rows.
-These ops are the reference of kernels/cascade_insert.py and the CPU path; kvcache/cascade.py explains the rules.
+These ops are the reference of kernels/cascade_insert.py and the CPU path; attention/cascading/rings.py explains the rules.
 """
 from __future__ import annotations
 

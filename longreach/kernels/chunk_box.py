@@ -21,8 +21,8 @@ A query block reads the flavour its position picks, chosen per block with a `whe
 Edges: a box covers the chunk's keys [j*chunk, min((j+1)*chunk, length)), also keys before n_sink or at or past the
 block's candidate end (the first and last candidate chunks): a superset, still a bound, looser there.
 
-Where the boxes live: in the engine, a pool paged like the KV cache (attention/box_pool.py): a sequence's chunk j
-sits at row box_table[j // per] * per + j % per of each layer's pool, at stable addresses, so a captured decode
+Where the boxes live: in the engine, a pool paged like the KV cache (attention/infinitehip/boxes.py): a sequence's
+chunk j sits at row box_table[j // per] * per + j % per of each layer's pool, at stable addresses, so a captured decode
 step reads them through the table with static shapes. Each step boxes only the chunks its new keys touch
 (`build_boxes_*`: in decode one chunk per sequence, the one holding the newest key), from the keys in whichever tier
 holds them (KV offload: straight from host memory for a missing page). Outside the engine (tests, the recall tool)
@@ -107,7 +107,7 @@ def box_queries(qs: torch.Tensor, row_ok: torch.Tensor, cand_end: torch.Tensor, 
 
 
 class BoxView(NamedTuple):
-    """A sequence's kept boxes in the engine's pool (attention/box_pool.py): chunk j at row table[j // per] * per +
+    """A sequence's kept boxes in the engine's pool (attention/infinitehip/boxes.py): chunk j at row table[j // per] * per +
     j % per of `pool` (rows, 2, 2, H_kv, D), for chunks [0, n)."""
 
     pool: torch.Tensor

@@ -1,4 +1,5 @@
-"""Merge split-K partial attention results (flash-decoding's second pass), in one Triton kernel.
+"""Split-K: how many splits a decode launch gets (`split_count`, the one rule every decode path uses), and the merge
+of their partial results (flash-decoding's second pass), in one Triton kernel.
 
 Each row has S partial outputs o_s (already normalised within their split) with log-sum-exps l_s; the merged output is
 sum_s w_s o_s / sum_s w_s with w_s = exp(l_s - max l), and the merged lse is max l + log sum w. Splits that read no key
@@ -14,6 +15,20 @@ try:
     import triton.language as tl
 except ImportError:  # pragma: no cover
     triton = None
+
+
+def sm_count(device: torch.device) -> int:
+    """Streaming multiprocessors of a CUDA device (132 elsewhere: the interpreter's grids follow the H100's)."""
+    if device.type != "cuda":
+        return 132
+    return torch.cuda.get_device_properties(device).multi_processor_count
+
+
+def split_count(programs: int, num_sms: int, most: int) -> int:
+    """Splits of a decode launch that runs `programs` programs per split (rows x KV heads or selection groups): enough
+    to fill the GPU about twice, at least 1 and at most `most` (the caller's bound: a cap, the tiles a row can read).
+    A function of the batch's shape only, so an eager step and its captured graph agree."""
+    return max(1, min(most, -(-2 * num_sms // max(1, programs))))
 
 
 def combine_splits_reference(out_p: torch.Tensor, lse_p: torch.Tensor, dtype: torch.dtype):

@@ -1,6 +1,6 @@
 """Attention mass per key: how much softmax probability each key received from a step's queries (column sums).
 
-The cascading cache's importance (attention/cascading.py) is an exponential moving average of the attention each
+The cascading cache's importance (attention/cascading/) is an exponential moving average of the attention each
 cached token receives. A flash-attention kernel never holds a whole softmax row, so the mass is a second pass that
 reuses the first pass's log-sum-exp: for every sequence b, KV head g and key v < num_keys[b],
 

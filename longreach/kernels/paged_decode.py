@@ -19,7 +19,7 @@ import math
 
 import torch
 
-from .combine import combine_splits_triton
+from .combine import combine_splits_triton, split_count
 from .kv_layout import as_tensor
 
 try:
@@ -109,9 +109,9 @@ if triton is not None:
 
 
 def default_num_splits(batch: int, num_kv_heads: int, max_len: int, block_n: int = 64, num_sms: int = 132) -> int:
-    """Enough programs to fill the GPU about twice, never more splits than tiles of the longest sequence."""
-    want = -(-2 * num_sms // max(1, batch * num_kv_heads))
-    return max(1, min(want, -(-max_len // block_n), 64))
+    """Enough programs to fill the GPU about twice (kernels/combine.py: split_count), never more splits than tiles of
+    the longest sequence, at most 64."""
+    return split_count(batch * num_kv_heads, num_sms, min(64, -(-max_len // block_n)))
 
 
 def paged_decode(q, k_cache, v_cache, block_tables, seq_lens, scale: float, num_splits: int, block_n: int = 64,

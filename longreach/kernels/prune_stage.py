@@ -7,7 +7,7 @@ return each chunk's score: the max over the group's heads and the block's query 
     first key, the half with the higher score kept — run per head; or
   * exact: the chunk's best key (every valid key is scored). HiP scores its branch representatives this way
     (`chunk` = its key-block size b_k).
-Top-k over the scores and the stage bookkeeping stay in attention/infinitehip.py and attention/hip.py, shared by the
+Top-k over the scores and the stage bookkeeping stay in attention/infinitehip/ and attention/hip/, shared by the
 reference and the kernel.
 
 Kernel: grid (query block, group, tile of BLOCK_C chunks). Each program keeps one head's query rows in registers and

@@ -76,7 +76,7 @@ def _gather(cache: torch.Tensor, block_tables: torch.Tensor, pos: torch.Tensor, 
 
 
 def rank_order_deltas(p: torch.Tensor, cand_lo: int, cand_hi: torch.Tensor, page: int, rope_from: int):
-    """`rope: rank` (attention/psa.py): for rows at positions p (n,) >= rope_from, the key moves that put the
+    """`rope: rank` (attention/psa/): for rows at positions p (n,) >= rope_from, the key moves that put the
     attended keys within the trained distance. Returns (sink_delta (n,), ranked(rank, block, t) -> delta): the sink
     moves by p - rope_from + 1 (its token s then sits rope_from - 1 - s before the query); the ranked block of rank i
     and id b, token t, moves to max(T0 - (i + 1) * page + t, p - rope_from + 1 + S) (T0 = cand_hi * page, the tail's

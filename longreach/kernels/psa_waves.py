@@ -40,6 +40,7 @@ import math
 
 import torch
 
+from .combine import sm_count
 from .psa_decode import _prepare, log_odds
 
 try:
@@ -223,13 +224,6 @@ if triton is not None:
                 tl.store(Flags + (1 - par) * pairs + pair, 0, mask=first)
 
 
-def _sm_count(device: torch.device) -> int:
-    """Streaming multiprocessors of a CUDA device (132 elsewhere: the interpreter's grids follow the H100's)."""
-    if device.type != "cuda":
-        return 132
-    return torch.cuda.get_device_properties(device).multi_processor_count
-
-
 def wave_plan(n_mb: int, first_wave: int, growth: int, max_wave: int | None = None) -> list[tuple[int, int]]:
     """(start, size) in micro-batches of each wave over [0, n_mb): sizes first_wave x growth^w, none above
     `max_wave` (the scratch cap), the last cut at n_mb. Never empty: with no micro-batch, one wave of size 0 still
@@ -281,7 +275,7 @@ def psa_decode_waves(q, k_cache, v_cache, block_tables, seq_lens, ranked, cand_l
                       max(1, scratch_bytes // scratch_per_microbatch(pairs, hpg, D)))
     wave_max = max(size for _, size in waves)
     if max_programs is None:
-        max_programs = max(1, 8 * _sm_count(q.device) // pairs)
+        max_programs = max(1, 8 * sm_count(q.device) // pairs)
     f32 = dict(dtype=torch.float32, device=q.device)
     part = torch.empty(pairs, wave_max, 3, block_h, **f32)  # per micro-batch: m, l, lse_min per head
     part_acc = torch.empty(pairs, wave_max, block_h, D, **f32)

@@ -5,9 +5,10 @@ A step's life as the engine drives it:
   * prefill: `prefill_view(meta, tables)` gives the object whose `attention(layer, q, k, v, backend)` runs the step's
     attention (the offloaded store stages the sequences' pages on the GPU), or None: attention then reads the cache's
     `layer(...)` views after `store(...)`;
-  * decode: `decode_reads()` is what sparse attention reports the pages it reads to (`AttentionMetadata.kv_store`),
-    or None where nothing needs to know; after the step `end_step()` returns the step's page counts (hit, missed,
-    evicted, installed) or None;
+  * decode: where `wants_reads` is true, the attention backend returns, as data, the index each layer attended
+    (`PageReads`, in `AttentionMetadata.page_reads`) and the runner hands it to `record_reads(reads)` after the layer
+    (the offloaded store marks those pages to install); after the step `end_step()` returns the step's page counts
+    (hit, missed, evicted, installed) or None;
   * between steps: `release_transient()` when no prefill is pending (the offloaded store frees its staging area);
   * `max_prefill_pages`: the most pages one prefill step may cover (the staging area's size), None for no limit;
   * `occupancy(blocks)`: the counters `LLMEngine.kv_cache_stats` and the server's metrics report.
@@ -25,6 +26,25 @@ OCCUPANCY_KEYS = ("offload", "gpu_pages_total", "gpu_pages_used", "host_pages_to
 
 
 @dataclass(frozen=True)
+class PageReads:
+    """What one layer's decode attention read, as the index it attended (device tensors: no host sync, so a captured
+    decode step records it too). Per query block i: row seq[i] of block_tables (B, W), queries at positions
+    first[i]..last[i] (last - first < max_rows), the selected key blocks blocks[i] (G, K) of block_k tokens (-1
+    padded); besides them the block reads keys [0, n_sink) and its window [first - n_window + 1, last]."""
+
+    layer: int
+    block_tables: torch.Tensor  # (B, W) int32
+    seq: torch.Tensor  # (nb,)
+    first: torch.Tensor  # (nb,)
+    last: torch.Tensor  # (nb,)
+    max_rows: int
+    blocks: torch.Tensor  # (nb, G, K)
+    block_k: int
+    n_sink: int
+    n_window: int
+
+
+@dataclass(frozen=True)
 class KVNeeds:
     """What an attention backend asks of the KV store (`AttentionBackend.kv_needs`), declared, not probed."""
 
@@ -36,6 +56,7 @@ class KVNeeds:
 @runtime_checkable
 class KVCache(Protocol):
     max_prefill_pages: int | None
+    wants_reads: bool  # does it learn from what decode attention read (`record_reads`)?
 
     def layer(self, layer: int) -> tuple: ...
 
@@ -43,7 +64,7 @@ class KVCache(Protocol):
 
     def prefill_view(self, meta, tables: list[list[int]]): ...
 
-    def decode_reads(self): ...
+    def record_reads(self, reads: PageReads) -> None: ...
 
     def end_step(self) -> dict | None: ...
 

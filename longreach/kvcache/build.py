@@ -1,5 +1,6 @@
 """The one place where the KV store is sized and built: GPU-resident pages (paged.py) or host pages with a GPU page
-cache (offload.py), from the engine config, the model's shape and what the attention backend needs.
+cache (offload.py: `build_offloaded_cache` below), from the engine config, the model's shape and what the attention
+backend needs.
 
 What the backend needs (`KVNeeds`, kvcache/base.py) it declares through `AttentionBackend.kv_needs`.
 """
@@ -12,11 +13,12 @@ import torch
 
 from .base import KVCache, KVNeeds
 from .block_manager import BlockManager
-from .offload import GiB, build_offloaded_cache
+from .offload import OffloadedKVCache
 from .paged import PagedKVCache
 
 logger = logging.getLogger("longreach")
 
+GiB = 1 << 30
 CPU_KV_DEFAULT_GB = 4.0  # the KV budget of a CPU run without --kv-cache-memory-gb (capped by what max_num_seqs need)
 
 
@@ -72,3 +74,80 @@ def _num_resident_blocks(cfg, mc, kv_dtype, device, needs: KVNeeds, free_gpu_byt
             f"the KV cache fits {num_blocks * cfg.block_size} tokens ({budget / GiB:.2f} GiB), fewer than "
             f"{what}; raise kv_cache_memory_gb / gpu_memory_utilization or lower max_model_len")
     return num_blocks
+
+
+# ---- the offloaded store ------------------------------------------------------------------------------------------
+CPU_POOL_DEFAULT_GB = 4.0  # the "GPU" pool on a CPU run, when --kv-cache-memory-gb is not given
+
+
+def host_memory_available() -> int | None:
+    """MemAvailable from /proc/meminfo in bytes (None where there is no such file)."""
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        return None
+    return None
+
+
+def build_offloaded_cache(cfg, mc, kv_dtype: torch.dtype, device: torch.device, dense_layers,
+                          free_gpu_bytes, page_state_bytes: int = 0) -> tuple[BlockManager, OffloadedKVCache]:
+    """The block manager and the two-tier store for EngineConfig `cfg` and ModelConfig `mc`:
+    `kv_offloading_size` GiB of pinned host pages hold every token, a GPU pool of `kv_cache_memory_gb` (default:
+    `free_gpu_bytes()` less the staging area and the backend's GPU state per host page, `page_state_bytes`: psa's
+    block metadata) caches the hot pages. Raises ValueError with what to change when a tier does not fit; logs both
+    tiers in GiB and tokens."""
+    bs, L, H, D = cfg.block_size, mc.num_layers, mc.num_kv_heads, mc.head_dim
+    if cfg.attention == "dense" and cfg.decode_attention is None:
+        logger.warning("dense attention with KV offloading reads every page of every layer from host memory at "
+                       "each decode step (PCIe-bound, slow); the sparse methods (infinitehip, hip, streaming) read "
+                       "a few thousand tokens per step and cache them on the GPU")
+    if dense_layers:
+        logger.warning("layers %s attend densely: with KV offloading they read every page of the context from "
+                       "host memory at each decode step; --attention-config '{\"dense_layers\": []}' avoids it",
+                       list(dense_layers))
+    per_page = OffloadedKVCache.bytes_per_page(L, bs, H, D, kv_dtype)
+    host_pages = int(cfg.kv_offloading_size * GiB // per_page)
+    longest = -(-cfg.max_model_len // bs)
+    if host_pages < longest:
+        raise ValueError(
+            f"kv_offloading_size={cfg.kv_offloading_size} GiB holds {host_pages * bs} tokens, fewer than "
+            f"max_model_len={cfg.max_model_len} ({longest * per_page / GiB:.2f} GiB at {per_page // bs} bytes per "
+            "token); raise --kv-offloading-size or lower --max-model-len")
+    staging = longest + -(-cfg.max_num_batched_tokens // bs) + 1
+    per_slot = OffloadedKVCache.bytes_per_slot(bs, H, D, kv_dtype)
+    staging_bytes = staging * per_slot
+    if cfg.kv_cache_memory_gb is not None:
+        budget = cfg.kv_cache_memory_gb * GiB
+    elif device.type == "cuda":
+        budget = free_gpu_bytes() - staging_bytes - host_pages * page_state_bytes
+    else:
+        budget = min(CPU_POOL_DEFAULT_GB * GiB, host_pages * per_page)
+    slots = int(budget // (per_slot + 32))  # + the page table's share per slot (int32 entry, owner, stamp)
+    if slots < 1:
+        raise ValueError(f"the GPU page cache gets {budget / GiB:.2f} GiB, less than one page; raise "
+                         "--kv-cache-memory-gb or --gpu-memory-utilization")
+    available = host_memory_available()
+    if available is not None and host_pages * per_page > 0.9 * available:
+        raise ValueError(f"kv_offloading_size={cfg.kv_offloading_size} GiB does not fit the host: "
+                         f"{available / GiB:.1f} GiB of memory is available; lower --kv-offloading-size (it needs "
+                         f"{longest * per_page / GiB:.2f} GiB for max_model_len={cfg.max_model_len})")
+    blocks = BlockManager(host_pages, bs)
+    try:
+        store = OffloadedKVCache(L, host_pages + 1, slots, bs, H, D, kv_dtype, device, staging_pages=staging)
+        store.staging()  # allocated now, so that a GPU too small for it fails here and not mid-prefill
+    except (RuntimeError, MemoryError) as e:  # pinning or GPU allocation refused
+        raise ValueError(f"could not allocate the KV tiers ({host_pages * per_page / GiB:.2f} GiB of host "
+                         f"memory, {slots * per_slot / GiB:.2f} + {staging_bytes / GiB:.2f} GiB on the "
+                         f"{device.type.upper()}): {str(e).splitlines()[0]}; lower --kv-offloading-size, "
+                         "--kv-cache-memory-gb or --max-model-len") from None
+    blocks.on_free = store.free_pages
+    kv = str(kv_dtype).replace("torch.", "")
+    logger.info("KV cache, host tier: %d pages x %d tokens = %d tokens (%.2f GiB%s, %s)", host_pages, bs,
+                host_pages * bs, store.host_nbytes / GiB, " pinned" if device.type == "cuda" else "", kv)
+    logger.info("KV cache, GPU tier: %d slots of one layer's page = %d tokens per layer on average (%.2f GiB, "
+                "shared by all %d layers); prefill staging %.2f GiB (%d pages)", slots, slots * bs // L,
+                store.nbytes / GiB, L, store.staging_nbytes / GiB, staging)
+    return blocks, store

@@ -16,7 +16,7 @@ Design (docs/offload.md has the byte budgets and the measurements):
     zero-copy, kernels/paged.py), so a miss costs PCIe latency, never a host round trip, and decode stays
     graph-capturable.
   * **What gets installed**: the pages the block-sparse attention of a decode step reads (sink, window and selected
-    blocks: the sparse backend reports them through `note_reads`). After the step, `end_step` stamps the hits and
+    blocks: the backend returns the index it attended as `PageReads` and the runner hands it to `record_reads`). After the step, `end_step` stamps the hits and
     installs the misses into free or least-recently-used slots (never a slot read in this step). Pruning-stage probes
     and dense reads pass through uncached: a stage-0 refresh touches a few keys of every chunk of the context and
     would flush the pool for one use.
@@ -27,12 +27,12 @@ Design (docs/offload.md has the byte budgets and the measurements):
     the backend (block ids, not keys).
 
 Counters (`stats()`): pages hit / missed / evicted / installed and bytes copied host -> GPU by installs, cumulative.
-Mutates: `store`, `note_reads`, `end_step`, `free_pages`. Not thread-safe; the engine calls it from its one loop.
+Mutates: `store`, `record_reads` / `note_reads`, `end_step`, `free_pages`. Not thread-safe; the engine calls it from its
+one loop. Sized and built by kvcache/build.py (`build_offloaded_cache`).
 """
 from __future__ import annotations
 
 import dataclasses
-from typing import TYPE_CHECKING
 
 import numpy as np
 import torch
@@ -40,10 +40,8 @@ import torch
 from ..kernels import kv_store, page_reads, use_triton
 from ..kernels.kv_layout import TierView, as_tensor  # noqa: F401 (as_tensor: re-exported for the store's readers)
 from ..kernels.offload_copy import copy_chunks, scatter_rows
+from .base import PageReads
 from .fp8 import as_bytes, encode, row_bytes, row_elems
-
-if TYPE_CHECKING:
-    from .block_manager import BlockManager
 
 
 def pinned_empty(shape: tuple, dtype: torch.dtype, owner: object) -> torch.Tensor:
@@ -70,6 +68,8 @@ def pinned_empty(shape: tuple, dtype: torch.dtype, owner: object) -> torch.Tenso
 
 
 class OffloadedKVCache:
+    wants_reads = True  # it installs on the GPU the pages decode attention read (`record_reads`, `end_step`)
+
     def __init__(self, num_layers: int, num_pages: int, num_slots: int, block_size: int, num_kv_heads: int,
                  head_dim: int, dtype: torch.dtype, device: torch.device, staging_pages: int = 0):
         if num_slots < 1:
@@ -185,10 +185,6 @@ class OffloadedKVCache:
     def prefill_view(self, meta, tables: list[list[int]]) -> "StagedPrefill":
         return self.prefill_step(meta, tables)
 
-    def decode_reads(self) -> "OffloadedKVCache":
-        """Decode attention reports the pages it reads here (`note_reads`); `end_step` installs the missed ones."""
-        return self
-
     def release_transient(self) -> None:
         self.release_staging()
 
@@ -199,7 +195,13 @@ class OffloadedKVCache:
                 "host_pages_total": blocks.num_blocks, "host_pages_used": blocks.num_blocks - blocks.num_free_blocks,
                 **{k: st[k] for k in ("pages_hit", "pages_missed", "pages_evicted", "pages_installed", "bytes_h2d")}}
 
-    # ---- decode: reads reported by the attention, installs after the step ------------------------------------------
+    # ---- decode: what attention read, installs after the step --------------------------------------------------------
+    def record_reads(self, reads: PageReads) -> None:
+        """Mark the pages one layer's decode attention read (the index it attended, `PageReads`) for `end_step`."""
+        r = reads
+        self.note_reads(r.layer, r.block_tables, r.seq, r.first, r.last, r.max_rows, r.blocks, r.block_k, r.n_sink,
+                        r.n_window)
+
     def note_reads(self, layer: int, block_tables: torch.Tensor, seq: torch.Tensor, first: torch.Tensor,
                    last: torch.Tensor, max_rows: int, blocks: torch.Tensor, block_k: int, n_sink: int,
                    n_window: int) -> None:
@@ -359,7 +361,7 @@ class StagedPrefill:
         self.dst = torch.tensor(dst, dtype=torch.long).to(dev)
         self.slots = torch.from_numpy(np.concatenate(slots)).to(dev)
         self.meta = dataclasses.replace(meta, block_tables=torch.from_numpy(bt).to(dev), slot_mapping=self.slots,
-                                        kv_store=None)
+                                        page_reads=None)
         self.buf = store.staging()
 
     def attention(self, layer: int, q, k, v, backend):
@@ -371,86 +373,3 @@ class StagedPrefill:
         rows[1].index_copy_(0, self.slots, as_bytes(encode(v, buf.dtype)))
         st.store(layer, k, v, self.meta_in.slot_mapping)
         return backend.forward(layer, q, k, v, buf[0], buf[1], self.meta)
-
-
-# ---- sizing (the engine's constructor calls this) ---------------------------------------------------------------------
-GiB = 1 << 30
-CPU_POOL_DEFAULT_GB = 4.0  # the "GPU" pool on a CPU run, when --kv-cache-memory-gb is not given
-
-
-def host_memory_available() -> int | None:
-    """MemAvailable from /proc/meminfo in bytes (None where there is no such file)."""
-    try:
-        with open("/proc/meminfo") as f:
-            for line in f:
-                if line.startswith("MemAvailable:"):
-                    return int(line.split()[1]) * 1024
-    except OSError:
-        return None
-    return None
-
-
-def build_offloaded_cache(cfg, mc, kv_dtype: torch.dtype, device: torch.device, dense_layers,
-                          free_gpu_bytes, page_state_bytes: int = 0) -> tuple["BlockManager", OffloadedKVCache]:
-    """The block manager and the two-tier store for EngineConfig `cfg` and ModelConfig `mc`:
-    `kv_offloading_size` GiB of pinned host pages hold every token, a GPU pool of `kv_cache_memory_gb` (default:
-    `free_gpu_bytes()` less the staging area and the backend's GPU state per host page, `page_state_bytes`: psa's
-    block metadata) caches the hot pages. Raises ValueError with what to change when a tier does not fit; logs both
-    tiers in GiB and tokens."""
-    import logging
-
-    from .block_manager import BlockManager
-
-    logger = logging.getLogger("longreach")
-    bs, L, H, D = cfg.block_size, mc.num_layers, mc.num_kv_heads, mc.head_dim
-    if cfg.attention == "dense" and cfg.decode_attention is None:
-        logger.warning("dense attention with KV offloading reads every page of every layer from host memory at "
-                       "each decode step (PCIe-bound, slow); the sparse methods (infinitehip, hip, streaming) read "
-                       "a few thousand tokens per step and cache them on the GPU")
-    if dense_layers:
-        logger.warning("layers %s attend densely: with KV offloading they read every page of the context from "
-                       "host memory at each decode step; --attention-config '{\"dense_layers\": []}' avoids it",
-                       list(dense_layers))
-    per_page = OffloadedKVCache.bytes_per_page(L, bs, H, D, kv_dtype)
-    host_pages = int(cfg.kv_offloading_size * GiB // per_page)
-    longest = -(-cfg.max_model_len // bs)
-    if host_pages < longest:
-        raise ValueError(
-            f"kv_offloading_size={cfg.kv_offloading_size} GiB holds {host_pages * bs} tokens, fewer than "
-            f"max_model_len={cfg.max_model_len} ({longest * per_page / GiB:.2f} GiB at {per_page // bs} bytes per "
-            "token); raise --kv-offloading-size or lower --max-model-len")
-    staging = longest + -(-cfg.max_num_batched_tokens // bs) + 1
-    per_slot = OffloadedKVCache.bytes_per_slot(bs, H, D, kv_dtype)
-    staging_bytes = staging * per_slot
-    if cfg.kv_cache_memory_gb is not None:
-        budget = cfg.kv_cache_memory_gb * GiB
-    elif device.type == "cuda":
-        budget = free_gpu_bytes() - staging_bytes - host_pages * page_state_bytes
-    else:
-        budget = min(CPU_POOL_DEFAULT_GB * GiB, host_pages * per_page)
-    slots = int(budget // (per_slot + 32))  # + the page table's share per slot (int32 entry, owner, stamp)
-    if slots < 1:
-        raise ValueError(f"the GPU page cache gets {budget / GiB:.2f} GiB, less than one page; raise "
-                         "--kv-cache-memory-gb or --gpu-memory-utilization")
-    available = host_memory_available()
-    if available is not None and host_pages * per_page > 0.9 * available:
-        raise ValueError(f"kv_offloading_size={cfg.kv_offloading_size} GiB does not fit the host: "
-                         f"{available / GiB:.1f} GiB of memory is available; lower --kv-offloading-size (it needs "
-                         f"{longest * per_page / GiB:.2f} GiB for max_model_len={cfg.max_model_len})")
-    blocks = BlockManager(host_pages, bs)
-    try:
-        store = OffloadedKVCache(L, host_pages + 1, slots, bs, H, D, kv_dtype, device, staging_pages=staging)
-        store.staging()  # allocated now, so that a GPU too small for it fails here and not mid-prefill
-    except (RuntimeError, MemoryError) as e:  # pinning or GPU allocation refused
-        raise ValueError(f"could not allocate the KV tiers ({host_pages * per_page / GiB:.2f} GiB of host "
-                         f"memory, {slots * per_slot / GiB:.2f} + {staging_bytes / GiB:.2f} GiB on the "
-                         f"{device.type.upper()}): {str(e).splitlines()[0]}; lower --kv-offloading-size, "
-                         "--kv-cache-memory-gb or --max-model-len") from None
-    blocks.on_free = store.free_pages
-    kv = str(kv_dtype).replace("torch.", "")
-    logger.info("KV cache, host tier: %d pages x %d tokens = %d tokens (%.2f GiB%s, %s)", host_pages, bs,
-                host_pages * bs, store.host_nbytes / GiB, " pinned" if device.type == "cuda" else "", kv)
-    logger.info("KV cache, GPU tier: %d slots of one layer's page = %d tokens per layer on average (%.2f GiB, "
-                "shared by all %d layers); prefill staging %.2f GiB (%d pages)", slots, slots * bs // L,
-                store.nbytes / GiB, L, store.staging_nbytes / GiB, staging)
-    return blocks, store

@@ -14,12 +14,13 @@ import torch
 
 from ..kernels import kv_store, use_triton
 from ..kernels.kv_layout import gather_tokens  # noqa: F401 (re-exported for the cache's readers)
-from .base import resident_occupancy
+from .base import PageReads, resident_occupancy
 from .fp8 import as_bytes, encode, row_bytes, row_elems
 
 
 class PagedKVCache:
     max_prefill_pages = None  # a prefill step reads its pages where they are: no limit
+    wants_reads = False  # every page is on the GPU: what attention reads changes nothing here
 
     def __init__(self, num_layers: int, num_blocks: int, block_size: int, num_kv_heads: int, head_dim: int,
                  dtype: torch.dtype, device: torch.device):
@@ -53,8 +54,8 @@ class PagedKVCache:
     def prefill_view(self, meta, tables: list[list[int]]) -> None:
         return None
 
-    def decode_reads(self) -> None:
-        return None
+    def record_reads(self, reads: PageReads) -> None:
+        pass
 
     def end_step(self) -> None:
         return None

@@ -33,7 +33,7 @@ the neighbourhood exact), only the sink and the selected keys ("far" keys) move:
         one step beyond the window's farthest key; a row's window keys keep their true distances p - k.
   il    sink keys keep their positions, every selected key sits at n_sink, the query at n_sink + n_window.
   de    SelfExtend: far keys at p_k // G, the query at p // G + W - W // G; the window keeps true distances.
-  cache a bounded cache's own (attention/cascading.py), not selectable by the sparse methods: its keys are stored
+  cache a bounded cache's own (attention/cascading/), not selectable by the sparse methods: its keys are stored
         *un-rotated* (tokens move between slots and are renumbered every step) and every key is rotated at its
         position in the attended sequence — sink, the cached tokens oldest first, the chunk: StreamingLLM's numbering
         — with the queries arriving rotated at theirs. Applies to every query block (no `rope_from`).

@@ -4,10 +4,10 @@
 
 Runs the model densely over one calibration prompt (the paper: one synthetic KV-retrieval sample of ~30K tokens)
 in a single prefill chunk; at each layer, before the dense output goes on to the next layer, the search of
-attention/minference_search.py picks each head's pattern by attention-output error against dense. A progress bar
+attention/minference/search.py picks each head's pattern by attention-output error against dense. A progress bar
 counts layers. The file then serves `--attention minference --attention-config '{"patterns": "P.json"}'`; copied
 to longreach/attention/patterns/<alias>.json it ships with longreach, is named `{"patterns": "<alias>"}` and is the
-default of a model run by that alias (attention/minference.py, `resolve_patterns`).
+default of a model run by that alias (attention/minference/config.py, `resolve_patterns`).
 
 The JSON (format "longreach-minference-patterns/1"): `provenance` (model name, path and SHA-256 of its weight
 files, the data and its SHA-256 or generator seed, length, date, longreach version, device, dtype, the command),
@@ -114,10 +114,10 @@ def model_files(path: str) -> list[str]:
 
 def calibrate(engine, token_ids: list[int], space, granularity: str = "head", block: int = 64,
               progress: bool = True) -> list[dict]:
-    """Per layer the search result (attention/minference_search.py: space, cost, errors, choice) for `engine` (a
+    """Per layer the search result (attention/minference/search.py: space, cost, errors, choice) for `engine` (a
     dense LLMEngine whose max_num_batched_tokens holds the prompt) on `token_ids`."""
     from ..attention.minference import MInference, MInferenceConfig
-    from ..attention.minference_search import LayerSearch, search_layer
+    from ..attention.minference.search import LayerSearch, search_layer
     from ..progress import Progress
 
     mc = engine.model_config
@@ -161,7 +161,7 @@ def calibrate(engine, token_ids: list[int], space, granularity: str = "head", bl
 def main(args) -> int:
     from .. import __version__
     from ..attention.minference import PATTERNS_FORMAT
-    from ..attention.minference_search import SearchSpace
+    from ..attention.minference.search import SearchSpace
     from ..config import EngineConfig
     from ..engine.llm_engine import LLMEngine
     from ..models.loader import resolve_model_path

@@ -1,4 +1,4 @@
-"""The box-scored stage 0 (kernels/chunk_box.py, attention/box_pool.py) on the GPU: the box-build kernel against its
+"""The box-scored stage 0 (kernels/chunk_box.py, attention/infinitehip/boxes.py) on the GPU: the box-build kernel against its
 reference in bf16 at 128K with the decode-step costs it adds, and `infinitehip:3k-box` through the engine."""
 from __future__ import annotations
 

@@ -1,4 +1,4 @@
-"""The Cascading KV cache (attention/cascading.py) on the GPU: its kernels (cache-RoPE attention, key mass, insertion
+"""The Cascading KV cache (attention/cascading/) on the GPU: its kernels (cache-RoPE attention, key mass, insertion
 and moves, the gathered prefill) against their references at the `16k` preset's real sizes with their times, and
 through the engine on a real model: GPU kernels == the CPU reference, passkey against streaming with the same memory,
 and prefill time against dense."""
@@ -69,11 +69,11 @@ def test_cascading_insert(detail):
     one (layer, stride) either way (CUDA events around the host calls, so launch overhead counts)."""
     import numpy as np
 
-    from longreach.attention.cascading_attend import unrotation
+    from longreach.attention.cascading.attend import unrotation
     from longreach.kernels.cascade_insert import (cascade_insert_reference, cascade_insert_triton,
                                                   cascade_rope_reference, cascade_rope_triton, move_rows_triton)
     from longreach.rope.strategies import rotation
-    from longreach.kvcache.cascade import CascadeRings, apply_moves, batch_plans, execute_plan
+    from longreach.attention.cascading.rings import CascadeRings, apply_moves, batch_plans, execute_plan
 
     dev, S, sizes = "cuda", 64, [2040] * 8
     lines = []
@@ -134,7 +134,7 @@ def test_cascading_insert(detail):
 
 
 def test_cascading_flash(detail):
-    """Cascading's gathered prefill path (gather_virtual + FlashAttention, attention/cascading.py) vs its block-sparse
+    """Cascading's gathered prefill path (gather_virtual + FlashAttention, attention/cascading/attend.py) vs its block-sparse
     path (the Triton kernel, keys rotated per query block) on the same stride, at the `16k` preset's real sizes
     (64 sink + 8 x 2040 rings full, a 4,096-row stride: 20,480 keys), SmolLM2's and Llama-8B's heads, bf16: output,
     log-sum-exp and key mass; both against the fp32 reference on the gathered keys; the time of one (layer, stride)
@@ -144,9 +144,9 @@ def test_cascading_flash(detail):
     import numpy as np
 
     from longreach.attention.cascading import CascadingBackend
-    from longreach.attention.cascading_attend import causal_attention_lse, gather_virtual
+    from longreach.attention.cascading.attend import causal_attention_lse, gather_virtual
     from longreach.config import EngineConfig
-    from longreach.kvcache.cascade import CascadeRings
+    from longreach.attention.cascading.rings import CascadeRings
     from longreach.models.config import ModelConfig, RopeConfig
     from longreach.rope.strategies import rotation
 

@@ -1,4 +1,4 @@
-"""PSA (attention/psa.py) on the GPU: the decode, metadata and scoring kernels against their references (bf16, 8B
+"""PSA (attention/psa/) on the GPU: the decode, metadata and scoring kernels against their references (bf16, 8B
 shape, 128K), the parts of a decode step timed in CUDA graphs, and the `rope: rank` positions."""
 from __future__ import annotations
 
@@ -25,7 +25,7 @@ def _random_paged(dev, g, lengths, page: int, Hkv: int, D: int, dtype):
 
 
 def test_psa_kernels(detail):
-    """PSA at Llama-8B's shape and 128K (attention/psa.py): the metadata, scoring and both decode kernels (loop and
+    """PSA at Llama-8B's shape and 128K (attention/psa/): the metadata, scoring and both decode kernels (loop and
     waves, kernels/psa_decode.py) against their PyTorch references (fp32 math on the same bf16 inputs), one tier,
     two tiers (pinned host pages over UVA) and fp8 rows; the decode step captured in a CUDA graph == eager, with
     either kernel; and the time of one decode step (rank + loop) next to the dense paged-decode kernel, with the keys

@@ -2,7 +2,7 @@
 which separate where a method loses the needle (its selection, its budget or its positions) from the model's limit.
 
 They are registered into infinitehip's preset table by `register()` (attention/registry.register_presets) rather than
-listed in attention/infinitehip.py, so that the runtime's table and `longreach backends` hold only what a user should
+listed in attention/infinitehip/config.py, so that the runtime's table and `longreach backends` hold only what a user should
 pick. Every lab command checks its methods through eval/common.parse_methods, which registers them first: `longreach
 eval passkey --attention infinitehip:oracle` works, `longreach generate --attention infinitehip:oracle` is an unknown
 preset. A Python caller that builds an `LLM` with one of them calls `register()` first.

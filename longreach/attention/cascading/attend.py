@@ -1,4 +1,4 @@
-"""How a cascading stride attends, as plain functions (attention/cascading.py's backend calls them): the RoPE tables
+"""How a cascading stride attends, as plain functions (backend.py calls them): the RoPE tables
 that undo the model's rotation, and the gathered prefill path — a stride's virtual sequence copied contiguous with its
 keys rotated once (`gather_virtual`), then attention over it with FlashAttention, which also returns the log-sum-exp
 the key mass needs (`causal_attention_lse`). docs/sparse.md ("Cascading KV cache", design step 3) has the reasons and
@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import torch
 
-from ..rope.strategies import rotate_cs
+from ...rope.strategies import rotate_cs
 
 
 def unrotation(pos: torch.Tensor, inv_freq: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:

@@ -1,9 +1,9 @@
 """MInference 1.0 (Jiang et al., 2024): dynamic sparse *prefill* with one of three patterns per head; dense decode.
 
-Each head (or KV-head group, `granularity`) is assigned offline, by `longreach calibrate` (attention/minference_search
-.py), one pattern; at prefill the pattern's index is built online from the prompt (attention/minference_index.py)
-and one `RangeIndex` (attention/index.py: key tiles + key columns per query block) holds every head of the layer, so
-one kernel launch (kernels/vertical_slash.py; the PyTorch reference is executor.range_attention) runs the layer.
+Each head (or KV-head group, `granularity`) is assigned offline, by `longreach calibrate` (search.py), one pattern;
+at prefill the pattern's index is built online from the prompt (index.py) and one `RangeIndex` (attention/index.py:
+key tiles + key columns per query block) holds every head of the layer, so one kernel launch
+(kernels/vertical_slash.py; the PyTorch reference is executor.range_attention) runs the layer.
   ("a_shape", n_sink, n_local)        Λ-shape: sink + local window, no index to build
   ("vertical_slash", k_v, k_s)         top k_v key columns + top k_s diagonals from the last `last_q` queries
   ("block_sparse", k_b)                top k_b 64-key blocks per 64-query block, by mean-pooled scores
@@ -21,11 +21,11 @@ Settled ambiguities (digest §8 and §4.4 gaps):
     *segment* — positions [s*segment, (s+1)*segment) — that this step computes. An unchunked prompt shorter than
     `segment` is exactly the paper's; a chunked prefill whose chunks are multiples of `segment` equals the unchunked
     one (tested). With chunks shorter than `segment` each chunk estimates from its own last queries.
-  * Budgets are counts of distinct items visible to the block (minference_index.py); the main diagonal (slash
+  * Budgets are counts of distinct items visible to the block (index.py); the main diagonal (slash
     offset 0) is always kept for vertical-slash heads, key block 0 and the diagonal block for block-sparse heads.
   * Λ-shape windows are per 64-query block (the paper's static block mask), not per row.
   * Which pattern file, in one place (`resolve_patterns`): `patterns` is a path (it ends in .json or holds a /) or
-    the name of a file shipped in attention/patterns/ (a model alias: `{"patterns": "qwen2.5-coder-0.5b"}`); an
+    the name of a file shipped in minference/patterns/ (a model alias: `{"patterns": "qwen2.5-coder-0.5b"}`); an
     unknown name fails listing the shipped ones. A model run by its alias gets its shipped file by default, unless
     the pattern choice is the user's (a preset, or `patterns`, `pattern`, `granularity` or `block` in the config;
     `{"patterns": null}` asks for no file). That default is applied by the backend, where the model is known:
@@ -37,133 +37,13 @@ Settled ambiguities (digest §8 and §4.4 gaps):
 """
 from __future__ import annotations
 
-import dataclasses
-import json
-import logging
 import os
-import typing
-from dataclasses import dataclass
 
 import torch
 
-from . import minference_index as mi
-from .backend import AttentionBackend, AttentionMetadata
-from .dense import DenseBackend
-from .index import QueryBlocks, RangeIndex
-
-logger = logging.getLogger("longreach")
-
-PATTERN_KINDS = {"a_shape": 2, "vertical_slash": 2, "block_sparse": 1}  # name -> number of integer parameters
-DEFAULT_PATTERN = ("vertical_slash", 500, 1500)
-PATTERNS_FORMAT = "longreach-minference-patterns/1"
-PATTERNS_DIR = os.path.join(os.path.dirname(os.path.abspath(__file__)), "patterns")  # <alias>.json, package data
-PATTERN_CHOICE = ("patterns", "pattern", "granularity", "block")  # config fields that leave no room for a default
-
-
-def shipped_patterns() -> dict[str, str]:
-    """Model alias -> path of the calibration file shipped for it (attention/patterns/<alias>.json)."""
-    names = sorted(n for n in os.listdir(PATTERNS_DIR) if n.endswith(".json")) if os.path.isdir(PATTERNS_DIR) else []
-    return {n[:-len(".json")]: os.path.join(PATTERNS_DIR, n) for n in names}
-
-
-def resolve_patterns(patterns: str | None, model: str | None = None) -> str | None:
-    """The calibration file minference loads: a path, or None for `pattern` on every head.
-
-    `patterns` ending in .json or holding a path separator is a path, returned as given (loading checks it); any
-    other string is the name of a shipped file, i.e. a model alias, and an unknown one raises ValueError listing
-    them. `patterns` None with `model` an alias that has a shipped file gives that file (the by-alias default; pass
-    `model` only when the user left the pattern choice open, see the module docstring); otherwise None."""
-    shipped = shipped_patterns()
-    if patterns is None:
-        return shipped.get(model) if model is not None else None
-    if patterns.endswith(".json") or os.sep in patterns or "/" in patterns:
-        return patterns
-    if patterns not in shipped:
-        names = ", ".join(shipped) or "none"
-        raise ValueError(f"unknown minference patterns {patterns!r}: give a shipped name ({names}) or the path of a "
-                         ".json file written by `longreach calibrate --method minference`")
-    return shipped[patterns]
-
-
-def check_pattern(p, where: str = "pattern") -> tuple:
-    """A pattern as a tuple (kind, ints...) or ValueError saying what is allowed."""
-    if not isinstance(p, (list, tuple)) or not p or p[0] not in PATTERN_KINDS \
-            or len(p) != 1 + PATTERN_KINDS[p[0]] or not all(isinstance(x, int) and x >= 0 for x in p[1:]):
-        raise ValueError(f"{where} must be one of [\"a_shape\", n_sink, n_local], [\"vertical_slash\", k_v, k_s] or "
-                         f"[\"block_sparse\", k_b] with integers >= 0, got {p!r}")
-    if p[-1] < 1:  # the local window, the slash count (the main diagonal is always one) and the block count
-        raise ValueError(f"{where}: the local window, slash count and block count must be >= 1, got {p!r}")
-    return tuple(p)
-
-
-@dataclass(frozen=True)
-class MInferenceConfig:
-    patterns: str | None = None  # a calibration file or a shipped name (resolve_patterns); None: `pattern` everywhere
-    pattern: tuple = DEFAULT_PATTERN  # every head's pattern when there is no file (presets: vs, a-shape, bs)
-    block: int = 64  # B: query rows per block, key tile width, block-sparse block size
-    last_q: int = 64  # vertical-slash estimation queries
-    segment: int = 32768  # estimation segment (see the module docstring); a multiple of block
-    granularity: str | None = None  # "head" or "kv_head"; None: the pattern file's, else "head"
-    dense_layers: tuple[int, ...] = ()  # layers that always attend densely
-    dense_below: int = 5120  # sequences this short attend densely (Λ 1024 + 4096: the candidates' budget)
-
-    def __post_init__(self) -> None:
-        object.__setattr__(self, "pattern", check_pattern(self.pattern))
-        if self.patterns is not None and not isinstance(self.patterns, str):
-            raise ValueError(f"patterns must be a path to a calibration JSON or a shipped name "
-                             f"({', '.join(shipped_patterns())}), got {self.patterns!r}")
-        object.__setattr__(self, "patterns", resolve_patterns(self.patterns))
-        if self.block not in (16, 32, 64, 128):
-            raise ValueError(f"block must be 16, 32, 64 or 128, got {self.block!r}")
-        if not isinstance(self.last_q, int) or self.last_q < 1:
-            raise ValueError(f"last_q must be an integer >= 1, got {self.last_q!r}")
-        if not isinstance(self.segment, int) or self.segment < self.block or self.segment % self.block:
-            raise ValueError(f"segment must be a positive multiple of block ({self.block}), got {self.segment!r}")
-        if self.granularity not in (None, "head", "kv_head"):
-            raise ValueError(f"granularity must be head or kv_head, got {self.granularity!r}")
-        if any(not isinstance(x, int) or x < 0 for x in self.dense_layers):
-            raise ValueError(f"dense_layers must be layer indices >= 0, got {self.dense_layers}")
-        if not isinstance(self.dense_below, int) or self.dense_below < 0:
-            raise ValueError(f"dense_below must be an integer >= 0, got {self.dense_below!r}")
-
-    @property
-    def block_q(self) -> int:  # the name the eval tools read
-        return self.block
-
-
-def load_patterns(path: str, num_layers: int | None, num_heads: int, num_kv_heads: int, block: int | None = None
-                  ) -> tuple[str, list[list[tuple]]]:
-    """(granularity, per layer a pattern per group) from a calibration file, checked against the model's shape
-    (num_layers None: any layer count, e.g. the recall tool)."""
-    try:
-        with open(path) as f:
-            data = json.load(f)
-    except OSError as e:
-        raise ValueError(f"cannot read the minference patterns file {path!r}: {e.strerror}") from None
-    except json.JSONDecodeError as e:
-        raise ValueError(f"minference patterns file {path!r} is not JSON ({e.msg})") from None
-    if not isinstance(data, dict) or data.get("format") != PATTERNS_FORMAT:
-        raise ValueError(f"{path!r} is not a minference patterns file (format {PATTERNS_FORMAT!r}); write one with "
-                         "`longreach calibrate --method minference`")
-    if block is not None and data.get("block", block) != block:
-        raise ValueError(f"{path!r} was calibrated with block {data.get('block')}; set block to it or recalibrate")
-    gran = data.get("granularity")
-    groups = {"head": num_heads, "kv_head": num_kv_heads}.get(gran)
-    if groups is None:
-        raise ValueError(f"{path!r}: granularity must be head or kv_head, got {gran!r}")
-    layers = data.get("layers")
-    num_layers = len(layers) if num_layers is None and isinstance(layers, list) else num_layers
-    if not isinstance(layers, list) or len(layers) != num_layers:
-        raise ValueError(f"{path!r} holds {len(layers) if isinstance(layers, list) else 'no'} layers; the model has "
-                         f"{num_layers} (calibrated for {data.get('provenance', {}).get('model', '?')})")
-    out = []
-    for i, layer in enumerate(layers):
-        choice = layer.get("choice") if isinstance(layer, dict) else None
-        if not isinstance(choice, list) or len(choice) != groups:
-            raise ValueError(f"{path!r}: layer {i} must list {groups} patterns (one per {gran}), got "
-                             f"{len(choice) if isinstance(choice, list) else choice!r}")
-        out.append([check_pattern(p, f"{path!r} layer {i} group {g}") for g, p in enumerate(choice)])
-    return gran, out
+from ..index import QueryBlocks, RangeIndex
+from . import index as mi
+from .config import DEFAULT_PRESET, PATTERN_KINDS, PRESETS, MInferenceConfig, load_patterns
 
 
 def _index_width(pattern: tuple, B: int) -> int:
@@ -180,12 +60,8 @@ class MInference:
 
     name = "minference"
     config_cls = MInferenceConfig
-    presets: typing.ClassVar[dict[str, MInferenceConfig]] = {
-        "vs": MInferenceConfig(),  # every head vertical-slash (500, 1500): the default without a pattern file
-        "a-shape": MInferenceConfig(pattern=("a_shape", 1024, 4096)),  # = StreamingLLM's 1K + 4K baseline
-        "bs": MInferenceConfig(pattern=("block_sparse", 100)),
-    }
-    default_preset = "vs"
+    presets = PRESETS
+    default_preset = DEFAULT_PRESET
 
     def __init__(self, cfg: MInferenceConfig, num_heads: int, num_kv_heads: int, num_layers: int | None = None):
         self.cfg = cfg
@@ -383,101 +259,3 @@ def index_cost(index: RangeIndex) -> float:
     B = index.tile
     work = index.tile_counts.float() * B + torch.ceil(index.col_counts.float() / B) * B
     return work.mean().item() if work.numel() else 0.0
-
-
-class MInferenceBackend(AttentionBackend):
-    """MInference: per-head Λ-shape / vertical-slash / block-sparse prefill from a calibration file; dense decode."""
-
-    name = "minference"
-    supports_cuda_graph = True  # decode is dense (or, composed, another backend's: attention/compose.py)
-    method_cls = MInference
-    preset_notes = {
-        "vs": "every head vertical-slash (500 columns, 1,500 diagonals); the default where no pattern file is shipped "
-              "for the model's alias (shipped: attention/patterns/<alias>.json)",
-        "a-shape": "every head Λ-shape: 1,024 sink + 4,096 window tokens (StreamingLLM's baseline)",
-        "bs": "every head block-sparse: its top 100 key blocks of 64 tokens",
-    }
-    prefill_only: typing.ClassVar[bool] = True
-
-    def __init__(self, model_config, engine_config, device):
-        super().__init__(model_config, engine_config, device)
-        self.config = self.resolve_config(engine_config, by_alias=True)
-        self.method = MInference(self.config, model_config.num_heads, model_config.num_kv_heads,
-                                 model_config.num_layers)
-        self.dense = DenseBackend(model_config, dataclasses.replace(engine_config, attention="dense", preset=None,
-                                                                    attention_config=None), device)
-        if self.config.patterns is None:
-            logger.info("minference: no pattern file, %s (shipped files: %s; `longreach calibrate --method "
-                        "minference` writes one, loaded with --attention-config '{\"patterns\": \"P.json\"}')",
-                        self.method.describe(), ", ".join(shipped_patterns()) or "none")
-        elif self.config.patterns == shipped_patterns().get(engine_config.model):
-            logger.info("minference: patterns %s (%s, shipped for %s: the default for this alias; a preset or "
-                        "--attention-config '{\"patterns\": null}' gives every head one pattern)",
-                        self.method.describe(), self.config.patterns, engine_config.model)
-        else:
-            logger.info("minference: patterns %s (%s)", self.method.describe(), self.config.patterns)
-
-    @classmethod
-    def resolve_config(cls, engine_config, by_alias: bool = False) -> MInferenceConfig:
-        """The config of the preset and overrides; `by_alias`: engine_config.model is the model that runs, so a
-        model run by its alias gets its shipped patterns when the pattern choice is open (module docstring)."""
-        from .sparse import config_from, preset_and_overrides
-
-        base, overrides = preset_and_overrides("minference", MInference.presets, MInference.default_preset,
-                                               engine_config)
-        if "pattern" in overrides and "patterns" in overrides:
-            raise ValueError("give either patterns (a calibration file) or pattern (one for every head), not both")
-        cfg = config_from(MInferenceConfig, base, overrides)
-        if by_alias and engine_config.preset is None and not set(PATTERN_CHOICE) & set(overrides):
-            cfg = dataclasses.replace(cfg, patterns=resolve_patterns(None, engine_config.model))
-        return cfg
-
-    def always_dense_layers(self) -> tuple[int, ...]:
-        return tuple(self.config.dense_layers)
-
-    @classmethod
-    def unsupported_reasons(cls, model_config, engine_config) -> list[str]:
-        try:
-            cfg = cls.resolve_config(engine_config, by_alias=True)
-            MInference(cfg, model_config.num_heads, model_config.num_kv_heads, model_config.num_layers)
-        except ValueError as e:
-            return [str(e)]
-        bad = [layer for layer in cfg.dense_layers if layer >= model_config.num_layers]
-        return [f"dense_layers {bad} do not exist (the model has {model_config.num_layers} layers)"] if bad else []
-
-    def forward(self, layer, q, k, v, k_cache, v_cache, meta: AttentionMetadata):
-        cfg = self.config
-        if not meta.is_prefill or layer in cfg.dense_layers or meta.max_seq_len <= cfg.dense_below:
-            return self.dense.forward(layer, q, k, v, k_cache, v_cache, meta)
-        m = self.method
-        qb = QueryBlocks.build(meta.query_lens, meta.context_lens, cfg.block)
-        tiles, cols, row0 = [], [], 0
-        for i, n in enumerate(meta.query_lens):
-            blocks = [(qb.start[b] - row0, qb.length[b], qb.pos[b]) for b in qb.of_sequence(i)]
-            length = meta.context_lens[i] + n
-            if length <= cfg.dense_below:  # short sequence in a long batch: every earlier key
-                tiles.append(m.full_tiles(blocks, q.device))
-                cols.append(torch.full((len(blocks), m.groups, 0), -1, dtype=torch.long, device=q.device))
-            else:
-                t, c = m.build(layer, q[row0:row0 + n], blocks, (k_cache, meta.block_tables[i]), length, self.scale)
-                tiles.append(t)
-                cols.append(c)
-            row0 += n
-        index = m.index(qb, tiles, cols)
-        return self.attend(q, k_cache, v_cache, meta.block_tables, index)
-
-    def attend(self, q, k_cache, v_cache, block_tables, index: RangeIndex) -> torch.Tensor:
-        from .sparse import use_kernels
-
-        if use_kernels(q):
-            from ..kernels.vertical_slash import range_attention_triton
-
-            return range_attention_triton(q, k_cache, v_cache, block_tables, index, self.scale,
-                                          block_n=self.config.block)[0]
-        from .executor import range_attention
-
-        return range_attention(q, k_cache, v_cache, block_tables, index, self.scale, need_lse=False)[0]
-
-    # decode is the dense backend's, CUDA graphs included
-    def graph_unsupported(self):
-        return self.dense.graph_unsupported()

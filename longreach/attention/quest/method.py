@@ -8,30 +8,17 @@ cached keys at each call; a kernel implementation would maintain them as pages f
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
-
 import torch
 
-from .sparse import SelectionMethod, SparseBackend, SparseConfig
-
-
-@dataclass(frozen=True)
-class QuestConfig(SparseConfig):
-    page_size: int = 16
-    budget: int = 2048  # selected tokens per query block (beyond sink and window)
-    dense_layers: tuple[int, ...] = (0, 1)
-
-    def __post_init__(self) -> None:
-        super().__post_init__()
-        if self.page_size < 1 or self.budget < 0 or self.budget % self.page_size:
-            raise ValueError(f"budget ({self.budget}) must be a non-negative multiple of page_size ({self.page_size})")
+from ..sparse.selection import SelectionMethod
+from .config import DEFAULT_PRESET, PRESETS, QuestConfig
 
 
 class Quest(SelectionMethod):
     name = "quest"
     config_cls = QuestConfig
-    presets = {"3k": QuestConfig(budget=2048), "5k": QuestConfig(budget=4096)}
-    default_preset = "3k"
+    presets = PRESETS
+    default_preset = DEFAULT_PRESET
 
     @property
     def block_k(self) -> int:
@@ -59,14 +46,3 @@ class Quest(SelectionMethod):
         usable = ((ids + 1) * P > cfg.n_sink)[None, :] & (ids[None, :] * P < cand_end[:, None])  # page meets range
         score = score.masked_fill(~usable[:, None, :], float("-inf"))
         return self.keep_top(ids.expand(score.shape).clone(), score, cfg.budget // P)
-
-
-class QuestBackend(SparseBackend):
-    """Quest: top pages by a min/max upper bound on q.k."""
-
-    name = "quest"
-    method_cls = Quest
-    preset_notes = {
-        "3k": "2,048 keys per query block in 16-token pages, beside the sink and window (default)",
-        "5k": "4,096 keys per query block: retrieves more, reads more",
-    }

@@ -1,6 +1,6 @@
 """MInference's online index building (MInference 1.0, §4.4 Alg. 2-4): key ranges and columns per query block.
 
-Pure functions over tensors; attention/minference.py decides which head group uses which pattern and packs the
+Pure functions over tensors; method.py decides which head group uses which pattern and packs the
 result into a `RangeIndex`. Shapes: nb query blocks of one sequence, G selection groups, B = the block size (64 in the
 paper: query rows per block, key tile width and block-sparse block size).
 
@@ -35,7 +35,7 @@ def key_chunks(keys, length: int, chunk: int = 1 << 16):
     """Yield (first position, (n, H_kv, D) keys) over positions [0, length) of one sequence, `chunk` at a time.
 
     `keys`: a plain (L, H_kv, D) tensor, or (k_cache, block_table) of the paged (or two-tier, or fp8) cache."""
-    from ..kvcache.paged import gather_tokens
+    from ...kvcache.paged import gather_tokens
 
     if isinstance(keys, torch.Tensor):
         for s in range(0, length, chunk):

@@ -6,13 +6,13 @@ How it fits the engine (docs/sparse.md, "Cascading KV cache", has the whole desi
   * `CascadeLayout` (this backend's `kv_layout`) replaces "token t lives in slot t": a sequence owns at most
     `pages_per_seq` pages — the sink, the sub-caches' ring buffers, and staging slots for the step's new tokens —
     and the engine's block manager and model runner ask it how many slots a sequence uses and where new tokens go.
-  * The backend owns what moves. The ring structure (kvcache/cascade.py: `CascadeRings`) is planned once per step on
-    the host, shared by every layer; `forward` executes it per layer: attention, importance update, insertion.
+  * The backend owns what moves. The ring structure (rings.py: `CascadeRings`) is planned once per step on the host
+    (plan.py), shared by every layer; `forward` executes it per layer: attention, importance update, insertion.
   * Attention reads a *virtual sequence* — sink, cached tokens oldest first, the chunk — through a one-token-per-page
     table, with the project's block-sparse executor / Triton kernel and a plain `SparseIndex` (sink, key blocks up to
     each query block's window, a causal window of `block_q`). Virtual positions are StreamingLLM's positions. On a
     GPU, prefill strides gather the virtual sequence instead (keys rotated once) and run FlashAttention over it
-    (cascading_attend.py: `gather_virtual`, `causal_attention_lse`; a stride's attention is dense over its virtual
+    (attend.py: `gather_virtual`, `causal_attention_lse`; a stride's attention is dense over its virtual
     sequence).
   * Keys are stored un-rotated (the exact inverse of the model's rotation) and RoPE strategy "cache" rotates each at
     its virtual position in the kernel; queries are rotated to theirs here.
@@ -33,145 +33,36 @@ dynamic-NTK RoPE, CUDA-graph decode (decode runs eagerly: the insertion plan is 
 from __future__ import annotations
 
 import logging
-from dataclasses import dataclass
-from typing import ClassVar
 
 import numpy as np
 import torch
 
-from ..kernels.cascade_insert import (cascade_insert_reference, cascade_insert_triton, cascade_rope_reference,
-                                      cascade_rope_triton, move_rows_triton)
-from ..kvcache.cascade import BatchPlan, CascadeRings, apply_moves, batch_plans
-from ..rope.strategies import RopeArgs, rotation
-from .backend import AttentionBackend, AttentionMetadata
-from .cascading_attend import causal_attention_lse, gather_virtual, unrotation
-from .index import QueryBlocks, SparseIndex
-from .sparse import config_from, preset_and_overrides, use_kernels
+from ...kernels.cascade_insert import (cascade_insert_reference, cascade_insert_triton, cascade_rope_reference,
+                                       cascade_rope_triton, move_rows_triton)
+from ...kernels import use_triton
+from ...kernels.combine import sm_count, split_count
+from ...rope.strategies import RopeArgs, rotation
+from ..backend import AttentionBackend, AttentionMetadata, Capabilities
+from ..presets import resolve
+from .attend import causal_attention_lse, gather_virtual, unrotation
+from .config import DEFAULT_PRESET, PRESET_NOTES, PRESETS, CascadeLayout, CascadingConfig
+from .plan import SubStride, plan_step
+from .rings import CascadeRings, apply_moves
 
 logger = logging.getLogger("longreach")
-
-
-@dataclass(frozen=True)
-class CascadingConfig:
-    n_sink: int = 64  # first tokens, never evicted
-    num_subcaches: int = 8  # N sub-caches (cascading windows); sub-cache j spans ~subcache_size * 2^j tokens
-    subcache_size: int = 8184  # tokens per sub-cache (all equal)
-    ema: float = 0.999  # importance EMA factor per query token (memory ~ 1 / (1 - ema) tokens)
-    stride: int = 4096  # prefill stride: tokens that attend together before entering the cache
-    block_q: int = 64  # query rows per block of the attention index (prefill)
-    block_k: int = 64  # key-block size of the attention index
-    flash_prefill: bool = True  # prefill strides: gather + FlashAttention (CUDA sm80+, fp16/bf16; `_gathered_step`)
-
-    def __post_init__(self) -> None:
-        for name, lo in (("n_sink", 0), ("num_subcaches", 1), ("subcache_size", 1), ("stride", 1), ("block_q", 1),
-                         ("block_k", 1)):
-            v = getattr(self, name)
-            if isinstance(v, bool) or not isinstance(v, int) or v < lo:
-                raise ValueError(f"cascading: {name} must be an integer >= {lo}, got {v!r}")
-        if self.num_subcaches > 32:
-            raise ValueError(f"cascading: num_subcaches must be <= 32 (sub-cache j spans 2^j times its size), got "
-                             f"{self.num_subcaches}")
-        if not isinstance(self.flash_prefill, bool):
-            raise ValueError(f"cascading: flash_prefill must be true or false, got {self.flash_prefill!r}")
-        if isinstance(self.ema, bool) or not isinstance(self.ema, (int, float)) or not 0.0 <= self.ema < 1.0:
-            raise ValueError(f"cascading: ema must be a number in [0, 1), got {self.ema!r}")
-
-    @property
-    def capacity(self) -> int:
-        """Tokens the sub-caches hold (the sink not counted)."""
-        return self.num_subcaches * self.subcache_size
-
-    @property
-    def cache_tokens(self) -> int:
-        """Tokens the cache holds: sink + sub-caches."""
-        return self.n_sink + self.capacity
-
-
-PRESETS = {
-    "65k": CascadingConfig(n_sink=64, num_subcaches=8, subcache_size=8184),  # the blog's passkey setting: 65,536
-    "16k": CascadingConfig(n_sink=64, num_subcaches=8, subcache_size=2040),  # the blog's 1M-prefill setting: 16,384
-    "4k": CascadingConfig(n_sink=64, num_subcaches=4, subcache_size=1008, stride=1024),  # 4,096: small, CPU evals
-}
-DEFAULT_PRESET = "65k"
-
-
-@dataclass(frozen=True)
-class CascadeLayout:
-    """Where a cascading sequence's tokens live among its own KV slots (local slot i = page table[i // block_size]
-    at offset i % block_size):
-        [0, n_sink)                      the sink, token t in slot t
-        [n_sink, n_sink + capacity)      the sub-caches' rings, sub-cache j at n_sink + j * subcache_size, filled in
-                                         order (sub-cache j+1 gets tokens only once sub-cache j is full)
-        stage_base(end) + i              the step's i-th new token past the sink, staged right after the rings'
-                                         filled part (after the step), until it moves into sub-cache 0
-    So a sequence of n tokens uses at most `slots_for(n)` slots: about 2n while short, `max_slots` whatever n."""
-
-    n_sink: int
-    capacity: int
-    max_step: int  # most tokens one step gives a sequence (max_num_batched_tokens)
-    stride: int  # prefill strides cover positions [k * stride, (k + 1) * stride); chunks end on their boundaries
-    side_bytes_per_token: int  # importance (fp32) + position (int32) per layer and KV head, beside the K/V rows
-
-    @property
-    def max_slots(self) -> int:
-        return self.n_sink + self.capacity + self.max_step
-
-    def slots_for(self, num_tokens: int) -> int:
-        if num_tokens <= self.n_sink:
-            return num_tokens
-        past = num_tokens - self.n_sink
-        return self.n_sink + min(past, self.capacity) + min(past, self.max_step)
-
-    def stage_base(self, end: int) -> int:
-        """First staging slot of a step whose sequence holds `end` tokens after it."""
-        return self.n_sink + min(max(end - self.n_sink, 0), self.capacity)
-
-    def slot_index(self, start: int, n: int) -> np.ndarray:
-        """Local slots (n,) of tokens [start, start + n) fed in one step."""
-        t = np.arange(start, start + n, dtype=np.int64)
-        return np.where(t < self.n_sink, t, self.stage_base(start + n) + t - max(start, self.n_sink))
-
-
-@dataclass
-class _SubStride:
-    """One stride of a step for every sequence that has one: everything the layers share (host-planned)."""
-
-    rows: torch.Tensor  # (T_r,) rows of the step's q
-    virt_pos: torch.Tensor  # (T_r,) virtual position of each row
-    table: torch.Tensor  # (B_r, V_max) int32: virtual position -> flat slot
-    index: SparseIndex
-    seq_start: torch.Tensor  # (B_r,) first row of each sequence in the stride's compact rows
-    seq_len: torch.Tensor  # (B_r,)
-    first_pos: torch.Tensor  # (B_r,) virtual position of each sequence's first row
-    num_keys: torch.Tensor  # (B_r,) virtual sequence length
-    max_keys: int
-    max_rows: int
-    row_weight: torch.Tensor  # (T_r,) (1 - ema) ema^(n - 1 - i)
-    ema_slots: torch.Tensor  # (K,) flat slots whose importance this stride updates (everything but the sink)
-    ema_key: torch.Tensor  # (K,) their index in the flattened (B_r * V_max) key mass
-    ema_decay: torch.Tensor  # (K,) ema^n for cached tokens, 0 for the stride's new ones
-    plan: BatchPlan  # the insertion plan (kvcache/cascade.py: batch_plans)
-    prefill: bool
-    spans: tuple  # per sequence (first compact row, rows, virtual length), on the host
-    bsa_plan: object | None = None  # kernels/bsa.py BSAPlan, built on first use (CUDA)
-    singles: list | None = None  # per sequence (seq_start, seq_len, first_pos, num_keys) of one, gathered path
 
 
 class CascadingBackend(AttentionBackend):
     """Cascading KV cache: sink + sub-caches with exponential acceptance and importance eviction; bounded memory."""
 
     name = "cascading"
-    supports_cuda_graph = False
-    preset_notes = {
-        "65k": "a 65,536-token cache: 64 sink + 8 sub-caches of 8,184 (the blog's passkey setting; default)",
-        "16k": "a 16,384-token cache: 8 sub-caches of 2,040 (the blog's 1M-prefill setting)",
-        "4k": "a 4,096-token cache: 4 sub-caches of 1,008 (small: CPU evals)",
-    }
-    bounded_cache: ClassVar[bool] = True  # keeps its own bounded cache: cannot be composed with another method
+    # no graphs (the insertion plan is host work every step); its own bounded cache: cannot be composed
+    capabilities = Capabilities(bounded_cache=True)
+    preset_notes = PRESET_NOTES
 
     def __init__(self, model_config, engine_config, device):
         super().__init__(model_config, engine_config, device)
-        from ..rope.scaling import rope_inv_freq
+        from ...rope.scaling import rope_inv_freq
 
         self.config = self.resolve_config(engine_config)
         c = self.config
@@ -186,13 +77,13 @@ class CascadingBackend(AttentionBackend):
         self._tables: dict[int, np.ndarray] = {}  # last block table seen per sequence (check_integrity)
         self._score: torch.Tensor | None = None  # (L, num_slots, H_kv) fp32 importance
         self._tokpos: torch.Tensor | None = None  # (L, num_slots, H_kv) int32 true position of the token in a slot
-        self._subs: list[_SubStride] = []
+        self._subs: list[SubStride] = []
         self._rope_tables: tuple = ()  # the step's RoPE tables (begin_step)
         self._pos32: torch.Tensor | None = None  # (T, 1) the step's true positions, int32
         self._virt_cs: tuple = (torch.empty(0), torch.empty(0))  # rotation tables of virtual positions 0, 1, ...
         self._key_rows = torch.empty(0, dtype=torch.int32)  # 0, 1, ...: the gathered keys' one-token "pages"
         cuda = device.type == "cuda"
-        self._num_sms = torch.cuda.get_device_properties(device).multi_processor_count if cuda else 1
+        self._num_sms = sm_count(device)
         self._flash_arch = cuda and torch.cuda.get_device_capability(device)[0] >= 8  # FlashAttention-2: sm80+
         if c.stride > engine_config.max_num_batched_tokens:
             logger.info("cascading: stride %d exceeds max_num_batched_tokens %d: prefill strides are %d tokens",
@@ -201,7 +92,7 @@ class CascadingBackend(AttentionBackend):
     # ---- configuration -------------------------------------------------------------------------------------------
     @classmethod
     def resolve_config(cls, engine_config) -> CascadingConfig:
-        return config_from(CascadingConfig, *preset_and_overrides("cascading", PRESETS, DEFAULT_PRESET, engine_config))
+        return resolve(CascadingConfig, "cascading", PRESETS, DEFAULT_PRESET, engine_config)
 
     @classmethod
     def unsupported_reasons(cls, model_config, engine_config) -> list[str]:
@@ -220,44 +111,13 @@ class CascadingBackend(AttentionBackend):
                        "un-rotated and rotates them with fixed ones")
         return why
 
-    # ---- per-step planning (host) --------------------------------------------------------------------------------
+    # ---- per-step planning (host: plan.py) ------------------------------------------------------------------------
     def begin_step(self, meta: AttentionMetadata) -> None:
-        """Plan the step for every sequence: its strides, each stride's virtual sequence and attention index, and
-        the insertion. Advances each sequence's ring structure (shared by all layers) past the step's tokens."""
-        cfg, lay = self.config, self.kv_layout
-        S, bs = cfg.n_sink, self.engine_config.block_size
-        tables = meta.block_tables.cpu().numpy().astype(np.int64)
-        per_seq: list[list[dict]] = []
-        positions = []
-        row0 = 0
-        for i, sid in enumerate(meta.seq_ids):
-            c, n = meta.context_lens[i], meta.query_lens[i]
-            if c == 0:  # a prefill (or re-prefill after preemption) starts a fresh cache
-                self._rings[sid] = CascadeRings(S, self.sizes)
-            rings = self._rings.get(sid)
-            if rings is None or rings.tokens != c:
-                raise RuntimeError(f"cascading: sequence {sid} continues at token {c}, its cache holds "
-                                   f"{None if rings is None else rings.tokens}")
-            table = tables[i]
-            self._tables[sid] = table
-            to_flat = (lambda t: lambda loc: t[loc // bs] * bs + loc % bs)(table)
-            stage, first_staged = lay.stage_base(c + n), max(c, S)
-            subs = []
-            for s0 in sorted({c} | set(range(-(-c // self.stride) * self.stride, c + n, self.stride))):
-                n_r = min((s0 // self.stride + 1) * self.stride, c + n) - s0  # strides aligned to positions
-                sink = min(S, s0 + n_r)
-                cached = rings.chronological()
-                lo = max(s0, S)
-                staged = stage + (lo - first_staged) + np.arange(max(0, s0 + n_r - lo), dtype=np.int64)
-                virt = np.concatenate([np.arange(sink, dtype=np.int64), cached, staged])
-                subs.append(dict(row=row0 + s0 - c, n=n_r, V=len(virt), sink=sink, cached=len(cached),
-                                 slots=to_flat(virt), plan=rings.plan(n_r, staged), to_flat=to_flat))
-            per_seq.append(subs)
-            positions.append(np.arange(c, c + n, dtype=np.int64))
-            row0 += n
-        pos = torch.from_numpy(np.concatenate(positions)).to(self.device)
-        depth = max(len(s) for s in per_seq)
-        self._subs = [self._batch([s[r] for s in per_seq if len(s) > r], meta.is_prefill) for r in range(depth)]
+        """Plan the step for every sequence (plan.py: its strides, virtual sequences, attention indexes and the
+        insertion; each sequence's ring structure advances past the step's tokens) and the RoPE tables every layer
+        shares."""
+        self._subs, pos = plan_step(meta, self._rings, self._tables, self.config, self.kv_layout, self.stride,
+                                    self.engine_config.block_size, self.device)
         # RoPE tables shared by every layer: true positions (to un-rotate keys and queries), each row's virtual one
         virt = torch.empty_like(pos)
         for sub in self._subs:
@@ -269,50 +129,6 @@ class CascadingBackend(AttentionBackend):
             # positions 0, 1, ... of the virtual sequence, for `gather_virtual` (grown, never shrunk)
             self._virt_cs = rotation(torch.arange(max(vmax, self.kv_layout.max_slots), device=self.device),
                                      self.inv_freq)
-
-    def _batch(self, items: list[dict], prefill: bool) -> _SubStride:
-        cfg, dev = self.config, self.device
-        beta = cfg.ema
-        B = len(items)
-        vmax = max(it["V"] for it in items)
-        table = np.zeros((B, vmax), dtype=np.int32)
-        rows, virt, weight, e_slots, e_key, e_decay = [], [], [], [], [], []
-        for b, it in enumerate(items):
-            n, V = it["n"], it["V"]
-            table[b, :V] = it["slots"]
-            rows.append(it["row"] + np.arange(n))
-            virt.append(V - n + np.arange(n))
-            weight.append(ema_weights(n, beta))
-            keys = np.arange(it["sink"], V)
-            e_slots.append(it["slots"][it["sink"]:])
-            e_key.append(b * vmax + keys)
-            e_decay.append(np.where(keys < it["sink"] + it["cached"], beta ** n, 0.0))
-        lens = [it["n"] for it in items]
-        bq = cfg.block_q if prefill else 1
-        qb = QueryBlocks.build(lens, [it["V"] - it["n"] for it in items], bq)
-        # key blocks [n_sink, last row - block_q] of each query block; the window (block_q) covers the rest causally
-        lo = cfg.n_sink // cfg.block_k
-        last = np.asarray(qb.pos, dtype=np.int64) + np.asarray(qb.length, dtype=np.int64) - 1 - cfg.block_q
-        hi = np.where(last >= cfg.n_sink, last // cfg.block_k, lo - 1)
-        width = int(max(1, (hi - lo + 1).max(initial=0)))  # at least one (-1) column: no empty tensor for a kernel
-        ids = lo + np.arange(width)[None, :]
-        ids = np.where(ids <= hi[:, None], ids, -1).astype(np.int32)
-        blocks = torch.from_numpy(ids).reshape(qb.num_blocks, 1, width).to(dev)
-        index = SparseIndex(bq, cfg.block_k, cfg.n_sink, cfg.block_q, 1, qb, blocks,
-                            (blocks >= 0).sum(-1).to(torch.int32))
-        starts = np.cumsum([0] + lens[:-1])
-        plan = batch_plans([it["plan"] for it in items], [it["to_flat"] for it in items], dev)
-        t = lambda x, dt=torch.long: torch.from_numpy(np.concatenate(x)).to(dev, dt)  # noqa: E731
-        return _SubStride(
-            rows=t(rows), virt_pos=t(virt), table=torch.from_numpy(table).to(dev), index=index,
-            seq_start=torch.tensor(starts, dtype=torch.int32, device=dev),
-            seq_len=torch.tensor(lens, dtype=torch.int32, device=dev),
-            first_pos=torch.tensor([it["V"] - it["n"] for it in items], dtype=torch.int32, device=dev),
-            num_keys=torch.tensor([it["V"] for it in items], dtype=torch.int32, device=dev),
-            max_keys=vmax, max_rows=max(lens), row_weight=t(weight, torch.float32),
-            ema_slots=t(e_slots), ema_key=t(e_key), ema_decay=t(e_decay, torch.float32),
-            plan=plan, prefill=prefill,
-            spans=tuple((int(s), it["n"], it["V"]) for s, it in zip(starts, items)))
 
     # ---- per-layer execution -------------------------------------------------------------------------------------
     def _side_state(self, num_slots: int) -> None:
@@ -354,7 +170,7 @@ class CascadingBackend(AttentionBackend):
         ok = self.config.flash_prefill and self._flash_arch and q.dtype in (torch.float16, torch.bfloat16)
         return "flash" if ok and D % 8 == 0 and D <= 256 else None
 
-    def _gathered_step(self, q, kf, vf, sub: _SubStride, kernel: str):
+    def _gathered_step(self, q, kf, vf, sub: SubStride, kernel: str):
         """A prefill stride's attention and key mass over gathered virtual sequences, one sequence at a time
         (`gather_virtual`, `causal_attention_lse`, then the key-mass kernel over the gathered, rotated keys: no
         RoPE in it, an identity table). -> out (T_r, H_q, D), mass (B_r, H_kv, V_max). One sequence's gathered K/V
@@ -381,9 +197,9 @@ class CascadingBackend(AttentionBackend):
             out[r0:r0 + n], mass[b, :, :V] = o, m[0]
         return out, mass
 
-    step_kernels = staticmethod(use_kernels)  # kernels/cascade_insert.py's; tests force them in the interpreter
+    step_kernels = staticmethod(use_triton)  # kernels/cascade_insert.py's; tests force them in the interpreter
 
-    def _insert(self, mass, sub: _SubStride, kf, vf, score, tokpos) -> None:
+    def _insert(self, mass, sub: SubStride, kf, vf, score, tokpos) -> None:
         """The importance EMA, the plan's rules and the moves of K/V rows, importance and positions: three launches
         on a GPU (kernels/cascade_insert.py), their PyTorch reference (~10 ops per ring level) elsewhere."""
         args = (sub.plan, score, mass, sub.ema_slots, sub.ema_key, sub.ema_decay)
@@ -392,9 +208,9 @@ class CascadingBackend(AttentionBackend):
         else:
             apply_moves(sub.plan.dst, cascade_insert_reference(*args), (kf, vf, score, tokpos))
 
-    def _attend(self, q, kview, vview, sub: _SubStride):
-        if use_kernels(q):
-            from ..kernels.bsa import BSAPlan, block_sparse_attention_triton
+    def _attend(self, q, kview, vview, sub: SubStride):
+        if use_triton(q):
+            from ...kernels.bsa import BSAPlan, block_sparse_attention_triton
 
             if sub.bsa_plan is None:
                 sub.bsa_plan = BSAPlan(sub.index, self.model_config.num_heads, self.model_config.num_kv_heads,
@@ -402,30 +218,30 @@ class CascadingBackend(AttentionBackend):
             splits = 1 if sub.index.block_q > 1 else self._decode_splits(sub.index.queries.num_blocks)
             return block_sparse_attention_triton(q, kview, vview, sub.table, sub.index, self.scale,
                                                  num_splits=splits, plan=sub.bsa_plan, rope=self.rope)
-        from .executor import block_sparse_attention
+        from ..executor import block_sparse_attention
 
         # CPU: one fused SDPA call per slice (no log-sum-exp); the key-mass reference normalises its own softmax
         return block_sparse_attention(q, kview, vview, sub.table, sub.index, self.scale, rope=self.rope,
                                       need_lse=False)
 
-    def _key_mass(self, q, kview, table, lse, sub: _SubStride, rope) -> torch.Tensor:
+    def _key_mass(self, q, kview, table, lse, sub: SubStride, rope) -> torch.Tensor:
         return self._key_mass_of(q, kview, table, lse, (sub.seq_start, sub.seq_len, sub.first_pos, sub.num_keys,
                                                         sub.row_weight, sub.max_keys, sub.max_rows), rope)
 
     def _key_mass_of(self, q, kview, table, lse, seqs: tuple, rope) -> torch.Tensor:
         """kernels/key_mass.py on a GPU, its reference elsewhere; seqs = (seq_start, seq_len, first_pos, num_keys,
         row_weight, max_keys, max_rows)."""
-        from ..kernels.key_mass import key_mass_reference, key_mass_triton
+        from ...kernels.key_mass import key_mass_reference, key_mass_triton
 
         *per_seq, row_weight, max_keys, max_rows = seqs
         args = (q, kview, table, *per_seq, lse, row_weight, self.scale, rope)
-        if use_kernels(q):
+        if use_triton(q):
             return key_mass_triton(*args, max_keys=max_keys, max_rows=max_rows)
         return key_mass_reference(*args)
 
     def _decode_splits(self, num_seqs: int) -> int:
-        """Split-K for decode: about two programs per SM over the cache's keys."""
-        return max(1, min(32, (2 * self._num_sms) // max(1, num_seqs * self.model_config.num_kv_heads)))
+        """Split-K for decode over the cache's keys (kernels/combine.py: split_count)."""
+        return split_count(num_seqs * self.model_config.num_kv_heads, self._num_sms, 32)
 
     # ---- sequence life -------------------------------------------------------------------------------------------
     def free_sequence(self, seq_id: int) -> None:
@@ -464,9 +280,4 @@ class CascadingBackend(AttentionBackend):
         return (f"{c.n_sink} sink + {c.num_subcaches} sub-caches x {c.subcache_size} = {c.cache_tokens} tokens, "
                 f"reach ~{c.n_sink + c.subcache_size * (2 ** c.num_subcaches - 1)} tokens, stride {c.stride}, "
                 f"ema {c.ema}")
-
-
-def ema_weights(n: int, beta: float) -> np.ndarray:
-    """Weights of n query rows in one stride's importance update: (1 - beta) beta^(n - 1 - i)."""
-    return (1 - beta) * beta ** np.arange(n - 1, -1, -1, dtype=np.float64)
 

@@ -43,7 +43,7 @@ from typing import Callable, Sequence
 import numpy as np
 import torch
 
-from ..kernels.cascade_plan import (  # noqa: F401 (execute_plan, apply_moves: re-exported with the rules)
+from ...kernels.cascade_plan import (  # noqa: F401 (execute_plan, apply_moves: the plan's torch execution)
     PLAN_FIELDS, BatchLevel, BatchPlan, apply_moves, execute_plan)
 
 

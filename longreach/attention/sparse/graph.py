@@ -1,4 +1,5 @@
-"""Graph decode for the sparse backends: the decode step as CUDA-graph variants (a mixin of `SparseBackend`).
+"""Graph decode for the sparse backends: the decode step as CUDA-graph variants (`GraphDecoder`, owned by
+`SparseBackend`).
 
 A captured decode step replays the same kernels every time, yet each sequence's mask cache recomputes stage i
 only every refresh[i] steps, and a short context attends densely. So the step comes in variants, keyed by
@@ -7,7 +8,7 @@ only every refresh[i] steps, and a short context attends densely. So the step co
   level   the earliest stage any sequence of the batch recomputes this step (len(stages): none does);
   dense   for each distinct `dense_below` limit, whether the longest sequence is within it (those layers
           attend densely, as in an eager step);
-  catchup whether some row boxes more than one chunk this step (a box-scored stage 0, attention/box_pool.py: a
+  catchup whether some row boxes more than one chunk this step (a box-scored stage 0, infinitehip/boxes.py: a
           sequence just past the shortest limit, or the first decode step after another backend's prefill); the
           box kernel then covers every chunk of the bucket instead of one per row;
   select  how many rows run the stages (a power of two >= the number of rows longer than the smallest limit): the
@@ -22,7 +23,7 @@ slot: a slot per running sequence, plus a scratch slot that the graph's padding 
 Host-side bookkeeping mirrors the eager path: a sequence no longer than a layer's limit reads every key block
 there and starts its cache afresh once it is longer. Not capturable: methods without `graph_stage_widths`
 (quest) and SelfExtend positions, whose group size follows the exact context length. A box-scored stage 0 boxes the
-rows' new chunks inside the graph (inputs in the static "box" buffer, attention/box_pool.py) before any selection.
+rows' new chunks inside the graph (inputs in the boxes' own static buffer, infinitehip/boxes.py) before any selection.
 """
 from __future__ import annotations
 
@@ -31,42 +32,49 @@ import contextlib
 import numpy as np
 import torch
 
-from .backend import AttentionMetadata
-from .index import QueryBlocks
+from ..backend import AttentionMetadata
+from ..dense import DenseFallback
+from ..index import QueryBlocks
+from .selection import BlockQueries, KeptBoxes, SelectionMethod, SequenceKeys, use_kernels
 
 
-class GraphDecode:
-    """The graph-decode half of `SparseBackend` (attention/sparse.py): host bookkeeping, static buffers, variants."""
+class GraphDecoder:
+    """The graph-decode half of a `SparseBackend`: host bookkeeping, static buffers, and each variant's selection.
 
-    def _init_graph_decode(self) -> None:
-        self._g = None  # static buffers (slots, refresh levels, stage caches), made on first use
-        self._variant = None  # the graph variant forward() is running, see graph_step
-        self._slot: dict[int, int] = {}  # seq_id -> row of the stage caches
-        self._cached: set[tuple[int, int]] = set()  # (seq_id, layer) whose stage cache is filled
+    The backend hands it what it needs at construction (the method, its dense fallback, the kept boxes if any) and,
+    per step, the sequences' decode step numbers; it keeps its own state (slots, filled stage caches) and touches
+    nothing of the backend's."""
 
-    def _free_graph_state(self, seq_id: int) -> None:
-        if seq_id in self._slot:
-            self._free_slots.append(self._slot.pop(seq_id))
-        self._cached = {key for key in self._cached if key[0] != seq_id}
+    def __init__(self, method: SelectionMethod, fallback: DenseFallback, max_num_seqs: int, max_model_len: int,
+                 device: torch.device, boxes: KeptBoxes | None = None):
+        self.method, self.fallback, self.boxes = method, fallback, boxes
+        self.max_num_seqs, self.max_model_len, self.device = max_num_seqs, max_model_len, device
+        self.num_layers = fallback.num_layers
+        self.variant: tuple | None = None  # the variant forward() runs as (`running`), None: an eager step
+        self.slots: dict[int, int] = {}  # seq_id -> row of the stage caches
+        self.cached: set[tuple[int, int]] = set()  # (seq_id, layer) whose stage cache is filled
+        self._g: dict | None = None  # static buffers (slots, refresh levels, stage caches), made on first use
+        self._free_slots: list[int] = []
 
-    def graph_unsupported(self) -> str | None:
+    def unsupported(self) -> str | None:
+        """Why this method and config cannot decode through graphs, or None."""
         m = self.method
-        if not self.supports_cuda_graph or any(m.graph_stage_widths(layer) is None
-                                               for layer in range(self.model_config.num_layers)):
+        if any(m.graph_stage_widths(layer) is None for layer in range(self.num_layers)):
             return f"{m.name}'s decode selection is not graph-capturable"
         if any(name == "de" for spec in (m.prune_spec, m.attend_spec) for name, _, _ in spec):
             return "SelfExtend (de) positions change their group size with the context length"
         return None
 
-    def graph_keys_upfront(self) -> list:
-        return []
+    def free(self, seq_id: int) -> None:
+        if seq_id in self.slots:
+            self._free_slots.append(self.slots.pop(seq_id))
+        self.cached = {key for key in self.cached if key[0] != seq_id}
 
-    def _graph_buffers(self):
+    def _buffers(self) -> dict:
         if self._g is None:
-            m, slots, dev = self.method, self.engine_config.max_num_seqs, self.device
-            L = self.model_config.num_layers
+            m, slots, dev = self.method, self.max_num_seqs, self.device
+            L = self.num_layers
             self._g = {
-                "box": torch.zeros(4, slots, dtype=torch.int32, device=dev),  # rows, lens, lo, hi (box_pool.py)
                 "slot": torch.full((slots,), slots, dtype=torch.long, device=dev),
                 "first": torch.zeros(L, slots, dtype=torch.long, device=dev),
                 "cache": [[torch.full((slots + 1, m.groups, w), -1, dtype=torch.int32, device=dev)
@@ -78,87 +86,77 @@ class GraphDecode:
     def _num_stages(self) -> int:
         return len(self.method.graph_stage_widths(0))
 
-    def graph_scratch(self) -> None:
-        g = self._graph_buffers()
-        g["slot"].fill_(self.engine_config.max_num_seqs)
+    def scratch(self) -> None:
+        """Static buffers that point at scratch state: warm-up and capture write nothing real."""
+        g = self._buffers()
+        g["slot"].fill_(self.max_num_seqs)
         g["first"].fill_(self._num_stages())
-        self._scratch_boxes(g["box"])
-
-    def _scratch_boxes(self, box: torch.Tensor) -> None:
-        """Box inputs that box nothing: the scratch table row, length 1, no chunks."""
-        box.zero_()
-        box[0].fill_(self._boxes.scratch if self._boxes is not None else 0)
-        box[1].fill_(1)
+        if self.boxes is not None:
+            self.boxes.graph_scratch()
 
     @contextlib.contextmanager
-    def graph_variant(self, key: tuple):
-        self._variant = key
+    def running(self, key: tuple):
+        self.variant = key
         try:
             yield
         finally:
-            self._variant = None
+            self.variant = None
 
-    def graph_step(self, seq_ids, seq_lens):
-        g = self._graph_buffers()
-        m, L, N = self.method, self.model_config.num_layers, self._num_stages()
+    def step(self, seq_ids: list[int], seq_lens: list[int], steps: list[int]):
+        """Host side of one graph-decoded step, the rows ordered longest first; `steps`: each sequence's decode step
+        number. Returns (variant key, load(rows))."""
+        g = self._buffers()
+        m, L, N, fb = self.method, self.num_layers, self._num_stages(), self.fallback
         longest = max(seq_lens)
-        bucket = min(1 << (longest - 1).bit_length(), max(longest, self.engine_config.max_model_len))
-        limits = self._limits()
-        dense = tuple(longest <= lim for lim in limits)
-        sparse_layers = [layer for layer in range(L) if layer not in self.config.dense_layers
-                         and longest > self.dense_below(layer)]
+        bucket = min(1 << (longest - 1).bit_length(), max(longest, self.max_model_len))
+        dense = tuple(longest <= lim for lim in fb.limits())
+        sparse_layers = [layer for layer in fb.sparse_layers() if longest > fb.limit(layer)]
         first = np.full((L, len(seq_ids)), N, dtype=np.int64)
         slots = []
-        for row, (seq_id, length) in enumerate(zip(seq_ids, seq_lens)):
-            step = self._decode_step[seq_id] = self._decode_step.get(seq_id, -1) + 1
-            if seq_id not in self._slot:
-                self._slot[seq_id] = self._free_slots.pop()
-            slots.append(self._slot[seq_id])
+        for row, (seq_id, length, step) in enumerate(zip(seq_ids, seq_lens, steps)):
+            if seq_id not in self.slots:
+                self.slots[seq_id] = self._free_slots.pop()
+            slots.append(self.slots[seq_id])
             for layer in sparse_layers:
-                if length <= self.dense_below(layer):  # reads every key block: its stages are not needed (stay N)
+                if length <= fb.limit(layer):  # reads every key block: its stages are not needed (stay N)
                     continue
-                if (seq_id, layer) not in self._cached:  # the cache starts once the sequence is past the limit
+                if (seq_id, layer) not in self.cached:  # the cache starts once the sequence is past the limit
                     first[layer, row] = 0
-                    self._cached.add((seq_id, layer))
+                    self.cached.add((seq_id, layer))
                 else:
                     first[layer, row] = m.refresh_from(step)
         level = int(first[sparse_layers].min()) if sparse_layers else N
-        shortest_limit = min(self.dense_below(layer) for layer in sparse_layers) if sparse_layers else None
+        shortest_limit = min(fb.limit(layer) for layer in sparse_layers) if sparse_layers else None
         need = 0 if shortest_limit is None else sum(length > shortest_limit for length in seq_lens)
         if need and any(a < b for a, b in zip(seq_lens, seq_lens[1:])):
             raise ValueError("graph decode needs the batch ordered longest first (engine/model_runner.py)")
         select = 0 if need == 0 else 1 << (need - 1).bit_length()
-        catchup = self._boxes is not None and self._boxes.plan(seq_ids, seq_lens) > 1
+        catchup = self.boxes is not None and self.boxes.graph_plan(seq_ids, seq_lens)
 
         def load(rows: int) -> None:
             n = len(slots)
             g["slot"][:n].copy_(torch.tensor(slots, dtype=torch.long), non_blocking=True)
-            g["slot"][n:rows].fill_(self.engine_config.max_num_seqs)
+            g["slot"][n:rows].fill_(self.max_num_seqs)
             g["first"][:, :n].copy_(torch.from_numpy(first), non_blocking=True)
             g["first"][:, n:rows].fill_(N)
-            if self._boxes is not None:  # the pool exists: a forward (at least the capture's warm-up) made it
-                self._scratch_boxes(g["box"][:, :rows])
-                g["box"][:, :n].copy_(torch.tensor(self._boxes.assign(), dtype=torch.int32), non_blocking=True)
-                self._boxes.commit()
+            if self.boxes is not None:
+                self.boxes.graph_load(rows)
         return (bucket, level, dense, select, catchup), load
 
-    def _limits(self) -> list[int]:
-        return sorted({self.dense_below(layer) for layer in range(self.model_config.num_layers)})
-
-    def _graph_forward(self, layer, q, k, v, k_cache, v_cache, meta: AttentionMetadata):
-        from .sparse import BlockQueries, SequenceKeys, use_kernels  # sparse.py imports this module
-
-        bucket, level, dense, select, catchup = self._variant
+    def select(self, layer: int, q: torch.Tensor, k_cache: torch.Tensor, meta: AttentionMetadata):
+        """The running variant's selection in `layer`: None when the layer attends densely, else what
+        `SparseBackend.attend` takes (query blocks, the kernels' block tensors, blocks, counts, context length)."""
+        bucket, level, dense, select, catchup = self.variant
+        m, fb = self.method, self.fallback
         n = q.shape[0]
         box_tables = None
-        if self._boxes is not None:  # box this step's new chunks (one per row; every chunk of the bucket to catch up)
-            b = self._g["box"][:, :n]
-            most = -(-bucket // self._boxes.chunk) if catchup else 1
-            box_tables = self._build_boxes(layer, q, k_cache, meta, step=(b[0], b[1], b[2], b[3], most))
-        limit = self.dense_below(layer)
-        if layer in self.config.dense_layers or dense[self._limits().index(limit)]:
-            return self.dense.forward(layer, q, k, v, k_cache, v_cache, meta)
-        m, g, dev = self.method, self._g, q.device
+        if self.boxes is not None and layer not in fb.layers:  # box the rows' new chunks before any selection
+            rope = m.rope_args(layer, "prune", meta.max_seq_len)
+            box_tables = self.boxes.build(layer, q, k_cache, meta, rope, graph=(bucket, catchup))
+        limit = fb.limit(layer)
+        if layer in fb.layers or dense[fb.limits().index(limit)]:
+            return None
+        g, dev = self._g, q.device
         caches = g["cache"][layer]
         slot = g["slot"][:n]
         cached = [c[slot] for c in caches]  # (n, G, w_i)
@@ -170,7 +168,8 @@ class GraphDecode:
         fresh: list[list[torch.Tensor]] = [[] for _ in caches[level:]]
         for i in range(sel):
             blocks = BlockQueries(zero, one, ends[i:i + 1], 1, bucket)
-            keys = SequenceKeys(k_cache, meta.block_tables[i], bucket, self._seq_boxes(layer, box_tables, i))
+            boxes = None if box_tables is None else self.boxes.seq_boxes(layer, box_tables, i)
+            keys = SequenceKeys(k_cache, meta.block_tables[i], bucket, boxes)
             outs = m.graph_select(layer, q[i:i + 1], blocks, keys, [c[i:i + 1] for c in cached], first[i:i + 1],
                                   level)
             for j, o in enumerate(outs):
@@ -197,4 +196,4 @@ class GraphDecode:
         else:  # the reference executor reads host positions (no graph to break off CUDA)
             plan_queries = None
             qb = QueryBlocks(list(range(n)), list(range(n)), [1] * n, [int(x) - 1 for x in meta.seq_lens[:n].tolist()])
-        return self._attend(layer, q, k_cache, v_cache, meta, qb, plan_queries, blocks, counts, bucket)
+        return qb, plan_queries, blocks, counts, bucket

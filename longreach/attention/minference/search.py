@@ -22,8 +22,8 @@ from dataclasses import asdict, dataclass
 
 import torch
 
-from .index import QueryBlocks
-from .minference import MInference, index_cost
+from ..index import QueryBlocks
+from .method import MInference, index_cost
 
 
 @dataclass(frozen=True)

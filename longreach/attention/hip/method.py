@@ -14,40 +14,17 @@ Settled ambiguity (digest §8.7): the representative is the centre block of each
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
-
 import torch
 
-from ..rope.strategies import PRUNE_CODES, parse_layer_spec
-from .sparse import SelectionMethod, SparseBackend, SparseConfig, use_kernels
-
-
-@dataclass(frozen=True)
-class HiPConfig(SparseConfig):
-    block_q: int = 32
-    block_k: int = 2
-    budget: int = 2048
-    dense_layers: tuple[int, ...] = (0, 1, 2)
-    refresh: int = 1  # decode steps a selection is reused (HiP's n_r)
-    attend_rope: str = "st"  # rolling positions after selection (the BLOG's HiP/InfiniteHiP extension, §3.2)
-
-    def __post_init__(self) -> None:
-        super().__post_init__()
-        if self.block_k < 1 or self.budget < self.block_k or self.budget % self.block_k:
-            raise ValueError(f"budget ({self.budget}) must be a positive multiple of block_k ({self.block_k})")
-        if self.refresh < 1:
-            raise ValueError(f"refresh must be >= 1, got {self.refresh}")
-        if any(name == "ci" for name, _, _ in parse_layer_spec(self.prune_rope, PRUNE_CODES, "prune_rope")):
-            raise ValueError("hip cannot prune with ci positions (its branches are not in position order); "
-                             "use none, rt, il or de")
+from ..sparse.selection import SelectionMethod, use_kernels
+from .config import DEFAULT_PRESET, PRESETS, HiPConfig
 
 
 class HiP(SelectionMethod):
     name = "hip"
     config_cls = HiPConfig
-    presets = {"512": HiPConfig(budget=512), "1k": HiPConfig(budget=1024), "2k": HiPConfig(budget=2048),
-               "2k-r8": HiPConfig(budget=2048, refresh=8)}
-    default_preset = "2k"
+    presets = PRESETS
+    default_preset = DEFAULT_PRESET
 
     @property
     def block_k(self) -> int:
@@ -108,17 +85,3 @@ class HiP(SelectionMethod):
         big = torch.iinfo(start.dtype).max
         chosen = torch.where(stop > start, start, big).sort(dim=-1).values  # branches come back in score order
         return torch.where(chosen == big, -1, chosen).to(torch.int32)
-
-
-class HiPBackend(SparseBackend):
-    """HiP: hierarchical top-k over key blocks, first layers dense."""
-
-    name = "hip"
-    method_cls = HiP
-    preset_notes = {
-        "2k": "2,048 keys per query block by hierarchical top-k, selected every decode step (default)",
-        "1k": "1,024 keys per query block: faster, retrieves less",
-        "512": "512 keys per query block: the smallest",
-        "2k-r8": "2k with each selection reused for 8 decode steps: faster decode",
-    }
-    supports_cuda_graph = True

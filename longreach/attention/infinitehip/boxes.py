@@ -25,12 +25,19 @@ Bookkeeping is host-side and per step: `plan` notes which chunks each sequence b
 its table row and pages once the pool exists (the first forward of the step, or a graph's input loading), and
 `commit` records the complete chunks once the step's forward has built them, so a step the backend does not run (a
 composed backend's prefill) boxes nothing and the next step catches up.
+
+The sparse backend drives the pool through the `KeptBoxes` interface (sparse/selection.py): `begin_step` and
+`build` for an eager step, `graph_plan`, `graph_load` and `build(..., graph=...)` for a captured one, whose inputs
+(rows, lens, lo, hi per row) sit in the pool's own static buffer.
 """
 from __future__ import annotations
 
 import logging
 
 import torch
+
+from ...kernels import use_triton
+from ...kernels.chunk_box import build_boxes_reference, build_boxes_triton
 
 logger = logging.getLogger("longreach")
 
@@ -57,6 +64,8 @@ class BoxPool:
         self.done: dict[int, int] = {}  # seq_id -> complete chunks boxed
         self._pending: dict[int, int] = {}  # seq_id -> complete chunks once this step's boxes are built
         self._step: list[tuple] = []  # this step's (seq_id or None, length, lo, hi), see plan
+        self._eager = None  # (meta, rows, lens, lo, hi, most) of the current eager step, see build
+        self._graph_in: torch.Tensor | None = None  # (4, max_seqs) int32 rows, lens, lo, hi of a graph step
 
     @property
     def scratch(self) -> int:
@@ -169,78 +178,71 @@ class BoxPool:
             pages.extend(new)
         return row
 
+    # ---- the engine's side (the `KeptBoxes` interface, sparse/selection.py) -----------------------------------------
+    def page_state_bytes(self, dtype: torch.dtype, block_size: int) -> int:
+        """GPU bytes of boxes per KV page (all layers): the engine counts them in the KV budget."""
+        return int(-(-self.bytes_per_token(dtype) * block_size // 1))
 
-class KeptBoxes:
-    """The box half of `SparseBackend` (attention/sparse.py, a mixin like graph_decode.GraphDecode): the pool of a
-    method whose stage 0 scores boxes (`SelectionMethod.box_spec`), its per-step plan and the kernel launches."""
-
-    def _init_boxes(self, model_config, engine_config, device) -> None:
-        self._boxes: BoxPool | None = None
-        self._box_step = None  # (meta, rows, lens, lo, hi, most) of the current eager step, see _build_boxes
-        spec = self.method.box_spec()
-        if spec is None:
-            return
-        L = model_config.num_layers
-        min_len = min([self.dense_below(layer) for layer in range(L) if layer not in self.config.dense_layers] or [0])
-        self._boxes = BoxPool(L, *spec, model_config.num_kv_heads, model_config.head_dim, min_len,
-                              engine_config.max_num_seqs, engine_config.max_model_len, device)
-
-    def bind_kv_cache(self, capacity_tokens: int, dtype: torch.dtype) -> None:
-        if self._boxes is not None:
-            self._boxes.ensure(capacity_tokens, dtype)
-
-    def page_state_bytes(self, dtype: torch.dtype) -> int:
-        """GPU bytes of stage-0 boxes per KV page (all layers; 0 without a box stage 0): the engine counts them in
-        the KV budget."""
-        if self._boxes is None:
-            return 0
-        return int(-(-self._boxes.bytes_per_token(dtype) * self.engine_config.block_size // 1))
-
-    def _plan_boxes(self, meta) -> None:
+    def begin_step(self, meta) -> None:
         """An eager step begins: a prefill from position 0 builds its boxes afresh; note every row's new chunks."""
-        if self._boxes is None:
-            return
         if meta.is_prefill:
             for seq_id, context in zip(meta.seq_ids, meta.context_lens):
                 if context == 0:
-                    self._boxes.reset(seq_id)
-        self._boxes.plan(meta.seq_ids, [c + n for c, n in zip(meta.context_lens, meta.query_lens)])
-        self._box_step = None
+                    self.reset(seq_id)
+        self.plan(meta.seq_ids, [c + n for c, n in zip(meta.context_lens, meta.query_lens)])
+        self._eager = None
 
-    def _free_boxes(self, seq_id: int) -> None:
-        if self._boxes is not None:
-            self._boxes.free(seq_id)
+    def seq_boxes(self, layer: int, tables: torch.Tensor, row: int) -> tuple[torch.Tensor, torch.Tensor, int]:
+        """SequenceKeys.boxes of batch row `row` in `layer`: (the layer's pool, its box table row, chunks per page)."""
+        return self.pool[layer], tables[row], self.per
 
-    def _seq_boxes(self, layer: int, box_tables: torch.Tensor | None, row: int):
-        """SequenceKeys.boxes of batch row `row` in `layer`, or None."""
-        return None if box_tables is None else (self._boxes.pool[layer], box_tables[row], self._boxes.per)
-
-    def _build_boxes(self, layer, q, k_cache, meta, step=None) -> torch.Tensor | None:
+    def build(self, layer, q, k_cache, meta, rope, graph: tuple[int, bool] | None = None) -> torch.Tensor:
         """Box this step's new chunks of `layer` into the pool (before any selection reads them); returns the rows'
-        box tables (n, width), or None without boxes. `step`: a graph step's (rows, lens, lo, hi) device tensors and
-        its most chunks per row; None: the eager step's, assigned at its first forward."""
-        from ..kernels.chunk_box import build_boxes_reference, build_boxes_triton
-        from .sparse import use_kernels
-
-        pool = self._boxes
-        if pool is None or layer in self.config.dense_layers:
-            return None
-        if pool.pool is None:  # made by bind_kv_cache in the engine; a forward before it (the memory probe) makes it
-            pool.ensure(k_cache.shape[0] * k_cache.shape[1], q.dtype)
-        if step is None:
-            if self._box_step is None or self._box_step[0] is not meta:
-                cols = pool.assign()
-                pool.commit()
+        box tables (n, width). `graph`: (bucket, catch-up) of a graph step, whose (rows, lens, lo, hi) sit in the
+        static buffer (`graph_load`; one chunk per row, every chunk of the bucket to catch up); None: the eager
+        step's, assigned at its first forward."""
+        if self.pool is None:  # made by bind_kv_cache in the engine; a forward before it (the memory probe) makes it
+            self.ensure(k_cache.shape[0] * k_cache.shape[1], q.dtype)
+        if graph is not None:
+            b = self._graph_in[:, :q.shape[0]]
+            rows, lens, lo, hi = b[0], b[1], b[2], b[3]
+            most = -(-graph[0] // self.chunk) if graph[1] else 1
+        else:
+            if self._eager is None or self._eager[0] is not meta:
+                cols = self.assign()
+                self.commit()
                 t = torch.tensor(cols, dtype=torch.int32).to(q.device)
-                self._box_step = (meta, t[0], t[1], t[2], t[3], max([b - a for a, b in zip(cols[2], cols[3])] + [0]))
-            step = self._box_step[1:]
-        rows, lens, lo, hi, most = step
-        tables = pool.tables[rows.long()]
-        rope = self.method.rope_args(layer, "prune", meta.max_seq_len)
-        if use_kernels(q):
-            build_boxes_triton(k_cache, meta.block_tables[:rows.shape[0]], lens, lo, hi, tables, pool.pool[layer],
-                               pool.per, pool.chunk, pool.kind, rope, most)
+                self._eager = (meta, t[0], t[1], t[2], t[3], max([b - a for a, b in zip(cols[2], cols[3])] + [0]))
+            rows, lens, lo, hi, most = self._eager[1:]
+        tables = self.tables[rows.long()]
+        if use_triton(q):
+            build_boxes_triton(k_cache, meta.block_tables[:rows.shape[0]], lens, lo, hi, tables, self.pool[layer],
+                               self.per, self.chunk, self.kind, rope, most)
         elif most > 0:
-            build_boxes_reference(k_cache, meta.block_tables, lens, lo, hi, tables, pool.pool[layer], pool.per,
-                                  pool.chunk, pool.kind, rope)
+            build_boxes_reference(k_cache, meta.block_tables, lens, lo, hi, tables, self.pool[layer], self.per,
+                                  self.chunk, self.kind, rope)
         return tables
+
+    def graph_plan(self, seq_ids, seq_lens) -> bool:
+        """`plan` for a graph step; True when some row boxes more than one chunk (the catch-up variant)."""
+        return self.plan(seq_ids, seq_lens) > 1
+
+    def _graph_buffer(self) -> torch.Tensor:
+        if self._graph_in is None:
+            self._graph_in = torch.zeros(4, self.max_seqs, dtype=torch.int32, device=self.device)
+        return self._graph_in
+
+    def graph_scratch(self, rows: int | None = None) -> None:
+        """Graph inputs that box nothing (the scratch table row, length 1, no chunks) in the first `rows` rows."""
+        box = self._graph_buffer()[:, :rows]
+        box.zero_()
+        box[0].fill_(self.scratch)
+        box[1].fill_(1)
+
+    def graph_load(self, rows: int) -> None:
+        """The planned step's inputs into the static buffer, padding rows to `rows` with scratch; its complete chunks
+        count as built (the graph replays next). The pool exists: a forward (at least a capture's warm-up) made it."""
+        self.graph_scratch(rows)
+        cols = self.assign()
+        self._graph_in[:, :len(cols[0])].copy_(torch.tensor(cols, dtype=torch.int32), non_blocking=True)
+        self.commit()

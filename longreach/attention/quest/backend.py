@@ -1,0 +1,15 @@
+"""Quest's engine backend: the shared sparse backend with its method."""
+from __future__ import annotations
+
+from ..sparse.backend import SparseBackend
+from .config import PRESET_NOTES
+from .method import Quest
+
+
+class QuestBackend(SparseBackend):
+    """Quest: top pages by a min/max upper bound on q.k."""
+
+    name = "quest"
+    method_cls = Quest
+    preset_notes = PRESET_NOTES
+    # capabilities: the default, no graphs (its selection is the PyTorch reference, with host-sized shapes)

@@ -1,0 +1,262 @@
+"""What every top-k selection method shares: the keys and query blocks it sees, and the `SelectionMethod` interface.
+
+A method (infinitehip/, hip/, quest/, streaming/) implements `SelectionMethod.select`: for the query blocks of one
+sequence it returns which key blocks each block reads. The engine side of every such method is one class,
+sparse/backend.py's `SparseBackend`.
+"""
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from dataclasses import dataclass
+from typing import ClassVar, Protocol
+
+import torch
+
+from ...kernels import use_triton
+from ...kvcache.paged import gather_tokens
+from ...rope.strategies import (
+    ATTEND_CODES,
+    PRUNE_CODES,
+    RopeArgs,
+    RopeFrame,
+    de_group_size,
+    parse_layer_spec,
+    strategy_for,
+)
+from .config import SparseConfig
+
+
+class SequenceKeys:
+    """One sequence's keys as the selection sees them: the paged cache and the sequence's block table.
+
+    Kernels read through the table; reference code calls `dense()`, which gathers (L, H_kv, D) once and keeps it,
+    and the reference scorer keeps its position-moved copies of those keys in
+    `prune_tables`. One object serves one layer of one step (the keys do not change while it lives). `boxes`: the
+    engine's kept chunk boxes of this sequence in this layer (`KeptBoxes.seq_boxes`; infinitehip/boxes.py): (the
+    layer's pool, the sequence's box table row, chunks per box page), or None (built from the keys when needed).
+    """
+
+    def __init__(self, k_cache: torch.Tensor, block_table: torch.Tensor, length: int,
+                 boxes: tuple[torch.Tensor, torch.Tensor, int] | None = None):
+        self.k_cache, self.block_table, self.length = k_cache, block_table, length
+        self.boxes = boxes
+        self._dense: torch.Tensor | None = None
+        self.prune_tables: dict = {}  # the reference scorer's moved keys, per strategy (valid while this object is)
+
+    @classmethod
+    def from_dense(cls, keys: torch.Tensor) -> "SequenceKeys":
+        """Contiguous keys (L, H_kv, D) viewed as a cache of one-token pages (tests, the recall tool)."""
+        out = cls(keys[:, None], torch.arange(keys.shape[0], dtype=torch.int32, device=keys.device), keys.shape[0])
+        out._dense = keys
+        return out
+
+    def dense(self) -> torch.Tensor:
+        if self._dense is None:
+            self._dense = gather_tokens(self.k_cache, self.block_table, self.length)
+        return self._dense
+
+    def chunk_boxes(self, chunk: int):
+        """The kept boxes of chunks [0, ceil(length / chunk)) as a kernels.chunk_box.BoxView (read through the box
+        table with static shapes: graph-capturable), or None without kept boxes."""
+        if self.boxes is None:
+            return None
+        from ...kernels.chunk_box import BoxView
+
+        pool, table, per = self.boxes
+        return BoxView(pool, table, per, -(-self.length // chunk))
+
+
+@dataclass
+class BlockQueries:
+    """The query blocks of one sequence as device tensors, plus host-side bounds that fix every shape.
+
+    Selection code reads only these (no host sync), so a decode step can be captured in a CUDA graph once the
+    tensors live in static buffers.
+    """
+
+    starts: torch.Tensor  # (nb,) first row of each block in the sequence's queries
+    lens: torch.Tensor  # (nb,) rows of each block
+    ends: torch.Tensor  # (nb,) position after each block's last row
+    max_rows: int  # >= every len
+    max_end: int  # >= every end
+
+    @property
+    def num_blocks(self) -> int:
+        return self.starts.shape[0]
+
+    @classmethod
+    def build(cls, blocks: "list[tuple[int, int, int]] | BlockQueries", device) -> "BlockQueries":
+        """From (first row, rows, position of the first row) per block."""
+        if isinstance(blocks, BlockQueries):
+            return blocks
+        t = torch.tensor([[b[0], b[1], b[2] + b[1]] for b in blocks], dtype=torch.long).reshape(-1, 3).to(device)
+        return cls(t[:, 0], t[:, 1], t[:, 2], max([b[1] for b in blocks] + [1]), max([b[2] + b[1] for b in blocks] + [0]))
+
+    def __getitem__(self, sl: slice) -> "BlockQueries":
+        return BlockQueries(self.starts[sl], self.lens[sl], self.ends[sl], self.max_rows, self.max_end)
+
+
+class KeptBoxes(Protocol):
+    """Key boxes a method keeps per sequence across steps (infinitehip/boxes.py: BoxPool, its stage 0's boxes), as
+    `SparseBackend` and its `GraphDecoder` drive them. Every step boxes the chunks its new keys touch, in every
+    non-dense layer before any selection reads them; `build` returns the batch rows' box tables (n, width)."""
+
+    def ensure(self, capacity_tokens: int, dtype: torch.dtype) -> None:
+        """Size the boxes for a KV cache of `capacity_tokens` tokens (`AttentionBackend.bind_kv_cache`)."""
+
+    def page_state_bytes(self, dtype: torch.dtype, block_size: int) -> int:
+        """GPU bytes of boxes per KV page of `block_size` tokens (all layers)."""
+
+    def begin_step(self, meta) -> None:
+        """An eager step begins (host bookkeeping of the rows' new chunks)."""
+
+    def build(self, layer: int, q: torch.Tensor, k_cache: torch.Tensor, meta, rope: RopeArgs | None,
+              graph: tuple[int, bool] | None = None) -> torch.Tensor:
+        """Box the step's new chunks of `layer`; `graph`: (bucket, catch-up) of a graph-decoded step, whose inputs
+        `graph_load` wrote. Returns the rows' box tables."""
+
+    def seq_boxes(self, layer: int, tables: torch.Tensor, row: int) -> tuple[torch.Tensor, torch.Tensor, int]:
+        """`SequenceKeys.boxes` of batch row `row` in `layer`."""
+
+    def free(self, seq_id: int) -> None: ...
+
+    def graph_plan(self, seq_ids: list[int], seq_lens: list[int]) -> bool:
+        """Host side of a graph-decoded step; True when some row boxes more than one chunk (a catch-up variant)."""
+
+    def graph_load(self, rows: int) -> None:
+        """Write the planned step's inputs into the static graph buffer (`rows` rows, the padding boxes nothing)."""
+
+    def graph_scratch(self) -> None:
+        """Point the static graph buffer at inputs that box nothing (warm-up and capture)."""
+
+
+def use_kernels(t: torch.Tensor) -> bool:
+    """Triton kernels on CUDA tensors; the PyTorch references everywhere else (the one switch: kernels.use_triton)."""
+    return use_triton(t)
+
+
+class SelectionMethod(ABC):
+    """Chooses key blocks for query blocks of one sequence. Subclasses set the class attributes."""
+
+    name: ClassVar[str]
+    config_cls: ClassVar[type]
+    presets: ClassVar[dict[str, SparseConfig]]
+    default_preset: ClassVar[str]
+
+    def __init__(self, cfg: SparseConfig, num_heads: int, num_kv_heads: int):
+        self.cfg = cfg
+        self.num_heads, self.num_kv_heads = num_heads, num_kv_heads
+        self.groups = {"layer": 1, "kv_head": num_kv_heads, "head": num_heads}[cfg.granularity]
+        self.group_of_head = torch.arange(num_heads) // (num_heads // self.groups)
+        self.kv_of_head = torch.arange(num_heads) // (num_heads // num_kv_heads)
+        self.prune_spec = parse_layer_spec(cfg.prune_rope, PRUNE_CODES, "prune_rope")
+        self.attend_spec = parse_layer_spec(cfg.attend_rope, ATTEND_CODES, "attend_rope")
+        self.rope_frame: RopeFrame | None = None  # set by the backend (the model's frequencies); None: no remapping
+
+    def rope_args(self, layer: int, phase: str, context_len: int) -> RopeArgs | None:
+        """The strategy of `phase` ("prune" or "attend") in `layer` for a context of `context_len` tokens, or None
+        when positions stay true (strategy none, or no model frame)."""
+        mode = strategy_for(self.prune_spec if phase == "prune" else self.attend_spec, layer)
+        f = self.rope_frame
+        if mode == "none" or f is None:
+            return None
+        group = self.cfg.de_group or de_group_size(context_len, f.trained_len, self.cfg.n_window)
+        return RopeArgs(mode, f.inv_freq, f.rope_from, group, self.cfg.n_window)
+
+    @property
+    @abstractmethod
+    def block_k(self) -> int:
+        """Tokens per key block of the selections this method returns."""
+
+    @abstractmethod
+    def selected_budget(self, layer: int) -> int:
+        """Most tokens selected per query block (beyond sink and window) in `layer`."""
+
+    def token_budget(self, layer: int) -> int:
+        return self.cfg.n_sink + self.cfg.n_window + self.selected_budget(layer)
+
+    def select(self, layer: int, q: torch.Tensor, blocks: "list[tuple[int, int, int]] | BlockQueries",
+               keys: "SequenceKeys | torch.Tensor", state: dict | None = None, step: int | None = None) -> torch.Tensor:
+        """Key blocks for each query block of one sequence: (nb, groups, W) ascending ids, -1 padded.
+
+        q: (n, H_q, D) this step's queries of the sequence (RoPE applied); blocks: (first row in q, rows, position of
+        the first row) per query block, or a `BlockQueries`; keys: the sequence's keys (rotated at true positions) in
+        the paged cache, or a plain (L, H_kv, D) tensor. state/step: the sequence's per-layer decode state (a dict the
+        method may fill) and the decode step number since the last prefill, or None in prefill.
+        """
+        if isinstance(keys, torch.Tensor):
+            keys = SequenceKeys.from_dense(keys)
+        return self._select(layer, q, BlockQueries.build(blocks, q.device), keys, state, step)
+
+    @abstractmethod
+    def _select(self, layer: int, q: torch.Tensor, blocks: BlockQueries, keys: SequenceKeys, state: dict | None,
+                step: int | None) -> torch.Tensor:
+        """`select` with normalised arguments."""
+
+    # ---- captured decode (CUDA graphs; see graph.py) ----------------------------------------------------------
+    def graph_stage_widths(self, layer: int) -> tuple[int, ...] | None:
+        """Widths of the per-stage outputs one decode step caches for a sequence in `layer`: () when the selection
+        keeps no state, None when the method's decode step cannot be captured (the default)."""
+        return None
+
+    def refresh_from(self, step: int) -> int:
+        """First stage recomputed at decode step `step` of a sequence whose cache is filled (len(widths): none)."""
+        return 0
+
+    def graph_select(self, layer: int, q: torch.Tensor, blocks: BlockQueries, keys: SequenceKeys,
+                     cached: list[torch.Tensor], row_first: torch.Tensor, level: int) -> list[torch.Tensor]:
+        """Stage outputs level..N-1 for one sequence's decode block, without host syncs. Stage i is recomputed for
+        the blocks whose `row_first` <= i; the others keep `cached[i]`, and the next stage builds on what was kept."""
+        raise NotImplementedError
+
+    # ---- helpers shared by the methods ---------------------------------------------------------------------------
+    @staticmethod
+    def slices(n: int, bytes_per_item: int, budget: int = 256 << 20):
+        """Cut range(n) into slices whose working set stays near `budget` bytes."""
+        step = max(1, budget // max(1, bytes_per_item))
+        return [slice(i, min(n, i + step)) for i in range(0, n, step)]
+
+    @staticmethod
+    def query_rows(q: torch.Tensor, blocks: BlockQueries):
+        """(nb, max_rows, H_q, D) fp32 queries of the blocks and the (nb, max_rows) row mask."""
+        r = torch.arange(blocks.max_rows, device=q.device)
+        rows = (blocks.starts[:, None] + r).clamp(max=q.shape[0] - 1)
+        ok = r[None, :] < blocks.lens[:, None]
+        return q[rows].float(), ok
+
+    def chunk_scores(self, layer: int, q: torch.Tensor, blocks: BlockQueries, keys: SequenceKeys, ids: torch.Tensor,
+                     chunk: int, exact: bool, cand_end: torch.Tensor) -> torch.Tensor:
+        """Scores (nb, G, C) of candidate chunks (kernels/prune_stage.py), with the layer's pruning RoPE strategy:
+        the Triton kernel on CUDA, else the reference."""
+        from ...kernels.prune_stage import chunk_scores_reference, chunk_scores_triton
+
+        per_head = getattr(self.cfg, "rep_per_head", True)
+        rope = self.rope_args(layer, "prune", blocks.max_end)
+        if use_kernels(q):
+            return chunk_scores_triton(q, keys.k_cache, keys.block_table, blocks.starts, blocks.lens, cand_end, ids,
+                                       chunk, exact, self.cfg.n_sink, self.groups, rep_per_head=per_head,
+                                       max_rows=blocks.max_rows, rope=rope)
+        qs, ok = self.query_rows(q, blocks)
+        return chunk_scores_reference(qs, ok, keys.dense(), ids, chunk, exact, self.cfg.n_sink, cand_end, self.groups,
+                                      rep_per_head=per_head, rope=rope, table_cache=keys.prune_tables)
+
+    def candidate_end(self, block_end: torch.Tensor) -> torch.Tensor:
+        """Exclusive end of the selectable range: keys before every query's window (causal by construction)."""
+        return block_end - self.cfg.n_window
+
+    def group_max(self, per_head: torch.Tensor) -> torch.Tensor:
+        """(nb, H_q, ...) -> (nb, groups, ...): a group's score is the max over its heads."""
+        nb, H = per_head.shape[:2]
+        return per_head.reshape(nb, self.groups, H // self.groups, *per_head.shape[2:]).amax(dim=2)
+
+    @staticmethod
+    def top_k(ids: torch.Tensor, scores: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """Per (block, group) the k best-scoring ids (scores -inf = invalid; ties to the lower position), ascending,
+        -1 padded, int32 (nb, G, k), and their counts (nb, G). ids must be ascending among the valid ones."""
+        from ...kernels.topk import topk_ascending_reference, topk_ascending_triton
+
+        fn = topk_ascending_triton if use_kernels(ids) else topk_ascending_reference
+        return fn(ids, scores, k)
+
+    def keep_top(self, ids: torch.Tensor, scores: torch.Tensor, k: int) -> torch.Tensor:
+        return self.top_k(ids, scores, k)[0]
