@@ -64,6 +64,12 @@ class EngineConfig:
                                          "trained context length")
     max_num_batched_tokens: int = _f(8192, "tokens per prefill step: long prompts are prefilled in chunks this big")
     max_num_seqs: int = _f(64, "most sequences running at once")
+    long_prefill_token_threshold: int | None = _f(None, "most prompt tokens one sequence prefills in a step while "
+                                                        "other sequences run or wait (a prompt with more left is "
+                                                        "long); default: max_num_batched_tokens / 4")
+    max_num_partial_prefills: int = _f(4, "most sequences part-way through their prefill at once")
+    max_long_partial_prefills: int = _f(2, "most long prompts (see long_prefill_token_threshold) part-way through "
+                                           "their prefill at once: more wait, shorter ones behind them may start")
     block_size: int = _f(16, "tokens per KV-cache page")
     gpu_memory_utilization: float = _f(0.90, "share of GPU memory for weights, activations and the KV cache")
     kv_cache_memory_gb: float | None = _f(None, "KV cache size in GiB; default: what gpu_memory_utilization leaves "
@@ -99,6 +105,17 @@ class EngineConfig:
             bad(f"max_num_batched_tokens must be an integer >= 16, got {self.max_num_batched_tokens!r}")
         if not isinstance(self.max_num_seqs, int) or self.max_num_seqs < 1:
             bad(f"max_num_seqs must be a positive integer, got {self.max_num_seqs!r}")
+        if self.long_prefill_token_threshold is not None and (
+                not isinstance(self.long_prefill_token_threshold, int) or self.long_prefill_token_threshold < 1):
+            bad(f"long_prefill_token_threshold must be a positive integer (or absent: max_num_batched_tokens / 4), "
+                f"got {self.long_prefill_token_threshold!r}")
+        for name in ("max_num_partial_prefills", "max_long_partial_prefills"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+                bad(f"{name} must be a positive integer, got {value!r}")
+        if self.max_long_partial_prefills > self.max_num_partial_prefills:
+            bad(f"max_long_partial_prefills ({self.max_long_partial_prefills}) must be at most "
+                f"max_num_partial_prefills ({self.max_num_partial_prefills})")
         if self.block_size not in (1, 2, 4, 8, 16, 32, 64, 128, 256):
             bad(f"block_size must be a power of two in [1, 256], got {self.block_size!r}")
         if not 0.05 <= self.gpu_memory_utilization <= 1.0:

@@ -124,8 +124,10 @@ class Capabilities:
     """What a backend can do, declared on its class (`AttentionBackend.capabilities`) and read by the engine."""
 
     graph: GraphSupport = GraphSupport.NONE  # may decode steps be captured in CUDA graphs, and how
-    # one step may carry prefill rows and decode rows together: no backend can today (AttentionMetadata holds one
-    # is_prefill per step), and the scheduler runs prefill and decode in separate steps (engine/scheduler.py)
+    # one step may carry decode rows and prefill chunks together: the runner then calls begin_step once per part
+    # and forward once per part and layer, each with its part's metadata (engine/model_runner.py), so a backend
+    # declares it when its per-step state is per sequence (not one plan per step); without it the scheduler
+    # alternates prefill steps and decode steps (engine/scheduler.py)
     mixed_batches: bool = False
     prefill_only: bool = False  # cannot decode (alone it decodes densely; composed, another backend does)
     bounded_cache: bool = False  # keeps a bounded cache of its own (kv_layout): cannot be composed

@@ -79,7 +79,9 @@ class ComposedBackend(AttentionBackend):
         super().__init__(decode.model_config, prefill.engine_config, decode.device)
         self.prefill, self.decode = prefill, decode
         self.name = f"{prefill.name}+{decode.name}"
-        self.capabilities = Capabilities(graph=decode.capabilities.graph)  # decodes as `decode` does
+        # decodes as `decode` does; a mixed step's parts go to both halves (begin_step), so both must take them
+        self.capabilities = Capabilities(graph=decode.capabilities.graph, mixed_batches=(
+            prefill.capabilities.mixed_batches and decode.capabilities.mixed_batches))
         self.config = getattr(decode, "config", None)  # the decode method's config, for tools that inspect it
 
     def kv_needs(self, dtype) -> KVNeeds:

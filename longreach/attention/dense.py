@@ -52,7 +52,7 @@ def causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: f
 
 class DenseBackend(AttentionBackend):
     name = "dense"
-    capabilities = Capabilities(graph=GraphSupport.STATIC)
+    capabilities = Capabilities(graph=GraphSupport.STATIC, mixed_batches=True)
 
     def forward(self, layer, q, k, v, k_cache, v_cache, meta: AttentionMetadata):
         if meta.is_prefill:

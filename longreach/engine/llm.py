@@ -126,14 +126,14 @@ class LLM:
                 finished = engine.step()
                 st = engine.last_step
                 if st is not None:
-                    prefill.update(min(st.num_tokens, prefill.total - prefill.n) if st.is_prefill else 0)
-                    if st.is_prefill:
-                        if prefill.n >= prefill.total:
-                            prefill.close()
-                    else:
+                    prompt = st.num_tokens - st.num_decode_tokens  # a mixed step has both
+                    prefill.update(min(prompt, prefill.total - prefill.n))
+                    if st.is_prefill and prefill.n >= prefill.total:
+                        prefill.close()
+                    if st.num_decode_tokens:
                         if decode is None:
                             decode = Progress(left, "decode", enabled=use_tqdm)
-                        decode.update(st.num_tokens)
+                        decode.update(st.num_decode_tokens)
                 for out in finished:
                     done[out.request_id] = out
                     left -= budget[out.request_id] - sum(max(len(c.token_ids) - 1, 0) for c in out.outputs)

@@ -36,10 +36,11 @@ logger = logging.getLogger("longreach")
 
 @dataclass
 class StepStats:
-    is_prefill: bool
+    is_prefill: bool  # the step had prefill work
     num_seqs: int
     num_tokens: int
     seconds: float
+    num_decode_tokens: int = 0  # of num_tokens, those that decoded (all of a decode step's; a mixed step's decodes)
 
 
 @dataclass
@@ -86,10 +87,16 @@ class LLMEngine:
         self.backend.bind_kv_cache(self.blocks.num_blocks * config.block_size, self.dtype)
         self.runner = ModelRunner(self.model, config, self.kv_cache, self.blocks, self.backend, self.device)
         self.runner.capture_graphs()
+        # one step may carry decode rows and prefill chunks when the backend can attend both in one forward pass and
+        # the whole context is on the GPU (an offloaded prefill attends on its staging area: steps of their own)
+        mixed = self.backend.capabilities.mixed_batches and self.kv_cache.max_prefill_pages is None
         self.scheduler = Scheduler(self.blocks, config.max_num_seqs, config.max_num_batched_tokens,
                                    on_release=lambda seq: self.backend.free_sequence(seq.seq_id),
                                    max_prefill_pages=self.kv_cache.max_prefill_pages,
-                                   chunk_align=layout.stride if layout else 1)
+                                   chunk_align=layout.stride if layout else 1, mixed=mixed,
+                                   long_prefill_token_threshold=config.long_prefill_token_threshold,
+                                   max_num_partial_prefills=config.max_num_partial_prefills,
+                                   max_long_partial_prefills=config.max_long_partial_prefills)
         self.sampler = Sampler(self.device, config.seed)
         self._requests: dict[str, _Request] = {}
         self._seq_ids = itertools.count()
@@ -224,8 +231,8 @@ class LLMEngine:
         for seq in batch.seqs:
             if seq.times.first_scheduled is None:
                 seq.times.first_scheduled = t0
-        if not batch.is_prefill:
-            self.kv_cache.release_transient()  # no prefill is pending (the scheduler runs prefill work first)
+        if not self.scheduler.prefill_pending():
+            self.kv_cache.release_transient()  # no prefill left to stage
         logits, sample_idx = self.runner.execute(batch)
         kv_counts = self.runner.last_kv_counts
         if kv_counts is not None:
@@ -248,9 +255,10 @@ class LLMEngine:
                 out = self._request_output_if_done(seq.request_id)
                 if out is not None:
                     finished.append(out)
-        self.last_step = StepStats(batch.is_prefill, len(batch.seqs), batch.total_tokens, now - t0)
+        decoded = batch.num_decodes if batch.is_prefill else len(batch.seqs)
+        self.last_step = StepStats(batch.is_prefill, len(batch.seqs), batch.total_tokens, now - t0, decoded)
         if logger.isEnabledFor(logging.DEBUG):
-            kind = "Prefill" if batch.is_prefill else "Decode"
+            kind = "Mixed" if batch.mixed else "Prefill" if batch.is_prefill else "Decode"
             kv = ""
             if kv_counts is not None:
                 mb = kv_counts["installed"] * self.kv_cache.bytes_per_slot(

@@ -27,20 +27,31 @@ class StepContext:
     """The model's view of the engine for one forward pass (models/llama.py: ForwardContext).
 
     `staged`: a prefill step's view of a store whose pages are not all on the GPU (kvcache/base.py: prefill_view)
-    runs the attention itself (the offloaded store: on the staging area it fills per layer)."""
+    runs the attention itself (the offloaded store: on the staging area it fills per layer).
+    `parts`: a mixed step's rows as (first row, metadata) per part, decode rows first: every layer's projections and
+    MLP run over all rows at once, and the attention runs once per part with that part's metadata, so each part
+    attends exactly as it would in a step of its own."""
 
     def __init__(self, kv_cache: KVCache, backend: AttentionBackend, meta: AttentionMetadata,
-                 max_position: int | None, staged=None):
+                 max_position: int | None, staged=None, parts: list[tuple[int, AttentionMetadata]] | None = None):
         self.kv_cache, self.backend, self.meta, self.max_position = kv_cache, backend, meta, max_position
         self.staged = staged
+        self.parts = parts
 
     def attention(self, layer, q, k, v):
         if self.staged is not None:
             return self.staged.attention(layer, q, k, v, self.backend)
-        self.kv_cache.store(layer, k, v, self.meta.slot_mapping)
+        if self.parts is None:
+            return self._attend(layer, q, k, v, self.meta)
+        bounds = [first for first, _ in self.parts[1:]] + [q.shape[0]]
+        return torch.cat([self._attend(layer, q[a:b], k[a:b], v[a:b], meta)
+                          for (a, meta), b in zip(self.parts, bounds)])
+
+    def _attend(self, layer, q, k, v, meta: AttentionMetadata):
+        self.kv_cache.store(layer, k, v, meta.slot_mapping)
         k_cache, v_cache = self.kv_cache.layer(layer)
-        out = self.backend.forward(layer, q, k, v, k_cache, v_cache, self.meta)
-        reads = self.meta.page_reads
+        out = self.backend.forward(layer, q, k, v, k_cache, v_cache, meta)
+        reads = meta.page_reads
         if reads:  # what the layer attended, handed to the store now (device ops: inside a captured step too)
             for r in reads:
                 self.kv_cache.record_reads(r)
@@ -110,19 +121,38 @@ class ModelRunner:
             logits = self._replay(batch)
             self._end_step()
             return logits, sample_idx
-        input_ids, positions, meta, qsl = self._metadata(batch)
-        self.backend.begin_step(meta)
-        staged = None
-        if batch.is_prefill:
-            staged = self.kv_cache.prefill_view(meta, [self.blocks.table(s.seq_id) for s in batch.seqs])
-        ctx = StepContext(self.kv_cache, self.backend, meta, meta.max_seq_len - 1, staged)
-        hidden = self.model(input_ids, positions, ctx)
-        if not batch.is_prefill:
+        if batch.mixed:
+            hidden, qsl = self._forward_mixed(batch)
+        else:
+            input_ids, positions, meta, qsl = self._metadata(batch)
+            self.backend.begin_step(meta)
+            staged = None
+            if batch.is_prefill:
+                staged = self.kv_cache.prefill_view(meta, [self.blocks.table(s.seq_id) for s in batch.seqs])
+            ctx = StepContext(self.kv_cache, self.backend, meta, meta.max_seq_len - 1, staged)
+            hidden = self.model(input_ids, positions, ctx)
+        if not batch.is_prefill or batch.mixed:
             self._end_step()
         if all_logits:
             return self.model.logits(hidden), sample_idx
         rows = torch.tensor([qsl[i + 1] - 1 for i in sample_idx], dtype=torch.long, device=self.device)
         return self.model.logits(hidden.index_select(0, rows)), sample_idx
+
+    def _forward_mixed(self, batch: ScheduledBatch) -> tuple[torch.Tensor, np.ndarray]:
+        """A step of decode rows (the first `batch.num_decodes` sequences) and prefill chunks in one forward pass:
+        each part gets its own metadata (and the backend's begin_step), the model runs once over all rows. Only for
+        a backend that declares `mixed_batches` and a GPU-resident store (the scheduler mixes nothing else)."""
+        d = batch.num_decodes
+        parts = [ScheduledBatch(False, batch.seqs[:d], batch.num_tokens[:d]),
+                 ScheduledBatch(True, batch.seqs[d:], batch.num_tokens[d:])]
+        built = [self._metadata(part) for part in parts]
+        for _, _, meta, _ in built:
+            self.backend.begin_step(meta)
+        ctx = StepContext(self.kv_cache, self.backend, built[0][2], max(m.max_seq_len for _, _, m, _ in built) - 1,
+                          parts=[(0, built[0][2]), (d, built[1][2])])
+        hidden = self.model(torch.cat([b[0] for b in built]), torch.cat([b[1] for b in built]), ctx)
+        qsl = np.concatenate((built[0][3], built[1][3][1:] + d))  # decode rows are one token each
+        return hidden, qsl
 
     def _end_step(self) -> None:
         """After a decode step: the store's page counts (the offloaded store installs the pages the step missed)."""

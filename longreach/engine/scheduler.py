@@ -1,11 +1,18 @@
-"""Which sequences run in the next step, and with how many tokens.
+"""Which sequences run in the next step, and with how many tokens: one token budget for prefill and decode.
 
-Policy (continuous batching, prefill first, as nano-vllm):
-  * A step is either a *prefill* step or a *decode* step. Prefill steps carry up to `max_num_batched_tokens` tokens:
-    first the next chunks of running sequences whose prefill is unfinished (chunked prefill), then newly admitted
-    requests while fewer than `max_num_seqs` run. A long prompt is therefore split into chunks across steps and each
-    chunk attends to the prefix already in the paged cache.
-  * When no prefill work is pending, every running sequence decodes one token.
+Policy (continuous batching with chunked prefill, as vLLM v1 schedules it):
+  * Every step has `max_num_batched_tokens` tokens. The running sequences that decode come first, one token each;
+    the rest of the budget goes to prefill chunks: first the running sequences whose prefill is unfinished, oldest
+    first, then newly admitted requests while fewer than `max_num_seqs` run.
+  * Decode and prefill share a step when the backend and the KV store can run both in one forward pass
+    (`mixed=True`: attention/backend.py Capabilities.mixed_batches, a GPU-resident cache). Otherwise a step is
+    either all decode or all prefill, and while both kinds of work wait they alternate, one step each: a decode
+    waits at most one prefill step, and a prefill at most one decode step.
+  * A long prompt never takes a whole step forever: while any other sequence runs or waits, a prefill chunk is at
+    most `long_prefill_token_threshold` tokens, so several prompts share the prefill budget and a short prompt that
+    arrives behind long ones starts at the next step. At most `max_num_partial_prefills` sequences are mid-prefill
+    at once, and of those at most `max_long_partial_prefills` are long (more than the threshold left to prefill).
+    Alone, a prompt takes the whole budget (the fastest prefill).
   * A backend with a bounded cache of its own (cascading) inserts a prompt into it stride by stride: its chunks then
     end on multiples of `chunk_align` (except at the prompt's end), so results do not depend on how steps cut them.
   * Pages are reserved per step. If a running sequence cannot get a page, the most recently admitted other sequence
@@ -24,19 +31,25 @@ from .sequence import Sequence, SequenceStatus
 
 @dataclass
 class ScheduledBatch:
-    is_prefill: bool
+    is_prefill: bool  # the step has prefill work (a chunk of some sequence's prompt)
     seqs: list[Sequence]
     num_tokens: list[int]  # tokens fed to the model per sequence, starting at seq.num_computed
+    num_decodes: int = 0  # in a prefill step, the leading sequences that decode one token (a mixed step)
 
     @property
     def total_tokens(self) -> int:
         return sum(self.num_tokens)
 
+    @property
+    def mixed(self) -> bool:
+        return self.is_prefill and self.num_decodes > 0
+
 
 class Scheduler:
     def __init__(self, blocks: BlockManager, max_num_seqs: int, max_num_batched_tokens: int,
                  on_release: Callable[[Sequence], None] = lambda seq: None, max_prefill_pages: int | None = None,
-                 chunk_align: int = 1):
+                 chunk_align: int = 1, mixed: bool = False, long_prefill_token_threshold: int | None = None,
+                 max_num_partial_prefills: int = 4, max_long_partial_prefills: int = 2):
         self.blocks = blocks
         self.max_num_seqs = max_num_seqs
         self.max_num_batched_tokens = max_num_batched_tokens
@@ -45,9 +58,15 @@ class Scheduler:
         # area, kvcache/offload.py); a step always takes its first sequence
         self.max_prefill_pages = max_prefill_pages
         self.chunk_align = chunk_align
+        self.mixed = mixed
+        threshold = long_prefill_token_threshold or max(max_num_batched_tokens // 4, 1)
+        self.long_threshold = max(threshold, chunk_align)  # a capped chunk still holds one aligned stride
+        self.max_partial = max_num_partial_prefills
+        self.max_long_partial = max_long_partial_prefills
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []
         self.num_preemptions = 0
+        self._last_prefill = False  # alternation when steps cannot mix
 
     def add(self, seq: Sequence) -> None:
         self.waiting.append(seq)
@@ -55,28 +74,66 @@ class Scheduler:
     def has_unfinished(self) -> bool:
         return bool(self.waiting or self.running)
 
+    def prefill_pending(self) -> bool:
+        """Some sequence still has prompt to prefill (running mid-prefill, or waiting)."""
+        return bool(self.waiting) or any(s.is_prefilling for s in self.running)
+
     def schedule(self) -> ScheduledBatch | None:
-        budget = self.max_num_batched_tokens
+        decoding = [s for s in self.running if s.status is SequenceStatus.RUNNING and not s.is_prefilling]
+        prefill_first = self.prefill_pending() and not (decoding and self._last_prefill)
         seqs: list[Sequence] = []
         counts: list[int] = []
+        if self.mixed:
+            self._schedule_decodes(decoding, seqs, counts)
+            self._schedule_prefill(seqs, counts, self.max_num_batched_tokens - len(seqs))
+        elif prefill_first:  # alternate: a step of prefill, then (while sequences decode) a step of decode
+            self._schedule_prefill(seqs, counts, self.max_num_batched_tokens)
+        if not seqs and not self.mixed:  # a decode step: its turn, or the prefill could not take a step now
+            self._schedule_decodes(decoding, seqs, counts)
+        # a reservation may preempt a sequence this step already took (the most recently admitted): drop it
+        kept = [(i, s, n) for i, (s, n) in enumerate(zip(seqs, counts)) if s.status is SequenceStatus.RUNNING]
+        seqs, counts = [s for _, s, _ in kept], [n for _, _, n in kept]
+        decode_ids = {s.seq_id for s in decoding}
+        num_decodes = sum(1 for s in seqs if s.seq_id in decode_ids)
+        is_prefill = len(seqs) > num_decodes
+        self._last_prefill = is_prefill
+        return ScheduledBatch(is_prefill, seqs, counts, num_decodes if is_prefill else 0) if seqs else None
+
+    def _schedule_decodes(self, decoding: list[Sequence], seqs: list[Sequence], counts: list[int]) -> None:
+        for seq in decoding:
+            if len(seqs) == self.max_num_batched_tokens:
+                break
+            if seq.status is SequenceStatus.RUNNING and self._reserve(seq, seq.num_tokens):
+                seqs.append(seq)
+                counts.append(1)
+
+    def _schedule_prefill(self, seqs: list[Sequence], counts: list[int], budget: int) -> None:
+        """Append this step's prefill chunks to `seqs` / `counts` within `budget` tokens."""
+        first = len(seqs)
         pages = 0
-        for seq in list(self.running):  # continue chunked prefills, oldest first
+        others = len(self.running) + len(self.waiting) > 1  # anyone to share the step with: cap the chunks
+        cap = self.long_threshold if others else budget
+        partial = [s for s in self.running if s.status is SequenceStatus.RUNNING and s.is_prefilling]
+        n_long = sum(s.num_uncomputed > self.long_threshold for s in partial)
+        for seq in partial:  # continue chunked prefills, oldest first
             if budget == 0:
                 break
-            if seq.status is not SequenceStatus.RUNNING or not seq.is_prefilling:
-                continue
-            n = self.chunk(seq, budget)
-            if n == 0 or seqs and not self._stages(pages, seq.num_computed + n):
+            n = self.chunk(seq, min(budget, cap))
+            if n == 0 or len(seqs) > first and not self._stages(pages, seq.num_computed + n):
                 break
             if self._reserve(seq, seq.num_computed + n):
                 pages += self.blocks.blocks_for(seq.num_computed + n)
                 seqs.append(seq)
                 counts.append(n)
                 budget -= n
-        while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:
-            seq = self.waiting[0]
-            n = self.chunk(seq, budget)
-            if n == 0 or seqs and not self._stages(pages, seq.num_computed + n):
+        for seq in list(self.waiting):  # admit, in arrival order
+            if budget == 0 or len(self.running) >= self.max_num_seqs or len(partial) >= self.max_partial:
+                break
+            long = seq.num_uncomputed > self.long_threshold
+            if long and n_long >= self.max_long_partial:
+                continue  # no place for another long prompt: shorter ones behind it may still start
+            n = self.chunk(seq, min(budget, cap))
+            if n == 0 or len(seqs) > first and not self._stages(pages, seq.num_computed + n):
                 break
             # Admit only when the whole (re-)prefill fits the free pages: one admitted for its first chunk alone could
             # fill the cache, preempt itself and be re-admitted at once, forever (a livelock under KV pressure).
@@ -85,16 +142,15 @@ class Scheduler:
             if not self.blocks.ensure(seq.seq_id, seq.num_computed + n):
                 break
             pages += self.blocks.blocks_for(seq.num_computed + n)
-            self.waiting.popleft()
+            self.waiting.remove(seq)
             seq.status = SequenceStatus.RUNNING
             self.running.append(seq)
             seqs.append(seq)
             counts.append(n)
             budget -= n
-        if seqs:
-            return ScheduledBatch(True, seqs, counts)
-        decodes = [s for s in list(self.running) if s.status is SequenceStatus.RUNNING and self._reserve(s, s.num_tokens)]
-        return ScheduledBatch(False, decodes, [1] * len(decodes)) if decodes else None
+            if seq.num_computed + n < seq.num_tokens:
+                partial.append(seq)
+                n_long += long
 
     def chunk(self, seq: Sequence, budget: int) -> int:
         """Tokens of `seq`'s prefill to run within `budget`: ending on a multiple of `chunk_align` unless the prompt

@@ -177,10 +177,8 @@ class ThroughputLog:
     def on_step(self, step) -> None:
         if step is None:
             return
-        if step.is_prefill:
-            self._prompt += step.num_tokens
-        else:
-            self._gen += step.num_tokens
+        self._prompt += step.num_tokens - step.num_decode_tokens
+        self._gen += step.num_decode_tokens
 
     def maybe_log(self, running: int, waiting: int, kv: dict) -> None:
         now = time.monotonic()

@@ -123,3 +123,47 @@ def test_minference_engine(gpu_model, detail):
     if composed[0] != composed[1]:
         raise AssertionError("minference + infinitehip decode: CUDA-graph tokens differ from eager")
     detail(f"kernels vs CPU reference {same}/24 tokens; minference + infinitehip decode at 12K: graph == eager")
+
+
+def test_mixed_steps(gpu_model, detail):
+    """Issue 30's mixed steps on the GPU, fp32 (so that rounding cannot flip a greedy token): two chats decode while a
+    3,000-token prompt of essays prefills in 256-token steps (its chunks capped at 64 beside them); dense and the
+    default infinitehip, each with mixed steps (decode rows and prefill chunks in one forward pass, the kernels for
+    both) against separate steps: the same greedy tokens, and at least one mixed step ran."""
+    from longreach.config import EngineConfig
+    from longreach.engine.llm_engine import LLMEngine
+    from longreach.sampling_params import SamplingParams
+
+    rows = []
+    for attention in ("dense", "infinitehip"):
+        outs = []
+        for mixed in (True, False):
+            gc.collect()
+            torch.cuda.empty_cache()
+            eng = LLMEngine(EngineConfig(model=gpu_model, attention=attention, dtype="float32", max_model_len=4096,
+                                         kv_cache_memory_gb=1, max_num_batched_tokens=256, enforce_eager=True))
+            assert eng.scheduler.mixed, f"{attention} should mix decode and prefill on a GPU-resident cache"
+            eng.scheduler.mixed = mixed
+            ids = eng.tokenizer.encode(essay_text())
+            params = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)
+            eng.add_request("a", ids[:40], params)
+            eng.add_request("b", ids[100:160], params)
+            got, n_mixed = {}, 0
+            for step in range(400):
+                if step == 3:
+                    eng.add_request("long", ids[:3000], params)
+                for o in eng.step():
+                    got[o.request_id] = o.outputs[0].token_ids
+                n_mixed += bool(eng.last_step and eng.last_step.is_prefill and eng.last_step.num_decode_tokens)
+                if len(got) == 3:
+                    break
+            outs.append((got, n_mixed))
+            del eng
+        (a, n), (b, _) = outs
+        if n == 0:
+            raise AssertionError(f"{attention}: no mixed step ran")
+        same = sum(a[r] == b[r] for r in a)
+        rows.append(f"{attention}: {same}/3 requests equal, {n} mixed steps")
+        if same != 3:
+            raise AssertionError(f"{attention}: mixed steps changed the greedy tokens of {3 - same}/3 requests")
+    detail("; ".join(rows))

@@ -13,4 +13,4 @@ class HiPBackend(SparseBackend):
     name = "hip"
     method_cls = HiP
     preset_notes = PRESET_NOTES
-    capabilities = Capabilities(graph=GraphSupport.VARIANTS)
+    capabilities = Capabilities(graph=GraphSupport.VARIANTS, mixed_batches=True)

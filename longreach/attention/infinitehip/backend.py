@@ -14,7 +14,7 @@ class InfiniteHiPBackend(SparseBackend):
     name = "infinitehip"
     method_cls = InfiniteHiP
     preset_notes = PRESET_NOTES
-    capabilities = Capabilities(graph=GraphSupport.VARIANTS)
+    capabilities = Capabilities(graph=GraphSupport.VARIANTS, mixed_batches=True)
 
     def make_boxes(self) -> BoxPool | None:
         """A box-scored stage 0's boxes (boxes.py), kept for the sequences longer than the shortest limit any

@@ -33,6 +33,7 @@ The sparse backend drives the pool through the `KeptBoxes` interface (sparse/sel
 from __future__ import annotations
 
 import logging
+from collections import deque
 
 import torch
 
@@ -64,7 +65,10 @@ class BoxPool:
         self.done: dict[int, int] = {}  # seq_id -> complete chunks boxed
         self._pending: dict[int, int] = {}  # seq_id -> complete chunks once this step's boxes are built
         self._step: list[tuple] = []  # this step's (seq_id or None, length, lo, hi), see plan
-        self._eager = None  # (meta, rows, lens, lo, hi, most) of the current eager step, see build
+        # an eager step's parts (one, or a mixed step's decode and prefill parts): each part's plan (meta, step,
+        # pending) from begin_step, and its assigned columns (meta, rows, lens, lo, hi, most) from its first build
+        self._plans: deque[tuple] = deque(maxlen=2)
+        self._eager: deque[tuple] = deque(maxlen=2)
         self._graph_in: torch.Tensor | None = None  # (4, max_seqs) int32 rows, lens, lo, hi of a graph step
 
     @property
@@ -184,13 +188,14 @@ class BoxPool:
         return int(-(-self.bytes_per_token(dtype) * block_size // 1))
 
     def begin_step(self, meta) -> None:
-        """An eager step begins: a prefill from position 0 builds its boxes afresh; note every row's new chunks."""
+        """An eager step (or one part of a mixed step) begins: a prefill from position 0 builds its boxes afresh;
+        note every row's new chunks, as this part's plan."""
         if meta.is_prefill:
             for seq_id, context in zip(meta.seq_ids, meta.context_lens):
                 if context == 0:
                     self.reset(seq_id)
         self.plan(meta.seq_ids, [c + n for c, n in zip(meta.context_lens, meta.query_lens)])
-        self._eager = None
+        self._plans.append((meta, self._step, self._pending))
 
     def seq_boxes(self, layer: int, tables: torch.Tensor, row: int) -> tuple[torch.Tensor, torch.Tensor, int]:
         """SequenceKeys.boxes of batch row `row` in `layer`: (the layer's pool, its box table row, chunks per page)."""
@@ -208,12 +213,17 @@ class BoxPool:
             rows, lens, lo, hi = b[0], b[1], b[2], b[3]
             most = -(-graph[0] // self.chunk) if graph[1] else 1
         else:
-            if self._eager is None or self._eager[0] is not meta:
+            found = next((e for e in self._eager if e[0] is meta), None)
+            if found is None:  # this part's first layer: assign its plan's rows and pages
+                plan = next((p for p in self._plans if p[0] is meta), None)
+                if plan is not None:
+                    _, self._step, self._pending = plan
                 cols = self.assign()
                 self.commit()
                 t = torch.tensor(cols, dtype=torch.int32).to(q.device)
-                self._eager = (meta, t[0], t[1], t[2], t[3], max([b - a for a, b in zip(cols[2], cols[3])] + [0]))
-            rows, lens, lo, hi, most = self._eager[1:]
+                found = (meta, t[0], t[1], t[2], t[3], max([b - a for a, b in zip(cols[2], cols[3])] + [0]))
+                self._eager.append(found)
+            rows, lens, lo, hi, most = found[1:]
         tables = self.tables[rows.long()]
         if use_triton(q):
             build_boxes_triton(k_cache, meta.block_tables[:rows.shape[0]], lens, lo, hi, tables, self.pool[layer],

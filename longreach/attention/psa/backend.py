@@ -25,7 +25,7 @@ class PSABackend(AttentionBackend):
     """PSA: per query, blocks in metadata-rank order until the attended mass reaches epsilon; dense prefill."""
 
     name = "psa"
-    capabilities = Capabilities(graph=GraphSupport.VARIANTS)  # per context bucket: captured on first use
+    capabilities = Capabilities(graph=GraphSupport.VARIANTS, mixed_batches=True)  # graphs: per context bucket
     method_cls = PSA
     preset_notes = PRESET_NOTES
 

@@ -1,6 +1,7 @@
 """Quest's engine backend: the shared sparse backend with its method."""
 from __future__ import annotations
 
+from ..backend import Capabilities
 from ..sparse.backend import SparseBackend
 from .config import PRESET_NOTES
 from .method import Quest
@@ -12,4 +13,5 @@ class QuestBackend(SparseBackend):
     name = "quest"
     method_cls = Quest
     preset_notes = PRESET_NOTES
-    # capabilities: the default, no graphs (its selection is the PyTorch reference, with host-sized shapes)
+    # no graphs (its selection is the PyTorch reference, with host-sized shapes)
+    capabilities = Capabilities(mixed_batches=True)

@@ -13,4 +13,4 @@ class StreamingBackend(SparseBackend):
     name = "streaming"
     method_cls = Streaming
     preset_notes = PRESET_NOTES
-    capabilities = Capabilities(graph=GraphSupport.VARIANTS)
+    capabilities = Capabilities(graph=GraphSupport.VARIANTS, mixed_batches=True)

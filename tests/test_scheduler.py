@@ -1,0 +1,209 @@
+"""The scheduler's token budget (issue 30): decodes are never starved, prefill chunks are bounded while others wait,
+long prompts share the prefill budget, a short prompt behind them starts at the next step; and a mixed step (decode
+rows + prefill chunks in one forward pass) gives the tokens and, to fp32 rounding, the logits of separate steps."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from longreach.config import EngineConfig
+from longreach.engine.llm_engine import LLMEngine
+from longreach.engine.scheduler import Scheduler
+from longreach.engine.sequence import Sequence
+from longreach.kvcache.block_manager import BlockManager
+from longreach.sampling_params import SamplingParams
+
+from conftest import make_tiny_hf_model
+
+BUDGET = 1024
+
+
+def _seq(i: int, prompt: int) -> Sequence:
+    return Sequence(i, f"r{i}", 0, [5] * prompt, SamplingParams(max_tokens=100), frozenset(), 100)
+
+
+def _scheduler(mixed: bool, pages: int = 4096, **kw) -> Scheduler:
+    return Scheduler(BlockManager(pages, 16), max_num_seqs=64, max_num_batched_tokens=BUDGET, mixed=mixed, **kw)
+
+
+def _run(sched: Scheduler, batch) -> None:
+    """What the engine does after a step: tokens computed; a sequence whose prompt is done samples one token."""
+    for seq, n in zip(batch.seqs, batch.num_tokens):
+        seq.num_computed += n
+        if seq.num_computed == seq.num_tokens:
+            seq.output_token_ids.append(7)
+
+
+def _decoding(sched: Scheduler, n: int) -> list[Sequence]:
+    seqs = [_seq(100 + i, 8) for i in range(n)]
+    for s in seqs:
+        sched.add(s)
+    _run(sched, sched.schedule())  # one prefill step admits them all
+    assert all(not s.is_prefilling for s in seqs)
+    return seqs
+
+
+@pytest.mark.parametrize("mixed", [True, False])
+def test_decodes_are_never_starved_by_a_long_prompt(mixed):
+    sched = _scheduler(mixed)
+    decoders = _decoding(sched, 3)
+    long = _seq(1, 20 * BUDGET)
+    sched.add(long)
+    decode_steps, prefill_steps = [], 0
+    for step in range(30):
+        batch = sched.schedule()
+        ids = {s.seq_id for s in batch.seqs}
+        if all(d.seq_id in ids for d in decoders):
+            decode_steps.append(step)
+        prefill_steps += long in batch.seqs
+        if mixed:
+            assert batch.num_decodes == 3 and batch.mixed and batch.seqs[:3] == decoders
+        else:
+            assert not batch.mixed and (batch.is_prefill == (long in batch.seqs))
+        _run(sched, batch)
+    if mixed:  # every step decodes, and the prompt advances in every step
+        assert decode_steps == list(range(30)) and prefill_steps == 30
+    else:  # they alternate: a decode waits at most one prefill step
+        assert decode_steps == list(range(0, 30, 2)) and prefill_steps == 15  # (the admission step prefilled)
+
+
+def test_a_prompt_alone_takes_the_whole_budget_and_is_capped_while_others_wait():
+    sched = _scheduler(True)
+    long = _seq(1, 10 * BUDGET)
+    sched.add(long)
+    batch = sched.schedule()
+    assert batch.num_tokens == [BUDGET]  # alone: the fastest prefill
+    _run(sched, batch)
+    _decoding_seq = _seq(2, 8)
+    sched.add(_decoding_seq)
+    batch = sched.schedule()
+    assert batch.seqs == [long, _decoding_seq] and batch.num_tokens == [BUDGET // 4, 8]  # capped at the threshold
+
+
+def test_two_long_prompts_share_the_prefill_and_a_short_one_behind_them_starts_at_the_next_step():
+    sched = _scheduler(True, long_prefill_token_threshold=256, max_long_partial_prefills=2)
+    a, b = _seq(1, 8 * BUDGET), _seq(2, 8 * BUDGET)
+    sched.add(a)
+    sched.add(b)
+    batch = sched.schedule()
+    assert batch.seqs == [a, b] and batch.num_tokens == [256, 256]
+    _run(sched, batch)
+    short = _seq(3, 100)
+    sched.add(short)
+    batch = sched.schedule()
+    assert batch.seqs == [a, b, short] and batch.num_tokens == [256, 256, 100]
+    _run(sched, batch)
+    batch = sched.schedule()  # the short one decodes beside the two long prefills
+    assert batch.num_decodes == 1 and batch.seqs == [short, a, b] and batch.num_tokens == [1, 256, 256]
+
+
+def test_a_third_long_prompt_waits_for_a_long_place_and_shorter_ones_pass_it():
+    sched = _scheduler(False, long_prefill_token_threshold=128, max_long_partial_prefills=2)
+    longs = [_seq(i, 4 * BUDGET) for i in range(3)]
+    short = _seq(9, 64)
+    for s in longs + [short]:
+        sched.add(s)
+    batch = sched.schedule()
+    assert batch.seqs == [longs[0], longs[1], short] and batch.num_tokens == [128, 128, 64]
+    assert list(sched.waiting) == [longs[2]]
+    _run(sched, batch)
+    for _ in range(200):  # the third starts once one of the first two has no more than the threshold left
+        left = [s.num_uncomputed for s in longs[:2] if s.is_prefilling]
+        batch = sched.schedule()
+        if longs[2] in batch.seqs:
+            assert sum(n > 128 for n in left) < 2
+            break
+        _run(sched, batch)
+    else:
+        raise AssertionError("the third long prompt never started")
+
+
+def test_partial_prefills_are_bounded():
+    sched = _scheduler(True, long_prefill_token_threshold=64, max_num_partial_prefills=2, max_long_partial_prefills=2)
+    for i in range(4):
+        sched.add(_seq(i, 1000))
+    batch = sched.schedule()
+    assert [s.seq_id for s in batch.seqs] == [0, 1] and len(sched.waiting) == 2
+
+
+def test_config_checks_the_new_limits():
+    with pytest.raises(ValueError, match="max_long_partial_prefills .* must be at most"):
+        EngineConfig(model="x", max_num_partial_prefills=1, max_long_partial_prefills=2)
+    with pytest.raises(ValueError, match="long_prefill_token_threshold must be a positive integer"):
+        EngineConfig(model="x", long_prefill_token_threshold=0)
+
+
+# ---- mixed steps == separate steps, bit for bit, through the engine ---------------------------------------------------
+@pytest.fixture(scope="module")
+def tiny(tmp_path_factory):
+    path, _ = make_tiny_hf_model(tmp_path_factory.mktemp("tiny") / "m", arch="llama", max_position_embeddings=512)
+    return path
+
+
+def _logits_by_token(tiny, mixed: bool, attention: str = "dense", config: str | None = None) -> tuple[dict, int]:
+    """Greedy runs where a 300-token prompt arrives while two short requests decode; every sampled row's logits, by
+    (request, output position). Returns them and the number of mixed steps."""
+    eng = LLMEngine(EngineConfig(model=tiny, device="cpu", dtype="float32", kv_cache_memory_gb=0.01,
+                                 max_num_batched_tokens=64, attention=attention, attention_config=config))
+    assert eng.scheduler.mixed  # every backend below declares mixed_batches
+    eng.scheduler.mixed = mixed
+    seen, n_mixed = {}, 0
+    sample = eng.sampler
+
+    def recording(logits, seqs):
+        for row, seq in zip(logits, seqs):
+            seen[(seq.request_id, len(seq.output_token_ids))] = row.clone()
+        return sample(logits, seqs)
+
+    eng.sampler = recording
+    execute = eng.runner.execute
+
+    def counting(batch, **kw):
+        nonlocal n_mixed
+        n_mixed += batch.mixed
+        return execute(batch, **kw)
+
+    eng.runner.execute = counting
+    g = torch.Generator().manual_seed(1)
+    prompts = [torch.randint(3, 256, (n,), generator=g).tolist() for n in (20, 33, 300)]
+    params = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
+    eng.add_request("a", prompts[0], params)
+    eng.add_request("b", prompts[1], params)
+    for step in range(80):
+        if step == 2:
+            eng.add_request("long", prompts[2], params)
+        eng.step()
+        if step > 2 and not eng.has_unfinished_requests():
+            break
+    return seen, n_mixed
+
+
+# small budgets, so that every sparse method prunes the tiny model's contexts (as tests/test_sparse.py's SMALL)
+SPARSE = {
+    "dense": None,
+    "infinitehip-box": '{"n_sink": 8, "n_window": 16, "block_q": 8, "chunk_sizes": [32, 8, 2], "budgets": [64, 32, 8], '
+                       '"early_layers": 1, "early_last_budget": 16, "refresh": [4, 2, 1], "dense_below": 0, '
+                       '"exact_below": 8, "stage0_scores": "minmax"}',
+    "infinitehip": '{"n_sink": 8, "n_window": 16, "block_q": 8, "chunk_sizes": [32, 8, 2], "budgets": [128, 32, 8], '
+                   '"early_layers": 1, "early_last_budget": 16, "refresh": [4, 2, 1], "dense_below": 0}',
+    "hip": '{"n_sink": 8, "n_window": 16, "block_q": 8, "budget": 16, "dense_layers": [0], "dense_below": 0, '
+           '"refresh": 2}',
+    "quest": '{"n_sink": 8, "n_window": 16, "block_q": 8, "page_size": 4, "budget": 16, "dense_below": 0}',
+    "streaming": '{"n_sink": 8, "n_window": 24, "block_q": 8, "dense_below": 0}',
+    "psa": '{"n_sink": 8, "n_window": 8, "microbatch": 1, "epsilon": 0.8}',
+}
+
+
+@pytest.mark.parametrize("name", sorted(SPARSE))
+def test_mixed_steps_give_the_tokens_and_logits_of_separate_steps(tiny, name):
+    """Every sampled row's logits agree to fp32 rounding and every greedy token is equal. Not bit for bit: the
+    projections' and MLP's matrix products round differently for a different number of rows (the same holds for
+    any two requests batched together); the attention of each part runs alone with its own metadata."""
+    method = name.split("-")[0]
+    mixed, n = _logits_by_token(tiny, True, method, SPARSE[name])
+    separate, _ = _logits_by_token(tiny, False, method, SPARSE[name])
+    assert n > 0, "no mixed step ran: the test does not test mixing"
+    assert mixed.keys() == separate.keys() and len(mixed) == 36
+    worst = max((mixed[k] - separate[k]).abs().max().item() for k in mixed)
+    assert worst < 1e-4, f"mixed steps moved a logit by {worst}"
+    assert all(mixed[k].argmax() == separate[k].argmax() for k in mixed)
