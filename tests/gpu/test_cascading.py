@@ -145,6 +145,7 @@ def test_cascading_flash(detail):
 
     from longreach.attention.cascading import CascadingBackend
     from longreach.attention.cascading.attend import causal_attention_lse, gather_virtual
+    from longreach.attention.cascading.plan import _batch as batch_strides
     from longreach.config import EngineConfig
     from longreach.attention.cascading.rings import CascadeRings
     from longreach.models.config import ModelConfig, RopeConfig
@@ -165,7 +166,7 @@ def test_cascading_flash(detail):
         virt = np.concatenate([np.arange(S), cached, stage0 + np.arange(n)])
         item = dict(row=0, n=n, V=len(virt), sink=S, cached=len(cached), slots=virt,
                     plan=rings.plan(n, stage0 + np.arange(n)), to_flat=lambda a: a)
-        sub = be._batch([item], True)
+        sub = batch_strides([item], True, be.config, dev)
         V = len(virt)
         be._virt_cs = rotation(torch.arange(V, device=dev), be.inv_freq)
         g = torch.Generator(device=dev).manual_seed(Hq)
