@@ -2,6 +2,7 @@
 
     python scripts/render_docs.py            # rewrite every rendered block in docs/*.md and README.md
     python scripts/render_docs.py --check    # exit 1 and print a diff where a block differs from its render
+    python scripts/render_docs.py --list     # the renderers and their arguments
 
 A rendered block is written between two markers in a Markdown file:
 
@@ -9,10 +10,14 @@ A rendered block is written between two markers in a Markdown file:
     ...the tables, as the renderer prints them...
     <!-- /render -->
 
-Renderers: `ladder DIR` (scripts/ladder_table.py's passkey and RULER tables of the reports in DIR; traces are not
-part of it); `ppl FILE` (one `longreach eval ppl` report: tail and whole-window perplexity per method and length, and
-the tail's change from the first length). tests/test_docs.py runs `--check`, so a hand edit inside a block, or a JSON changed without
-re-rendering, fails CI.
+The marker names a renderer and its arguments (files and folders relative to the repository root, KEY=VALUE
+options). Renderers: `ladder DIR` (scripts/ladder_table.py's passkey and RULER tables of the reports in DIR; traces
+are not part of it); the eval reports' in scripts/render_eval.py (passkey, ruler, passkey-depth, ppl, ppl-compare)
+and the benchmarks' in scripts/render_bench.py (bench-engine, bench-attention, bench-attention-at, bench-long,
+bench-decode, bench-serve). Each table ends with the files it came from: device, date, commit where recorded, and
+the methods and settings that ran (the presets, from the provenance; for older reports, their `args`).
+tests/test_docs.py runs `--check`, so a hand edit inside a block, or a JSON changed without re-rendering, fails CI.
+A table with no JSON behind it is typed, and says so ("typed, no JSON").
 """
 from __future__ import annotations
 
@@ -25,50 +30,91 @@ import sys
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "scripts"))
+sys.path.insert(1, str(ROOT))
 import ladder_table  # noqa: E402
+import render_bench  # noqa: E402
+import render_eval  # noqa: E402
 
-BLOCK = re.compile(r"(<!-- render: (\w+) ([^>]*?) -->\n)(.*?)(<!-- /render -->)", re.S)
+BLOCK = re.compile(r"(<!-- render: ([\w-]+) ([^>]*?) -->\n)(.*?)(<!-- /render -->)", re.S)
+
+
+def _ladder(args: list[str]) -> str:
+    """ladder_table.py's tables of a folder, then the devices and commits of its reports; a row whose JSON ran
+    something else than its label names (another preset, overrides, RoPE scaling) is marked † and what ran is
+    listed under the tables, from each report's provenance or args."""
+    (arg,) = args
+    directory = ROOT / arg
+    if not directory.is_dir():
+        raise ValueError(f"{arg} is not a folder of results")
+    reports = {p: json.loads(p.read_text()) for p in sorted(directory.glob("*__*__*__*.json"))
+               if p.name.split("__")[0] in ("passkey", "ruler")}
+    ran: dict[str, set] = {}
+    for p, r in reports.items():
+        ran.setdefault(p.name.split("__")[2], set()).add(_ran(r))
+    flagged = {label: sorted(runs) for label, runs in ran.items()
+               if any(run not in _named_by(label) for run in runs)}
+    text = ladder_table.tables(ladder_table.load(directory)).strip("\n")
+    for label in flagged:
+        text = text.replace(f"\n| {label} |", f"\n| {label} † |")
+    seen = lambda key: ", ".join(sorted({str(v) for v in map(key, reports.values()) if v})) or "not recorded"  # noqa
+    devices = seen(lambda r: (r.get("provenance") or {}).get("device") or (r.get("provenance") or {}).get("gpu")
+                   or r.get("device"))
+    commits = seen(lambda r: (r.get("provenance") or {}).get("commit"))
+    text += f"\n\nFrom the {len(reports)} reports in `{arg}`: device {devices}; commit {commits}.\n"
+    if flagged:
+        text += "\n† ran as: " + "; ".join(f"{label}: " + ", ".join(f"`{r}`" for r in runs)
+                                         for label, runs in flagged.items()) + ".\n"
+    return text
+
+
+def _ran(report: dict) -> str:
+    """What one report ran: its --attention (the preset named, else the provenance's resolved one), overrides and
+    RoPE scaling, as a command-line fragment."""
+    args = report.get("args") or {}
+    prov = {a["label"]: a for a in (report.get("provenance") or {}).get("attention") or []}
+    specs = [prov[a]["method"] + (f":{prov[a]['preset']}" if prov[a].get("preset") else "") if a in prov else a
+             for a in args.get("attention") or []]
+    out = " ".join(specs)
+    config = args.get("attention_config")
+    if isinstance(config, str):
+        config = json.loads(config) if config.strip() else None
+    if config:  # an empty object changes nothing
+        out += f" --attention-config {json.dumps(config)}"
+    if args.get("rope_scaling"):
+        out += f" --rope-scaling {args['rope_scaling']}"
+    return out
+
+
+def _named_by(label: str) -> set[str]:
+    """The runs a ladder label names by itself: METHOD, METHOD:LABEL, or METHOD:PRESET for a METHOD-PRESET label
+    (with a method's default preset named or not)."""
+    from longreach.attention.registry import available_backends
+    from longreach.tools.report import default_preset
+
+    out = set()
+    for method in available_backends():
+        default = default_preset(method)
+        if label == method:
+            out |= {method} | ({f"{method}:{default}"} if default else set())
+        out.add(f"{method}:{label}")
+        if label.startswith(method + "-"):
+            preset = label[len(method) + 1:]
+            out.add(f"{method}:{preset}")
+            if preset == default:
+                out.add(method)
+    return out
+
+
+RENDERERS = {"ladder": _ladder, **render_eval.RENDERERS, **render_bench.RENDERERS}
 
 
 def render(kind: str, arg: str) -> str:
-    if kind == "ladder":
-        directory = ROOT / arg
-        if not directory.is_dir():
-            raise ValueError(f"render ladder: {arg} is not a folder of results")
-        return ladder_table.tables(ladder_table.load(directory)).strip("\n") + "\n"
-    if kind == "ppl":
-        path = ROOT / arg
-        if not path.is_file():
-            raise ValueError(f"render ppl: {arg} is not a file")
-        return ppl_table(json.loads(path.read_text()))
-    raise ValueError(f"unknown renderer {kind!r} (known: ladder, ppl)")
-
-
-def _k(n: int) -> str:
-    return f"{n >> 20}M" if n >= 1 << 20 and n % (1 << 20) == 0 else f"{n >> 10}K"
-
-
-def ppl_table(report: dict) -> str:
-    """Rows: each method's tail PPL (the same last tokens at every length: eval/ppl.py's windows end together),
-    its change from the method's first measured length, and its whole-window PPL; `-` where a length was skipped."""
-    lengths = report["lengths"]
-    head = "| method | " + " | ".join(_k(n) for n in lengths) + " |\n|---|" + "---|" * len(lengths) + "\n"
-    rows = []
-    for method, cells in report["methods"].items():
-        got = [cells.get(str(n)) or {} for n in lengths]
-        tails = [c.get("ppl_tail") for c in got]
-        first = next((t for t in tails if t is not None), None)
-        fmt = lambda v: "-" if v is None else f"{v:.2f}"  # noqa: E731
-        rows.append(f"| {method}, tail PPL | " + " | ".join(fmt(t) for t in tails) + " |")
-        if first is not None and sum(t is not None for t in tails) > 1:
-            rows.append(f"| {method}, tail change | " + " | ".join(
-                "-" if t is None else f"{(t / first - 1) * 100:+.1f}%" for t in tails) + " |")
-        rows.append(f"| {method}, whole-window PPL | " + " | ".join(fmt(c.get("ppl_all")) for c in got) + " |")
-    tail = report.get("tail")
-    note = (f"\nTail: the last {tail:,} tokens, the same tokens at every length; text `{report.get('text')}`, "
-            f"{len(report['windows']['ends'])} window(s) per length; {report.get('provenance', {}).get('gpu', report.get('device'))}, "
-            f"commit {report.get('provenance', {}).get('commit', '?')}.\n")
-    return head + "\n".join(rows) + "\n" + note
+    if kind not in RENDERERS:
+        raise ValueError(f"unknown renderer {kind!r} (known: {', '.join(sorted(RENDERERS))})")
+    try:
+        return RENDERERS[kind](arg.split())
+    except (ValueError, KeyError) as e:
+        raise ValueError(f"render {kind} {arg}: {e}") from None
 
 
 def rendered(text: str) -> str:
@@ -82,7 +128,11 @@ def files() -> list[pathlib.Path]:
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--check", action="store_true", help="only compare; exit 1 where a block differs")
+    p.add_argument("--list", action="store_true", help="print the renderers and their arguments")
     args = p.parse_args()
+    if args.list:
+        print(render_eval.__doc__ + "\n" + render_bench.__doc__)
+        return 0
     stale = 0
     for path in files():
         text = path.read_text()

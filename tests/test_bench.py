@@ -40,3 +40,12 @@ def test_bench_attention_runs_on_cpu(tmp_path, monkeypatch):
     assert not errors, errors
     assert {"infinitehip 3k-fast amortised", "infinitehip kv-rep 3k-flash amortised", "hip 2k"} <= set(entry["decode"])
     assert "context 512 tokens" in A.format_table(report)
+    # what is not timed as a run of its own says so: the amortised steps are derived, the key counts estimated
+    amortised = entry["decode"]["infinitehip 3k-fast amortised"]
+    assert "not timed" in amortised["derived"] and "derived" not in entry["decode"]["hip 2k"]
+    assert entry["prefill"]["infinitehip 3k"]["estimated"] == ["keys_per_query_approx"]
+    assert "not timed" in A.format_table(report)
+    prov = saved["provenance"]  # tools/report.py's record
+    assert prov["device"] == "cpu" and prov["samples"]["n"] == 1
+    assert [(a["label"], a["preset"]) for a in prov["attention"]][:2] == [("infinitehip 3k", "3k"),
+                                                                       ("infinitehip 3k kv-rep", "3k")]

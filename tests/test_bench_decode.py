@@ -98,12 +98,22 @@ def test_bench_decode_end_to_end_on_cpu(tmp_path, capsys):
         assert mem["weights_bytes"] == 4 * sum(p.numel() for p in LlamaForCausalLM(SHAPES["tiny"].config).parameters())
         assert mem["kv_gpu_bytes"] > 0 and {"kv_host_bytes", "workspace_bytes", "peak_allocated_bytes"} <= set(mem)
         assert x["host"]["rss_bytes"] > 0
+        # the rate says which steps it counts: without graphs on a CPU, every step but the first (eager warm-up)
+        assert x["steps_counted"] == 4 and x["steps_excluded"] == {"first_eager": [0]}
+        assert x["prefill_steps_counted"] >= 1
         if x["context"] == 256:
-            assert x["dense_source"] == "measured" and x["ratio_to_dense"] > 0
+            assert x["dense_source"] == "measured" and x["ratio_to_dense"] > 0 and x["extrapolated"] == []
         else:  # dense ran at 128 and 256 only: 384 is extrapolated (when the toy timings give a rising line)
             assert x["dense_source"].startswith("extrapolated" if r["dense_extrapolation"] else "not measured")
+            assert x["extrapolated"] == (["dense_tok_s", "ratio_to_dense"] if r["dense_extrapolation"] else [])
+    prov = r["provenance"]  # tools/report.py's record
+    assert prov["command"] == r["command"] and prov["device"] == "cpu" and prov["commit"] and prov["date"]
+    assert [(a["label"], a["preset"]) for a in prov["attention"]] == [
+        ("infinitehip", "3k-box"), ("streaming", "3k"), ("dense", None)]
+    assert prov["attention"][0]["attention_config"]["n_sink"] == 8 and prov["samples"]["n"] == 1
     table = capsys.readouterr().out
     assert "random fp32 weights in the tiny Llama shape" in table and "decode tok/s" in table and "dense tok/s" in table
+    assert "left out per row" in table and "first_eager 0" in table
 
 
 @pytest.mark.skipif("kv_offloading_size" not in EngineConfig.field_names(), reason="needs the KV offload store")

@@ -57,8 +57,8 @@ def test_wilson_interval_known_values():
 
 
 def test_reports_carry_their_provenance(tmp_path, monkeypatch, capsys):
-    """Every eval report names the code and GPU it came from: the git commit here (with +dirty when the tree has
-    uncommitted changes), or $LONGREACH_COMMIT on a machine without the repository."""
+    """Every eval report names the code and device it came from: the git commit here (with +dirty when the tree has
+    uncommitted changes), or $LONGREACH_COMMIT on a machine without the repository (tools/report.py)."""
     import json
     import subprocess
 
@@ -68,8 +68,37 @@ def test_reports_carry_their_provenance(tmp_path, monkeypatch, capsys):
     emit({"methods": {}}, str(out))
     got = json.loads(out.read_text())["provenance"]
     head = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True).stdout.strip()
-    assert got["commit"].split("+")[0] == head and got["longreach"]
+    assert got["commit"].split("+")[0] == head and got["longreach"] and got["date"] and got["command"]
     monkeypatch.setenv("LONGREACH_COMMIT", "abc1234+dirty")
     emit({"methods": {}}, str(out))
     assert json.loads(out.read_text())["provenance"]["commit"] == "abc1234+dirty"
     capsys.readouterr()
+
+
+def test_provenance_record_names_command_device_presets_and_samples(monkeypatch):
+    """tools/report.py: one record for every JSON the lab writes. A method given without a preset is recorded with
+    the preset that ran (its default), with its overrides and resolved config; a command's own fields may not
+    replace the common ones."""
+    import argparse
+
+    from longreach.tools.eval.common import attention_records
+    from longreach.tools.report import command_line, default_preset, provenance, samples
+
+    monkeypatch.setenv("LONGREACH_COMMIT", "feed123")
+    args = argparse.Namespace(argv=["eval", "passkey", "--lengths", "8k", "--attention-config", '{"n_sink": 64}'])
+    assert command_line(args) == "longreach eval passkey --lengths 8k --attention-config '{\"n_sink\": 64}'"
+    specs = parse_methods(["dense", "infinitehip", "streaming:5k"], attention_config={"n_sink": 64})
+    rec = provenance(command_line(args), "cpu", attention=attention_records(specs, {"n_sink": 64}),
+                     attention_config={"n_sink": 64}, samples=samples(20, "method x length", "prompts"))
+    assert rec["commit"] == "feed123" and rec["device"] == "cpu" and rec["command"].startswith("longreach eval")
+    assert rec["samples"] == {"n": 20, "per": "method x length", "unit": "prompts"}
+    dense, ih, st = rec["attention"]
+    assert dense["preset"] is None and dense["attention_config"] is None
+    assert ih["label"] == "infinitehip" and ih["preset"] == default_preset("infinitehip") == "3k-box"
+    assert ih["attention_config"] == {"n_sink": 64} and ih["config"]["n_sink"] == 64
+    assert st["preset"] == "5k" and st["config"]["n_sink"] == 64
+    assert json.loads(json.dumps(rec)) == rec  # plain JSON
+    composed = attention_records(parse_methods(["infinitehip+psa:0.9"]), None)[0]
+    assert composed["decode"]["method"] == "psa" and composed["decode"]["preset"] == "0.9"
+    with pytest.raises(ValueError, match="common fields"):
+        provenance("x", "cpu", commit="mine")

@@ -100,6 +100,10 @@ def test_cli_end_to_end_on_the_real_model(tmp_path, capsys):
     assert json.loads(captured.out) == report
     assert report["lengths"] == [512] and report["depths"] == [0.5] and report["dtype"] == "float32"
     assert {"model", "device", "date", "args"} <= set(report)
+    prov = report["provenance"]  # tools/report.py: the command, the presets that ran, prompts per cell
+    assert prov["command"].startswith("longreach eval passkey --attention dense streaming") and prov["device"] == "cpu"
+    assert [(a["label"], a["preset"]) for a in prov["attention"]] == [("dense", None), ("streaming", "3k")]
+    assert prov["attention"][1]["config"]["n_window"] == 128 and prov["samples"]["n"] == 1
     assert set(report["methods"]) == {"dense", "streaming"}
     for m in report["methods"].values():
         (cell,) = m["cells"]

@@ -450,6 +450,9 @@ def test_bench_serve_against_the_server(server, tmp_path):
     assert all(g[k]["p99"] is not None and g[k]["p99"] >= g[k]["median"] > 0 for k in ("ttft_ms", "tpot_ms",
                                                                                       "itl_ms", "e2el_ms"))
     assert rep["groups"]["long"]["total_input_tokens"] == 300
+    prov = rep["provenance"]  # tools/report.py's record, with the server's device and attention
+    assert prov["command"].startswith("longreach bench serve") and prov["device"] == "cpu"
+    assert prov["attention"][0]["method"] == "dense" and prov["samples"]["n"] == 6
     chat = tmp_path / "chat.json"
     assert main(["bench", "serve", "--base-url", server.url, "--endpoint", "chat", "--num-prompts", "3",
                  "--random-input-len", "8", "--random-output-len", "3", "--request-rate", "50", "--out",

@@ -154,7 +154,8 @@ def build_app(state: ServerState) -> FastAPI:
         engine_args = {k: getattr(cfg, k) for k in EngineConfig.field_names()}
         server_args = {k: getattr(state.config, k) for k in ServerConfig.field_names() if k != "api_key"}
         return JSONResponse({"version": __version__, "engine_args": engine_args, "server_args": server_args,
-                             "device": str(state.engine.device), "dtype": str(state.engine.dtype).replace("torch.", ""),
+                             "device": str(state.engine.device), "device_name": _device_name(state.engine.device),
+                             "dtype": str(state.engine.dtype).replace("torch.", ""),
                              **state.loop.snapshot()})
 
     @app.post("/flush_cache")
@@ -166,6 +167,15 @@ def build_app(state: ServerState) -> FastAPI:
         return Response(state.metrics.render(), media_type="text/plain; version=0.0.4; charset=utf-8")
 
     return app
+
+
+def _device_name(device) -> str:
+    """The GPU's name for a CUDA device, else the device type ("cpu"): what a benchmark's provenance records."""
+    if device.type != "cuda":
+        return device.type
+    import torch
+
+    return torch.cuda.get_device_name(device)
 
 
 def _model_card(state: ServerState, name: str) -> dict:

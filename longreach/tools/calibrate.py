@@ -9,20 +9,19 @@ counts layers. The file then serves `--attention minference --attention-config '
 to longreach/attention/patterns/<alias>.json it ships with longreach, is named `{"patterns": "<alias>"}` and is the
 default of a model run by that alias (attention/minference/config.py, `resolve_patterns`).
 
-The JSON (format "longreach-minference-patterns/1"): `provenance` (model name, path and SHA-256 of its weight
-files, the data and its SHA-256 or generator seed, length, date, longreach version, device, dtype, the command),
+The JSON (format "longreach-minference-patterns/1"): `provenance` (tools/report.py's record: the command, commit,
+device, date; and the model name, path and SHA-256 of its weight files, the data and its SHA-256 or generator seed,
+length, longreach version, dtype),
 `granularity`, `block`, the `search_space`, and per layer the equal-FLOPs candidates with their kernel work
 (`space`, `cost` in keys per query row), every group's error per candidate, and the `choice` per head (or KV group).
 A file shipped with longreach must come with the command that reproduced it: the command is in the file.
 """
 from __future__ import annotations
 
-import datetime
 import hashlib
 import json
 import os
 import random
-import shlex
 import sys
 import time
 
@@ -161,6 +160,7 @@ def calibrate(engine, token_ids: list[int], space, granularity: str = "head", bl
 def main(args) -> int:
     from .. import __version__
     from ..attention.minference import PATTERNS_FORMAT
+    from .report import command_line, provenance, samples
     from ..attention.minference.search import SearchSpace
     from ..config import EngineConfig
     from ..engine.llm_engine import LLMEngine
@@ -199,14 +199,12 @@ def main(args) -> int:
     path = resolve_model_path(args.model)
     report = {
         "format": PATTERNS_FORMAT,
-        "provenance": {
-            "model": engine.model_config.name, "model_path": os.path.abspath(path),
-            "model_sha256": file_sha256(model_files(path)), "data": data, "length": args.length,
-            "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
-            "longreach_version": __version__, "device": str(engine.device),
-            "dtype": str(engine.dtype).replace("torch.", ""),
-            "command": shlex.join(["longreach", *getattr(args, "argv", sys.argv[1:])]),
-            "seconds": round(time.perf_counter() - t0, 1)},
+        "provenance": provenance(  # tools/report.py's record, with the calibration's own fields
+            command_line(args), engine.device, samples=samples(1, "run", f"prompt of {args.length} tokens"),
+            model=engine.model_config.name, model_path=os.path.abspath(path),
+            model_sha256=file_sha256(model_files(path)), data=data, length=args.length,
+            longreach_version=__version__, dtype=str(engine.dtype).replace("torch.", ""),
+            seconds=round(time.perf_counter() - t0, 1)),
         "granularity": args.granularity, "block": args.block,
         "num_layers": engine.model_config.num_layers, "num_heads": engine.model_config.num_heads,
         "num_kv_heads": engine.model_config.num_kv_heads,

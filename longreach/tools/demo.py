@@ -59,15 +59,16 @@ def _probe() -> float:
 
 
 def estimate(engine, model: str, runs: list, length: int) -> str:
-    """One sentence: how long the runs should take on this machine (roughly), before they start."""
+    """One sentence, marked as an estimate: how long the runs should take on this machine (roughly), before they
+    start. Scaled from the reference measurements above; nothing of it is measured in this run."""
     import torch
 
     from ..progress import format_seconds
 
     dev = engine.device
     if dev.type == "cuda":
-        return (f"On {torch.cuda.get_device_name(dev)} each run takes seconds once the Triton kernels are compiled; a "
-                "first run compiles them (about a minute).")
+        return (f"Estimated, not measured: on {torch.cuda.get_device_name(dev)} each run takes seconds once the "
+                "Triton kernels are compiled; a first run compiles them (about a minute).")
     n = torch.get_num_threads()
     where = f"on this CPU ({n} thread{'s' if n != 1 else ''})"
     if model != _REFERENCE["model"]:
@@ -78,7 +79,8 @@ def estimate(engine, model: str, runs: list, length: int) -> str:
         seconds, length_exp, speed_exp = _CPU_SECONDS.get(spec.name, _CPU_SECONDS["infinitehip"])
         each[spec.label] = seconds * speed ** speed_exp * (length / _REFERENCE["tokens"]) ** length_exp
     parts = ", ".join(f"{label} ~{format_seconds(s)}" for label, s in each.items())
-    return f"Expect about {format_seconds(sum(each.values()))} {where}: {parts} (rough; progress below)."
+    return (f"Estimated, not measured: about {format_seconds(sum(each.values()))} {where}: {parts} (scaled from "
+            "reference runs; progress below).")
 
 
 def main(args) -> int:

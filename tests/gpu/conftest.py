@@ -109,9 +109,10 @@ def pytest_sessionfinish(session):
     path = _report_path(session.config)
     if path is None or not RESULTS:
         return
-    from longreach.tools.eval.common import provenance
+    from longreach.tools.report import provenance
 
-    report = {"command": "python -m pytest " + shlex.join(session.config.invocation_params.args), **provenance(),
+    command = "python -m pytest " + shlex.join(session.config.invocation_params.args)
+    report = {"command": command, "provenance": provenance(command),
               "torch": torch.__version__, "results": list(RESULTS.values())}
     os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
     with open(path, "w") as f:

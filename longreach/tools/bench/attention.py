@@ -14,18 +14,17 @@ InfiniteHiP's protocol):
     vertical-slash with one index per KV group, and, with `minference_patterns` (a `longreach calibrate` file for
     this shape: 32 heads, 8 KV heads), the calibrated mix of one layer; index building (estimation from the chunk's
     last 64 queries against all N keys, merge) + the range/column kernel, reported separately.
-Decode is one query at position N-1, each variant captured in a CUDA graph and replayed:
+Decode is one query at position N-1, each variant captured in a CUDA graph and replayed (bench/attention_decode.py):
   * dense cuDNN SDPA (enable_gqa);
   * infinitehip with the mask fully cached (attention only), refreshed from stage 3, from stage 2, fully refreshed,
-    and the average over a preset's refresh cycle (3k, 3k-fast, 3k-flash) — the amortised decode cost;
+    and the average over a preset's refresh cycle (3k, 3k-fast, 3k-flash) — the amortised decode cost, computed
+    from the measured step kinds (`derived` in the JSON, "not timed" in the table);
   * hip 2k (selection every step + attention).
-Times are medians of CUDA-event measurements after warm-up. Prints a table and writes JSON.
+Times are medians of CUDA-event measurements after warm-up. Key counts per query are approximate (`estimated`).
+Prints a table and writes JSON with its provenance (tools/report.py).
 """
 from __future__ import annotations
 
-import json
-import math
-import os
 import statistics
 import time
 import traceback
@@ -208,7 +207,7 @@ def _minference_prefill(ctx: Context, q, pattern, granularity, patterns_file, re
     att_s = _time(lambda: range_attention_triton(q, ctx.k_cache, ctx.v_cache, ctx.table[None], index, D ** -0.5,
                                                  plan=plan, block_n=B), repeats)
     out = {"total_s": sel_s + att_s, "selection_s": sel_s, "attention_s": att_s,
-           "keys_per_query_approx": index_cost(index)}
+           "keys_per_query_approx": index_cost(index), "estimated": ["keys_per_query_approx"]}
     if pats is not None:
         kinds = [p[0] for p in pats]
         out["mix"] = {k: kinds.count(k) for k in sorted(set(kinds))}
@@ -243,7 +242,7 @@ def prefill(ctx: Context, methods, repeats: int, flex: bool, minference_patterns
             att_s = _time(attend, repeats)
             keys_per_q = ((index.counts.float().mean() * m.block_k).item() + m.cfg.n_sink + m.cfg.n_window)
             res[label] = {"total_s": sel_s + att_s, "selection_s": sel_s, "attention_s": att_s,
-                          "keys_per_query_approx": keys_per_q}
+                          "keys_per_query_approx": keys_per_q, "estimated": ["keys_per_query_approx"]}
             if label == "infinitehip 3k":
                 ih_selection = (m, sel)
         except Exception as e:  # noqa: BLE001
@@ -299,102 +298,23 @@ def _flex_prefill(ctx: Context, q, method, sel, repeats: int) -> float:
     return _time(lambda: compiled(qh, ctx.k, ctx.v, block_mask=mask, enable_gqa=True), repeats, warmup=2)
 
 
-def decode(ctx: Context, repeats: int) -> dict:
-    from ...attention.index import SparseIndex
-    from ...attention.sparse import BlockQueries
-    from ...kernels.bsa import BSAPlan, block_sparse_attention_triton
-
-    n = ctx.n
-    g = torch.Generator(device=DEVICE).manual_seed(2)
-    q = torch.randn(1, HQ, D, device=DEVICE, dtype=DTYPE, generator=g)
-    res: dict = {}
-    qd = q.view(1, HQ, 1, D)
-    with _sdpa("CUDNN_ATTENTION"):
-        t, graphed = _graph_time(lambda: torch.nn.functional.scaled_dot_product_attention(
-            qd, ctx.k, ctx.v, enable_gqa=True), repeats)
-    res["dense cuDNN"] = {"total_s": t, "graph": graphed, "gbps": 2 * n * HKV * D * 2 / t / 1e9}
-    keys = ctx.keys()
-    blocks_host = [(0, 1, n - 1)]
-    bqs = BlockQueries.build(blocks_host, DEVICE)
-    sms = torch.cuda.get_device_properties(0).multi_processor_count if DEVICE == "cuda" else 4
-    splits = max(1, min(32, 2 * sms // HKV))
-
-    def attention_step(m, sel_fn):
-        """One decode step: sel_fn() -> (ids, counts) or None (mask cached), then block-sparse attention."""
-        from ...attention.index import QueryBlocks
-
-        sel = sel_fn()
-        ids0, counts0 = sel if sel is not None else cached
-        qb = QueryBlocks([0], [0], [1], [n - 1])
-        index = SparseIndex(1, m.block_k, m.cfg.n_sink, m.cfg.n_window, m.groups, qb, ids0.int(), counts0.int())
-        plan = BSAPlan(index, HQ, HKV, DEVICE)
-
-        def step():
-            sel = sel_fn()
-            if sel is not None:  # a refreshed mask lands in the plan's buffers
-                plan.blocks.copy_(sel[0])
-                plan.counts.copy_(sel[1])
-            return block_sparse_attention_triton(q, ctx.k_cache, ctx.v_cache, ctx.table[None], index, D ** -0.5,
-                                                 num_splits=splits, plan=plan)
-        return step
-
-    for tag, extra in DECODE_VARIANTS:
-        ih = _method("infinitehip", "3k", extra)
-        stages, counts = ih.run_stages(3, q, bqs, keys, return_counts=True)
-        cached = (stages[-1], counts)
-
-        def from_stage(first, ih=ih, stages=stages):
-            def fn():
-                out, c = ih.run_stages(3, q, bqs, keys, first, stages[first - 1] if first else None,
-                                       return_counts=True)
-                return out[-1], c
-            return fn
-
-        variants = {"cached": lambda: None, "from stage 3": from_stage(2), "from stage 2": from_stage(1),
-                    "full refresh": from_stage(0)}
-        if extra:  # the cached step is the same kernel whatever the selection's flavour
-            variants.pop("cached")
-        times = {"cached": res.get("infinitehip cached", {}).get("total_s")}
-        for label, fn in variants.items():
-            try:
-                t, graphed = _graph_time(attention_step(ih, fn), repeats)
-                times[label] = t
-                res[f"{tag} {label}"] = {"total_s": t, "graph": graphed}
-            except Exception as e:  # noqa: BLE001
-                traceback.print_exc()
-                res[f"{tag} {label}"] = {"error": f"{type(e).__name__}: {e}"}
-        if len(times) == 4 and all(v is not None for v in times.values()):
-            order = ["full refresh", "from stage 2", "from stage 3", "cached"]
-            for preset in ("3k", "3k-fast", "3k-flash"):
-                refresh = type(ih).presets[preset].refresh
-                cycle = math.lcm(*refresh)
-                total = 0.0
-                for s in range(cycle):
-                    first = next((i for i, r in enumerate(refresh) if s % r == 0), len(refresh))
-                    total += times[order[first]]
-                res[f"{tag} {preset} amortised"] = {"total_s": total / cycle, "refresh": list(refresh)}
-    hip = _method("hip", "2k")
-
-    def hip_select():
-        ids = hip.select(3, q, bqs, keys)
-        return ids, (ids >= 0).sum(-1).int()
-
-    try:
-        cached = hip_select()
-        t, graphed = _graph_time(attention_step(hip, hip_select), repeats)
-        res["hip 2k"] = {"total_s": t, "graph": graphed}
-    except Exception as e:  # noqa: BLE001
-        traceback.print_exc()
-        res["hip 2k"] = {"error": f"{type(e).__name__}: {e}"}
-    return res
-
-
 def run(contexts: list[int], repeats: int = 5, out_path: str | None = None, flex: bool = True,
-        prefill_methods=PREFILL_METHODS, decode_repeats: int = 20, minference_patterns: str | None = None) -> dict:
+        prefill_methods=PREFILL_METHODS, decode_repeats: int = 20, minference_patterns: str | None = None,
+        command: str | None = None) -> dict:
+    """Prefill and decode at each context; prints each context's table and rewrites the JSON after each. Records
+    not timed as runs of their own say so: `derived` (the amortised decode steps), `estimated` (key counts)."""
+    from ..report import attention_record, provenance, samples, write_json
+    from .attention_decode import decode
+
     if DEVICE == "cuda" and not torch.cuda.is_available():
         raise ValueError("bench attention needs a CUDA GPU")
-    report = {"gpu": torch.cuda.get_device_name() if DEVICE == "cuda" else "cpu", "date": time.strftime("%Y-%m-%d"), "torch": torch.__version__,
-              "minference_patterns": minference_patterns,
+    methods = [attention_record(name, preset, {**CONFIG_OVERRIDES.get(name, {}), **extra}, label)
+               for label, name, preset, extra in prefill_methods]
+    report = {"provenance": provenance(command, DEVICE, attention=methods, samples=samples(
+                  repeats, "prefill measurement", f"timed repeats, median (decode: {decode_repeats} graph replays, "
+                                                  "median)")),
+              "gpu": torch.cuda.get_device_name() if DEVICE == "cuda" else "cpu", "date": time.strftime("%Y-%m-%d"),
+              "torch": torch.__version__, "minference_patterns": minference_patterns,
               "shape": {"q_heads": HQ, "kv_heads": HKV, "head_dim": D, "dtype": "bfloat16", "page": PAGE,
                         "prefill_chunk": CHUNK}, "contexts": {}}
     for n in contexts:
@@ -408,10 +328,7 @@ def run(contexts: list[int], repeats: int = 5, out_path: str | None = None, flex
         if DEVICE == "cuda":
             torch.cuda.empty_cache()
         print(format_table(report, only=str(n)), flush=True)
-        if out_path:
-            os.makedirs(os.path.dirname(os.path.abspath(out_path)) or ".", exist_ok=True)
-            with open(out_path, "w") as f:
-                json.dump(report, f, indent=1)
+        write_json(report, out_path)
     return report
 
 
@@ -440,6 +357,8 @@ def format_table(report: dict, only: str | None = None) -> str:
                     extra.append(f"{r['gbps']:.0f} GB/s")
                 if r.get("graph") is False:
                     extra.append("eager")
+                if r.get("derived"):
+                    extra.append("computed from the step kinds above, not timed")
                 ratio = f"{base / t:8.1f}x" if base else ""
                 lines.append(f"  {label:<34} {t * scale:>10.2f} {ratio:>9}  {'; '.join(extra)}")
     return "\n".join(lines)

@@ -108,6 +108,7 @@ def _engine(args) -> int:
     import os
 
     from ...models.loader import resolve_model_path
+    from ..report import command_line
     from .engine import run
 
     hf = resolve_model_path(args.hf_model or args.model)
@@ -115,17 +116,18 @@ def _engine(args) -> int:
     if min(args.batch_sizes) < 1 or args.new_tokens < 2 or args.prefill_len < 1:
         raise ValueError("batch sizes must be >= 1, --new-tokens >= 2 and --prefill-len >= 1")
     run(args.model, hf_dir, hf_file, args.device, tuple(args.batch_sizes), args.new_tokens,
-        prefill_len=args.prefill_len, repeats=args.repeats, out_path=args.out)
+        prefill_len=args.prefill_len, repeats=args.repeats, out_path=args.out, command=command_line(args))
     return 0
 
 
 def _attention(args) -> int:
+    from ..report import command_line
     from .attention import run
 
     if any(n < 1 for n in args.contexts) or args.repeats < 1:
         raise ValueError("--contexts and --repeats must be positive")
     run(sorted(args.contexts), repeats=args.repeats, out_path=args.out, flex=not args.no_flex,
-        minference_patterns=args.minference_patterns)
+        minference_patterns=args.minference_patterns, command=command_line(args))
     return 0
 
 
@@ -133,21 +135,21 @@ def _long(args) -> int:
     from ...attention.registry import MethodSpec
     from ..eval.common import parse_methods
     from ..eval.data import paul_graham_text, read_text_file
+    from ..report import command_line
     from .engine import run_long
 
     parse_methods(args.attention, attention_config=args.attention_config)  # a bad method fails before any loads
     text = read_text_file(args.text_file) if args.text_file else paul_graham_text()
     methods = [MethodSpec.parse(a) for a in args.attention]  # checked by parse_methods
     run_long(args.model, text, sorted(args.lengths), methods, args.new_tokens, args.device, args.out, args.eager_too,
-             args.attention_config)
+             args.attention_config, command=command_line(args))
     return 0
 
 
 def _decode(args) -> int:
-    import shlex
-
     from ..eval.common import parse_methods
     from ...models.random_init import is_random_model, random_shape
+    from ..report import command_line
     from .decode import run
 
     if args.batch < 1 or args.decode_tokens < 2:
@@ -173,7 +175,7 @@ def _decode(args) -> int:
         label = f"text source {args.text_source}"
     report = run(args.model, args.lengths, methods, engine, batch=args.batch, decode_tokens=args.decode_tokens,
                  dense_lengths=args.dense_lengths, out_path=args.out,
-                 command=shlex.join(["longreach", *getattr(args, "argv", [])]), text=text, text_label=label,
+                 command=command_line(args), text=text, text_label=label,
                  warmup_tokens=args.warmup_tokens, profile_steps=args.profile_steps,
                  profile_prefill_steps=args.profile_prefill_steps)
     return 1 if any("error" in r for r in report["runs"]) else 0

@@ -11,10 +11,11 @@ decodes `decode_tokens` tokens (ignore_eos). Reported per run:
   decode     tok/s = generated tokens / wall time of the decode steps, leaving out warm-up steps: those in which a
              CUDA-graph variant was captured (sparse methods capture theirs on first use, e.g. at steps 0, 1, 8 and
              16 for infinitehip 3k-fast), those in which a Triton kernel compiled (`decode_jit`) and, without
-             graphs, the first decode step (kernel compilation). The JSON
-             also has the rate with them (`decode_tok_s_with_warmup`) and every step's seconds. Bias: a captured
-             step is often a mask-refresh step, the most expensive kind, so leaving it out flatters the rate by
-             about (t_refresh - t_step) / steps (~1% at 128 steps);
+             graphs, the first decode step (kernel compilation), and profiled steps (--profile-steps);
+             `steps_counted` and `steps_excluded` ({reason: step indices}) say which, and the printed line names
+             them. The JSON also has the rate with them (`decode_tok_s_with_warmup`) and every step's seconds.
+             Bias: a captured step is often a mask-refresh step, the most expensive kind, so leaving it out
+             flatters the rate by about (t_refresh - t_step) / steps (~1% at 128 steps);
   GPU memory weights (the model's parameters), the KV store's GPU tier (`gpu_nbytes`, else `nbytes`),
              its prefill staging area (`staging_nbytes`) and its host tier (`host_nbytes`, else 0),
              the peak allocated during prefill + decode, and workspace = peak - weights - GPU tier - staging;
@@ -27,7 +28,8 @@ Dense baseline in the same run: the same model with attention="dense", no offloa
 2 * layers * kv_heads * head_dim * elem * tokens (+ fp8 scales), the weights, the last prefill chunk's gathered and
 head-expanded prefix 2 * tokens * head_dim * (kv_heads + q_heads) * elem, and 2 GiB of workspace are compared with
 the free GPU memory before trying; an out-of-memory error is caught and recorded as "does not fit".
-Where dense did not run, its decode step time is extrapolated ("extrapolated" in the table and JSON), linear in the
+Where dense did not run, its decode step time is extrapolated (marked `*` in the table; in the JSON the row's
+`dense_source` is "extrapolated" and its `extrapolated` lists the fields that are not measured), linear in the
 context for the attention part, through the largest (L0) and smallest (L1) dense contexts measured:
   t(L) = t(L0) + (L - L0) * (t(L0) - t(L1)) / (L0 - L1),   dense tok/s(L) = batch / t(L).
 KV sizes: with offloading, each run's host tier is what its context needs (+2%), at most `kv_offloading_size`, so a
@@ -39,7 +41,6 @@ from __future__ import annotations
 
 import gc
 import json
-import os
 import statistics
 import time
 import traceback
@@ -50,167 +51,18 @@ from .decode_memory import (
     _host_memory,
     _kv_budget_gb,
     _kv_need_bytes,
-    _kv_stats,
     _kv_store_bytes,
     _offload_summary,
     _weights_bytes,
 )
 from .decode_report import _fill_dense_column, _fmt_len, _one_line, _summary, format_table
+from .decode_steps import _drive, _note, _prompts, _sync, _text_ids, _warmup_len, steps_excluded
 
 WORKSPACE_MARGIN = 2 * GiB  # activations of a prefill chunk, CUDA graphs, allocator slack (dense fit estimate)
 ANCHOR = 4096  # a short dense context, so that two dense points fix the extrapolation's slope
 
 
-# ---- measurement helpers ---------------------------------------------------------------------------------------------
-def _sync(device) -> None:
-    import torch
-
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
-
-
-def _prompts(vocab: int, context: int, batch: int, seed: int, text_ids: list[int] | None = None) -> list[list[int]]:
-    """The same prompts for every method at one context: random token ids (skipping the lowest ids: special tokens),
-    or with `text_ids` (a tokenized text) that text repeated to `context` tokens, sequence i starting i * 997 tokens
-    into it."""
-    import torch
-
-    if text_ids:
-        reps = -(-(context + batch * 997) // len(text_ids))
-        ids = text_ids * reps
-        return [ids[i * 997: i * 997 + context] for i in range(batch)]
-    g = torch.Generator().manual_seed(seed * 1_000_003 + context)
-    low = min(100, vocab // 2)
-    return [torch.randint(low, vocab, (context,), generator=g).tolist() for _ in range(batch)]
-
-
-def _warmup_len(context: int, chunk: int, asked: int | None) -> int:
-    """Tokens of the untimed warm-up prompt run on each engine before its measured prompt: `asked`, or by default
-    one prefill chunk plus 4096 tokens (so that both the first-chunk and the chunk-with-prefix kernels compile), at
-    most half the context. Kernel variants keyed by a longer context's bucket may still compile in the timed run:
-    `prefill_jit` counts, times and names them (a note says so)."""
-    if asked is not None:
-        return max(0, min(asked, context))
-    return min(context // 2, chunk + 4096)
-
-
-def _text_ids(engine, text: str | None) -> list[int] | None:
-    if text is None:
-        return None
-    if engine.tokenizer is None:
-        raise ValueError(f"{engine.config.model} has no tokenizer: a text prompt needs a real checkpoint "
-                         "(random models take random token ids; drop --text-file / --text-source)")
-    ids = engine.tokenizer.encode(text)
-    if not ids:
-        raise ValueError("the prompt text is empty")
-    return ids
-
-
-def _note(msg: str) -> None:
-    from ..eval.common import note
-
-    note(f"bench decode: {msg}")
-
-
 # ---- one run ---------------------------------------------------------------------------------------------------------
-def _drive(engine, prompts: list[list[int]], decode_tokens: int, label: str, profile_steps: int = 0,
-           profile_prefill_steps: int = 0, timed: bool = True) -> dict:
-    """Prefill and decode every prompt through `engine`, one timed step at a time; the last `profile_steps` decode
-    steps run under the profiler (bench/profile.py) and are left out of the rate; so do the prefill steps from the
-    second one on, `profile_prefill_steps` of them (their time stays in the prefill seconds, profiler overhead
-    included: a run that profiles its prefill says where the time goes, not how much there is). `timed`: False for
-    the warm-up run (no note about what compiled in it)."""
-    from ...progress import Progress
-    from ...sampling_params import SamplingParams
-    from .jit_watch import JitWatch
-    from .profile import StepProfiler
-
-    dev, runner = engine.device, engine.runner
-    params = SamplingParams(temperature=0, max_tokens=decode_tokens, ignore_eos=True)
-    ids = [f"bench-decode-{i}" for i in range(len(prompts))]
-    for rid, p in zip(ids, prompts):
-        engine.add_request(rid, p, params)
-    total = sum(len(p) for p in prompts)
-    prefill_s, prefill_tokens, first_step = 0.0, 0, None
-    steps: list[dict] = []
-    snaps: list = []  # offload counters before decode step 0, then after each decode step
-    prefill_before = snap = _kv_stats(engine)
-    prefill_progress = Progress(total, f"bench decode {label} prefill").follow_layers(engine.model, dev)
-    decode_progress = None
-    prof, prof_prefill = StepProfiler(dev), StepProfiler(dev)
-    prefill_steps = 0
-    jit, prefill_jit = JitWatch(), None
-    try:
-        jit.start()
-        while engine.has_unfinished_requests():
-            n_graphs, prev = len(runner._graphs), engine.last_step
-            profiled = profile_steps > 0 and engine.last_step is not None and not engine.last_step.is_prefill \
-                and len(steps) >= decode_tokens - 1 - profile_steps  # the prefill samples the first token
-            profiled_prefill = prefill_tokens < total and 1 <= prefill_steps <= profile_prefill_steps
-            if profiled:
-                prof.start()
-            if profiled_prefill:
-                prof_prefill.start()
-            _sync(dev)
-            compiled = len(jit.events)
-            t0 = time.perf_counter()
-            engine.step()
-            _sync(dev)
-            dt = time.perf_counter() - t0
-            compiled = len(jit.events) > compiled  # a Triton kernel compiled inside this step
-            st = engine.last_step
-            if st is prev:
-                raise RuntimeError("the engine scheduled nothing: the KV cache cannot hold the batch")
-            before, snap = snap, _kv_stats(engine)
-            if st.is_prefill:
-                prefill_steps += 1
-                if profiled_prefill:
-                    prof_prefill.record(dt)
-                    if prefill_steps > profile_prefill_steps:
-                        prof_prefill.stop()
-                prefill_s += dt
-                prefill_tokens += st.num_tokens
-                first_step = dt if first_step is None else first_step
-                prefill_progress.update(st.num_tokens)
-                continue
-            if decode_progress is None:
-                prefill_progress.close()
-                decode_progress = Progress(len(prompts) * (decode_tokens - 1), f"bench decode {label} decode")
-            decode_progress.update(st.num_tokens)
-            prof_prefill.stop()  # a decode step: the prefill's profile ends, whatever it had
-            if prefill_jit is None:
-                prefill_jit = jit.since(0)
-            if not snaps:
-                snaps.append(before)
-            # warm-up: a graph variant captured in this step, a kernel compiled in it, or without graphs the first
-            # decode step
-            warm = len(runner._graphs) > n_graphs or compiled or (not runner._graph_sizes and not steps)
-            if profiled:
-                prof.record(dt)
-            steps.append({"s": dt, "tokens": st.num_tokens, "warmup": warm or profiled, "profiled": profiled})
-            snaps.append(snap)
-    except BaseException:
-        for rid in ids:
-            engine.abort_request(rid)
-        raise
-    finally:
-        jit.stop()
-        prefill_progress.close()
-        if decode_progress is not None:
-            decode_progress.close()
-        profile, prefill_profile = prof.report(), prof_prefill.report()
-    prefill_jit = prefill_jit or jit.since(0)
-    if prefill_jit["count"] and timed:  # the warm-up run is there to compile
-        _note(f"{label}: {prefill_jit['count']} Triton kernel compilation(s) inside the timed prefill "
-              f"({prefill_jit['seconds']:.1f} s of its {prefill_s:.1f} s: "
-              f"{', '.join(f'{k} x{n}' for k, n in prefill_jit['kernels'].items())}); the prefill time includes "
-              f"them (a repeat in the same process, METHOD@2, runs warm)")
-    return {"prefill_s": prefill_s, "prefill_tokens": prefill_tokens, "prefill_first_step_s": first_step,
-            "steps": steps, "snaps": snaps, "prefill_before": prefill_before, "profile": profile,
-            "prefill_profile": prefill_profile, "prefill_jit": prefill_jit,
-            "decode_jit": jit.since(prefill_jit["count"])}
-
-
 def _measure(model: str, context: int, spec, engine_kwargs: dict, batch: int, decode_tokens: int, seed: int,
              state: dict) -> dict:
     """Build one engine, run it, free it; the row of the report (raises what the engine raises)."""
@@ -278,6 +130,10 @@ def _measure(model: str, context: int, spec, engine_kwargs: dict, batch: int, de
             "decode_tok_s": sum(s["tokens"] for s in steady) / steady_s if steady_s else None,
             "decode_tok_s_with_warmup": sum(s["tokens"] for s in steps) / all_s if all_s else None,
             "decode_steps": len(steps), "warmup_steps": len(steps) - len(steady),
+            # what the rates count: decode_tok_s the steps not excluded (decode_steps.EXCLUDED: {reason: indices});
+            # prefill_tok_s every prefill step, compilations inside them included (prefill_jit)
+            "steps_counted": len(steady), "steps_excluded": steps_excluded(steps),
+            "prefill_steps_counted": run["prefill_steps"],
             "step_s_mean": steady_s / len(steady) if steady else None,
             "step_s_median": statistics.median(s["s"] for s in steady) if steady else None,
             "step_s": [round(s["s"], 6) for s in steps],
@@ -354,8 +210,9 @@ def run(model: str, lengths: list[int], methods: list, engine_kwargs: dict, batc
 
     from ... import __version__
     from ...engine.llm_engine import resolve_device, resolve_dtype
-    from ..eval.common import decode_kwargs, eval_config, method_config
     from ...models.random_init import is_random_model, random_shape, weights_note
+    from ..eval.common import RunSpec, attention_records, decode_kwargs, eval_config, method_config
+    from ..report import provenance, samples, write_json
 
     if engine_kwargs.get("attention_config") is not None:  # a dict (JSON text from a Python caller: parsed here)
         engine_kwargs = {**engine_kwargs, "attention_config": eval_config(engine_kwargs["attention_config"])}
@@ -369,8 +226,13 @@ def run(model: str, lengths: list[int], methods: list, engine_kwargs: dict, batc
                    "profile_prefill_steps": profile_prefill_steps}
     if is_random_model(model):
         state["model_config"] = random_shape(model).config
+    specs = [*methods, *([RunSpec("dense", None, "dense")] if dense_lengths else [])]
     report = {
         "benchmark": "longreach bench decode",
+        "provenance": provenance(command or None, device, attention=attention_records(
+            specs, engine_kwargs.get("attention_config")), attention_config=engine_kwargs.get("attention_config"),
+            samples=samples(batch, "method x context", f"sequences, each {decode_tokens} decode tokens (steps_counted "
+                                                       "per row: the steps in the rate)")),
         "note": weights_note(model, run_dtype) if is_random_model(model) else None,
         "model": model, "gpu": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu",
         "date": time.strftime("%Y-%m-%d %H:%M:%S"), "command": command, "torch": torch.__version__,
@@ -387,10 +249,7 @@ def run(model: str, lengths: list[int], methods: list, engine_kwargs: dict, batc
 
     def save() -> None:
         _fill_dense_column(report)
-        if out_path:
-            os.makedirs(os.path.dirname(os.path.abspath(out_path)), exist_ok=True)
-            with open(out_path, "w") as f:
-                json.dump(report, f, indent=1)
+        write_json(report, out_path)
 
     for context in sorted(set(lengths) | set(dense_lengths)):
         for spec in methods if context in lengths else ():
@@ -418,8 +277,6 @@ def run(model: str, lengths: list[int], methods: list, engine_kwargs: dict, batc
             if kw is None:
                 entry.update(status="does not fit", reason=why)
             else:
-                from ..eval.common import RunSpec
-
                 try:
                     entry.update(_measure(model, context, RunSpec("dense", None, "dense"), kw, batch,
                                           decode_tokens, engine_kwargs.get("seed", 0), state), status="measured")

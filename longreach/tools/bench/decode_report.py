@@ -47,6 +47,7 @@ def _fill_dense_column(report: dict) -> None:
                                    "to extrapolate)")
         row["dense_tok_s"], row["dense_source"] = tok_s, source
         row["ratio_to_dense"] = row["decode_tok_s"] / tok_s if tok_s and row["decode_tok_s"] else None
+        row["extrapolated"] = ["dense_tok_s", "ratio_to_dense"] if source == "extrapolated" else []
 
 
 
@@ -62,10 +63,21 @@ def _summary(row: dict) -> str:
     dec = row["decode_tok_s"]
     mem = row["memory"]
     return (f"{head}: prefill {row['prefill_s']:.1f} s, decode {dec or 0:.1f} tok/s "
-            f"({row['warmup_steps']} warm-up steps left out), KV GPU {mem['kv_gpu_bytes'] / GiB:.2f} GiB "
+            f"({steps_note(row)}), KV GPU {mem['kv_gpu_bytes'] / GiB:.2f} GiB "
             f"+ staging {mem['kv_staging_bytes'] / GiB:.2f} GiB while prefilling "
             f"({_staging_decoding(mem) / GiB:.2f} decoding), host {mem['kv_host_bytes'] / GiB:.2f} GiB"
             + _reads_note(row.get("decode_reads")))
+
+
+def steps_note(row: dict) -> str:
+    """Which decode steps the rate counts: "over 123 of 127 steps; left out: graph_capture 0, 1, 8, 16"."""
+    total = row.get("decode_steps", 0)
+    counted = row.get("steps_counted", total - row.get("warmup_steps", 0))
+    out = row.get("steps_excluded")
+    if out is None:  # a report from before steps_excluded: the count alone
+        return f"over {counted} of {total} steps; {total - counted} warm-up steps left out"
+    left = "; ".join(f"{why} {', '.join(map(str, idx))}" for why, idx in out.items())
+    return f"over {counted} of {total} steps" + (f"; left out: {left}" if left else ", every step")
 
 
 def _reads_note(reads: dict | None) -> str:
@@ -88,7 +100,7 @@ def format_table(r: dict) -> str:
     lines.append(f"{r['model']} on {r['gpu']} ({r['dtype']}), batch {s['batch']}, {s['decode_tokens']} decode tokens, "
                  f"{r['date']}")
     head = (f"{'context':>8} {'method':<22} {'kv dtype':<9} {'offload':<8} {'prefill s':>9} {'decode tok/s':>12} "
-            f"{'dense tok/s':>12} {'ratio':>6} {'KV GPU GiB':>10} {'KV host GiB':>11} {'RSS GiB':>8} "
+            f"{'dense tok/s':>12} {'ratio':>7} {'KV GPU GiB':>10} {'KV host GiB':>11} {'RSS GiB':>8} "
             f"{'hit ratio':>9} {'GB/s':>6}")
     lines += [head, "-" * len(head)]
     rows = sorted(r["runs"] + r["dense"], key=lambda x: (x["context"], x["attention"] == "dense"))
@@ -104,18 +116,22 @@ def format_table(r: dict) -> str:
         else:
             mark = "*" if x.get("dense_source") == "extrapolated" else ""
             dense_col = num(x.get("dense_tok_s"), ".1f") + mark
-            ratio = num(x.get("ratio_to_dense"), ".2f") + ("x" if x.get("ratio_to_dense") else "")
+            ratio = num(x.get("ratio_to_dense"), ".2f") + ("x" if x.get("ratio_to_dense") else "") + mark
         rss = x["host"]["rss_bytes"]
         lines.append(
             f"{ctx:>8} {x['attention']:<22} {x['kv_cache_dtype']:<9} {offload:<8} {x['prefill_s']:>9.2f} "
-            f"{num(x['decode_tok_s'], '.1f'):>12} {dense_col:>12} {ratio:>6} "
+            f"{num(x['decode_tok_s'], '.1f'):>12} {dense_col:>12} {ratio:>7} "
             f"{(mem['kv_gpu_bytes'] + _staging_decoding(mem)) / GiB:>10.2f} "
             f"{mem['kv_host_bytes'] / GiB:>11.2f} {num(rss and rss / GiB, '.2f'):>8} "
             f"{num(off.get('hit_ratio'), '.3f'):>9} {num(off.get('h2d_gb_s'), '.1f'):>6}")
+    lines.append("decode tok/s counts the steady decode steps only; left out per row (step indices): " + "; ".join(
+        f"{_fmt_len(x['context'])} {x['attention']}: {steps_note(x)}" for x in rows
+        if "decode_steps" in x))
     lines.append("KV GPU = the GPU tier (pages, page table) + the prefill staging area while decoding (released after "
                  "prefill; its size while prefilling is in the JSON, kv_staging_bytes); RSS: the process, after decode")
     fit = r.get("dense_extrapolation")
     if any(x.get("dense_source") == "extrapolated" for x in r["runs"]) and fit:
-        lines.append(f"* extrapolated, not measured: {fit['formula']}, with L0 = {_fmt_len(fit['L0'])} "
-                     f"(t = {fit['t_L0_s'] * 1e3:.2f} ms) and L1 = {_fmt_len(fit['L1'])} (t = {fit['t_L1_s'] * 1e3:.2f} ms)")
+        lines.append(f"* extrapolated, not measured (dense tok/s and the ratio): {fit['formula']}, with "
+                     f"L0 = {_fmt_len(fit['L0'])} (t = {fit['t_L0_s'] * 1e3:.2f} ms) and L1 = {_fmt_len(fit['L1'])} "
+                     f"(t = {fit['t_L1_s'] * 1e3:.2f} ms)")
     return "\n".join(lines)

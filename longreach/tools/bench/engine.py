@@ -5,12 +5,12 @@ Measures, for both engines with greedy decoding:
     N-1 tokens per sequence, so prefill is excluded the same way for both;
   * prefill throughput on one long prompt (default 8191 tokens): the time to produce the first token;
   * greedy-token agreement on a few chat prompts.
-Prints a table and writes JSON. transformers is the baseline here (its default SDPA attention and dynamic KV cache).
+Prints a table and writes JSON with its provenance (tools/report.py), and in it `rates`: which steps each rate
+counts. transformers is the baseline here (its default SDPA attention and dynamic KV cache).
 """
 from __future__ import annotations
 
 import json
-import os
 import statistics
 import time
 from dataclasses import asdict, dataclass, field
@@ -83,14 +83,26 @@ def greedy_agreement(llm, hf, dev, new_tokens: int = 48) -> list[dict]:
     return rows
 
 
+RATES = {  # what each rate of `run` counts, in the report and under the printed table
+    "decode_tok_s": {"steps_counted": "decode steps 2..N of every sequence: (N - 1) x batch tokens, N = new_tokens",
+                     "steps_excluded": "the prefill and the first token (T(1 token) is subtracted from T(N tokens)); "
+                                       "one untimed generate per engine before (compilation, graph capture)",
+                     "statistic": "median of the repeats of each of T(N) and T(1)"},
+    "prefill_tok_s": {"steps_counted": "the whole prefill of one prompt and its first token's sampling (time to "
+                                       "the first token)",
+                      "steps_excluded": "one untimed prefill of the same prompt before",
+                      "statistic": "median of the repeats"}}
+
+
 def run(model: str, hf_dir: str, hf_file: str | None, device: str, batch_sizes=(1, 32), new_tokens: int = 256,
         prompt_len: int = 128, prefill_len: int = 8191, repeats: int = 3, out_path: str | None = None,
-        compare_fp32: bool = True) -> dict:
+        compare_fp32: bool = True, command: str | None = None) -> dict:
     import torch
     from transformers import AutoModelForCausalLM
 
     from ...engine.llm import LLM
     from ...sampling_params import SamplingParams
+    from ..report import attention_record, provenance, samples, write_json
 
     dev = torch.device(device)
     max_len = max(prefill_len, prompt_len + new_tokens) + 1
@@ -149,6 +161,8 @@ def run(model: str, hf_dir: str, hf_file: str | None, device: str, batch_sizes=(
         result.prefill_tok_s = prefill_len / result.prefill_s
 
     report = {
+        "provenance": provenance(command, dev, attention=[attention_record("dense")],
+                                 samples=samples(repeats, "rate", "timed repeats, median")),
         "gpu": torch.cuda.get_device_name(dev) if dev.type == "cuda" else "cpu",
         "date": time.strftime("%Y-%m-%d"),
         "torch": torch.__version__,
@@ -160,12 +174,10 @@ def run(model: str, hf_dir: str, hf_file: str | None, device: str, batch_sizes=(
         "transformers": asdict(base),
         "greedy_agreement": agreement,
         "greedy_agreement_fp32": agreement_fp32,
+        "rates": RATES,
     }
     print(format_table(report))
-    if out_path:
-        os.makedirs(os.path.dirname(os.path.abspath(out_path)), exist_ok=True)
-        with open(out_path, "w") as f:
-            json.dump(report, f, indent=2)
+    write_json(report, out_path, indent=2)
     return report
 
 
@@ -179,6 +191,8 @@ def format_table(r: dict) -> str:
     a, b = ours["prefill_tok_s"], base["prefill_tok_s"]
     lines.append(f"{'prefill tok/s, ' + str(r['settings']['prefill_len']) + ' tokens':<34} {a:>12,.0f} {b:>13,.0f} "
                  f"{a / b:>6.1f}x")
+    for key, rate in r.get("rates", {}).items():
+        lines.append(f"  {key}: counts {rate['steps_counted']}; leaves out {rate['steps_excluded']}")
     for key, label in (("greedy_agreement", r["dtype"]), ("greedy_agreement_fp32", "float32")):
         rows = r.get(key)
         if not rows:
@@ -193,9 +207,15 @@ def format_table(r: dict) -> str:
     return "\n".join(lines)
 
 
+LONG_DECODE_RATE = {  # `run_long`'s decode rate (engine/outputs.py's decode_tokens_per_s)
+    "steps_counted": "decode steps 2..new_tokens: the tokens after the first over the time since the first",
+    "steps_excluded": "the first token (made by the prefill's last step); an untimed generation of the same prompt "
+                      "runs before, so compilation and graph capture fall there"}
+
+
 def run_long(model: str, text: str, lengths: list[int], methods: list[tuple[str, str | None]], new_tokens: int,
-             device: str, out_path: str | None, eager_too: bool = False, attention_config: dict | str | None = None
-             ) -> dict:
+             device: str, out_path: str | None, eager_too: bool = False, attention_config: dict | str | None = None,
+             command: str | None = None) -> dict:
     """Prefill time and decode tokens/s through the engine for each (method, preset) at each prompt length.
 
     `eager_too`: also run each one with `enforce_eager` (no CUDA graphs) and report whether its tokens equal the
@@ -209,8 +229,14 @@ def run_long(model: str, text: str, lengths: list[int], methods: list[tuple[str,
     from ..eval.common import eval_config
     from ...sampling_params import SamplingParams
 
+    from ..report import attention_record, provenance, samples, write_json
+
     attention_config = eval_config(attention_config)  # a dict (JSON text from a Python caller: parsed once, here)
-    report = {"date": time.strftime("%Y-%m-%d"), "runs": []}
+    report = {"provenance": provenance(command, device if device != "auto" else None, attention=[
+                  attention_record(n, p, None if n == "dense" else attention_config) for n, p in methods],
+                  attention_config=attention_config, samples=samples(1, "method x length", "prompt")),
+              "date": time.strftime("%Y-%m-%d"), "runs": [],
+              "rates": {"decode_tok_s": LONG_DECODE_RATE}}
     ids = None
     for n in lengths:
         for name, preset in methods:
@@ -236,6 +262,7 @@ def run_long(model: str, text: str, lengths: list[int], methods: list[tuple[str,
                        "attention_config": None if name == "dense" or attention_config is None else
                        json.dumps(attention_config), "prefill_s": m.prefill_seconds,
                        "prefill_tok_s": m.prefill_tokens_per_s, "decode_tok_s": m.decode_tokens_per_s,
+                       "steps_counted": new_tokens - 1, "steps_excluded": "the first token (the prefill's step)",
                        "cuda_graphs": graphs, "graph_variants": len(llm.engine.runner._graphs), "text": out.text,
                        "token_ids": out.token_ids}
                 if eager and graph_tokens is not None:
@@ -245,13 +272,12 @@ def run_long(model: str, text: str, lengths: list[int], methods: list[tuple[str,
                 report["runs"].append(row)
                 same = f"  same tokens as graphs: {row['same_tokens_as_graphs']}" if "same_tokens_as_graphs" in row else ""
                 print(f"{n:>8} {row['attention']:<22} prefill {row['prefill_s']:8.2f} s "
-                      f"({row['prefill_tok_s']:>9,.0f} tok/s)  decode {row['decode_tok_s'] or 0:8.1f} tok/s  "
+                      f"({row['prefill_tok_s']:>9,.0f} tok/s)  decode {row['decode_tok_s'] or 0:8.1f} tok/s "
+                      f"(steps 2..{new_tokens})  "
                       f"graphs={graphs}{same}  {out.text[:60]!r}", flush=True)
                 del llm
                 gc.collect()
                 if torch.cuda.is_available():
                     torch.cuda.empty_cache()
-                if out_path:
-                    with open(out_path, "w") as f:
-                        json.dump(report, f, indent=1)
+                write_json(report, out_path)
     return report

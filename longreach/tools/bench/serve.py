@@ -338,8 +338,9 @@ def main(args: argparse.Namespace) -> int:
     key = args.api_key or os.environ.get("LONGREACH_API_KEY") or os.environ.get("OPENAI_API_KEY")
     rep = asyncio.run(_main(args, key))
     print(format_table(rep))
-    with open(args.out, "w") as f:
-        json.dump(rep, f, indent=1)
+    from ..report import write_json
+
+    write_json(rep, args.out)
     print(f"[longreach] wrote {args.out}")
     return 0 if rep["groups"]["all"]["failed"] == 0 else 1
 
@@ -353,6 +354,27 @@ async def _main(args: argparse.Namespace, key: str | None) -> dict:
         raise ValueError(f"cannot read the vocabulary size from {args.base_url}/tokenizer_info: {e}") from None
     specs = random_dataset(args.num_prompts, args.random_input_len, args.random_output_len, args.random_range_ratio,
                            vocab, args.seed, args.long_prompts, args.long_input_len)
-    return await run_benchmark(args.base_url, specs, chat=args.endpoint == "chat", model=args.model,
-                               request_rate=args.request_rate, max_concurrency=args.max_concurrency, seed=args.seed,
-                               ignore_eos=args.ignore_eos, api_key=key, timeout=args.timeout)
+    rep = await run_benchmark(args.base_url, specs, chat=args.endpoint == "chat", model=args.model,
+                              request_rate=args.request_rate, max_concurrency=args.max_concurrency, seed=args.seed,
+                              ignore_eos=args.ignore_eos, api_key=key, timeout=args.timeout)
+    return {"provenance": await _provenance(ep, args), **rep}
+
+
+async def _provenance(ep: Endpoint, args: argparse.Namespace) -> dict:
+    """tools/report.py's record, the device and attention being the server's (its /server_info, where it has one:
+    longreach and SGLang do; "unknown" otherwise). The server's preset is as it was given: None means the method's
+    default at the server's commit. `commit` is this client's tree, which is the server's when both run from it."""
+    from ..report import command_line, provenance, samples
+
+    try:
+        info = await ep.get_json("/server_info")
+    except (ValueError, OSError):
+        info = {}
+    engine = info.get("engine_args") or {}
+    attention = [{"label": engine["attention"] + (f":{engine['preset']}" if engine.get("preset") else ""),
+                  "method": engine["attention"], "preset": engine.get("preset"),
+                  "attention_config": engine.get("attention_config")}] if engine.get("attention") else None
+    return provenance(command_line(args), info.get("device_name") or "unknown (the server did not say)",
+                      attention=attention, samples=samples(args.num_prompts, "run", "requests (a 16-token probe "
+                                                                                    "request before the timed run "
+                                                                                    "is left out)"))

@@ -66,12 +66,13 @@ def _inputs(args):
 
 
 def _recall(args) -> int:
+    from ..report import samples
     from .common import emit
     from .recall import run
 
     text, methods = _inputs(args)
     report = run(args.model, text, args.length, methods, args.attention_config, args.queries, args.device, args.dtype)
-    emit(report, args.out)
+    emit(report, args.out, args, samples(args.queries, "method x layer", "query rows (the prompt's last)"))
     def keys(v):  # keys read per query over every layer, row and head: a mass threshold (psa) spreads them
         d = v["keys_per_query"]["all_layers"]
         return f"{d['mean']:.0f} keys/query (p50 {d['p50']:.0f}, p90 {d['p90']:.0f}, max {d['max']:.0f})"
@@ -82,13 +83,14 @@ def _recall(args) -> int:
 
 
 def _agreement(args) -> int:
+    from ..report import samples
     from .agreement import run
     from .common import emit
 
     text, methods = _inputs(args)
     report = run(args.model, text, args.length, args.new_tokens, methods, args.attention_config, args.device,
                  args.dtype)
-    emit(report, args.out)
+    emit(report, args.out, args, samples(1, "method", f"prompt ({args.new_tokens} greedy tokens)"))
     summary = ", ".join(f"{k}: {v['tokens_equal']}/{args.new_tokens} equal" for k, v in report["methods"].items()
                         if "tokens_equal" in v)
     print(f"[longreach] greedy agreement with dense after {args.length - args.new_tokens} tokens: {summary}",

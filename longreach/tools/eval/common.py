@@ -207,41 +207,33 @@ def make_llm(model: str, spec: RunSpec, attention_config: dict | None, device: s
                device=device, dtype=dtype, max_model_len=max_model_len, **engine_kwargs)
 
 
-def provenance() -> dict:
-    """Where a report's numbers come from: the code (git commit, "+dirty" with uncommitted changes; on a machine
-    without the repository, $LONGREACH_COMMIT as scripts/device_model.sh sets it), the longreach version and the
-    GPU, so that a table rendered from the JSON can name them."""
-    import os
-    import subprocess
+def attention_records(specs: list[RunSpec], attention_config: dict | str | None) -> list[dict]:
+    """The provenance's record of each method run (tools/report.py): the preset that ran and its overrides."""
+    from ..report import attention_record
 
-    from ... import __version__
-
-    commit = os.environ.get("LONGREACH_COMMIT")
-    if commit is None:
-        repo = os.path.abspath(os.path.join(os.path.dirname(__file__), "..", "..", ".."))  # longreach/tools/eval/
-        try:
-            head = subprocess.run(["git", "-C", repo, "rev-parse", "--short", "HEAD"], capture_output=True,
-                                  text=True, timeout=10)
-            dirty = subprocess.run(["git", "-C", repo, "status", "--porcelain", "--untracked-files=no"],
-                                   capture_output=True, text=True, timeout=10)
-            if head.returncode == 0:
-                commit = head.stdout.strip() + ("+dirty" if dirty.stdout.strip() else "")
-        except (OSError, subprocess.SubprocessError):
-            pass
-    gpu = None
-    try:
-        import torch
-
-        if torch.cuda.is_available():
-            gpu = torch.cuda.get_device_name()
-    except ImportError:
-        pass
-    return {"commit": commit, "longreach": __version__, "gpu": gpu}
+    attention_config = eval_config(attention_config)
+    out = []
+    for spec in specs:
+        d = decode_spec(spec)
+        out.append(attention_record(spec.name, spec.preset, method_config(spec, attention_config), spec.label,
+                                    spec.decode, method_config(d, attention_config) if d else None))
+    return out
 
 
-def emit(report: dict, path: str | None) -> None:
-    """Print the report as JSON on stdout and also write it to `path`, with its provenance."""
-    report.setdefault("provenance", provenance())
+def emit(report: dict, path: str | None, args: argparse.Namespace | None = None, samples: dict | None = None
+         ) -> None:
+    """Print the report as JSON on stdout and also write it to `path`, with its provenance (tools/report.py): the
+    command line and the methods that ran (with their presets) from `args`, the device from `report["device"]`,
+    and `samples` (report.samples: what one cell of the report averages over)."""
+    from ..report import command_line, provenance
+
+    if "provenance" not in report:
+        specs = parse_methods(args.attention, getattr(args, "preset", None), args.attention_config) \
+            if args is not None and getattr(args, "attention", None) else None
+        report["provenance"] = provenance(
+            command_line(args) if args is not None else None, report.get("device"),
+            attention=attention_records(specs, args.attention_config) if specs else None,
+            attention_config=getattr(args, "attention_config", None), samples=samples)
     out = json.dumps(report, indent=1)
     print(out)
     if path:

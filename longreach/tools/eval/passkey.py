@@ -27,6 +27,7 @@ import re
 import sys
 import time
 
+from ..report import samples
 from .common import (
     add_method_args,
     context_length,
@@ -261,7 +262,7 @@ def main(args: argparse.Namespace) -> int:
               "lengths": lengths, "depths": depths, "seeds": args.seeds, "new_tokens": args.new_tokens,
               "haystack": args.haystack, "needles": list(args.needles),
               "methods": methods}
-    emit(report, args.out)
+    emit(report, args.out, args, samples(len(depths) * args.seeds, "method x length", "prompts (depths x seeds)"))
     path = plot_path(args)
     if path:
         plot(report, path)

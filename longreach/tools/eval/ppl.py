@@ -25,6 +25,7 @@ import gc
 import sys
 import time
 
+from ..report import samples
 from .common import (
     add_method_args,
     context_length,
@@ -161,7 +162,8 @@ def main(args: argparse.Namespace) -> int:
               "args": {k: v for k, v in vars(args).items() if k != "func"}, "text": text_name, "lengths": lengths,
               "tail": args.tail, **header,
               "methods": {label: {str(n): cells[str(n)] for n in lengths} for label, cells in methods.items()}}
-    emit(report, args.out)
+    emit(report, args.out, args, samples(args.samples, "method x length",
+                                         f"windows, each scoring its last {args.tail} tokens (tail)"))
     path = plot_path(args)
     if path:
         _plot(report, path)

@@ -20,6 +20,7 @@ import gc
 import sys
 import time
 
+from ..report import samples
 from .common import (
     add_method_args,
     context_length,
@@ -202,7 +203,7 @@ def main(args: argparse.Namespace) -> int:
               "args": {k: v for k, v in vars(args).items() if k != "func"},
               "prompt_format": args.prompt_format, "lengths": lengths, "seconds": round(time.perf_counter() - t0, 1),
               **report}
-    emit(report, args.out)
+    emit(report, args.out, args, samples(args.samples, "method x task x length", "prompts"))
     png = plot_path(args)
     if png:
         plot(report, lengths, png)

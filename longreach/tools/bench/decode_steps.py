@@ -1,0 +1,173 @@
+"""`longreach bench decode`'s runs, one engine step at a time (bench/decode.py plans them and builds the rows): the
+prompts, the untimed warm-up's length, and `_drive`, which prefills and decodes a batch timing every step between
+device synchronisations and says of each decode step whether it counts in the rate, and if not, why:
+  graph_capture  a CUDA-graph variant was captured in the step;
+  jit            a Triton kernel compiled in it (bench/jit_watch.py);
+  first_eager    without CUDA graphs, the first decode step (its kernels' first launch);
+  profiled       it ran under torch.profiler (--profile-steps).
+"""
+from __future__ import annotations
+
+import time
+
+from .decode_memory import _kv_stats
+
+EXCLUDED = ("graph_capture", "jit", "first_eager", "profiled")  # why a decode step is left out of the rate
+
+
+def _sync(device) -> None:
+    import torch
+
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def _prompts(vocab: int, context: int, batch: int, seed: int, text_ids: list[int] | None = None) -> list[list[int]]:
+    """The same prompts for every method at one context: random token ids (skipping the lowest ids: special tokens),
+    or with `text_ids` (a tokenized text) that text repeated to `context` tokens, sequence i starting i * 997 tokens
+    into it."""
+    import torch
+
+    if text_ids:
+        reps = -(-(context + batch * 997) // len(text_ids))
+        ids = text_ids * reps
+        return [ids[i * 997: i * 997 + context] for i in range(batch)]
+    g = torch.Generator().manual_seed(seed * 1_000_003 + context)
+    low = min(100, vocab // 2)
+    return [torch.randint(low, vocab, (context,), generator=g).tolist() for _ in range(batch)]
+
+
+def _warmup_len(context: int, chunk: int, asked: int | None) -> int:
+    """Tokens of the untimed warm-up prompt run on each engine before its measured prompt: `asked`, or by default
+    one prefill chunk plus 4096 tokens (so that both the first-chunk and the chunk-with-prefix kernels compile), at
+    most half the context. Kernel variants keyed by a longer context's bucket may still compile in the timed run:
+    `prefill_jit` counts, times and names them (a note says so)."""
+    if asked is not None:
+        return max(0, min(asked, context))
+    return min(context // 2, chunk + 4096)
+
+
+def _text_ids(engine, text: str | None) -> list[int] | None:
+    if text is None:
+        return None
+    if engine.tokenizer is None:
+        raise ValueError(f"{engine.config.model} has no tokenizer: a text prompt needs a real checkpoint "
+                         "(random models take random token ids; drop --text-file / --text-source)")
+    ids = engine.tokenizer.encode(text)
+    if not ids:
+        raise ValueError("the prompt text is empty")
+    return ids
+
+
+def _note(msg: str) -> None:
+    from ..eval.common import note
+
+    note(f"bench decode: {msg}")
+
+
+def _drive(engine, prompts: list[list[int]], decode_tokens: int, label: str, profile_steps: int = 0,
+           profile_prefill_steps: int = 0, timed: bool = True) -> dict:
+    """Prefill and decode every prompt through `engine`, one timed step at a time; the last `profile_steps` decode
+    steps run under the profiler (bench/profile.py) and are left out of the rate; so do the prefill steps from the
+    second one on, `profile_prefill_steps` of them (their time stays in the prefill seconds, profiler overhead
+    included: a run that profiles its prefill says where the time goes, not how much there is). `timed`: False for
+    the warm-up run (no note about what compiled in it)."""
+    from ...progress import Progress
+    from ...sampling_params import SamplingParams
+    from .jit_watch import JitWatch
+    from .profile import StepProfiler
+
+    dev, runner = engine.device, engine.runner
+    params = SamplingParams(temperature=0, max_tokens=decode_tokens, ignore_eos=True)
+    ids = [f"bench-decode-{i}" for i in range(len(prompts))]
+    for rid, p in zip(ids, prompts):
+        engine.add_request(rid, p, params)
+    total = sum(len(p) for p in prompts)
+    prefill_s, prefill_tokens, first_step = 0.0, 0, None
+    steps: list[dict] = []
+    snaps: list = []  # offload counters before decode step 0, then after each decode step
+    prefill_before = snap = _kv_stats(engine)
+    prefill_progress = Progress(total, f"bench decode {label} prefill").follow_layers(engine.model, dev)
+    decode_progress = None
+    prof, prof_prefill = StepProfiler(dev), StepProfiler(dev)
+    prefill_steps = 0
+    jit, prefill_jit = JitWatch(), None
+    try:
+        jit.start()
+        while engine.has_unfinished_requests():
+            n_graphs, prev = len(runner._graphs), engine.last_step
+            profiled = profile_steps > 0 and engine.last_step is not None and not engine.last_step.is_prefill \
+                and len(steps) >= decode_tokens - 1 - profile_steps  # the prefill samples the first token
+            profiled_prefill = prefill_tokens < total and 1 <= prefill_steps <= profile_prefill_steps
+            if profiled:
+                prof.start()
+            if profiled_prefill:
+                prof_prefill.start()
+            _sync(dev)
+            compiled = len(jit.events)
+            t0 = time.perf_counter()
+            engine.step()
+            _sync(dev)
+            dt = time.perf_counter() - t0
+            compiled = len(jit.events) > compiled  # a Triton kernel compiled inside this step
+            st = engine.last_step
+            if st is prev:
+                raise RuntimeError("the engine scheduled nothing: the KV cache cannot hold the batch")
+            before, snap = snap, _kv_stats(engine)
+            if st.is_prefill:
+                prefill_steps += 1
+                if profiled_prefill:
+                    prof_prefill.record(dt)
+                    if prefill_steps > profile_prefill_steps:
+                        prof_prefill.stop()
+                prefill_s += dt
+                prefill_tokens += st.num_tokens
+                first_step = dt if first_step is None else first_step
+                prefill_progress.update(st.num_tokens)
+                continue
+            if decode_progress is None:
+                prefill_progress.close()
+                decode_progress = Progress(len(prompts) * (decode_tokens - 1), f"bench decode {label} decode")
+            decode_progress.update(st.num_tokens)
+            prof_prefill.stop()  # a decode step: the prefill's profile ends, whatever it had
+            if prefill_jit is None:
+                prefill_jit = jit.since(0)
+            if not snaps:
+                snaps.append(before)
+            why = [name for name, hit in zip(EXCLUDED, (len(runner._graphs) > n_graphs, compiled,
+                                                         not runner._graph_sizes and not steps, profiled)) if hit]
+            if profiled:
+                prof.record(dt)
+            steps.append({"s": dt, "tokens": st.num_tokens, "warmup": bool(why), "profiled": profiled,
+                          "excluded": why})
+            snaps.append(snap)
+    except BaseException:
+        for rid in ids:
+            engine.abort_request(rid)
+        raise
+    finally:
+        jit.stop()
+        prefill_progress.close()
+        if decode_progress is not None:
+            decode_progress.close()
+        profile, prefill_profile = prof.report(), prof_prefill.report()
+    prefill_jit = prefill_jit or jit.since(0)
+    if prefill_jit["count"] and timed:  # the warm-up run is there to compile
+        _note(f"{label}: {prefill_jit['count']} Triton kernel compilation(s) inside the timed prefill "
+              f"({prefill_jit['seconds']:.1f} s of its {prefill_s:.1f} s: "
+              f"{', '.join(f'{k} x{n}' for k, n in prefill_jit['kernels'].items())}); the prefill time includes "
+              f"them (a repeat in the same process, METHOD@2, runs warm)")
+    return {"prefill_s": prefill_s, "prefill_tokens": prefill_tokens, "prefill_first_step_s": first_step,
+            "prefill_steps": prefill_steps,
+            "steps": steps, "snaps": snaps, "prefill_before": prefill_before, "profile": profile,
+            "prefill_profile": prefill_profile, "prefill_jit": prefill_jit,
+            "decode_jit": jit.since(prefill_jit["count"])}
+
+
+def steps_excluded(steps: list[dict]) -> dict[str, list[int]]:
+    """{reason: [decode step indices]} of the steps left out of the rate (`EXCLUDED`; a step may have several)."""
+    out: dict[str, list[int]] = {}
+    for i, step in enumerate(steps):
+        for why in step.get("excluded", ()):
+            out.setdefault(why, []).append(i)
+    return out
