@@ -28,13 +28,14 @@ def free_port() -> int:
 
 class RemoteServer:
     def __init__(self, args: list[str], api_key: str | None = None, env: dict | None = None,
-                 startup_timeout: float = 240.0):
+                 startup_timeout: float = 240.0, module: str = "longreach"):
+        """`module`: what `python -m` runs with `serve ARGS` (serve_with_faults: the server with faults injected)."""
         self.port = free_port()
         self.url = f"http://{HOST}:{self.port}"
         self.api_key = api_key
         self.log = tempfile.NamedTemporaryFile(  # noqa: SIM115 -- closed and removed in stop()
             "w+", prefix="longreach-serve-", suffix=".log", delete=False)
-        cmd = [sys.executable, "-m", "longreach", "serve", *args, "--host", HOST, "--port", str(self.port)]
+        cmd = [sys.executable, "-m", module, "serve", *args, "--host", HOST, "--port", str(self.port)]
         self.proc = subprocess.Popen(cmd, stdout=self.log, stderr=subprocess.STDOUT,
                                      env={**os.environ, "PYTHONUNBUFFERED": "1", **(env or {})})
         try:

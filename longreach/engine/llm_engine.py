@@ -24,11 +24,12 @@ from ..models.loader import load_model
 from ..sampling_params import SamplingParams
 from . import cpu_runtime
 from .devices import resolve_device, resolve_dtype, resolve_kv_dtype
+from .isolation import canary_runs, execute_alone, sample_isolated
 from .model_runner import ModelRunner
-from .outputs import CompletionOutput, RequestMetrics, RequestOutput
+from .outputs import CompletionOutput, RequestFailure, RequestMetrics, RequestOutput
 from .sampler import Sampler, seeded_generator
 from .scheduler import ScheduledBatch, Scheduler
-from .scoring import PromptScorer
+from .scoring import LogprobsPass, PromptScorer
 from .sequence import Sequence, SequenceStatus
 from .stopping import append_token
 
@@ -214,6 +215,15 @@ class LLMEngine:
         """log p(token t | tokens < t) for t in [start, T) and the `num_top` likeliest tokens (engine/scoring.py)."""
         return self.scorer.prompt_logprobs(token_ids, num_top, start)
 
+    def start_prompt_logprobs(self, token_ids: list[int], num_top: int = 0, start: int = 1) -> LogprobsPass:
+        """`prompt_logprobs` as a pass to run one chunk at a time between steps while requests run (the server);
+        engine/scoring.py: LogprobsPass says what its caller must keep (a free seat, pages reserved first)."""
+        return LogprobsPass(self.scorer, token_ids, num_top, start)
+
+    def num_unfinished_sequences(self) -> int:
+        """Sequences queued or running (a request of n samples counts n until each finishes)."""
+        return sum(not s.finished for r in self._requests.values() for s in r.seqs)
+
     def prompt_logits(self, token_ids: list[int], return_logits: bool = True) -> torch.Tensor | None:
         """fp32 logits (T, V) of every position, by chunked prefill outside the scheduler (engine/scoring.py)."""
         return self.scorer.prompt_logits(token_ids, return_logits)
@@ -224,6 +234,14 @@ class LLMEngine:
 
     # ---- the loop ------------------------------------------------------------------------------------------------
     def step(self) -> list[RequestOutput]:
+        """Run one scheduled step; returns the requests that finished in it, and those that failed in it.
+
+        Failure isolation: a request whose row of the step cannot be used (NaN / inf logits, the forward raising on
+        it alone, the sampler or the stop rules raising on it) is stopped, its pages freed, and comes back with
+        `RequestOutput.error` set; the other requests of the step go on unchanged. What still raises from here is
+        fatal for the engine: the scheduler's bookkeeping, or a forward that fails for every sequence of the step
+        even alone (engine/isolation.py, which also says why re-running a step's sequence is safe).
+        """
         batch = self.scheduler.schedule()
         if batch is None:
             return []
@@ -233,28 +251,42 @@ class LLMEngine:
                 seq.times.first_scheduled = t0
         if not self.scheduler.prefill_pending():
             self.kv_cache.release_transient()  # no prefill left to stage
-        logits, sample_idx = self.runner.execute(batch)
+        failed: dict[str, RequestFailure] = {}  # request id -> why, this step
+        engine_runs = lambda: canary_runs(self.scorer)  # noqa: E731 -- asked only when every sequence failed
+        try:
+            logits, sample_idx = self.runner.execute(batch)
+        except Exception as e:  # noqa: BLE001 -- isolated below; re-raised when nothing survives
+            logits, sample_idx = execute_alone(self.runner, batch, e, failed, engine_runs)
         kv_counts = self.runner.last_kv_counts
         if kv_counts is not None:
             for seq in batch.seqs:
                 for key, n in kv_counts.items():
                     seq.kv_counts[key] = seq.kv_counts.get(key, 0) + n
         sampling = [batch.seqs[i] for i in sample_idx]
-        tokens = self.sampler(logits, sampling) if sampling else []
+        tokens = sample_isolated(self.sampler, logits, sampling, failed, engine_runs) if sampling else []
         now = time.perf_counter()
         for seq, n in zip(batch.seqs, batch.num_tokens):
             seq.num_computed += n
         finished: list[RequestOutput] = []
         for seq, tok in zip(sampling, tokens):
+            if seq.request_id in failed:
+                continue
             if seq.times.first_token is None:
                 seq.times.first_token = now
-            append_token(seq, tok)
+            try:
+                append_token(seq, tok)  # detokenizer and stop strings: per-request code
+            except Exception as e:  # noqa: BLE001 -- this request's failure, not the engine's
+                logger.exception("request %s: recording its token failed; failing it alone", seq.request_id)
+                failed[seq.request_id] = RequestFailure("postprocess_error", f"decoding its output or checking its "
+                                                        f"stop rules raised {type(e).__name__}: {e}")
+                continue
             if seq.finished:
                 seq.times.finished = now
                 self.scheduler.finish(seq)
                 out = self._request_output_if_done(seq.request_id)
                 if out is not None:
                     finished.append(out)
+        finished += [self._fail_request(rid, why, now) for rid, why in failed.items()]
         decoded = batch.num_decodes if batch.is_prefill else len(batch.seqs)
         self.last_step = StepStats(batch.is_prefill, len(batch.seqs), batch.total_tokens, now - t0, decoded)
         if logger.isEnabledFor(logging.DEBUG):
@@ -272,17 +304,37 @@ class LLMEngine:
                          len(self.scheduler.waiting), kv)
         return finished
 
+    def _fail_request(self, request_id: str, why: RequestFailure, now: float) -> RequestOutput:
+        """Stop every unfinished sample of the request (finish_reason "error", pages freed) and return its output
+        with `error` set. Its other requests' sequences are untouched."""
+        req = self._requests.pop(request_id)
+        for seq in req.seqs:
+            if not seq.finished:
+                seq.status = SequenceStatus.FINISHED
+                seq.finish_reason = "error"
+                seq.times.finished = now
+                self.scheduler.finish(seq)
+        out = self._output(req)
+        out.error = why
+        return out
+
     def _request_output_if_done(self, request_id: str) -> RequestOutput | None:
         req = self._requests[request_id]
         if not all(s.finished for s in req.seqs):
             return None
         del self._requests[request_id]
-        first = req.seqs[0]
+        return self._output(req)
+
+    @staticmethod
+    def _output(req: _Request) -> RequestOutput:
+        def first(times):  # a failed request's samples may lack some times
+            return min((t for t in times if t is not None), default=None)
+
         metrics = RequestMetrics(
-            arrival_time=first.times.arrival,
-            first_scheduled_time=min(s.times.first_scheduled for s in req.seqs),
-            first_token_time=min(s.times.first_token for s in req.seqs),
-            finished_time=max(s.times.finished for s in req.seqs),
+            arrival_time=req.seqs[0].times.arrival,
+            first_scheduled_time=first(s.times.first_scheduled for s in req.seqs),
+            first_token_time=first(s.times.first_token for s in req.seqs),
+            finished_time=max((s.times.finished for s in req.seqs if s.times.finished is not None), default=None),
             num_prompt_tokens=len(req.prompt_token_ids),
             num_generated_tokens=sum(len(s.output_token_ids) for s in req.seqs),
             num_preemptions=sum(s.num_preemptions for s in req.seqs),
@@ -293,4 +345,4 @@ class LLMEngine:
         )
         outs = [CompletionOutput(s.index, s.text, list(s.output_token_ids), s.finish_reason, s.stop_reason)
                 for s in req.seqs]
-        return RequestOutput(request_id, req.prompt, req.prompt_token_ids, outs, True, metrics)
+        return RequestOutput(req.request_id, req.prompt, req.prompt_token_ids, outs, True, metrics)

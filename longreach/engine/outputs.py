@@ -9,7 +9,7 @@ class CompletionOutput:
     index: int
     text: str
     token_ids: list[int]
-    finish_reason: str | None  # "stop" (EOS, stop string or stop token) or "length"
+    finish_reason: str | None  # "stop" (EOS, stop string or stop token), "length", or "error" (RequestOutput.error)
     stop_reason: str | int | None = None  # the stop string / stop token id that matched, None for EOS or length
 
 
@@ -58,6 +58,17 @@ class RequestMetrics:
 
 
 @dataclass
+class RequestFailure:
+    """Why the engine stopped one request and freed its pages while the others went on (LLMEngine.step)."""
+
+    reason: str  # "non_finite_logits" | "forward_error" | "sampling_error" | "postprocess_error"
+    message: str  # for a person: what failed, with the exception's type and text where there was one
+
+    def __str__(self) -> str:
+        return self.message
+
+
+@dataclass
 class RequestOutput:
     request_id: str
     prompt: str | None
@@ -65,6 +76,9 @@ class RequestOutput:
     outputs: list[CompletionOutput]
     finished: bool
     metrics: RequestMetrics
+    # set when the engine failed this request alone (its samples that were unfinished end with finish_reason
+    # "error"; their text and tokens are what came before the failure); None for a request that ended normally
+    error: RequestFailure | None = None
 
     @property
     def text(self) -> str:

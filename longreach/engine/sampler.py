@@ -23,9 +23,24 @@ class Sampler:
 
     def __call__(self, logits: torch.Tensor, seqs: list[Sequence]) -> list[int]:
         """logits (N, V) fp32, one row per sequence -> one token id per sequence."""
+        return self.sample(logits, seqs)[0]
+
+    def sample(self, logits: torch.Tensor, seqs: list[Sequence]) -> tuple[list[int], list[bool]]:
+        """logits (N, V) fp32 -> (one token id per sequence, whether its row was usable).
+
+        A row is unusable when its maximum is not finite: a NaN anywhere (max propagates it), +inf, or every entry
+        -inf; its token then means nothing and the engine fails that sequence alone. The check is one reduction on
+        the device, and its flags come back in the same host transfer as the tokens (no extra sync).
+        """
+        usable = torch.isfinite(logits.amax(dim=-1))  # (N,)
+        tokens = self._tokens(logits, seqs)  # (N,) int64
+        host = torch.stack((tokens, usable.to(tokens.dtype))).tolist()
+        return host[0], [bool(u) for u in host[1]]
+
+    def _tokens(self, logits: torch.Tensor, seqs: list[Sequence]) -> torch.Tensor:
         greedy = [s.params.greedy for s in seqs]
         if all(greedy):
-            return logits.argmax(dim=-1).tolist()
+            return logits.argmax(dim=-1)
         probs, order = self._filtered_probs(logits, seqs)
         noise = torch.empty_like(probs)
         shared = [i for i, s in enumerate(seqs) if s.generator is None]
@@ -39,7 +54,7 @@ class Sampler:
         sampled = choice if order is None else order.gather(1, choice)
         sampled = torch.where(torch.tensor(greedy, device=logits.device)[:, None],
                               logits.argmax(dim=-1, keepdim=True), sampled)
-        return sampled.squeeze(1).tolist()
+        return sampled.squeeze(1)
 
     @staticmethod
     def _filtered_probs(logits: torch.Tensor, seqs: list[Sequence]):

@@ -4,7 +4,9 @@
   config.py       ServerConfig: the serve-only flags
   validation.py   body -> JSON -> request model; every failure an OpenAI-shaped APIError (4xx)
   protocol.py     the request models per endpoint (strict pydantic), and their SamplingParams
-  engine_loop.py  the one thread that steps the engine, admits and aborts requests between steps, streams deltas
+  engine_loop.py  the one thread that steps the engine, admits and aborts requests between steps, streams deltas;
+                  fails a request the engine failed alone, and dies loudly (503 /health, exit 1) if the engine breaks
+  scoring_jobs.py logprobs of finished requests, scored one chunk per loop iteration between the engine's steps
   state.py        what every handler shares: tokenize off the event loop, submit, wait or stream, abort
   openai_api.py   /v1/completions, /v1/chat/completions
   native_api.py   SGLang's /generate; vLLM's /tokenize, /detokenize, /tokenizer_info

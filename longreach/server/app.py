@@ -6,7 +6,9 @@ GET /tokenizer_info (native_api.py); GET /v1/models, /health, /health_generate, 
 unexpected exception is logged with its traceback on the server and reaches the client as a bare 500 message.
 
 Shutdown: on SIGTERM / SIGINT uvicorn stops accepting connections and waits for the open ones, so in-flight requests
-(streams included) finish; then the engine loop stops and the process exits 0. A second signal forces the exit.
+(streams included) finish; then the engine loop stops and the process exits 0. A second signal forces the exit. If the
+engine loop dies (an error out of the engine, engine_loop.py), `/health` answers 503 with the reason, the requests in
+flight get their errors, uvicorn shuts down the same way and the process exits 1, for a supervisor to restart it.
 """
 from __future__ import annotations
 
@@ -118,9 +120,7 @@ def build_app(state: ServerState) -> FastAPI:
 
     @app.get("/health")
     async def health():
-        if not state.loop.alive:
-            return _error(APIError(503, "the engine loop is not running", code="engine_dead"))
-        return Response(status_code=200)
+        return health_response(state.loop)
 
     @app.get("/health_generate")
     async def health_generate(request: Request):
@@ -178,6 +178,27 @@ def _device_name(device) -> str:
     return torch.cuda.get_device_name(device)
 
 
+def health_response(loop: EngineLoop) -> Response:
+    """200 while the engine loop runs; 503 with an OpenAI error object saying why once it has died (the process
+    then drains and exits 1) or while the server shuts down."""
+    if loop.dead:
+        return _error(APIError(503, f"the engine loop died ({loop.dead}); the server is draining and exits with "
+                                    "status 1 so that its supervisor restarts it", code="engine_dead"))
+    if not loop.alive:
+        return _error(APIError(503, "the engine loop is not running: the server is shutting down",
+                               code="shutting_down"))
+    return Response(status_code=200)
+
+
+def exit_status(started: bool, loop: EngineLoop) -> int:
+    """The serve command's exit status: 0 after a clean shutdown; 1 if the server never started or its engine loop
+    died (a supervisor restarts the process on a non-zero status)."""
+    if loop.dead:
+        logger.error("exiting with status 1: the engine loop died (%s)", loop.dead)
+        return 1
+    return 0 if started else 1
+
+
 def _model_card(state: ServerState, name: str) -> dict:
     cfg = state.engine.config
     return {"id": name, "object": "model", "created": int(state.started), "owned_by": "longreach", "root": cfg.model,
@@ -231,6 +252,9 @@ def serve(engine_config: EngineConfig, config: ServerConfig, verbose: bool = Fal
                 " (API key required)" if config.api_key else "")
     server = uvicorn.Server(uvicorn.Config(build_app(state), host=config.host, port=config.port, log_config=None,
                                            access_log=verbose, timeout_graceful_shutdown=None))
+    # a dead engine loop asks uvicorn to shut down as SIGTERM does: in-flight requests have their errors, so the
+    # drain is quick; uvicorn polls the flag, so setting it from the engine thread is enough
+    state.loop.on_dead = lambda: setattr(server, "should_exit", True)
     # uvicorn re-raises the signal that stopped it once it has drained; for SIGTERM that is the end of a clean
     # shutdown, so the re-raised one lands here and the process exits 0 (SIGINT keeps Python's KeyboardInterrupt).
     previous = signal.signal(signal.SIGTERM, lambda signum, frame: logger.info("drained; exiting"))
@@ -238,4 +262,4 @@ def serve(engine_config: EngineConfig, config: ServerConfig, verbose: bool = Fal
         server.run()
     finally:
         signal.signal(signal.SIGTERM, previous)
-    return 0 if server.started else 1
+    return exit_status(server.started, state.loop)

@@ -6,9 +6,14 @@ running batch and a long prompt's prefill chunks alternate with the other reques
 policy: see engine/scheduler.py). After each step it sends each streaming request its new text and tokens, and each
 finished request its RequestOutput, to the asyncio side through `loop.call_soon_threadsafe`.
 
-Logprobs (OpenAI `logprobs` / `echo`) come from re-scoring prompt + output with `LLMEngine.prompt_logprobs`, which needs
-an idle engine: a finished request that wants them joins a scoring queue; while that queue is not empty, new requests
-are held back so the running ones drain, then the queue is scored and admission resumes.
+Logprobs (OpenAI `logprobs` / `echo`) come from re-scoring prompt + output once a request is done: its job joins a
+scoring queue that the loop advances one chunk per iteration, after its engine step, so admission and the running
+requests go on while a long prompt is scored (scoring_jobs.py has the rules that keep that safe).
+
+Failures: a request the engine fails alone (`RequestOutput.error`: NaN logits, its forward or sampling raising) gets
+a 500 `engine_error` and the others go on. An exception out of `engine.step()` means the engine itself is broken: the
+loop dies, every request in flight gets its error, new ones get 503, `/health` answers 503 with the reason, and
+`on_dead` (set by app.serve) makes uvicorn drain and the process exit 1, so a supervisor restarts it.
 
 Admission control: a request is *waiting* from its acceptance until one of its sequences runs. `submit` refuses
 (503 + Retry-After) once more than `max_queued` requests would wait beyond the running batch's free places
@@ -22,11 +27,13 @@ import logging
 import threading
 import time
 from collections import deque
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from ..engine.outputs import CompletionOutput, RequestOutput
 from ..sampling_params import SamplingParams
 from .metrics import ServerMetrics, ThroughputLog, kv_cache_stats
+from .scoring_jobs import ScoredSample, ScoringJob, ScoringQueue
 from .validation import APIError
 
 logger = logging.getLogger("longreach")
@@ -53,15 +60,6 @@ class SampleDelta:
     token_ids: list[int]
     finish_reason: str | None = None
     stop_reason: str | int | None = None
-
-
-@dataclass
-class ScoredSample:
-    """Logprobs of positions [start, T) of one sample's prompt + output (position 0 has none: start >= 1)."""
-
-    start: int
-    logprobs: list[float]
-    top: list[list[tuple[int, float]]]  # per position, (token id, logprob), most likely first
 
 
 @dataclass
@@ -119,15 +117,17 @@ class EngineLoop:
         self._cv = threading.Condition()
         self._inbox: list[tuple[str, str, _Live | None]] = []  # ("add", id, live) | ("abort", id, None)
         self._stopping = False
-        self._stopped_why = "the engine loop has stopped after an error (the server log has it); restart the server"
+        self._stopped_why = "the server is shutting down"
+        self.dead: str | None = None  # why the engine loop died (an error out of the engine), None while it has not
+        self.on_dead: Callable[[], None] | None = None  # called on the engine thread once it has died and drained
         self._in_flight = 0  # accepted, not yet done (guarded by _cv)
         self._running = 0  # requests with a sequence in the running batch after the last step (guarded by _cv)
         self._free_slots = engine.config.max_num_seqs  # places left in the running batch after the last step
         self._ids = itertools.count()
         # engine-thread state
         self._live: dict[str, _Live] = {}
-        self._deferred: deque[tuple[str, _Live]] = deque()  # adds held back while prompts wait to be scored
-        self._scoring: deque[tuple[str, _Live, RequestOutput]] = deque()
+        self._deferred: deque[tuple[str, _Live]] = deque()  # accepted, not yet in the engine (see _admit)
+        self._scoring = ScoringQueue(engine)
         self._outbox: list[tuple[Submission, Update]] = []  # sent after the state is published (see _flush)
         self._log = ThroughputLog()
         self._kv: dict = {}
@@ -141,7 +141,6 @@ class EngineLoop:
         """Abort whatever is left (uvicorn has drained the connections by now) and join the thread."""
         with self._cv:
             self._stopping = True
-            self._stopped_why = "the server is shutting down"
             self._cv.notify()
         self._thread.join(timeout)
 
@@ -153,7 +152,8 @@ class EngineLoop:
         """Queue one engine request per prompt; APIError 503 when the waiting queue is full or the server stops."""
         with self._cv:
             if self._stopping or not self._thread.is_alive():
-                raise APIError(503, self._stopped_why, code="shutting_down", headers={"Retry-After": "5"})
+                raise APIError(503, self._stopped_why, code="engine_dead" if self.dead else "shutting_down",
+                               headers={"Retry-After": "5"})
             waiting = self._in_flight - self._running
             if waiting + len(prompts) > self.max_queued + self._free_slots:
                 self.metrics.rejected("queue_full")
@@ -190,28 +190,35 @@ class EngineLoop:
                 if stopping:
                     break
                 for op, rid, live in inbox:
-                    self._add(rid, live) if op == "add" else self._abort(rid)
-                if not self._scoring:
-                    while self._deferred:
-                        self._start(*self._deferred.popleft())
+                    self._deferred.append((rid, live)) if op == "add" else self._abort(rid)
+                self._admit()
                 if self.engine.has_unfinished_requests():
                     self._step()
-                elif self._scoring:
-                    self._score_next()
+                if self._scoring:
+                    self._score_chunk()
                 self._publish()
                 self._flush()
-        except Exception:
-            logger.exception("the engine loop stopped on an unexpected error; the server can no longer generate")
+        except Exception as e:  # noqa: BLE001 -- the engine is broken: die loudly (see the module docstring)
+            logger.exception("the engine loop stopped on an unexpected error; the server can no longer generate and "
+                             "exits once the requests in flight have their errors")
+            with self._cv:
+                self.dead = f"{type(e).__name__}: {e}"
+                self._stopped_why = (f"the engine failed ({self.dead}); the server is exiting so that its "
+                                     "supervisor restarts it: retry shortly")
         finally:
             self._close()
 
     def _has_work(self) -> bool:
         return bool(self.engine.has_unfinished_requests() or self._scoring or self._deferred)
 
-    def _add(self, rid: str, live: _Live) -> None:
-        if self._scoring:
-            self._deferred.append((rid, live))
-        else:
+    def _admit(self) -> None:
+        """Hand the accepted requests to the engine in order, as far as the scoring queue lets them in (it keeps a
+        seat and pages for its pass: scoring_jobs.py); the rest wait here."""
+        while self._deferred:
+            rid, live = self._deferred[0]
+            if not self._scoring.admits(live.prompt.params.n):
+                return
+            self._deferred.popleft()
             self._start(rid, live)
 
     def _start(self, rid: str, live: _Live) -> None:
@@ -231,21 +238,18 @@ class EngineLoop:
             self.metrics.observe_aborted(sum(len(c.token_ids) for c in progress))
             self._release()
             return
-        for queue in (self._deferred, self._scoring):
-            for item in list(queue):
-                if item[0] == rid:
-                    queue.remove(item)
-                    self.metrics.observe_aborted(0)
-                    self._release()
+        for item in list(self._deferred):
+            if item[0] == rid:
+                self._deferred.remove(item)
+                self.metrics.observe_aborted(0)
+                self._release()
+        job = self._scoring.remove(rid)
+        if job is not None:
+            self.metrics.observe_aborted(job.output.metrics.num_generated_tokens)
+            self._release()
 
     def _step(self) -> None:
-        try:
-            finished = self.engine.step()
-        except Exception:
-            logger.exception("engine step failed; failing the %d requests in it", len(self._live))
-            self._fail_all(APIError(500, "the engine failed while running this request; see the server log",
-                                    code="engine_error"))
-            return
+        finished = self.engine.step()  # raises only when the engine itself is broken: the loop dies (_run)
         self._log.on_step(self.engine.last_step)
         done = {o.request_id: o for o in finished}
         for rid, live in self._live.items():
@@ -257,10 +261,22 @@ class EngineLoop:
             live = self._live.pop(rid, None)
             if live is None:
                 continue
-            if live.prompt.num_top_logprobs is not None:
-                self._scoring.append((rid, live, out))
+            if out.error is not None:
+                self._failed(live, out.error.reason, out.metrics.num_generated_tokens, out.error.message)
+            elif live.prompt.num_top_logprobs is not None:
+                p = live.prompt
+                self._scoring.add(ScoringJob(rid, live, out, p.num_top_logprobs or 0, p.score_from))
             else:
                 self._finish(live, out, None)
+
+    def _failed(self, live: _Live, reason: str, generated_tokens: int, why: str) -> None:
+        """The engine failed this request alone: a 500 for it (the others go on), counted by reason."""
+        n = len(live.sub.request_ids)
+        which = f"prompt {live.slot} of this request" if n > 1 else "this request"
+        self.metrics.observe_failed(reason, generated_tokens)
+        self._fail(live, APIError(500, f"the engine failed on {which} ({why}); it was stopped and its KV cache "
+                                       "freed, and the other requests on the server are unaffected",
+                                  code="engine_error"))
 
     def _deltas(self, live: _Live, samples: list[CompletionOutput], final: bool) -> list[SampleDelta]:
         out = []
@@ -285,39 +301,39 @@ class EngineLoop:
         self._send(live, Update(live.slot, deltas, output=out, scored=scored))
         self._release()
 
-    def _score_next(self) -> None:
-        _, live, out = self._scoring.popleft()
-        p = live.prompt
-        try:
-            scored = []
-            for c in out.outputs:
-                ids = p.token_ids + c.token_ids
-                start = max(p.score_from, 1)
-                if start >= len(ids):
-                    scored.append(ScoredSample(start, [], []))
-                    continue
-                lp, top_ids, top_lp = self.engine.prompt_logprobs(ids, p.num_top_logprobs or 0, start)
-                scored.append(ScoredSample(start, lp.tolist(),
-                                           [list(zip(a, b)) for a, b in zip(top_ids.tolist(), top_lp.tolist())]))
-        except Exception:
-            logger.exception("scoring a prompt for logprobs failed")
-            self._fail(live, APIError(500, "computing logprobs failed; see the server log", code="engine_error"))
+    def _score_chunk(self) -> None:
+        done = self._scoring.advance()
+        if done is None:
             return
-        self._finish(live, out, scored)
+        job, error = done
+        if error is not None:
+            logger.error("scoring %s for logprobs failed: %s: %s", job.request_id, type(error).__name__, error,
+                         exc_info=error)
+            self._failed(job.owner, "scoring_error", job.output.metrics.num_generated_tokens,
+                         f"computing its logprobs raised {type(error).__name__}: {error}")
+            return
+        self._finish(job.owner, job.output, job.scored)
 
     def _fail(self, live: _Live, error: APIError) -> None:
         self._send(live, Update(live.slot, error=error))
         self._release()
 
-    def _fail_all(self, error: APIError) -> None:
-        for rid, live in list(self._live.items()) + [(r, lv) for r, lv, _ in self._scoring] + list(self._deferred):
+    def _fail_all(self, ran: APIError, waited: APIError) -> None:
+        """Fail every request in flight: `ran` for those the engine has had, `waited` for those it has not."""
+        jobs = self._scoring.drain()
+        if self.dead:
+            self.metrics.observe_failed("engine_dead", 0, len(self._live) + len(jobs) + len(self._deferred))
+        for rid, live in self._live.items():
             try:
                 self.engine.abort_request(rid)
-            except Exception:  # the engine is already in trouble; the request is failed either way
+            except Exception:  # noqa: BLE001 -- the engine is already in trouble; the request is failed either way
                 logger.exception("aborting %s failed", rid)
-            self._fail(live, error)
+            self._fail(live, ran)
+        for job in jobs:
+            self._fail(job.owner, ran)
+        for _, live in self._deferred:
+            self._fail(live, waited)
         self._live.clear()
-        self._scoring.clear()
         self._deferred.clear()
 
     def _send(self, live: _Live, update: Update) -> None:
@@ -350,8 +366,16 @@ class EngineLoop:
         with self._cv:
             self._stopping = True
             inbox, self._inbox = self._inbox, []
-        for op, rid, live in inbox:
-            if op == "add":
-                self._deferred.append((rid, live))
-        self._fail_all(APIError(503, self._stopped_why, code="shutting_down", headers={"Retry-After": "5"}))
-        self._flush()
+        try:
+            for op, rid, live in inbox:
+                if op == "add":
+                    self._deferred.append((rid, live))
+            waited = APIError(503, self._stopped_why, code="engine_dead" if self.dead else "shutting_down",
+                              headers={"Retry-After": "5"})
+            ran = APIError(500, f"the engine failed while this request ran ({self.dead}); the server is exiting so "
+                                "that its supervisor restarts it", code="engine_dead") if self.dead else waited
+            self._fail_all(ran, waited)
+            self._flush()
+        finally:
+            if self.dead and self.on_dead is not None:
+                self.on_dead()

@@ -9,12 +9,17 @@ Names are `longreach:`-prefixed with a `model_name` label, vLLM's vocabulary whe
   longreach:prompt_tokens_total, generation_tokens_total          counters
   longreach:request_success_total{finished_reason}                counter (stop, length, abort)
   longreach:request_rejected_total{reason}                        counter (queue_full)
+  longreach:request_failure_total{reason}                         counter (requests the engine failed: see below)
   longreach:num_preemptions_total                                 counter
   longreach:kv_cache_usage_perc                                   gauge, GPU tier, 0..1
   longreach:kv_cache_pages_total / kv_cache_pages_used{tier}      gauges, tier = gpu (and host when offloading)
   with offloading on (--kv-offloading-size):
   longreach:kv_offload_hit_ratio                                  gauge, pages hit / (hit + missed), cumulative
   longreach:kv_offload_pages_hit_total / pages_missed_total / pages_evicted_total, kv_offload_h2d_bytes_total
+
+`request_failure_total` reasons: non_finite_logits, forward_error, sampling_error, postprocess_error (the engine
+failed one request and the others went on: engine/outputs.py RequestFailure), scoring_error (its logprobs pass raised),
+engine_dead (in flight when the engine loop died).
 
 Engine-side values (KV pages, offload counters, preemptions) are snapshots the engine thread publishes after each
 step, so a scrape never touches the engine.
@@ -78,6 +83,8 @@ class ServerMetrics:
                                 lab + ["finished_reason"], registry=r)
         self._rejected = Counter("longreach:request_rejected", "Requests refused before reaching the engine",
                                  lab + ["reason"], registry=r)
+        self._failed = Counter("longreach:request_failure", "Requests that failed in the engine, by reason",
+                               lab + ["reason"], registry=r)
         self.state = {"running": 0, "waiting": 0, "preemptions": 0, "kv": {}}
         r.register(_EngineStateCollector(self))
 
@@ -101,6 +108,11 @@ class ServerMetrics:
     def observe_aborted(self, generated_tokens: int) -> None:
         self.generation_tokens.inc(generated_tokens)
         self._success.labels(self.model_name, "abort").inc()
+
+    def observe_failed(self, reason: str, generated_tokens: int, count: int = 1) -> None:
+        """`count` requests failed in the engine (after `generated_tokens` tokens between them)."""
+        self.generation_tokens.inc(generated_tokens)
+        self._failed.labels(self.model_name, reason).inc(count)
 
     def rejected(self, reason: str) -> None:
         self._rejected.labels(self.model_name, reason).inc()
