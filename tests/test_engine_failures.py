@@ -156,7 +156,7 @@ def test_failing_for_everyone_raises(engine, monkeypatch, where):
     for rid, ids in _prompts().items():
         engine.add_request(rid, ids, GREEDY)
     with pytest.raises(RuntimeError, match="illegal memory access"):
-        for _ in range(5):  # the first step that samples (the first prefill chunk does not)
+        for _ in range(60):  # a lone row may fail alone first; the first step where two or more sample raises
             engine.step()
     monkeypatch.undo()
     for rid in LENGTHS:
