@@ -62,7 +62,8 @@ class EngineConfig:
                                        "those other processes keep busy (at least 1), unless OMP_NUM_THREADS is set")
     max_model_len: int | None = _f(None, "longest sequence (prompt + output) in tokens; default: the model's "
                                          "trained context length")
-    max_num_batched_tokens: int = _f(8192, "tokens per prefill step: long prompts are prefilled in chunks this big")
+    max_num_batched_tokens: int = _f(8192, "tokens per step: the running requests' decode tokens first, then "
+                                           "prefill chunks (a prompt alone is prefilled in chunks this big)")
     max_num_seqs: int = _f(64, "most sequences running at once")
     long_prefill_token_threshold: int | None = _f(None, "most prompt tokens one sequence prefills in a step while "
                                                         "other sequences run or wait (a prompt with more left is "

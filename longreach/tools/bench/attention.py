@@ -26,6 +26,7 @@ Prints a table and writes JSON with its provenance (tools/report.py).
 from __future__ import annotations
 
 import statistics
+import sys
 import time
 import traceback
 
@@ -321,7 +322,7 @@ def run(contexts: list[int], repeats: int = 5, out_path: str | None = None, flex
         t0 = time.perf_counter()
         ctx = Context(n)
         entry = {"prefill": prefill(ctx, list(prefill_methods), repeats, flex, minference_patterns),
-                 "decode": decode(ctx, decode_repeats)}
+                 "decode": decode(ctx, decode_repeats, sys.modules[__name__])}
         entry["seconds"] = round(time.perf_counter() - t0, 1)
         report["contexts"][str(n)] = entry
         del ctx

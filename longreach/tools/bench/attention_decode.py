@@ -24,14 +24,15 @@ def amortised(times: dict, refresh: tuple[int, ...]) -> dict:
     return {"total_s": total / cycle, "refresh": list(refresh), "derived": DERIVED}
 
 
-def decode(ctx, repeats: int) -> dict:
-    """Every decode variant at one context (`ctx`: an attention.Context): {label: {"total_s", "graph", ...}}."""
+def decode(ctx, repeats: int, A) -> dict:
+    """Every decode variant at one context (`ctx`: an attention.Context): {label: {"total_s", "graph", ...}}. `A`:
+    bench/attention.py itself, which passes itself in (the shape, device and timers live there, and the CPU test
+    shrinks them there); taken as an argument, not imported, so that the two modules make no circle."""
     import torch
 
     from ...attention.index import SparseIndex
     from ...attention.sparse import BlockQueries
     from ...kernels.bsa import BSAPlan, block_sparse_attention_triton
-    from . import attention as A  # the shape, device and timers live there (the CPU test shrinks them there)
 
     DEVICE, DTYPE, HQ, HKV, D = A.DEVICE, A.DTYPE, A.HQ, A.HKV, A.D
     _sdpa, _graph_time, _method = A._sdpa, A._graph_time, A._method
