@@ -148,14 +148,14 @@ def _logits_by_token(tiny, mixed: bool, attention: str = "dense", config: str | 
     assert eng.scheduler.mixed  # every backend below declares mixed_batches
     eng.scheduler.mixed = mixed
     seen, n_mixed = {}, 0
-    sample = eng.sampler
+    sample = eng.sampler.sample
 
     def recording(logits, seqs):
         for row, seq in zip(logits, seqs):
             seen[(seq.request_id, len(seq.output_token_ids))] = row.clone()
         return sample(logits, seqs)
 
-    eng.sampler = recording
+    eng.sampler.sample = recording
     execute = eng.runner.execute
 
     def counting(batch, **kw):

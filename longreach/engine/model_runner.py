@@ -30,7 +30,8 @@ class StepContext:
     runs the attention itself (the offloaded store: on the staging area it fills per layer).
     `parts`: a mixed step's rows as (first row, metadata) per part, decode rows first: every layer's projections and
     MLP run over all rows at once, and the attention runs once per part with that part's metadata, so each part
-    attends exactly as it would in a step of its own."""
+    attends exactly as it would in a step of its own. (Where decode runs through CUDA graphs, a mixed step replays
+    the decode rows' graph and runs the prefill chunks after it instead: ModelRunner._graph_and_prefill.)"""
 
     def __init__(self, kv_cache: KVCache, backend: AttentionBackend, meta: AttentionMetadata,
                  max_position: int | None, staged=None, parts: list[tuple[int, AttentionMetadata]] | None = None):
@@ -121,6 +122,8 @@ class ModelRunner:
             logits = self._replay(batch)
             self._end_step()
             return logits, sample_idx
+        if batch.mixed and not all_logits and self._graph_sizes and batch.num_decodes <= self._graph_sizes[-1]:
+            return self._graph_and_prefill(batch)
         if batch.mixed:
             hidden, qsl = self._forward_mixed(batch)
         else:
@@ -137,6 +140,16 @@ class ModelRunner:
             return self.model.logits(hidden), sample_idx
         rows = torch.tensor([qsl[i + 1] - 1 for i in sample_idx], dtype=torch.long, device=self.device)
         return self.model.logits(hidden.index_select(0, rows)), sample_idx
+
+    def _graph_and_prefill(self, batch: ScheduledBatch) -> tuple[torch.Tensor, list[int]]:
+        """A mixed step where decode runs through CUDA graphs: the decode rows replay their graph (a graph-decoding
+        backend keeps its decode state, masks and schedules, on that path: decoding the same sequence eagerly in
+        some steps would split it) and the prefill chunks run eagerly after it, two passes in one step."""
+        d = batch.num_decodes
+        decode_logits = self._replay(ScheduledBatch(False, batch.seqs[:d], batch.num_tokens[:d]))
+        self._end_step()
+        prefill_logits, idx = self.execute(ScheduledBatch(True, batch.seqs[d:], batch.num_tokens[d:]))
+        return torch.cat([decode_logits, prefill_logits]), list(range(d)) + [d + i for i in idx]
 
     def _forward_mixed(self, batch: ScheduledBatch) -> tuple[torch.Tensor, np.ndarray]:
         """A step of decode rows (the first `batch.num_decodes` sequences) and prefill chunks in one forward pass:
