@@ -4,7 +4,7 @@ Policy (continuous batching with chunked prefill, as vLLM v1 schedules it):
   * Every step has `max_num_batched_tokens` tokens. The running sequences that decode come first, one token each;
     the rest of the budget goes to prefill chunks: first the running sequences whose prefill is unfinished, oldest
     first, then newly admitted requests while fewer than `max_num_seqs` run.
-  * Decode and prefill share a step when the backend and the KV store can run both in one forward pass
+  * Decode and prefill share a step when the backend and the KV store can run both in one step
     (`mixed=True`: attention/backend.py Capabilities.mixed_batches, a GPU-resident cache). Otherwise a step is
     either all decode or all prefill, and while both kinds of work wait they alternate, one step each: a decode
     waits at most one prefill step, and a prefill at most one decode step.

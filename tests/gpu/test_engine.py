@@ -128,20 +128,20 @@ def test_minference_engine(gpu_model, detail):
 def test_mixed_steps(gpu_model, detail):
     """Issue 30's mixed steps on the GPU, fp32 (so that rounding cannot flip a greedy token): two chats decode while a
     3,000-token prompt of essays prefills in 256-token steps (its chunks capped at 64 beside them); dense and the
-    default infinitehip, each with mixed steps (decode rows and prefill chunks in one forward pass, the kernels for
-    both) against separate steps: the same greedy tokens, and at least one mixed step ran."""
+    default infinitehip, eager and with CUDA graphs, each with mixed steps against separate steps: the same greedy
+    tokens, and at least one mixed step ran."""
     from longreach.config import EngineConfig
     from longreach.engine.llm_engine import LLMEngine
     from longreach.sampling_params import SamplingParams
 
     rows = []
-    for attention in ("dense", "infinitehip"):
-        outs = []
+    for attention, eager in (("dense", True), ("infinitehip", True), ("dense", False), ("infinitehip", False)):
+        outs = []  # eager: one forward pass per mixed step; graphs: the decode graph replays, then the prefill chunks
         for mixed in (True, False):
             gc.collect()
             torch.cuda.empty_cache()
             eng = LLMEngine(EngineConfig(model=gpu_model, attention=attention, dtype="float32", max_model_len=4096,
-                                         kv_cache_memory_gb=1, max_num_batched_tokens=256, enforce_eager=True))
+                                         kv_cache_memory_gb=1, max_num_batched_tokens=256, enforce_eager=eager))
             assert eng.scheduler.mixed, f"{attention} should mix decode and prefill on a GPU-resident cache"
             eng.scheduler.mixed = mixed
             ids = eng.tokenizer.encode(essay_text())
@@ -163,7 +163,7 @@ def test_mixed_steps(gpu_model, detail):
         if n == 0:
             raise AssertionError(f"{attention}: no mixed step ran")
         same = sum(a[r] == b[r] for r in a)
-        rows.append(f"{attention}: {same}/3 requests equal, {n} mixed steps")
+        rows.append(f"{attention} {'eager' if eager else 'graphs'}: {same}/3 requests equal, {n} mixed steps")
         if same != 3:
             raise AssertionError(f"{attention}: mixed steps changed the greedy tokens of {3 - same}/3 requests")
     detail("; ".join(rows))
