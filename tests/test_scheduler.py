@@ -74,10 +74,10 @@ def test_a_prompt_alone_takes_the_whole_budget_and_is_capped_while_others_wait()
     batch = sched.schedule()
     assert batch.num_tokens == [BUDGET]  # alone: the fastest prefill
     _run(sched, batch)
-    _decoding_seq = _seq(2, 8)
-    sched.add(_decoding_seq)
+    short = _seq(2, 8)
+    sched.add(short)
     batch = sched.schedule()
-    assert batch.seqs == [long, _decoding_seq] and batch.num_tokens == [BUDGET // 4, 8]  # capped at the threshold
+    assert batch.seqs == [long, short] and batch.num_tokens == [BUDGET // 4, 8]  # capped at the threshold
 
 
 def test_two_long_prompts_share_the_prefill_and_a_short_one_behind_them_starts_at_the_next_step():

@@ -91,8 +91,8 @@ class Scheduler:
         if not seqs and not self.mixed:  # a decode step: its turn, or the prefill could not take a step now
             self._schedule_decodes(decoding, seqs, counts)
         # a reservation may preempt a sequence this step already took (the most recently admitted): drop it
-        kept = [(i, s, n) for i, (s, n) in enumerate(zip(seqs, counts)) if s.status is SequenceStatus.RUNNING]
-        seqs, counts = [s for _, s, _ in kept], [n for _, _, n in kept]
+        kept = [(s, n) for s, n in zip(seqs, counts) if s.status is SequenceStatus.RUNNING]
+        seqs, counts = [s for s, _ in kept], [n for _, n in kept]
         decode_ids = {s.seq_id for s in decoding}
         num_decodes = sum(1 for s in seqs if s.seq_id in decode_ids)
         is_prefill = len(seqs) > num_decodes
