@@ -1,16 +1,26 @@
 #!/usr/bin/env bash
-# `longreach bench serve` on the GPU (issue 12), SmolLM2 from scripts/device_model.sh's /tmp/m/model.gguf:
-# 64 concurrent streams of 2K-token prompts (dense; 4,096 requests, ~2.5 minutes on an H100), then the mixed load
-# (two 128K-token prompts among short chats) against a dense and an infinitehip server. Each server runs on
-# 127.0.0.1, is waited for on /health (and given up the moment its process dies), and is stopped before the next.
+# `longreach bench serve` on the GPU (issue 30), SmolLM2 from scripts/device_model.sh's /tmp/m/model.gguf.
+# Parts, chosen by $PARTS (default "mixed128k"), each against its own servers (started on 127.0.0.1, waited for on
+# /health and given up the moment the process dies, stopped before the next):
+#   mixed128k  dense, then the default sparse method: the 128K prompt alone twice (the first compiles what the server's
+#              warm-up did not reach; the second is the standalone prefill time), then the mixed load: 40 short chats
+#              at 4 req/s with two 128K-token prompts among them
+#   long1m     the default sparse method: one 1M-token prompt among 64 streaming chats (a closed loop of 65 places
+#              for 150 s; the long prompt goes once, after the first 64 chats): every gap a chat sees while it is
+#              prefilled
+#   streams64  dense: 64 concurrent streams of 2K-token prompts, 4,096 requests
+#   soak       the default sparse method: 64 streams for $SOAK_S seconds (default 600) of 1-3K-token prompts, the
+#              server's memory read every 10 s; started under setsid so that it outlives the call, writing to
+#              /tmp/soak (then `PARTS=soak_collect` copies what it wrote to $OUT once it is done)
 # Logs and JSON go to $OUT (or ./out).
 set -u
 out=${OUT:-out}; mkdir -p "$out"
-port=8011
+port=${PORT:-8011}
 model=${MODEL:-/tmp/m/model.gguf}
-start() {  # start NAME ARGS...: a server; returns 1 if it dies or is not healthy within 300 s
-    local name=$1; shift
-    python3 -m longreach serve "$model" --port $port --max-model-len 140000 --max-num-seqs 64 "$@" \
+sparse=${SPARSE:-infinitehip}
+start() {  # start NAME MAX_MODEL_LEN ARGS...: a server; returns 1 if it dies or is not healthy within 300 s
+    local name=$1 len=$2; shift 2
+    python3 -m longreach serve "$model" --port $port --max-model-len "$len" --max-num-seqs 80 "$@" \
         > "$out/serve_$name.log" 2>&1 &
     pid=$!
     for _ in $(seq 300); do
@@ -25,16 +35,50 @@ bench() {  # bench NAME SECONDS ARGS...
     local name=$1 secs=$2; shift 2
     timeout "$secs" python3 -m longreach bench serve --base-url http://127.0.0.1:$port --out "$out/$name.json" "$@" \
         > "$out/$name.log" 2>&1
-    echo "== $name (rc $?)"; tail -16 "$out/$name.log"
+    echo "== $name (rc $?)"; tail -24 "$out/$name.log"
 }
+alone="--num-prompts 1 --long-prompts 1 --long-input-len 131072 --random-output-len 8"
 mixed="--num-prompts 40 --request-rate 4 --random-input-len 512 --random-output-len 128 --long-prompts 2 \
 --long-input-len 131072"
-if start dense --attention dense; then
-    bench streams64_2k 220 --num-prompts 4096 --max-concurrency 64 --random-input-len 2048 --random-output-len 128
-    bench mixed_dense 150 $mixed
-    stop
-fi
-if start infinitehip --attention infinitehip; then
-    bench mixed_infinitehip 150 $mixed
-    stop
-fi
+for part in ${PARTS:-mixed128k}; do
+    case $part in
+    mixed128k)
+        for m in dense "$sparse"; do
+            if start "$m" 140000 --attention "$m"; then
+                bench "alone_cold_$m" 200 $alone
+                bench "alone_$m" 200 $alone
+                bench "mixed_$m" 200 $mixed
+                stop
+            fi
+        done ;;
+    long1m)
+        if start long1m_$sparse 1050000 --attention "$sparse"; then
+            bench "long1m_$sparse" 420 --num-prompts 128 --max-concurrency 65 --duration 150 --random-input-len 512 \
+                --random-output-len 256 --long-prompts 1 --long-input-len 1000000 --sample-metrics 5
+            stop
+        fi ;;
+    streams64)
+        if start dense 140000 --attention dense; then
+            bench streams64_2k 220 --num-prompts 4096 --max-concurrency 64 --random-input-len 2048 \
+                --random-output-len 128
+            stop
+        fi ;;
+    soak)
+        rm -rf /tmp/soak; mkdir -p /tmp/soak
+        OUT=/tmp/soak PARTS=soak_run setsid nohup bash "$0" > /tmp/soak/driver.log 2>&1 < /dev/null &
+        echo "soak started under setsid: /tmp/soak" ;;
+    soak_run)
+        if start "soak_$sparse" 8192 --attention "$sparse"; then
+            bench "soak_$sparse" $(( ${SOAK_S:-600} + 300 )) --num-prompts 512 --max-concurrency 64 \
+                --duration "${SOAK_S:-600}" --random-input-len 2048 --random-range-ratio 0.5 --random-output-len 128 \
+                --sample-metrics 10
+            stop
+        fi
+        touch "$out/done" ;;
+    soak_collect)
+        for _ in $(seq ${WAIT_S:-560}); do [ -e /tmp/soak/done ] && break; sleep 1; done
+        [ -e /tmp/soak/done ] || echo "soak not done yet"
+        cp /tmp/soak/*.json /tmp/soak/*.log "$out"/ 2> /dev/null; tail -30 /tmp/soak/driver.log ;;
+    *) echo "unknown part $part (mixed128k long1m streams64 soak soak_collect)"; exit 2 ;;
+    esac
+done

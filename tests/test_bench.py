@@ -49,3 +49,27 @@ def test_bench_attention_runs_on_cpu(tmp_path, monkeypatch):
     assert prov["device"] == "cpu" and prov["samples"]["n"] == 1
     assert [(a["label"], a["preset"]) for a in prov["attention"]][:2] == [("infinitehip 3k", "3k"),
                                                                        ("infinitehip 3k kv-rep", "3k")]
+
+
+def test_bench_serve_report_counts_the_gaps_a_long_prefill_causes():
+    """The stall statistics see exactly the gaps that overlap a long prompt's prefill window, and the gauges parse."""
+    from longreach.tools.bench.serve import RequestResult
+    from longreach.tools.bench.serve_report import parse_gauges, report
+
+    long = RequestResult("long", 1000, 1, 1000, True, start=1.0, ttft=2.0, e2el=2.1, token_times=[3.0])
+    a = RequestResult("short", 8, 4, 8, True, start=0.0, ttft=0.1, e2el=4.0, itl=[0.2, 1.5, 0.05],
+                      token_times=[0.1, 0.3, 1.8, 1.85])  # gaps 0.2 (before the window), 1.5 and 0.05 (inside)
+    b = RequestResult("short", 8, 3, 8, True, start=3.5, ttft=0.1, e2el=0.5, itl=[0.3, 0.1],
+                      token_times=[3.6, 3.9, 4.0])  # after the window: none count
+    failed = RequestResult("short", 8, error="HTTP 503: overloaded")
+    rep = report([a, long, b, failed], 5.0, {"endpoint": "/v1/completions", "num_prompts": 4})
+    st = rep["stalls_during_long_prefill"]
+    assert rep["long_prefill_windows_s"] == [(1.0, 3.0)]
+    assert st["gaps"] == 2 and st["over_100ms"] == 1 and abs(st["max"] - 1500) < 1e-6
+    assert st["worst"]["request"] == 0 and abs(st["worst"]["gap_start_s"] - 0.3) < 1e-9
+    assert rep["groups"]["short"]["failed"] == 1 and rep["groups"]["short_during_long_prefill"]["completed"] == 1
+    assert abs(rep["groups"]["short"]["itl_ms"]["max"] - 1500) < 1e-6
+    assert "token_times" not in rep["requests"][0] and rep["errors"] == ["HTTP 503: overloaded"]
+    text = ('# HELP x\nlongreach:num_requests_running{model_name="m"} 3.0\n'
+            'longreach:process_resident_memory_bytes{model_name="m"} 1.5e+09\nother 7\n')
+    assert parse_gauges(text) == {"running": 3.0, "rss_bytes": 1.5e9}

@@ -250,6 +250,8 @@ def test_metrics_move_after_traffic(http, client):
     assert metric(after, "longreach:kv_cache_pages_total", tier="gpu") > 0
     assert metric(after, "longreach:num_requests_running", model_name=MODEL) == 0
     assert "longreach:kv_cache_usage_perc" in after and "longreach:num_requests_waiting" in after
+    assert metric(after, "longreach:process_resident_memory_bytes") > 50 * 2**20  # torch alone is more
+    assert "gpu_memory_allocated" not in after  # a CPU server reports no GPU memory
 
 
 def _server_idle(http):
@@ -450,6 +452,10 @@ def test_bench_serve_against_the_server(server, tmp_path):
     assert all(g[k]["p99"] is not None and g[k]["p99"] >= g[k]["median"] > 0 for k in ("ttft_ms", "tpot_ms",
                                                                                       "itl_ms", "e2el_ms"))
     assert rep["groups"]["long"]["total_input_tokens"] == 300
+    assert g["itl_ms"]["max"] >= g["itl_ms"]["p99"]
+    st = rep["stalls_during_long_prefill"]  # gaps of the short requests while the 300-token prompt was prefilled
+    (lo, hi), = rep["long_prefill_windows_s"]
+    assert 0 <= lo < hi and st["gaps"] >= 0 and "over_100ms" in st
     prov = rep["provenance"]  # tools/report.py's record, with the server's device and attention
     assert prov["command"].startswith("longreach bench serve") and prov["device"] == "cpu"
     assert prov["attention"][0]["method"] == "dense" and prov["samples"]["n"] == 6
@@ -458,3 +464,13 @@ def test_bench_serve_against_the_server(server, tmp_path):
                  "--random-input-len", "8", "--random-output-len", "3", "--request-rate", "50", "--out",
                  str(chat)]) == 0
     assert json.loads(chat.read_text())["groups"]["all"]["completed"] == 3
+    soak = tmp_path / "soak.json"  # a closed loop for 3 s over 2 requests, /metrics read every 0.5 s
+    assert main(["bench", "serve", "--base-url", server.url, "--num-prompts", "2", "--random-input-len", "8",
+                 "--random-output-len", "2", "--max-concurrency", "2", "--duration", "3", "--sample-metrics", "0.5",
+                 "--out", str(soak)]) == 0
+    rep = json.loads(soak.read_text())
+    assert rep["num_prompts"] > 2 and rep["groups"]["all"]["failed"] == 0 and rep["duration_s"] >= 3
+    assert rep["provenance"]["samples"]["n"] == rep["num_prompts"] == len(rep["requests"])
+    assert len(rep["server_samples"]) >= 4 and all("rss_bytes" in x and "running" in x for x in rep["server_samples"])
+    mem = rep["server_memory"]["rss_bytes"]
+    assert 0 < mem["first"] <= mem["max"] and mem["last"] <= mem["max"]

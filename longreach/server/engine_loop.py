@@ -32,7 +32,7 @@ from dataclasses import dataclass, field
 
 from ..engine.outputs import CompletionOutput, RequestOutput
 from ..sampling_params import SamplingParams
-from .metrics import ServerMetrics, ThroughputLog, kv_cache_stats
+from .metrics import ServerMetrics, ThroughputLog, device_memory, kv_cache_stats
 from .scoring_jobs import ScoredSample, ScoringJob, ScoringQueue
 from .validation import APIError
 
@@ -359,7 +359,8 @@ class EngineLoop:
             self._free_slots = max(self.engine.config.max_num_seqs - len(seqs), 0)
             waiting = self._in_flight - running
             self._kv = kv
-        self.metrics.set_state(running, waiting, self.engine.scheduler.num_preemptions, kv)
+        self.metrics.set_state(running, waiting, self.engine.scheduler.num_preemptions, kv,
+                               device_memory(self.engine))
         self._log.maybe_log(running, waiting, kv)
 
     def _close(self) -> None:

@@ -13,6 +13,8 @@ Names are `longreach:`-prefixed with a `model_name` label, vLLM's vocabulary whe
   longreach:num_preemptions_total                                 counter
   longreach:kv_cache_usage_perc                                   gauge, GPU tier, 0..1
   longreach:kv_cache_pages_total / kv_cache_pages_used{tier}      gauges, tier = gpu (and host when offloading)
+  longreach:process_resident_memory_bytes                         gauge, the server process's RSS (at scrape time)
+  longreach:gpu_memory_allocated_bytes / gpu_memory_reserved_bytes  gauges, the torch allocator's, on a GPU
   with offloading on (--kv-offloading-size):
   longreach:kv_offload_hit_ratio                                  gauge, pages hit / (hit + missed), cumulative
   longreach:kv_offload_pages_hit_total / pages_missed_total / pages_evicted_total, kv_offload_h2d_bytes_total
@@ -27,6 +29,7 @@ step, so a scrape never touches the engine.
 from __future__ import annotations
 
 import logging
+import os
 import time
 
 from prometheus_client import (
@@ -45,6 +48,25 @@ _TTFT_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.7
 _TPOT_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75, 1.0, 2.5, 5.0, 10.0, 20.0)
 _E2E_BUCKETS = (0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0, 40.0, 60.0, 120.0, 240.0, 480.0,
                 960.0, 1920.0, 7680.0)
+
+
+def device_memory(engine) -> dict:
+    """The torch allocator's allocated and reserved bytes on the engine's GPU (empty on a CPU engine)."""
+    device = getattr(engine, "device", None)
+    if device is None or device.type != "cuda":
+        return {}
+    import torch
+
+    return {"allocated": torch.cuda.memory_allocated(device), "reserved": torch.cuda.memory_reserved(device)}
+
+
+def resident_bytes() -> int | None:
+    """This process's resident set size from /proc/self/statm (Linux), else None."""
+    try:
+        with open("/proc/self/statm") as f:
+            return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+    except (OSError, ValueError, IndexError):
+        return None
 
 
 def kv_cache_stats(engine) -> dict:
@@ -85,7 +107,7 @@ class ServerMetrics:
                                  lab + ["reason"], registry=r)
         self._failed = Counter("longreach:request_failure", "Requests that failed in the engine, by reason",
                                lab + ["reason"], registry=r)
-        self.state = {"running": 0, "waiting": 0, "preemptions": 0, "kv": {}}
+        self.state = {"running": 0, "waiting": 0, "preemptions": 0, "kv": {}, "memory": {}}
         r.register(_EngineStateCollector(self))
 
     # ---- called by the engine thread -----------------------------------------------------------------------------
@@ -117,8 +139,9 @@ class ServerMetrics:
     def rejected(self, reason: str) -> None:
         self._rejected.labels(self.model_name, reason).inc()
 
-    def set_state(self, running: int, waiting: int, preemptions: int, kv: dict) -> None:
-        self.state = {"running": running, "waiting": waiting, "preemptions": preemptions, "kv": dict(kv)}
+    def set_state(self, running: int, waiting: int, preemptions: int, kv: dict, memory: dict | None = None) -> None:
+        self.state = {"running": running, "waiting": waiting, "preemptions": preemptions, "kv": dict(kv),
+                      "memory": dict(memory or {})}
 
     def render(self) -> bytes:
         return generate_latest(self.registry)
@@ -148,6 +171,11 @@ class _EngineStateCollector:
         yield gauge("longreach:num_requests_waiting", "Requests accepted but not yet running", st["waiting"])
         yield counter("longreach:num_preemptions", "Sequences preempted (pages freed, recomputed later)",
                       st["preemptions"])
+        rss = resident_bytes()
+        if rss is not None:
+            yield gauge("longreach:process_resident_memory_bytes", "Resident memory of the server process", rss)
+        for kind, value in st.get("memory", {}).items():
+            yield gauge(f"longreach:gpu_memory_{kind}_bytes", f"GPU memory {kind} by the torch allocator", value)
         if not kv:
             return
         total, used = kv.get("gpu_pages_total", 0), kv.get("gpu_pages_used", 0)

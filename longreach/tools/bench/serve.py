@@ -6,11 +6,15 @@ N requests from a synthetic dataset go to /v1/completions (token-id prompts, exa
 are uniform in [len * (1 - range_ratio), len * (1 + range_ratio)]; `--long-prompts K --long-input-len L` makes K of the
 N prompts L tokens long, spread evenly over the run (the mixed load: a few long prefills among short chats).
 
-Reported (ms, mean / median / p99): TTFT (request sent -> first token), TPOT ((E2EL - TTFT) / (output tokens - 1)),
-ITL (between streamed chunks, one per engine step), E2EL; request and token throughput; failures. With long prompts,
-the same for the short requests alone, the long ones alone, and the short ones whose life overlapped a long prompt's
-prefill (what a user of a shared server feels while someone else's 128K prompt is being read). Printed as a table and
-written as JSON (with one record per request).
+`--duration S` keeps sending for S seconds, cycling through the short requests (a soak test; long ones go once), and
+`--sample-metrics S` reads the server's /metrics every S seconds (its memory over the run).
+
+Reported (ms, mean / median / p99 / max): TTFT (request sent -> first token), TPOT ((E2EL - TTFT) / (output tokens -
+1)), ITL (between streamed chunks, one per engine step), E2EL; request and token throughput; failures. With long
+prompts, the same for the short requests alone, the long ones alone, and the short ones whose life overlapped a long
+prompt's prefill (what a user of a shared server feels while someone else's 128K prompt is being read), and every gap
+a short request saw while a long prompt was prefilled (serve_report.py). Printed as a table and written as JSON (with
+one record per request).
 
 The client is asyncio streams speaking HTTP/1.1 (one connection per request, chunked SSE parsed as it arrives): no
 dependency, and the timestamps are taken when the bytes arrive.
@@ -25,10 +29,11 @@ import math
 import os
 import random
 import ssl
-import statistics
 import time
 import urllib.parse
-from dataclasses import asdict, dataclass, field
+from dataclasses import dataclass, field
+
+from .serve_report import format_table, parse_gauges, report
 
 HELP = "load an OpenAI-compatible server (longreach serve, vLLM, SGLang) and report TTFT / TPOT / ITL / E2EL"
 
@@ -52,6 +57,7 @@ class RequestResult:
     ttft: float = 0.0
     e2el: float = 0.0
     itl: list[float] = field(default_factory=list)
+    token_times: list[float] = field(default_factory=list)  # each streamed chunk, seconds since the run started
 
     @property
     def tpot(self) -> float | None:
@@ -191,6 +197,7 @@ async def _run_one(ep: Endpoint, chat: bool, model: str, spec: RequestSpec, prom
     res.success = True
     res.ttft, res.e2el = chunks[0] - t0, end - t0
     res.itl = [b - a for a, b in itertools.pairwise(chunks)]
+    res.token_times = [c - t_run for c in chunks]
     usage = state["usage"] or {}
     res.output_len = usage.get("completion_tokens", len(chunks))
     res.prompt_tokens = usage.get("prompt_tokens", len(spec.prompt_ids))
@@ -200,7 +207,10 @@ async def _run_one(ep: Endpoint, chat: bool, model: str, spec: RequestSpec, prom
 # ---- the run ---------------------------------------------------------------------------------------------------------
 async def run_benchmark(base_url: str, specs: list[RequestSpec], *, chat: bool = False, model: str | None = None,
                         request_rate: float = math.inf, max_concurrency: int | None = None, seed: int = 0,
-                        ignore_eos: bool = True, api_key: str | None = None, timeout: float = 3600.0) -> dict:
+                        ignore_eos: bool = True, api_key: str | None = None, timeout: float = 3600.0,
+                        duration: float | None = None, sample_every: float | None = None) -> dict:
+    """Send `specs` (once; with `duration`, the short ones cycled until `duration` seconds have passed, then the ones
+    in flight are awaited) and report (serve_report.py). With `sample_every`, /metrics is read every that many seconds."""
     ep = Endpoint(base_url, api_key)
     models = await ep.get_json("/v1/models")
     model = model or models["data"][0]["id"]
@@ -224,82 +234,57 @@ async def run_benchmark(base_url: str, specs: list[RequestSpec], *, chat: bool =
     limit = asyncio.Semaphore(max_concurrency) if max_concurrency else None
     t_run = time.perf_counter()
 
-    async def one(spec, text):
+    async def one(spec, text, holding: bool = False):
         if limit is None:
             return await _run_one(ep, chat, model, spec, text, t_run, ignore_eos, timeout)
+        if holding:  # the place was taken before the task started (a closed loop)
+            try:
+                return await _run_one(ep, chat, model, spec, text, t_run, ignore_eos, timeout)
+            finally:
+                limit.release()
         async with limit:
             return await _run_one(ep, chat, model, spec, text, t_run, ignore_eos, timeout)
 
+    samples: list[dict] = []
+    sampler = asyncio.create_task(_sample(ep, t_run, sample_every, samples)) if sample_every else None
     tasks = []
-    for spec, text in zip(specs, texts):
-        tasks.append(asyncio.create_task(one(spec, text)))
+    order = zip(specs, texts)
+    if duration:  # the long prompts go once (in the first pass), the short ones cycle
+        order = itertools.chain(order, itertools.cycle([(s, t) for s, t in zip(specs, texts) if s.group != "long"]))
+    for spec, text in order:
+        if duration and time.perf_counter() - t_run >= duration:
+            break
+        if duration and limit is not None and request_rate == math.inf:
+            await limit.acquire()  # closed loop: the next request goes when a place frees
+            tasks.append(asyncio.create_task(one(spec, text, holding=True)))
+        else:
+            tasks.append(asyncio.create_task(one(spec, text)))
         if request_rate != math.inf:
             await asyncio.sleep(rng.expovariate(request_rate))
     results = await asyncio.gather(*tasks)
-    duration = time.perf_counter() - t_run
-    return report(results, duration, {
+    elapsed = time.perf_counter() - t_run
+    if sampler is not None:
+        sampler.cancel()
+        await asyncio.gather(sampler, return_exceptions=True)
+    return report(results, elapsed, {
         "base_url": base_url, "endpoint": "/v1/chat/completions" if chat else "/v1/completions", "model": model,
-        "server_version": version, "num_prompts": len(specs), "request_rate": request_rate,
-        "max_concurrency": max_concurrency, "ignore_eos": ignore_eos, "seed": seed})
+        "server_version": version, "num_prompts": len(results), "request_rate": request_rate,
+        "max_concurrency": max_concurrency, "ignore_eos": ignore_eos, "seed": seed, "send_for_s": duration},
+        samples if sample_every else None)
 
 
-def _ms_stats(values: list[float]) -> dict:
-    if not values:
-        return {"mean": None, "median": None, "p99": None}
-    v = sorted(values)
-    p99 = v[min(len(v) - 1, math.ceil(0.99 * len(v)) - 1)]
-    return {"mean": 1e3 * statistics.fmean(v), "median": 1e3 * statistics.median(v), "p99": 1e3 * p99}
-
-
-def _group_summary(rs: list[RequestResult], duration: float) -> dict:
-    ok = [r for r in rs if r.success]
-    out_tokens = sum(r.output_len for r in ok)
-    in_tokens = sum(r.prompt_tokens for r in ok)
-    return {
-        "completed": len(ok), "failed": len(rs) - len(ok),
-        "request_throughput": len(ok) / duration, "output_throughput": out_tokens / duration,
-        "total_token_throughput": (in_tokens + out_tokens) / duration,
-        "total_input_tokens": in_tokens, "total_output_tokens": out_tokens,
-        "ttft_ms": _ms_stats([r.ttft for r in ok]), "tpot_ms": _ms_stats([r.tpot for r in ok if r.tpot is not None]),
-        "itl_ms": _ms_stats([x for r in ok for x in r.itl]), "e2el_ms": _ms_stats([r.e2el for r in ok]),
-    }
-
-
-def report(results: list[RequestResult], duration: float, meta: dict) -> dict:
-    groups = {"all": results}
-    longs = [r for r in results if r.group == "long"]
-    if longs:
-        shorts = [r for r in results if r.group == "short"]
-        windows = [(r.start, r.start + r.ttft) for r in longs if r.success]  # each long prompt's prefill
-        groups.update(short=shorts, long=longs, short_during_long_prefill=[
-            r for r in shorts if any(r.start < b and r.start + r.e2el > a for a, b in windows)])
-    return {**meta, "duration_s": duration,
-            "groups": {name: _group_summary(rs, duration) for name, rs in groups.items() if rs},
-            "errors": sorted({r.error for r in results if r.error})[:20],
-            "requests": [{k: v for k, v in asdict(r).items() if k != "itl"} for r in results]}
-
-
-def format_table(rep: dict) -> str:
-    names = list(rep["groups"])
-    rows = [("successful requests", lambda g: f"{g['completed']}"), ("failed requests", lambda g: f"{g['failed']}"),
-            ("request throughput (req/s)", lambda g: f"{g['request_throughput']:.2f}"),
-            ("output token throughput (tok/s)", lambda g: f"{g['output_throughput']:.1f}"),
-            ("total token throughput (tok/s)", lambda g: f"{g['total_token_throughput']:.1f}")]
-    for metric in ("ttft", "tpot", "itl", "e2el"):
-        for stat in ("mean", "median", "p99"):
-            rows.append((f"{metric.upper()} {stat} (ms)", lambda g, m=metric, s=stat: "-" if g[f"{m}_ms"][s] is None
-                         else f"{g[f'{m}_ms'][s]:.2f}"))
-    width = max(len(r[0]) for r in rows)
-    cols = [max(12, len(n)) for n in names]
-    title = (f"{'=' * 20} longreach bench serve: {rep['endpoint']}, {rep['num_prompts']} requests, "
-             f"{rep['duration_s']:.1f} s {'=' * 20}")
-    lines = [title,
-             f"{'':<{width}}  " + "  ".join(f"{n:>{c}}" for n, c in zip(names, cols))]
-    for label, fn in rows:
-        lines.append(f"{label:<{width}}  " + "  ".join(f"{fn(rep['groups'][n]):>{c}}" for n, c in zip(names, cols)))
-    if rep["errors"]:
-        lines.append("errors: " + "; ".join(rep["errors"][:5]))
-    return "\n".join(lines)
+async def _sample(ep: Endpoint, t_run: float, every: float, into: list[dict]) -> None:
+    """Append the server's gauges (serve_report.GAUGES) every `every` seconds until cancelled; a failed read is
+    recorded as such (the server may be busy or gone: that is worth seeing)."""
+    while True:
+        t = time.perf_counter() - t_run
+        try:
+            status, body = await asyncio.wait_for(ep.request("GET", "/metrics"), max(every, 1.0))
+            into.append({"t": t, **parse_gauges(body.decode(errors="replace"))} if status == 200
+                        else {"t": t, "error": f"HTTP {status}"})
+        except (OSError, asyncio.TimeoutError, ValueError) as e:
+            into.append({"t": t, "error": f"{type(e).__name__}: {e}"})
+        await asyncio.sleep(every)
 
 
 # ---- CLI -------------------------------------------------------------------------------------------------------------
@@ -323,6 +308,12 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--seed", type=int, default=0, help="dataset and arrival seed (default: 0)")
     p.add_argument("--timeout", type=float, default=3600.0, help="seconds one request may take (default: 3600)")
     p.add_argument("--api-key", default=None, help="bearer key (default: $LONGREACH_API_KEY or $OPENAI_API_KEY)")
+    p.add_argument("--duration", type=float, default=None, metavar="S",
+                   help="keep sending for S seconds, cycling through the short requests (the long ones go once), then "
+                        "wait for those in flight (a soak test; needs --max-concurrency or --request-rate)")
+    p.add_argument("--sample-metrics", type=float, default=None, metavar="S",
+                   help="read the server's /metrics every S seconds: running / waiting requests, KV usage, process "
+                        "RSS and GPU memory over the run, and their first / last / max (default: off)")
     p.add_argument("--out", default="bench-serve.json", help="JSON output path (default: bench-serve.json)")
 
 
@@ -335,6 +326,12 @@ def main(args: argparse.Namespace) -> int:
         raise ValueError("--long-prompts must be in [0, --num-prompts] and --long-input-len >= 1")
     if args.request_rate <= 0 or (args.max_concurrency is not None and args.max_concurrency < 1):
         raise ValueError("--request-rate must be > 0 and --max-concurrency >= 1")
+    if args.duration is not None and (args.duration <= 0 or (args.max_concurrency is None
+                                                              and args.request_rate == math.inf)):
+        raise ValueError(f"--duration must be > 0 seconds and needs --max-concurrency or a finite --request-rate "
+                         f"(else every request would go at once, forever); got --duration {args.duration}")
+    if args.sample_metrics is not None and args.sample_metrics <= 0:
+        raise ValueError(f"--sample-metrics must be > 0 seconds, got {args.sample_metrics}")
     key = args.api_key or os.environ.get("LONGREACH_API_KEY") or os.environ.get("OPENAI_API_KEY")
     rep = asyncio.run(_main(args, key))
     print(format_table(rep))
@@ -356,11 +353,12 @@ async def _main(args: argparse.Namespace, key: str | None) -> dict:
                            vocab, args.seed, args.long_prompts, args.long_input_len)
     rep = await run_benchmark(args.base_url, specs, chat=args.endpoint == "chat", model=args.model,
                               request_rate=args.request_rate, max_concurrency=args.max_concurrency, seed=args.seed,
-                              ignore_eos=args.ignore_eos, api_key=key, timeout=args.timeout)
-    return {"provenance": await _provenance(ep, args), **rep}
+                              ignore_eos=args.ignore_eos, api_key=key, timeout=args.timeout,
+                              duration=args.duration, sample_every=args.sample_metrics)
+    return {"provenance": await _provenance(ep, args, rep["num_prompts"]), **rep}
 
 
-async def _provenance(ep: Endpoint, args: argparse.Namespace) -> dict:
+async def _provenance(ep: Endpoint, args: argparse.Namespace, n_sent: int) -> dict:
     """tools/report.py's record, the device and attention being the server's (its /server_info, where it has one:
     longreach and SGLang do; "unknown" otherwise). The server's preset is as it was given: None means the method's
     default at the server's commit. `commit` is this client's tree, which is the server's when both run from it."""
@@ -375,6 +373,6 @@ async def _provenance(ep: Endpoint, args: argparse.Namespace) -> dict:
                   "method": engine["attention"], "preset": engine.get("preset"),
                   "attention_config": engine.get("attention_config")}] if engine.get("attention") else None
     return provenance(command_line(args), info.get("device_name") or "unknown (the server did not say)",
-                      attention=attention, samples=samples(args.num_prompts, "run", "requests (a 16-token probe "
+                      attention=attention, samples=samples(n_sent, "run", "requests (a 16-token probe "
                                                                                     "request before the timed run "
                                                                                     "is left out)"))
