@@ -73,3 +73,22 @@ def test_bench_serve_report_counts_the_gaps_a_long_prefill_causes():
     text = ('# HELP x\nlongreach:num_requests_running{model_name="m"} 3.0\n'
             'longreach:process_resident_memory_bytes{model_name="m"} 1.5e+09\nother 7\n')
     assert parse_gauges(text) == {"running": 3.0, "rss_bytes": 1.5e9}
+
+
+def test_bench_mixed_times_a_long_prefill_beside_decodes(tmp_path):
+    """`bench mixed` on the tiny random model: both methods run, the long prompt is prefilled in capped chunks beside
+    the decodes (more steps than alone), and the profile covers the asked steps."""
+    from longreach.cli import main
+
+    out = tmp_path / "mixed.json"
+    assert main(["bench", "mixed", "--model", "random:tiny", "--device", "cpu", "--context", "2048", "--decodes", "3",
+                 "--decode-prompt", "16", "--attention", "dense", "streaming", "--max-num-batched-tokens", "512",
+                 "--profile-steps", "2", "--cprofile", "--out", str(out)]) == 0
+    rep = json.loads(out.read_text())
+    assert [r["label"] for r in rep["runs"]] == ["dense", "streaming"]
+    for r in rep["runs"]:
+        assert r["mixed_chunk_tokens_median"] == 128  # 512 / 4 while others run
+        assert r["mixed_steps"] == len(r["step_ms"]) >= 2048 // 128
+        assert r["standalone_prefill_s"] > 0 and r["mixed_prefill_s"] > 0 and r["decode_step_ms"] > 0
+        assert r["profile"]["steps"] == 2 and r["host_profile"]
+    assert rep["provenance"]["command"].startswith("longreach bench mixed")

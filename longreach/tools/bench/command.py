@@ -60,6 +60,21 @@ def add_arguments(p) -> None:
                         sv.__doc__.split("\n\n")[1])
     sv.add_arguments(s)
 
+    mx = bsub.add_parser(
+        "mixed", help="a long prompt's prefill beside decoding requests, offline: step times, prefill vs standalone",
+        description=importlib.import_module(".mixed", __package__).__doc__.split("\n\n")[0])
+    mx.add_argument("--model", default="smollm2", help="model (default: smollm2)")
+    mx.add_argument("--attention", nargs="+", default=["dense", "infinitehip"], metavar="METHOD[:PRESET]",
+                    help="methods, each its own engine (default: dense infinitehip)")
+    mx.add_argument("--context", type=context_length, default=131072, help="the long prompt's tokens (default: 128K)")
+    mx.add_argument("--decodes", type=int, default=32, help="requests decoding beside it (default: 32)")
+    mx.add_argument("--decode-prompt", type=int, default=512, help="their prompt tokens (default: 512)")
+    mx.add_argument("--profile-steps", type=int, default=0, metavar="N",
+                    help="profile N mixed steps (from the fifth) under torch.profiler (default: 0)")
+    mx.add_argument("--cprofile", action="store_true", help="also the host's Python functions over those steps")
+    mx.add_argument("--out", default="bench-mixed.json", help="JSON output path (default: bench-mixed.json)")
+    add_engine_args(mx, skip=_DECODE_SETS)
+
     dc = bsub.add_parser(
         "decode", help="decode tok/s at 128K-3M tokens, 8B-shaped random model: sparse (+ KV offload) vs dense",
         description="Prefill random-token prompts of each length and decode through the whole engine with each "
@@ -101,7 +116,22 @@ def add_arguments(p) -> None:
 def main(args) -> int:
     if args.bench == "serve":
         return importlib.import_module(".serve", __package__).main(args)
-    return {"engine": _engine, "attention": _attention, "long": _long, "decode": _decode}[args.bench](args)
+    return {"engine": _engine, "attention": _attention, "long": _long, "decode": _decode,
+            "mixed": _mixed}[args.bench](args)
+
+
+def _mixed(args) -> int:
+    from ..eval.common import parse_methods
+    from ..report import command_line
+    from .mixed import run
+
+    if args.decodes < 1 or args.decode_prompt < 1 or args.profile_steps < 0:
+        raise ValueError("--decodes and --decode-prompt must be >= 1 and --profile-steps >= 0")
+    methods = parse_methods(args.attention, attention_config=args.attention_config)
+    engine = {name: getattr(args, name) for name in EngineConfig.field_names() if name not in _DECODE_SETS}
+    run(args.model, methods, engine, args.context, args.decodes, args.decode_prompt, args.seed or 0, args.profile_steps,
+        args.cprofile, args.out, command_line(args))
+    return 0
 
 
 def _engine(args) -> int:

@@ -11,8 +11,8 @@ the count of gaps above 100 ms and the worst gap's request. A request's wait for
 covers it).
 
 `server_samples` (with --sample-metrics S): the server's Prometheus gauges every S seconds (running, waiting, KV-cache
-usage, process RSS, GPU memory allocated / reserved), and `server_memory`: their first, last and max over the run,
-which says whether memory stayed flat under a long load.
+usage, process RSS, GPU memory allocated / reserved), and `server_memory`: their first, last and max over the run, and
+the drift from a fifth of the way in to the end, which says whether memory stayed flat under a long load.
 """
 from __future__ import annotations
 
@@ -84,10 +84,18 @@ def parse_gauges(text: str) -> dict:
 
 
 def memory_summary(samples: list[dict]) -> dict:
-    """First, last and max of each gauge over the samples."""
-    keys = sorted({k for s in samples for k in s if k != "t"})
-    return {k: {"first": vs[0], "last": vs[-1], "max": max(vs)}
-            for k in keys if (vs := [s[k] for s in samples if k in s])}
+    """First, last and max of each gauge over the samples, and its value once a fifth of the run has passed
+    (`settled`: warm-up allocations are behind it) with the change from there to the end (`drift`)."""
+    keys = sorted({k for s in samples for k in s if k not in ("t", "error")})
+    end = max((s["t"] for s in samples), default=0.0)
+    out = {}
+    for k in keys:
+        pts = [(s["t"], s[k]) for s in samples if k in s]
+        if pts:
+            settled = next((v for t, v in pts if t >= 0.2 * end), pts[-1][1])
+            out[k] = {"first": pts[0][1], "last": pts[-1][1], "max": max(v for _, v in pts), "settled": settled,
+                      "drift": pts[-1][1] - settled}
+    return out
 
 
 def report(results: list, duration: float, meta: dict, samples: list[dict] | None = None) -> dict:
@@ -135,8 +143,9 @@ def format_table(rep: dict) -> str:
                      f"max {st['max']:.1f} ms, {st[f'over_{STALL_MS:g}ms']} over {STALL_MS:g} ms")
     for key, m in rep.get("server_memory", {}).items():
         if key.endswith("_bytes"):
-            lines.append(f"server {key[:-6]}: first {m['first'] / 2**20:.0f} MiB, last {m['last'] / 2**20:.0f} MiB, "
-                         f"max {m['max'] / 2**20:.0f} MiB")
+            lines.append(f"server {key[:-6]}: first {m['first'] / 2**20:.0f} MiB, after a fifth of the run "
+                         f"{m['settled'] / 2**20:.0f} MiB, last {m['last'] / 2**20:.0f} MiB (drift "
+                         f"{m['drift'] / 2**20:+.0f} MiB), max {m['max'] / 2**20:.0f} MiB")
     if rep["errors"]:
         lines.append("errors: " + "; ".join(rep["errors"][:5]))
     return "\n".join(lines)
