@@ -34,6 +34,9 @@
 #                                           # decode 128K, infinitehip vs psa (loop and waves kernels) vs dense
 #   bash scripts/device_runs.sh seeds8b     # 8B shape: cascading 16k at 1M (bf16, bounded: no offload); psa with
 #                                           # fp8 + offload vs infinitehip vs dense at 128K
+#   bash scripts/device_runs.sh batch16     # bench decode, 8B shape, fp8 + offload: 16 requests at 128K decoding
+#                                           # together (issue 30); its 128 GiB host tier needs nvidia-h100-x2 or
+#                                           # h200-x2 (256 GiB of host memory), on one of their GPUs
 # A group's first command compiles kernels (~30-60 s); bench decode runs an untimed warm-up prompt first.
 set -u
 out=${OUT:-out}; mkdir -p "$out"
@@ -54,6 +57,9 @@ gpu_tests() {  # gpu_tests NAME SECONDS PYTEST-ARGS...: GPU tests (tests/gpu), t
 bd="python3 -m longreach bench decode --kv-cache-dtype fp8 --kv-cache-memory-gb 4 --max-num-batched-tokens 65536"
 for group in "$@"; do
 case "$group" in
+batch16)
+    run batch16 1500 $bd --kv-cache-memory-gb 40 --kv-offloading-size 132 --batch 16 --lengths 128k \
+        --attention infinitehip --dense-lengths 4k --decode-tokens 64 --out "$out/bench-decode-16x128k.json" ;;
 kernels)
     gpu_tests gpu_check_kernels 330 tests/gpu -k "not box"  # no model: the engine tests skip
     # minference (each pure pattern) and infinitehip prefill vs cuDNN, one 8B-shaped layer
