@@ -8,7 +8,8 @@
                                    bench decode's rows (several files: a run column); dense extrapolated along the
                                    file's own line to the lengths named, marked *
   bench-serve FILE... [group=G]    bench serve's latencies and throughput per run (group: all, short, long,
-                                   short_during_long_prefill)
+                                   short_during_long_prefill), with the gaps seen during long prefills
+  bench-mixed FILE...              bench mixed's runs: a long prompt alone and beside decoding requests
 
 Values that are not measurements of their own are marked: * extrapolated, "computed" for bench attention's amortised
 decode steps (derived from the measured step kinds).
@@ -211,6 +212,7 @@ def bench_serve(args: list[str]) -> str:
     group = opts.get("group", "all")
     items = [load(f) for f in files]
     rows = []
+    longs = any("long" in r["groups"] and group != "long" for _, r in items)
     for i, (path, r) in enumerate(items, 1):
         g = r["groups"][group]
         version = r.get("server_version") or {}
@@ -219,17 +221,40 @@ def bench_serve(args: list[str]) -> str:
         row = [label, f"{g['completed']}/{g['failed']}", f"{g['request_throughput']:.1f}",
                f"{g['output_throughput']:,.0f}", f"{ms('ttft', 'median')} / {ms('ttft', 'p99')}",
                f"{ms('tpot', 'mean')} / {ms('tpot', 'p99')}", f"{ms('itl', 'median')} / {ms('itl', 'p99')}",
-               ms("e2el", "p99")]
-        if "long" in r["groups"] and group != "long":
-            row.append(f"{r['groups']['long']['ttft_ms']['mean'] / 1e3:.1f}")
+               ms("itl", "max") if "max" in g["itl_ms"] else "-", ms("e2el", "p99")]
+        if longs:
+            st = r.get("stalls_during_long_prefill")
+            row.append(f"{r['groups']['long']['ttft_ms']['mean'] / 1e3:.2f}" if "long" in r["groups"] else "-")
+            row.append(f"{st['gaps']} / {st['over_100ms']} / {num(st['max'], ',.0f')}" if st else "-")
         rows.append(row)
     head = ["server", "ok/failed", "req/s", "output tok/s", "TTFT p50 / p99 ms", "TPOT mean / p99 ms",
-            "ITL p50 / p99 ms", "E2EL p99 ms"] + (["long requests' TTFT mean s"] if len(rows[0]) > 8 else [])
+            "ITL p50 / p99 ms", "ITL max ms", "E2EL p99 ms"] + (
+        ["long prompts' TTFT mean s", "gaps during a long prefill: all / > 100 ms / max ms"] if longs else [])
     dur = ", ".join(f"[{i}] {r['num_prompts']} requests in {r['duration_s']:.1f} s"
                     for i, (_, r) in enumerate(items, 1))
-    return table(head, rows) + f"\nRequests of group `{group}`; {dur}.\n" + sources(items, True)
+    return table(head, rows, drop_empty=True) + f"\nRequests of group `{group}`; {dur}.\n" + sources(items, True)
+
+
+def bench_mixed(args: list[str]) -> str:
+    """`bench mixed`'s runs: the long prompt alone and beside the decodes, and the steps' times."""
+    files, _ = options(args)
+    items = [load(f) for f in files]
+    rows = []
+    for i, (path, rep) in enumerate(items, 1):
+        for r in rep["runs"]:
+            m, prof = r["mixed_step_ms"], r.get("profile")
+            rows.append([f"[{i}] {r['label']}", length(r["context"]), str(r["decodes"]),
+                         f"{r['standalone_prefill_s']:.2f}", f"{r['mixed_prefill_s']:.2f}",
+                         f"{r['mixed_vs_standalone']:.2f}x", f"{r['mixed_steps']} x {r['mixed_chunk_tokens_median']:.0f}",
+                         f"{r['decode_step_ms']:.1f}", f"{m['median']:.1f} / {m['p99']:.1f} / {m['max']:.1f}",
+                         f"{prof['wall_ms_per_step']:.1f} / {prof['busy_ms_per_step']:.1f}" if prof else "-"])
+    head = ["run", "context", "decoding", "alone s", "beside them s", "ratio", "steps x prompt tokens",
+            "decode-only step ms", "mixed step ms p50 / p99 / max", "profiled step wall / device ms"]
+    return (table(head, rows, drop_empty=True) + "\nAlone: the long prompt's prefill by itself (the second of two "
+            "runs); beside them: the same prompt while the other requests decode, every step of which is an "
+            "inter-token gap of each of them.\n" + sources(items, True))
 
 
 RENDERERS = {"bench-engine": bench_engine, "bench-attention": bench_attention,
              "bench-attention-at": bench_attention_at, "bench-long": bench_long, "bench-decode": bench_decode,
-             "bench-serve": bench_serve}
+             "bench-serve": bench_serve, "bench-mixed": bench_mixed}
