@@ -84,7 +84,7 @@ class EngineConfig:
     kv_offloading_size: float | None = _f(None, "host-memory tier of the KV cache in GiB (pinned): every page lives "
                                                 "there and --kv-cache-memory-gb becomes the GPU page cache; "
                                                 "0 or absent: no offloading (sparse attention only)")
-    enforce_eager: bool = _f(False, "run decode eagerly (no CUDA graphs)")
+    enforce_eager: bool = _f(False, "no CUDA graphs: decode and the sparse methods' prefill selection run eagerly")
     seed: int = _f(0, "random seed for requests that give none")
 
     def __post_init__(self) -> None:

@@ -372,3 +372,28 @@ def test_graph_decode_path_equals_eager_decode_with_staggered_sequences(tiny, me
     assert not engine.backend.graph.slots and not engine.backend.graph.cached  # finished sequences gave state back
     if method.endswith("-box"):
         assert any(key[4] for key in keys) and not engine.backend.boxes.rows  # a catch-up ran; boxes given back
+
+
+@pytest.mark.parametrize("method", sorted(GRAPH_CFG))
+def test_prefill_selection_graph_path_equals_eager(tiny, method):
+    """The static-buffer path that captures a prefill chunk's selection (attention/sparse/prefill_graph.py; on a CPU
+    run without capturing, `emulate`) gives the logits of the eager selection: the bucket-sized stage widths select
+    the same blocks. Chunks of 256 rows go through it (a power of two >= MIN_ROWS), the last partial chunk eagerly."""
+    from longreach.attention.sparse.prefill_graph import MIN_ROWS
+    from longreach.engine.llm import LLM
+
+    ids = torch.randint(3, 256, (1200,), generator=torch.Generator().manual_seed(7)).tolist()
+
+    def make():
+        return LLM(tiny, device="cpu", dtype="float32", kv_cache_memory_gb=0.01, attention=method.removesuffix("-box"),
+                   attention_config=GRAPH_CFG[method], max_num_batched_tokens=MIN_ROWS,
+                   max_model_len=1280).engine
+
+    expected = make().prompt_logits(ids)
+    engine = make()
+    graphs = engine.backend.prefill_graphs
+    assert not graphs.enabled  # off on a CPU unless emulated
+    graphs.enabled = graphs.emulate = True
+    got = engine.prompt_logits(ids)
+    assert graphs.replays > 0 and graphs.disabled_why is None
+    assert (got - expected).abs().max() < 1e-5

@@ -26,6 +26,7 @@ from ..index import QueryBlocks, SparseIndex
 from ..presets import resolve
 from .config import SparseConfig
 from .graph import GraphDecoder
+from .prefill_graph import PrefillGraphs
 from .selection import BlockQueries, KeptBoxes, SelectionMethod, SequenceKeys, use_kernels
 
 
@@ -48,6 +49,8 @@ class SparseBackend(AttentionBackend):
         self._step_layout = None  # (meta, layout) of the current step, see _layout
         self.graph = GraphDecoder(self.method, self.fallback, engine_config.max_num_seqs,
                                   engine_config.max_model_len, device, self.boxes)
+        self.prefill_graphs = PrefillGraphs(self.method, engine_config.max_model_len, engine_config.block_size, device,
+                                            enabled=not engine_config.enforce_eager and self.graph_unsupported() is None)
 
     @classmethod
     def resolve_config(cls, engine_config) -> SparseConfig:
@@ -153,7 +156,10 @@ class SparseBackend(AttentionBackend):
                 boxes = None if box_tables is None else self.boxes.seq_boxes(layer, box_tables, i)
                 keys = SequenceKeys(k_cache, meta.block_tables[i], length, boxes)
                 step = self._decode_step.get(seq_id, 0) if decoding else None
-                selections.append(m.select(layer, q[row0:row0 + n], local, keys, state, step))
+                if not decoding and self.prefill_graphs.applies(n, keys):  # replayed: see prefill_graph.py
+                    selections.append(self.prefill_graphs.select(layer, q[row0:row0 + n], local, keys))
+                else:
+                    selections.append(m.select(layer, q[row0:row0 + n], local, keys, state, step))
         blocks, counts = SparseIndex.pack(selections, q.device)
         return self.attend(layer, q, k_cache, v_cache, meta, qb, plan_queries, blocks, counts, meta.max_seq_len)
 
