@@ -149,6 +149,8 @@ def box_scores_reference(q: torch.Tensor, pool: torch.Tensor, tables: torch.Tens
     capturing = dev.type == "cuda" and torch.cuda.is_current_stream_capturing()
     flavours = [0] if moved is None else [f for f in (0, 1) if capturing or bool((moved == bool(f)).any())]
     qf = {0: q, 1: q_moved}
+    cr = {f: [boxes[..., f, i, :, :].index_select(-2, pair_kv).float() for i in (0, 1)] for f in flavours}
+    eq = "nrphd,nwpd->nphrw" if rows.dim() == 2 else "nrphd,wpd->nphrw"  # boxes (nb, W, P, D) or (W, P, D)
     step = max(1, max_bytes // max(1, R * Hq * width * 4 * 3))
     out = torch.empty(nb, P, width, device=dev)
     for lo in range(0, nb, step):
@@ -156,10 +158,7 @@ def box_scores_reference(q: torch.Tensor, pool: torch.Tensor, tables: torch.Tens
         best = None
         for f in flavours:
             x = qf[f][lo:hi].float().reshape(hi - lo, R, P, hpp, D)
-            c, r = (boxes[..., f, i, :, :].index_select(-2, pair_kv).float() for i in (0, 1))
-            if rows.dim() == 2:  # boxes (nb, W, P, D)
-                c, r = c[lo:hi], r[lo:hi]
-            eq = "nrphd,nwpd->nphrw" if rows.dim() == 2 else "nrphd,wpd->nphrw"
+            c, r = (t[lo:hi] if rows.dim() == 2 else t for t in cr[f])
             s = torch.einsum(eq, x, c) + torch.einsum(eq, x.abs(), r)
             s = s.amax(dim=(2, 3))
             best = s if best is None else torch.where(moved[lo:hi, None, None], s, best)
