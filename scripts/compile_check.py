@@ -21,12 +21,11 @@ import triton  # noqa: E402
 from triton.backends.compiler import GPUTarget  # noqa: E402
 
 from longreach.kernels import (  # noqa: E402
-    block_meta,
     bsa,
     cascade_insert,
-    chunk_box,
     combine,
     fused,
+    key_boxes,
     key_mass,
     kv_store,
     offload_copy,
@@ -207,21 +206,28 @@ def all_cases() -> list:
                   dict(Wanted="*u8", Tables=i32, Seq="*i64", First="*i64", Last="*i64", Blocks=i32, P="i32",
                        W="i32", G="i32", K="i32"),
                   dict(BS=16, PER=1, SINK_PAGES=4, SPAN=65, BLOCK_SEL=256, BLOCK_FIXED=128), []))
-    # the box stage 0 (kernels/chunk_box.py): box build per 64-token chunk (both flavours: as stored, and moved to
-    # the pruning position), and box scoring through the box table
+    # key boxes (kernels/key_boxes.py): the build kernel per 64-token chunk with both flavours (infinitehip's box
+    # stage 0: as stored, and moved to the pruning position) and per 16-token KV page with one (PSA's metadata, keys
+    # moved to position 0 with `rope: rank`; Quest's page bounds); the score kernel through a box table (fp32 queries
+    # per block, two flavours) and through the block tables (PSA: one bf16 decode row per block; Quest: bf16 rows)
     for suffix, kv, tiered in variants:
-        cases.append(("chunk_box build d128 chunk64" + suffix, chunk_box._chunk_box_kernel,
-                      dict(K=kv, KH=kv, Slots=i32, BlockTables=i32, Lens=i32, Lo=i32, Hi=i32, BoxTables=i32, Pool=bf,
-                           InvFreq=f32),
-                      dict(CHUNK=64, PAGE=16, PER=16, HEAD_DIM=128, MEAN=False, MOVE=True, TIERED=tiered,
-                           FP8=kv == f8), []))
-    cases.append(("chunk_box score d128 g4", chunk_box._box_score_kernel,
-                  dict(Q=f32, Moved=i32, Pool=bf, Table=i32, Out=f32),
-                  dict(HPP=4, PAIRS_PER_KV=1, PER=16, BLOCK_M=64, BLOCK_C=64, HEAD_DIM=128, DOT_PRECISION="tf32"),
-                  []))
-    # psa: the progressive decode loop and the parallel waves (Llama-8B's GQA 4, pages of 16 and 32), metadata build
-    # and block scoring; each decode kernel as stored and with `rope: rank`'s key rotation (ROPE), the metadata build
-    # with keys moved to position 0 (MOVE)
+        for label, unit, per, mean, flavours, move in (("chunk64 flavours2", 64, 16, False, 2, True),
+                                                       ("page16", 16, 1, True, 1, False),
+                                                       ("page16 moved", 16, 1, True, 1, True)):
+            cases.append((f"key_boxes build d128 {label}" + suffix, key_boxes._box_build_kernel,
+                          dict(K=kv, KH=kv, Slots=i32, BlockTables=i32, Lens=i32, Lo=i32, Hi=i32, BoxTables=i32,
+                               Pool=bf, InvFreq=f32),
+                          dict(UNIT=unit, PAGE=16, PER=per, HEAD_DIM=128, MEAN=mean, FLAVOURS=flavours, MOVE=move,
+                               TIERED=tiered, FP8=kv == f8), []))
+    for label, q, per, block_m, moved, precision in (("chunks fp32 q moved", f32, 16, 64, True, "tf32"),
+                                                     ("pages bf16 decode", bf, 1, 16, False, "tf32"),
+                                                     ("pages bf16 q", bf, 1, 64, False, "tf32")):
+        cases.append((f"key_boxes score d128 g4 {label}", key_boxes._box_score_kernel,
+                      dict(Q=q, Moved=i32, Pool=bf, Table=i32, CandHi=i32, Out=f32),
+                      dict(HPP=4, PAIRS_PER_KV=1, PER=per, BLOCK_M=block_m, BLOCK_C=64, HEAD_DIM=128, MOVED=moved,
+                           DOT_PRECISION=precision), []))
+    # psa: the progressive decode loop and the parallel waves (Llama-8B's GQA 4, pages of 16 and 32), each as stored
+    # and with `rope: rank`'s key rotation (ROPE); its metadata build and block scoring are the key-box cases above
     for suffix, kv, tiered in variants:
         for page, mb in ((16, 4), (32, 4)):
             for rope in (False, True):
@@ -239,11 +245,6 @@ def all_cases() -> list:
                           dict(HPG=4, BLOCK_M=16, BLOCK_H=4, MB=4, PAGE=16, BLOCK_N=64, HEAD_DIM=128,
                                DOT_PRECISION="tf32", TIERED=tiered, FP8=kv == f8, FIRST=True, ROPE=rope),
                           ["qk_scale"]))
-        for move in (False, True):
-            cases.append(("psa block meta d128 page16" + suffix + (" moved" if move else ""),
-                          block_meta._block_meta_kernel,
-                          dict(K=kv, KH=kv, Slots=i32, BlockTables=i32, Lo=i32, Hi=i32, Meta=bf, InvFreq=f32),
-                          dict(PAGE=16, HEAD_DIM=128, MEAN=True, TIERED=tiered, FP8=kv == f8, MOVE=move), []))
     for first, last in ((True, False), (False, True)):
         cases.append((f"psa waves merge d128 g4{' first' if first else ''}{' last' if last else ''}",
                       psa_waves._psa_wave_merge_kernel,
@@ -251,9 +252,6 @@ def all_cases() -> list:
                            Count=i32),
                       dict(HPG=4, BLOCK_H=4, MB=4, HEAD_DIM=128, COLS=32, CHUNK=32, FIRST=first, LAST=last),
                       ["log2_odds"]))
-    cases.append(("psa block score d128 g4", block_meta._block_score_kernel,
-                  dict(Q=bf, Meta=bf, BlockTables=i32, CandHi=i32, Scores=f32),
-                  dict(HPG=4, BLOCK_M=16, BLOCK_W=64, HEAD_DIM=128, DOT_PRECISION="tf32"), []))
     return cases
 
 

@@ -1,15 +1,11 @@
 """Stage 0 from boxes around each chunk's keys (kernels/chunk_box.py, `stage0_scores` in attention/infinitehip/),
-kept by the engine in a paged pool (attention/infinitehip/boxes.py). Kernels run in Triton's interpreter (conftest)."""
+kept by the engine in a paged pool (attention/infinitehip/boxes.py); the build and score kernels are
+kernels/key_boxes.py's, shared with PSA and Quest. Kernels run in Triton's interpreter (conftest)."""
 import pytest
 import torch
 
-from longreach.kernels.chunk_box import (
-    build_boxes_reference,
-    build_boxes_triton,
-    chunk_box_scores,
-    chunk_boxes,
-    key_boxes,
-)
+from longreach.kernels.chunk_box import box_move, chunk_box_scores, chunk_boxes, key_boxes
+from longreach.kernels.key_boxes import build_boxes_reference, build_boxes_triton
 from longreach.kernels.prune_stage import chunk_scores_reference
 from longreach.models.config import RopeConfig
 from longreach.rope.scaling import rope_inv_freq
@@ -119,9 +115,9 @@ def _build_case(kind, mode, builder, dtype=torch.float32, tiered=False, fp8=Fals
 
         cache, _ = _tiered(kc, kc, torch.Generator().manual_seed(9))
     if builder == "triton":
-        build_boxes_triton(cache, tables, lens, lo, hi, box_tables, pool, per, chunk, kind, rope, 12)
+        build_boxes_triton(cache, tables, lens, lo, hi, box_tables, pool, per, chunk, kind, 12, box_move(rope))
     else:
-        build_boxes_reference(cache, tables, lens, lo, hi, box_tables, pool, per, chunk, kind, rope)
+        build_boxes_reference(cache, tables, lens, lo, hi, box_tables, pool, per, chunk, kind, box_move(rope))
     want = torch.full_like(pool, float("nan"), dtype=torch.float32)
     plain = values(kc, torch.float32) if fp8 else kc
     for r, n in enumerate(lengths):
@@ -166,8 +162,9 @@ def test_build_kernel_matches_the_reference(case, dtype):
 @pytest.mark.parametrize("groups", [2, 1, 8])
 def test_score_kernel_matches_the_torch_scores(dtype, groups):
     """The Triton scorer (interpreter) reads the kept boxes through a scrambled box table and takes each block's
-    flavour; the torch path scores the gathered boxes. Blocks of 1-8 rows (decode and prefill), some moved."""
-    from longreach.kernels.chunk_box import BoxView, _box_scores_torch, box_scores_triton, pair_index
+    flavour; the reference gathers them. Blocks of 1-8 rows (decode and prefill), some moved, candidates cut on both
+    sides (-inf outside)."""
+    from longreach.kernels.key_boxes import box_scores_reference, box_scores_triton
 
     g = torch.Generator().manual_seed(groups)
     nb, R, Hq, Hkv, D, per, n = 4, 8, 8, 2, 16, 4, 37
@@ -178,15 +175,14 @@ def test_score_kernel_matches_the_torch_scores(dtype, groups):
     pool = torch.randn(12 * per, 2, 2, Hkv, D, generator=g).to(dtype)
     pool[:, :, 1] = pool[:, :, 1].abs()
     table = torch.randperm(12, generator=g)[:10].int()
-    view = BoxView(pool, table, per, n)
-    got = box_scores_triton(q32, q_moved, moved, view, groups)
+    cand_hi = torch.tensor([n, 20, 3, 30], dtype=torch.int32)  # block 2: no candidate past cand_lo
+    got = box_scores_triton(q32, pool, table, per, 3, cand_hi, n, groups, q_moved, moved)
+    want = box_scores_reference(q32, pool, table, per, 3, cand_hi, n, groups, q_moved, moved, max_bytes=1 << 20)
     P = Hkv if groups != Hq else Hq
-    hpp = Hq // P
-    want = _box_scores_torch(q32, q_moved, moved, view.gather(), P, hpp, pair_index(P, Hkv, groups, q32.device)[1],
-                             1 << 20)
     tol = 1e-4 if dtype == torch.float32 else 2e-2
-    assert got.shape == want.shape == (nb, P, n)
-    assert (got - want).abs().max() <= tol
+    fin = torch.isfinite(want)
+    assert got.shape == want.shape == (nb, P, n) and torch.equal(fin, torch.isfinite(got))
+    assert int(fin.sum()) == P * (34 + 17 + 0 + 27) and (got[fin] - want[fin]).abs().max() <= tol
 
 
 ENGINE_KW = dict(device="cpu", dtype="float32", kv_cache_memory_gb=0.02, max_num_batched_tokens=256,

@@ -1,8 +1,9 @@
 """Failure isolation in `LLMEngine.step` (tiny CPU model): a NaN row, a forward, the sampler or the stop rules failing
 on one request fails that request alone (error set, pages freed) and leaves the others' tokens as in a clean run; a
-failure for everyone raises. The retry of a failed forward is safe with stateful backends (InfiniteHiP, Quest, PSA;
-cascading raises). A logprobs pass run between steps while requests run (what the server does) scores the same as on
-an idle engine and changes nobody's tokens, with dense attention and those backends."""
+failure for everyone raises. The retry of a failed forward is safe with stateful backends (InfiniteHiP, Quest with
+and without kept page boxes, PSA; cascading raises). A logprobs pass run between steps while requests run (what the
+server does) scores the same as on an idle engine and changes nobody's tokens, with dense attention and those
+backends."""
 import pytest
 import torch
 
@@ -179,6 +180,7 @@ METHODS = {  # small configs of tests/test_sparse.py and tests/test_psa_engine.p
     "infinitehip": '{"n_sink": 8, "n_window": 16, "block_q": 8, "chunk_sizes": [32, 8, 2], "budgets": [128, 32, 8], '
                    '"early_layers": 1, "early_last_budget": 16, "refresh": [4, 2, 1], "dense_below": 0}',
     "quest": '{"n_sink": 8, "n_window": 16, "block_q": 8, "page_size": 4, "budget": 16, "dense_below": 0}',
+    "quest-paged": '{"n_sink": 8, "n_window": 16, "block_q": 8, "page_size": 16, "budget": 32, "dense_below": 0}',
     "psa": '{"n_sink": 8, "n_window": 8, "microbatch": 1, "epsilon": 0.8}',
     "cascading": '{"n_sink": 4, "num_subcaches": 3, "subcache_size": 8, "stride": 16, "block_q": 8, "block_k": 4}',
 }
@@ -191,8 +193,8 @@ def test_retry_after_a_decode_forward_error_with_a_stateful_backend(engine, monk
     their clean tokens. Cascading cannot rebuild its rings from the cache: the retries raise, so the step does."""
     kw = {"max_model_len": 4096} if method == "cascading" else {}
     path = engine.config.model
-    e = LLM(path, device="cpu", dtype="float32", kv_cache_memory_gb=0.01, max_num_batched_tokens=64, attention=method,
-            attention_config=METHODS[method], **kw).engine
+    e = LLM(path, device="cpu", dtype="float32", kv_cache_memory_gb=0.01, max_num_batched_tokens=64,
+            attention=method.removesuffix("-paged"), attention_config=METHODS[method], **kw).engine
     g = torch.Generator().manual_seed(0)
     lengths = {"a": 150, "bad": 90, "c": 120}
     prompts = {rid: torch.randint(3, 256, (n,), generator=g).tolist() for rid, n in lengths.items()}
@@ -219,7 +221,8 @@ def test_logprobs_pass_between_steps_changes_nothing(engine, method):
     if method != "dense":
         kw = {"max_model_len": 4096} if method == "cascading" else {}
         engine = LLM(engine.config.model, device="cpu", dtype="float32", kv_cache_memory_gb=0.01,
-                     max_num_batched_tokens=32, attention=method, attention_config=METHODS[method], **kw).engine
+                     max_num_batched_tokens=32, attention=method.removesuffix("-paged"),
+                     attention_config=METHODS[method], **kw).engine
     clean = {rid: o.token_ids for rid, o in _drive(engine).items()}
     ids = _prompts(seed=9)["bad"] + _prompts(seed=9)["a"]  # 110 tokens: four 32-token chunks
     want = engine.prompt_logprobs(ids, 3, 5)

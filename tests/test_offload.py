@@ -254,6 +254,9 @@ SMALL = {
     "hip": '{"n_sink": 8, "n_window": 16, "block_q": 8, "budget": 16, "dense_layers": [0], "dense_below": 0, '
            '"refresh": 2}',
     "streaming": '{"n_sink": 8, "n_window": 24, "block_q": 8, "dense_below": 0}',
+    # page boxes kept by page id (attention/box_store.py): the offloaded prefill (staging area, page ids of its own)
+    # boxes from the keys, the first decode step boxes the whole prompt through both tiers
+    "quest": '{"n_sink": 8, "n_window": 16, "block_q": 8, "page_size": 16, "budget": 32, "dense_below": 0}',
 }
 POOL_GB = 12 * 2 * 16 * 2 * 16 * 4 / 2**30  # 12 slots: a few layers' worth; most reads miss and slots churn
 
@@ -288,7 +291,7 @@ def _record_logits(llm):
     return seen
 
 
-@pytest.mark.parametrize("method", ["infinitehip", "infinitehip-box", "hip", "streaming", "dense"])
+@pytest.mark.parametrize("method", ["infinitehip", "infinitehip-box", "hip", "streaming", "quest", "dense"])
 def test_offloaded_engine_gives_the_same_tokens_and_logits_bit_for_bit(tiny, method):
     """Batch of two prompts of different lengths, chunked prefill (48-token chunks), 12 GPU slots for 3 layers x up
     to 10 pages: every logit of every step equals the one-tier run exactly, and the store stays consistent."""

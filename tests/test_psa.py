@@ -11,12 +11,12 @@ import torch
 
 from longreach.attention.executor import block_sparse_attention
 from longreach.attention.psa import PSA, PSAConfig
-from longreach.kernels.block_meta import (
-    block_metadata_reference,
-    block_scores_reference,
-    block_scores_triton,
-    build_block_meta_reference,
-    build_block_meta_triton,
+from longreach.kernels.key_boxes import (
+    box_of_keys,
+    build_page_boxes_reference,
+    build_page_boxes_triton,
+    page_box_scores_reference,
+    page_box_scores_triton,
 )
 from longreach.kernels.paged_decode import paged_decode_reference
 from longreach.kernels.psa_decode import psa_decode_reference, psa_decode_triton
@@ -140,10 +140,10 @@ def _setup(case, dtype, seed):
     cfg = PSAConfig(epsilon=0.9, microbatch=mb, n_sink=page + 1, n_window=page + 3)  # sink: 2 blocks
     m = PSA(cfg, Hq, Hkv)
     meta = torch.zeros(kc.shape[0], 2, Hkv, D, dtype=qdt)
-    build_block_meta_reference(kc, tables, torch.zeros(len(lengths), dtype=torch.int32), (seq_lens - 1) // page,
+    build_page_boxes_reference(kc, tables, torch.zeros(len(lengths), dtype=torch.int32), (seq_lens - 1) // page,
                                meta, cfg.metadata)
     cand_lo, cand_hi = m.candidates(seq_lens, page)
-    ranked = block_scores_reference(q, meta, tables, cand_lo, cand_hi, tables.shape[1]).sort(
+    ranked = page_box_scores_reference(q, meta, tables, cand_lo, cand_hi, tables.shape[1]).sort(
         dim=-1, descending=True, stable=True).indices.int()
     return q, kc, vc, tables, seq_lens, ranked, cand_lo, cand_hi, meta
 
@@ -195,7 +195,7 @@ def test_kernels_read_through_the_page_table_and_fp8_rows(fmt):
     assert torch.equal(got[2], ref[2]) and (got[0] - ref[0]).abs().max() < 1e-5
     built = torch.full_like(meta, float("nan"))
     lo, hi = torch.zeros(2, dtype=torch.int32), ((seq_lens - 1) // 4).int()
-    build_block_meta_triton(kt, tables, lo, hi, int(hi.max()), built, "cuboid-mean")
+    build_page_boxes_triton(kt, tables, lo, hi, int(hi.max()), built, "cuboid-mean")
     done = tables[0, :int(hi[0])].long()
     assert (built[done] - meta[done]).abs().max() < 1e-5
     assert torch.isnan(built[tables[0, int(hi[0])].long()]).all()  # the partial last page: not built
@@ -209,17 +209,17 @@ def test_metadata_and_scoring_kernels_match_references(kind):
     lo = torch.tensor([0, 3, 10], dtype=torch.int32)
     hi = torch.tensor([14, 9, 24], dtype=torch.int32)
     ref = torch.zeros(kc.shape[0], 2, Hkv, D)
-    build_block_meta_reference(kc, tables, lo, hi, ref, kind)
+    build_page_boxes_reference(kc, tables, lo, hi, ref, kind)
     got = torch.zeros_like(ref)
-    build_block_meta_triton(kc, tables, lo, hi, 14, got, kind)
+    build_page_boxes_triton(kc, tables, lo, hi, 14, got, kind)
     assert (got - ref).abs().max() < 1e-5
     built = torch.cat([tables[r, int(a):int(b)] for r, (a, b) in enumerate(zip(lo, hi))]).long()
     assert (ref[built, 1] >= 0).all() and (ref.index_select(0, torch.tensor(
         sorted(set(range(kc.shape[0])) - set(built.tolist())))) == 0).all()  # only [lo, hi) written
     q = torch.randn(3, Hq, D, generator=g)
     cand_hi = torch.tensor([12, 9, 20], dtype=torch.int32)
-    s_ref = block_scores_reference(q, ref, tables, 2, cand_hi, tables.shape[1])
-    s_got = block_scores_triton(q, ref, tables, 2, cand_hi, tables.shape[1], block_w=16)
+    s_ref = page_box_scores_reference(q, ref, tables, 2, cand_hi, tables.shape[1])
+    s_got = page_box_scores_triton(q, ref, tables, 2, cand_hi, tables.shape[1], block_w=16)
     fin = torch.isfinite(s_ref)
     assert torch.equal(fin, torch.isfinite(s_got)) and (s_ref[fin] - s_got[fin]).abs().max() < 1e-4
     if kind == "minmax":  # Quest's bound: no key of a block scores above its block's score, for any head
@@ -231,8 +231,8 @@ def test_metadata_and_scoring_kernels_match_references(kind):
 
 def test_block_metadata_definitions():
     keys = torch.tensor([[1.0, -2.0], [3.0, 0.0], [2.0, 4.0], [0.0, 2.0]])[None, :, None]  # one block, one head
-    mean = block_metadata_reference(keys, "cuboid-mean")[0, :, 0]
-    box = block_metadata_reference(keys, "minmax")[0, :, 0]
+    mean = box_of_keys(keys, "cuboid-mean")[0, :, 0]
+    box = box_of_keys(keys, "minmax")[0, :, 0]
     assert mean[0].tolist() == [1.5, 1.0] and box[0].tolist() == [1.5, 1.0]
     assert mean[1].tolist() == [1.0, 2.0] and box[1].tolist() == [1.5, 3.0]
 
@@ -272,7 +272,7 @@ def test_batch_rows_stop_independently():
     seq_lens = torch.tensor([L, L], dtype=torch.int32)
     m = PSA(PSAConfig(epsilon=0.9, microbatch=2, n_sink=4, n_window=8), Hq, Hkv)
     meta = torch.zeros(kc.shape[0], 2, Hkv, D)
-    build_block_meta_reference(kc, tables, torch.zeros(2, dtype=torch.int32), (seq_lens - 1) // page, meta,
+    build_page_boxes_reference(kc, tables, torch.zeros(2, dtype=torch.int32), (seq_lens - 1) // page, meta,
                                "cuboid-mean")
     results = {}
     for kernels in (False, True):
@@ -367,7 +367,7 @@ def test_recall_selection_mask_reads_what_the_decode_path_reads():
     tables = torch.arange(n_pages, dtype=torch.int32)[None].expand(R, n_pages).contiguous()
     seq_lens = (positions + 1).int()
     meta = torch.zeros(n_pages, 2, Hkv, D)
-    build_block_meta_reference(cache, tables, torch.zeros(R, dtype=torch.int32), (seq_lens - 1) // page, meta,
+    build_page_boxes_reference(cache, tables, torch.zeros(R, dtype=torch.int32), (seq_lens - 1) // page, meta,
                                "cuboid-mean")
     _, counts, ranked, cand_hi = m.attend(q, cache, cache, tables, seq_lens, meta, n_pages, D ** -0.5, False)
     assert (counts.long() < (cand_hi.long() - 1)[:, None]).any()  # pruned somewhere

@@ -84,7 +84,7 @@ def test_graph_decode_path_equals_eager_with_joining_sequences(tiny):
     engine.runner.capture_graphs(emulate=True)
     assert run_with_joins(engine, prompts, params, {0: 0, 3: 1}, 60) == expected
     assert {key[1] for _, key in engine.runner._graphs} == {False, True}  # both variants ran
-    assert not engine.backend._built  # finished sequences gave their state back
+    assert not engine.backend.boxes.done  # finished sequences gave their state back
 
 
 def test_composed_prefill_then_psa_decode_equals_psa(tiny):

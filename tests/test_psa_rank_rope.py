@@ -5,7 +5,7 @@ the tail at true distances, so every attended key lies within rope_from - 1 of t
 import pytest
 import torch
 
-from longreach.kernels.block_meta import build_block_meta_reference, build_block_meta_triton
+from longreach.kernels.key_boxes import build_page_boxes_reference, build_page_boxes_triton
 from longreach.kernels.psa_decode import (
     fixed_positions,
     psa_decode_reference,
@@ -118,13 +118,13 @@ def test_moved_metadata_kernel_matches_reference(dtype):
     lo = torch.zeros(3, dtype=torch.int32)
     hi = ((seq_lens - 1) // 4).int()
     want = torch.zeros(kc.shape[0], 2, 2, 16)
-    build_block_meta_reference(kc, tables, lo, hi, want, "cuboid-mean", inv_freq=inv)
+    build_page_boxes_reference(kc, tables, lo, hi, want, "cuboid-mean", inv_freq=inv)
     got = torch.full((kc.shape[0], 2, 2, 16), float("nan"), dtype=dtype)
-    build_block_meta_triton(kc, tables, lo, hi, int(hi.max()), got, "cuboid-mean", inv_freq=inv)
+    build_page_boxes_triton(kc, tables, lo, hi, int(hi.max()), got, "cuboid-mean", inv_freq=inv)
     built = tables[0, :int(hi[0])].long()
     assert (got[built].float() - want[built]).abs().max() < (1e-5 if dtype == torch.float32 else 2e-3)
     stored = torch.zeros_like(want)
-    build_block_meta_reference(kc, tables, lo, hi, stored, "cuboid-mean")
+    build_page_boxes_reference(kc, tables, lo, hi, stored, "cuboid-mean")
     assert not torch.allclose(stored[built[1:]], want[built[1:]])  # block 0 sits at positions 0..3 already
 
 

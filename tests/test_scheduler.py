@@ -189,6 +189,8 @@ SPARSE = {
     "hip": '{"n_sink": 8, "n_window": 16, "block_q": 8, "budget": 16, "dense_layers": [0], "dense_below": 0, '
            '"refresh": 2}',
     "quest": '{"n_sink": 8, "n_window": 16, "block_q": 8, "page_size": 4, "budget": 16, "dense_below": 0}',
+    # a Quest page of one KV page: page boxes kept by page id (attention/box_store.py), built by each part of a step
+    "quest-paged": '{"n_sink": 8, "n_window": 16, "block_q": 8, "page_size": 16, "budget": 32, "dense_below": 0}',
     "streaming": '{"n_sink": 8, "n_window": 24, "block_q": 8, "dense_below": 0}',
     "psa": '{"n_sink": 8, "n_window": 8, "microbatch": 1, "epsilon": 0.8}',
 }

@@ -85,8 +85,9 @@ class ComposedBackend(AttentionBackend):
         self.config = getattr(decode, "config", None)  # the decode method's config, for tools that inspect it
 
     def kv_needs(self, dtype) -> KVNeeds:
-        """The decode half's: it keeps the per-page state and reads the cache every step (no bounded cache here)."""
-        return KVNeeds(page_state_bytes=self.decode.page_state_bytes(dtype),
+        """Per-page state of both halves (each keeps its own: Quest's page boxes in prefill, PSA's in decode), and the
+        decode half's dense layers: it reads the cache every step (no bounded cache here)."""
+        return KVNeeds(page_state_bytes=self.prefill.page_state_bytes(dtype) + self.decode.page_state_bytes(dtype),
                        dense_layers=self.decode.always_dense_layers())
 
     def begin_step(self, meta: AttentionMetadata) -> None:

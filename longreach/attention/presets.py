@@ -63,3 +63,9 @@ def config_from(cls: type, base, overrides: dict):
 def resolve(cls: type, method: str, presets: dict, default: str, engine_config):
     """The config of dataclass `cls` that `engine_config` asks for: its preset (else `default`) with its overrides."""
     return config_from(cls, *preset_and_overrides(method, presets, default, engine_config))
+
+
+def missing_layers(dense_layers, num_layers: int) -> list[str]:
+    """Why `dense_layers` cannot serve a model of `num_layers` layers (a backend's `unsupported_reasons`), or []."""
+    bad = [layer for layer in dense_layers if layer >= num_layers]
+    return [f"dense_layers {bad} do not exist (the model has {num_layers} layers)"] if bad else []

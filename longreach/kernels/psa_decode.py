@@ -1,7 +1,7 @@
 """PSA's progressive decode attention (Zhou et al., Alg. 1): blocks in rank order until the attended mass suffices.
 
 For one decode query per row and one KV head g (the heads of g's GQA group together), given the row's candidate
-blocks ranked by criticality (kernels/block_meta.py):
+blocks ranked by criticality (kernels/key_boxes.py: page box scores):
   1. attend to the fixed keys: the sink [0, cand_lo * B) and the tail [cand_hi * B, p] (the last n_window keys
      extended down to a block boundary, the partial last page included); they count in AS_acc, not in AS_min;
   2. take the ranked blocks in micro-batches of m: attend (one online softmax carries the output and AS_acc, the

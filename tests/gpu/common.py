@@ -1,6 +1,8 @@
-"""Helpers shared by the GPU tests: error measures, RoPE frequencies, two-tier caches, timing, the essay text."""
+"""Helpers shared by the GPU tests: error measures, RoPE frequencies, random paged caches, two-tier caches, timing,
+the essay text."""
 from __future__ import annotations
 
+import gc
 import os
 
 import torch
@@ -17,6 +19,21 @@ def llama_inv_freq(D: int) -> torch.Tensor:
     from longreach.rope.scaling import rope_inv_freq
 
     return rope_inv_freq(RopeConfig(theta=500000.0), D)[0].cuda()
+
+
+def random_paged_kv(dev, g, lengths, page: int, Hkv: int, D: int, dtype=torch.bfloat16, spare: int = 4):
+    """Random K/V (P, page, H_kv, D) holding sequences of `lengths` tokens in pages scattered at random (`spare`
+    pages more, owned by none), and their block tables (n, most pages) int32: (kc, vc, tables)."""
+    need = [-(-x // page) for x in lengths]
+    kc = torch.randn(sum(need) + spare, page, Hkv, D, device=dev, dtype=dtype, generator=g)
+    vc = torch.randn_like(kc)
+    perm = torch.randperm(kc.shape[0], device=dev, generator=g).int()
+    tables = torch.zeros(len(lengths), max(need), dtype=torch.int32, device=dev)
+    first = 0
+    for i, n in enumerate(need):
+        tables[i, :n] = perm[first:first + n]
+        first += n
+    return kc, vc, tables
 
 
 def two_tier(kc, vc, share, g):
@@ -52,6 +69,28 @@ def median_us(fn, reps: int = 50) -> float:
         torch.cuda.synchronize()
         times.append(a.elapsed_time(b) * 1000)
     return sorted(times)[reps // 2]
+
+
+def gpu_and_cpu_tokens(gpu_model, attention: str, attention_config: str, check=None, prompt_tokens: int = 3000,
+                       max_tokens: int = 24) -> list[list[int]]:
+    """Greedy tokens of the essays' first `prompt_tokens` tokens through the engine with `attention` on the GPU
+    (kernels) and on the CPU (the references), fp32 both: [GPU tokens, CPU tokens]. check(llm), if given, runs on
+    each engine before it generates."""
+    from longreach import LLM, SamplingParams
+
+    outs = []
+    for device in ("cuda", "cpu"):
+        gc.collect()
+        torch.cuda.empty_cache()
+        llm = LLM(gpu_model, attention=attention, attention_config=attention_config, device=device, dtype="float32",
+                  max_model_len=4096, kv_cache_memory_gb=1, max_num_seqs=1)
+        if check is not None:
+            check(llm)
+        ids = llm.get_tokenizer().encode(essay_text())[:prompt_tokens]
+        params = SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True)
+        outs.append(llm.generate({"prompt_token_ids": ids}, params, use_tqdm=False)[0].token_ids)
+        del llm
+    return outs
 
 
 def essay_text() -> str:

@@ -1,5 +1,6 @@
-"""The box-scored stage 0 (kernels/chunk_box.py, attention/infinitehip/boxes.py) on the GPU: the box-build kernel against its
-reference in bf16 at 128K with the decode-step costs it adds, and `infinitehip:3k-box` through the engine."""
+"""The box-scored stage 0 (kernels/chunk_box.py on kernels/key_boxes.py's kernels, attention/infinitehip/boxes.py) on
+the GPU: the box-build kernel against its reference in bf16 at 128K with the decode-step costs it adds, and
+`infinitehip:3k-box` through the engine."""
 from __future__ import annotations
 
 import gc
@@ -14,8 +15,9 @@ def test_box_kernels(detail):
     chunk of two sequences, stored and moved flavours, one tier and two tiers), then, at the 8B shape, the time of
     what a step adds per layer: boxing one chunk, and stage 0's box scores over 2,048 chunks by the Triton kernel
     against the torch reference (values, top-k sets, time in CUDA graphs), for a decode query and a prefill step."""
-    from longreach.kernels.chunk_box import (BoxView, _box_scores_torch, box_queries, box_scores_triton,
-                                             build_boxes_reference, build_boxes_triton, pair_index)
+    from longreach.kernels.chunk_box import box_move, box_queries
+    from longreach.kernels.key_boxes import (BoxView, box_scores_reference, box_scores_triton, build_boxes_reference,
+                                             build_boxes_triton)
     from longreach.rope.strategies import RopeArgs
 
     dev, L, shapes, page, chunk, per = "cuda", 131072 + 37, ((32, 8, 128), (9, 3, 64)), 16, 64, 16
@@ -38,10 +40,10 @@ def test_box_kernels(detail):
             rope = None if mode is None else RopeArgs(mode, llama_inv_freq(D), rope_from=0, n_window=1024)
             cache = two_tier(kc, kc, 0.5, g)[0] if tiered else kc
             got = torch.zeros(2 * span * per, 2, 2, Hkv, D, dtype=torch.bfloat16, device=dev)
-            build_boxes_triton(cache, tables, lens_t, lo, hi, box_tables, got, per, chunk, "minmax", rope,
-                               max(chunks))
+            build_boxes_triton(cache, tables, lens_t, lo, hi, box_tables, got, per, chunk, "minmax", max(chunks),
+                               box_move(rope))
             ref = torch.zeros(got.shape, dtype=torch.float32, device=dev)
-            build_boxes_reference(kc, tables, lens_t, lo, hi, box_tables, ref, per, chunk, "minmax", rope)
+            build_boxes_reference(kc, tables, lens_t, lo, hi, box_tables, ref, per, chunk, "minmax", box_move(rope))
             err = ((got.float() - ref).abs() / ref.abs().clamp(min=1.0)).max().item()
             worst = max(worst, err)
             if err > 1e-2:  # bf16 rounding of the stored centre and radius: 2^-8 relative
@@ -51,7 +53,7 @@ def test_box_kernels(detail):
             rope = RopeArgs("rt", llama_inv_freq(D), rope_from=0, n_window=1024)
             one_lo = (hi - 1).contiguous()
             build_us = median_us(lambda: build_boxes_triton(kc, tables, lens_t, one_lo, hi, box_tables, got, per,
-                                                            chunk, "minmax", rope, 1))
+                                                            chunk, "minmax", 1, box_move(rope)))
     out = f"build kernel == reference at {L} tokens ({', '.join(notes)}; rt/none, 1-2 tiers), worst rel. {worst:.1e}"
     # decode-step costs at the 8B shape, 128K: one chunk boxed per row (above); stage 0's box scores of one query
     # over every chunk, and of a prefill step's 128 blocks of 64 rows, by the kernel and by the torch reference
@@ -69,10 +71,10 @@ def test_box_kernels(detail):
         ok = torch.ones(nb, rows, dtype=torch.bool, device=dev)
         cand_end = torch.linspace(40000, L - 1024, nb, device=dev).long()  # some blocks inside rope_from, some past
         q32, q_moved, moved = box_queries(qs, ok, cand_end, rope)
-        P, hpp = Hkv, Hq // Hkv
-        kern = lambda: box_scores_triton(q32, q_moved, moved, view, Hkv)  # noqa: E731
-        ref = lambda: _box_scores_torch(q32, q_moved, moved, view.gather(), P, hpp,  # noqa: E731
-                                        pair_index(P, Hkv, Hkv, q32.device)[1], 256 << 20)
+        every = torch.full((nb,), n_chunks, dtype=torch.int32, device=dev)  # every chunk a candidate
+        args = (q32, pool, view.table, per, 0, every, n_chunks, Hkv, q_moved, moved)
+        kern = lambda: box_scores_triton(*args)  # noqa: E731
+        ref = lambda: box_scores_reference(*args)  # noqa: E731
         got, want = kern(), ref()
         worst_rel = max(worst_rel, ((got - want).abs() / want.abs().clamp(min=1.0)).max().item())
         k = 512

@@ -8,7 +8,7 @@ import torch
 from longreach.kernels.paged_decode import paged_decode, paged_decode_reference
 from longreach.rope.strategies import RopeArgs
 
-from .common import llama_inv_freq, rel_err
+from .common import llama_inv_freq, random_paged_kv, rel_err
 
 
 def test_paged_decode(detail):
@@ -64,13 +64,7 @@ def test_block_sparse_attention(detail):
                 lens_ctx = [20000, 9000] if decode else [16384 + 37, 0]
                 lens_q = [1, 1] if decode else [131, 300]
                 L = [c + q for c, q in zip(lens_ctx, lens_q)]
-                page = 16
-                need = [-(-x // page) for x in L]
-                kc = torch.randn(sum(need) + 4, page, Hkv, D, device=dev, dtype=torch.bfloat16, generator=g)
-                vc = torch.randn_like(kc)
-                perm = torch.randperm(kc.shape[0], device=dev, generator=g).int()
-                tables = torch.zeros(2, max(need), dtype=torch.int32, device=dev)
-                tables[0, : need[0]], tables[1, : need[1]] = perm[: need[0]], perm[need[0]: need[0] + need[1]]
+                kc, vc, tables = random_paged_kv(dev, g, L, 16, Hkv, D)
                 q = torch.randn(sum(lens_q), Hq, D, device=dev, dtype=torch.bfloat16, generator=g)
                 BQ, BK = (1 if decode else 64), 8
                 qb = QueryBlocks.build(lens_q, lens_ctx, BQ)
@@ -169,13 +163,7 @@ def test_minference_range_kernel(detail):
             g = torch.Generator(device=dev).manual_seed(Hq + G)
             lens_ctx, lens_q = [40000, 0], [2048 + 37, 9000]
             L = [c + q for c, q in zip(lens_ctx, lens_q)]
-            page = 16
-            need = [-(-x // page) for x in L]
-            kc = torch.randn(sum(need) + 4, page, Hkv, D, device=dev, dtype=torch.bfloat16, generator=g)
-            vc = torch.randn_like(kc)
-            perm = torch.randperm(kc.shape[0], device=dev, generator=g).int()
-            tables = torch.zeros(2, max(need), dtype=torch.int32, device=dev)
-            tables[0, : need[0]], tables[1, : need[1]] = perm[: need[0]], perm[need[0]: need[0] + need[1]]
+            kc, vc, tables = random_paged_kv(dev, g, L, 16, Hkv, D)
             q = torch.randn(sum(lens_q), Hq, D, device=dev, dtype=torch.bfloat16, generator=g)
             m = MInference(MInferenceConfig(granularity=gran), Hq, Hkv)
             qb = QueryBlocks.build(lens_q, lens_ctx, 64)

@@ -31,8 +31,8 @@ def test_psa_kernels(detail):
     either kernel; and the time of one decode step (rank + loop) next to the dense paged-decode kernel, with the keys
     it read, and of the two decode kernels alone (CUDA graphs, batch 1)."""
     from longreach.attention.psa import PSA, PSAConfig
-    from longreach.kernels.block_meta import (block_scores_reference, block_scores_triton,
-                                              build_block_meta_reference, build_block_meta_triton)
+    from longreach.kernels.key_boxes import (build_page_boxes_reference, build_page_boxes_triton,
+                                             page_box_scores_reference, page_box_scores_triton)
     from longreach.kernels.psa_decode import psa_decode_reference, psa_decode_triton
     from longreach.kernels.psa_waves import psa_decode_waves
     from longreach.kernels.paged_decode import paged_decode
@@ -65,9 +65,9 @@ def test_psa_kernels(detail):
         lo = torch.zeros(len(lengths), dtype=torch.int32, device=dev)
         hi = ((seq_lens - 1) // page).int()
         meta = torch.zeros(P, 2, Hkv, D, dtype=dtype, device=dev)
-        build_block_meta_triton(kc, tables, lo, hi, int(hi.max()), meta, "cuboid-mean")
+        build_page_boxes_triton(kc, tables, lo, hi, int(hi.max()), meta, "cuboid-mean")
         ref_meta = torch.zeros(P, 2, Hkv, D, dtype=torch.float32, device=dev)
-        build_block_meta_reference(kc, tables, lo, hi, ref_meta, "cuboid-mean")
+        build_page_boxes_reference(kc, tables, lo, hi, ref_meta, "cuboid-mean")
         err = rel_err(meta.float(), ref_meta)
         if err > 1e-2:
             raise AssertionError(f"page {page}: block metadata rel err {err:.2e}")
@@ -75,8 +75,8 @@ def test_psa_kernels(detail):
         m = methods["loop"]
         cand_lo, cand_hi = m.candidates(seq_lens, page)
         W = tables.shape[1]
-        scores = block_scores_triton(q, meta, tables, cand_lo, cand_hi, W)
-        ref_scores = block_scores_reference(q, meta, tables, cand_lo, cand_hi, W)
+        scores = page_box_scores_triton(q, meta, tables, cand_lo, cand_hi, W)
+        ref_scores = page_box_scores_reference(q, meta, tables, cand_lo, cand_hi, W)
         fin = torch.isfinite(ref_scores)
         if not torch.equal(fin, torch.isfinite(scores)) or rel_err(scores[fin], ref_scores[fin]) > 1e-3:
             raise AssertionError(f"page {page}: block scores differ from the reference")
@@ -165,7 +165,7 @@ def test_psa_step_times(detail):
     The width is the engine's: the graph bucket (a power of two >= the length) in pages. test_psa_kernels checks
     the results; this only times them."""
     from longreach.attention.psa import PSA, PSAConfig
-    from longreach.kernels.block_meta import block_scores_triton, build_block_meta_triton
+    from longreach.kernels.key_boxes import build_page_boxes_triton, page_box_scores_triton
     from longreach.kernels.paged_decode import default_num_splits, paged_decode
     from longreach.kernels.psa_decode import psa_decode_triton
     from longreach.kernels.psa_waves import psa_decode_waves
@@ -197,7 +197,7 @@ def test_psa_step_times(detail):
         kc[tables[0, torch.randint(8, need * 3 // 4, (64,), device=dev, generator=g)].long()] += u * 1.5
         meta = torch.zeros(need, 2, Hkv, D, dtype=dtype, device=dev)
         zero = torch.zeros(1, dtype=torch.int32, device=dev)
-        build_block_meta_triton(kc, tables, zero, ((seq_lens - 1) // page).int(), need, meta, "cuboid-mean")
+        build_page_boxes_triton(kc, tables, zero, ((seq_lens - 1) // page).int(), need, meta, "cuboid-mean")
         scale = D ** -0.5
         methods = {k: PSA(PSAConfig(decode_kernel=k), Hq, Hkv) for k in ("loop", "waves")}
         m = methods["loop"]
@@ -207,9 +207,9 @@ def test_psa_step_times(detail):
         # "hot": a shared direction and hot blocks; "flat": q scaled down, attention near uniform (as with random
         # weights), so the stop rule reads ~eps of the candidates
         for case, qq in (("hot", q), ("flat", q * 0.01)):
-            scores = block_scores_triton(qq, meta, tables, cand_lo, cand_hi, width)
+            scores = page_box_scores_triton(qq, meta, tables, cand_lo, cand_hi, width)
             ranked = scores.sort(dim=-1, descending=True, stable=True).indices.int()
-            t = {"scores": timed(lambda: block_scores_triton(qq, meta, tables, cand_lo, cand_hi, width)),
+            t = {"scores": timed(lambda: page_box_scores_triton(qq, meta, tables, cand_lo, cand_hi, width)),
                  "sort": timed(lambda: scores.sort(dim=-1, descending=True, stable=True).indices.int())}
             dec = (qq, kc, vc, tables, seq_lens, ranked, cand_lo, cand_hi, 0.95, 4, scale)
             t["loop"] = timed(lambda: psa_decode_triton(*dec))
@@ -230,8 +230,8 @@ def test_psa_rank_rope(detail):
     """PSA's `rope: rank` positions in bf16 at the 8B shape: the moved-key metadata kernel and both decode kernels
     against their PyTorch references (fp32 math on the same bf16 inputs); rows past and before rope_from."""
     from longreach.attention.psa import PSA, PSAConfig
-    from longreach.kernels.block_meta import (block_scores_triton, build_block_meta_reference,
-                                              build_block_meta_triton)
+    from longreach.kernels.key_boxes import (build_page_boxes_reference, build_page_boxes_triton,
+                                             page_box_scores_triton)
     from longreach.kernels.psa_decode import psa_decode_reference, psa_decode_triton
     from longreach.kernels.psa_waves import psa_decode_waves
 
@@ -246,16 +246,16 @@ def test_psa_rank_rope(detail):
     lo = torch.zeros(len(lengths), dtype=torch.int32, device=dev)
     hi = ((seq_lens - 1) // page).int()
     meta = torch.zeros(P, 2, Hkv, D, dtype=dtype, device=dev)
-    build_block_meta_triton(kc, tables, lo, hi, int(hi.max()), meta, "cuboid-mean", inv)
+    build_page_boxes_triton(kc, tables, lo, hi, int(hi.max()), meta, "cuboid-mean", inv)
     ref_meta = torch.zeros(P, 2, Hkv, D, dtype=torch.float32, device=dev)
-    build_block_meta_reference(kc, tables, lo, hi, ref_meta, "cuboid-mean", inv)
+    build_page_boxes_reference(kc, tables, lo, hi, ref_meta, "cuboid-mean", inv)
     built = torch.cat([tables[i, :int(hi[i])] for i in range(len(lengths))]).long()
     err_meta = rel_err(meta[built].float(), ref_meta[built])
     if err_meta > 1e-2:
         raise AssertionError(f"moved metadata rel err {err_meta:.2e}")
     m = PSA(PSAConfig(), Hq, Hkv)
     cand_lo, cand_hi = m.candidates(seq_lens, page)
-    ranked = block_scores_triton(q, meta, tables, cand_lo, cand_hi, tables.shape[1]).sort(
+    ranked = page_box_scores_triton(q, meta, tables, cand_lo, cand_hi, tables.shape[1]).sort(
         dim=-1, descending=True, stable=True).indices.int()
     rope, notes, scale = (inv, rope_from), [], D ** -0.5
     for eps in (0.9, 0.95):

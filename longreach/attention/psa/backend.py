@@ -1,24 +1,22 @@
 """PSA's engine backend: dense prefill, progressive decode over block metadata kept per KV page (method.py has the
-method and its decisions)."""
+method and its decisions). The metadata are key boxes by page id (attention/box_store.py: PageBoxes, which Quest keeps
+too), built at decode: each step first boxes the pages completed since the sequence's last step."""
 from __future__ import annotations
 
 import contextlib
-import logging
 import typing
 
 import torch
 
 from ...kernels import use_triton
-from ...kernels.block_meta import build_block_meta_reference, build_block_meta_triton
 from ...kvcache.base import PageReads
 from ...rope.strategies import RopeFrame
 from ..backend import AttentionBackend, AttentionMetadata, Capabilities, GraphSupport
+from ..box_store import PageBoxes
 from ..dense import DenseFallback
-from ..presets import resolve
+from ..presets import missing_layers, resolve
 from .config import PRESET_NOTES, PSAConfig
 from .method import PSA
-
-logger = logging.getLogger("longreach")
 
 
 class PSABackend(AttentionBackend):
@@ -36,11 +34,13 @@ class PSABackend(AttentionBackend):
         if self.config.rope == "rank":
             self.method.rope_frame = RopeFrame.of_model(model_config, self.config.rope_from, device)
         self.fallback = DenseFallback(model_config, engine_config, device, self.config.dense_layers)
-        self._meta: torch.Tensor | None = None  # (L, P, 2, H_kv, D) block metadata by page, made on first decode
-        self._built: dict[int, int] = {}  # seq_id -> its blocks [0, n) have metadata
-        self._step: tuple[torch.Tensor, torch.Tensor, int] | None = None  # eager decode step: (lo, hi, most blocks)
-        # graph decode: (3, max_num_seqs) int32 per row: lo, hi, and 1 for a real row (0: padding, capture scratch)
-        self._g: torch.Tensor | None = None
+        mc, ec = model_config, engine_config
+        rope = self.method.rope()  # rope "rank": boxes of the keys moved to position 0
+        self.boxes = PageBoxes("psa", mc.num_layers, mc.num_kv_heads, mc.head_dim, ec.block_size, self.config.metadata,
+                               partial=False, prefill=False, max_seqs=ec.max_num_seqs, device=device,
+                               move=None if rope is None else (rope[0], 0))
+        # graph decode: (max_num_seqs,) int32, 1 for a real row (0: padding, capture scratch), for the read meter
+        self._real: torch.Tensor | None = None
         # count_reads: float64 (keys read, queries, context keys) summed over decode rows x PSA layers x KV groups
         self._reads = torch.zeros(3, dtype=torch.float64, device=device) if self.config.count_reads else None
         self._variant: tuple | None = None
@@ -68,70 +68,34 @@ class PSABackend(AttentionBackend):
         if cfg.rope == "rank" and model_config.rope.rope_type == "dynamic" and model_config.rope.freq_factors is None:
             out.append("psa rope 'rank' moves stored keys with fixed frequencies; dynamic NTK RoPE changes them with "
                        "the sequence length: use rope 'none'")
-        bad = [layer for layer in cfg.dense_layers if layer >= model_config.num_layers]
-        if bad:
-            out.append(f"dense_layers {bad} do not exist (the model has {model_config.num_layers} layers)")
-        return out
+        return out + missing_layers(cfg.dense_layers, model_config.num_layers)
 
     def page_state_bytes(self, dtype: torch.dtype) -> int:
         """GPU bytes of block metadata per KV page (all layers): the engine counts them in the KV budget."""
-        mc = self.model_config
-        return mc.num_layers * 2 * mc.num_kv_heads * mc.head_dim * torch.empty((), dtype=dtype).element_size()
+        return self.boxes.page_state_bytes(dtype)
 
-    # ---- per-sequence bookkeeping: which blocks have metadata ------------------------------------------------------
-    def _advance(self, seq_ids, seq_lens) -> tuple[list[int], list[int]]:
-        """Blocks [lo, hi) each sequence builds this decode step (hi: blocks complete before the step's token)."""
-        page, lo, hi = self.engine_config.block_size, [], []
-        for seq_id, length in zip(seq_ids, seq_lens):
-            end = (length - 1) // page
-            lo.append(min(self._built.get(seq_id, 0), end))
-            hi.append(end)
-            self._built[seq_id] = end
-        return lo, hi
+    def bind_kv_cache(self, capacity_tokens: int, dtype: torch.dtype) -> None:
+        self.boxes.ensure(capacity_tokens, dtype)
 
+    # ---- per-sequence bookkeeping: which blocks have metadata (PageBoxes) ------------------------------------------
     def begin_step(self, meta: AttentionMetadata) -> None:
-        if meta.is_prefill:  # (re)written pages: build their metadata again from the first decode step
-            for seq_id in meta.seq_ids:
-                self._built.pop(seq_id, None)
-            return
-        lo, hi = self._advance(meta.seq_ids, [c + n for c, n in zip(meta.context_lens, meta.query_lens)])
-        t = torch.tensor([lo, hi], dtype=torch.int32).to(self.device)
-        self._step = (t[0], t[1], max(b - a for a, b in zip(lo, hi)) if lo else 0)
+        self.boxes.begin_step(meta)  # decode: the blocks completed since each sequence's last step
 
     def free_sequence(self, seq_id: int) -> None:
-        self._built.pop(seq_id, None)
-
-    def _store(self, k_cache, dtype) -> torch.Tensor:
-        if self._meta is None:
-            mc = self.model_config
-            pages = k_cache.shape[0]  # every page of the cache (with offloading: of the host tier)
-            self._meta = torch.zeros(mc.num_layers, pages, 2, mc.num_kv_heads, mc.head_dim, dtype=dtype,
-                                     device=self.device)
-            logger.info("psa: block metadata for %d pages x %d layers, %.2f GiB on the %s", pages, mc.num_layers,
-                        self._meta.numel() * self._meta.element_size() / 2**30, self.device.type.upper())
-        return self._meta
+        self.boxes.free(seq_id)
 
     # ---- attention -------------------------------------------------------------------------------------------------
     def forward(self, layer, q, k, v, k_cache, v_cache, meta: AttentionMetadata):
         if meta.is_prefill or self.fallback.applies(layer, meta.max_seq_len):
             return self.fallback.forward(layer, q, k, v, k_cache, v_cache, meta)
         page = k_cache.shape[1]
-        if self._variant is not None:  # graph decode: this step's lo / hi sit in static buffers (graph_step)
-            bucket, catchup = self._variant
-            n = q.shape[0]
-            width = -(-bucket // page)
-            lo, hi, most = self._g[0, :n], self._g[1, :n], width if catchup else 1
-        else:
-            width = -(-meta.max_seq_len // page)
-            lo, hi, most = self._step
+        # graph decode: this step's blocks to box sit in the store's static buffer (graph_step); its width is the
+        # variant's bucket
+        bucket = meta.max_seq_len if self._variant is None else self._variant[0]
+        width = -(-bucket // page)
         kernels = use_triton(q)
-        store = self._store(k_cache, q.dtype)[layer]
-        rope = self.method.rope()
-        inv = None if rope is None else rope[0]  # rope "rank": boxes of the keys moved to position 0
-        if kernels:
-            build_block_meta_triton(k_cache, meta.block_tables, lo, hi, most, store, self.config.metadata, inv)
-        elif most > 0:
-            build_block_meta_reference(k_cache, meta.block_tables, lo, hi, store, self.config.metadata, inv)
+        self.boxes.build(layer, q, k_cache, meta, graph=self._variant)
+        store = self.boxes.layer(layer)
         m = self.method
         out, counts, ranked, cand_hi = m.attend(q, k_cache, v_cache, meta.block_tables, meta.seq_lens, store, width,
                                                 self.scale, kernels)
@@ -148,7 +112,7 @@ class PSABackend(AttentionBackend):
     def _count_reads(self, m: PSA, counts, cand_hi, seq_lens, page: int) -> None:
         """Add this layer's reads to the meter, on the device (capturable): real rows only under graphs."""
         n = counts.shape[0]
-        real = (self._g[2, :n] if self._variant is not None else torch.ones(n, device=counts.device)).double()
+        real = (self._real[:n] if self._variant is not None else torch.ones(n, device=counts.device)).double()
         G = counts.shape[-1]
         self._reads += torch.stack([(real * m.keys_read(counts, cand_hi, seq_lens, page)).sum(), real.sum() * G,
                                     (real * seq_lens.double()).sum() * G])
@@ -167,22 +131,24 @@ class PSABackend(AttentionBackend):
         the ranking; catchup when a sequence has more than one block to build (its first decode step after a
         prefill), which launches the metadata kernel over every block of the bucket (programs outside a row's
         range do nothing) instead of one block per row."""
-        if self._g is None:
-            self._g = torch.zeros(3, self.engine_config.max_num_seqs, dtype=torch.int32, device=self.device)
-        lo, hi = self._advance(seq_ids, seq_lens)
+        if self._real is None:
+            self._real = torch.zeros(self.engine_config.max_num_seqs, dtype=torch.int32, device=self.device)
+        catchup = self.boxes.graph_plan(seq_ids, seq_lens)
         longest = max(seq_lens)
         bucket = min(1 << (longest - 1).bit_length(), max(longest, self.engine_config.max_model_len))
         n = len(seq_ids)
 
         def load(rows: int) -> None:
-            self._g[:, :n].copy_(torch.tensor([lo, hi, [1] * n], dtype=torch.int32), non_blocking=True)
-            self._g[:, n:rows].zero_()
-        return (bucket, any(b - a > 1 for a, b in zip(lo, hi))), load
+            self.boxes.graph_load(rows)
+            self._real[:n].fill_(1)
+            self._real[n:rows].zero_()
+        return (bucket, catchup), load
 
     def graph_scratch(self) -> None:
-        if self._g is None:
-            self._g = torch.zeros(3, self.engine_config.max_num_seqs, dtype=torch.int32, device=self.device)
-        self._g.zero_()
+        if self._real is None:
+            self._real = torch.zeros(self.engine_config.max_num_seqs, dtype=torch.int32, device=self.device)
+        self._real.zero_()
+        self.boxes.graph_scratch()
 
     @contextlib.contextmanager
     def graph_variant(self, key: tuple) -> typing.Iterator[None]:

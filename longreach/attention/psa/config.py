@@ -3,7 +3,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from ...kernels.block_meta import METADATA_KINDS
+from ...kernels.key_boxes import BOX_KINDS
 
 DECODE_KERNELS = ("loop", "waves")  # kernels/psa_{decode,waves}.py: same results (method.py: KERNELS)
 
@@ -37,8 +37,8 @@ class PSAConfig:
         m = self.microbatch
         if isinstance(m, bool) or not isinstance(m, int) or m < 1 or m > 64 or m & (m - 1):
             raise ValueError(f"microbatch must be a power of two in [1, 64] (blocks per iteration), got {m!r}")
-        if self.metadata not in METADATA_KINDS:
-            raise ValueError(f"metadata must be one of {', '.join(METADATA_KINDS)}, got {self.metadata!r}")
+        if self.metadata not in BOX_KINDS:
+            raise ValueError(f"metadata must be one of {', '.join(BOX_KINDS)}, got {self.metadata!r}")
         if isinstance(self.n_sink, bool) or not isinstance(self.n_sink, int) or self.n_sink < 0:
             raise ValueError(f"n_sink must be an integer >= 0, got {self.n_sink!r}")
         if isinstance(self.n_window, bool) or not isinstance(self.n_window, int) or self.n_window < 1:

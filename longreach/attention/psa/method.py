@@ -4,8 +4,9 @@ A decode-time method whose budget is a threshold on attended attention mass inst
 KV group, rank the context's blocks by a metadata score, attend to them in rank order in micro-batches of m blocks,
 and stop once the estimated attended share P_acc = AS_acc / (AS_acc + AS_min * N_left) reaches epsilon (Alg. 1;
 kernels/psa_waves.py has the default decode kernel, ranked blocks read in parallel waves, kernels/psa_decode.py the
-loop kernel and the reference, kernels/block_meta.py the metadata). The number of keys read therefore varies per
-query, layer and KV head, which is the method's point; `longreach eval recall` reports its distribution.
+loop kernel and the reference; the metadata are key boxes by page id, kernels/key_boxes.py, kept in
+attention/box_store.py's PageBoxes as Quest's are). The number of keys read therefore varies per query, layer and KV
+head, which is the method's point; `longreach eval recall` reports its distribution.
 
 Decisions on what the paper leaves open (digest §5.3, §8.9; docs/sparse.md has the reasons at length):
   * GQA / heads: one ranking and one loop per (sequence, KV head). A block's score is the max over the group's query
@@ -52,7 +53,7 @@ from __future__ import annotations
 
 import torch
 
-from ...kernels.block_meta import block_scores_reference, block_scores_triton, build_block_meta_reference
+from ...kernels.key_boxes import build_page_boxes_reference, page_box_scores_reference, page_box_scores_triton
 from ...kernels.psa_decode import psa_decode_reference, psa_decode_triton
 from ...kernels.psa_waves import psa_decode_waves
 from ...rope.strategies import RopeFrame, rotate
@@ -107,8 +108,8 @@ class PSA:
         qs = q
         if rope is not None:  # moved metadata (keys at position 0): the query at rank 0's distance, page - T0 away
             qs = rotate(q, page - cand_hi.long()[:, None] * page, rope[0]).to(q.dtype)
-        score = (block_scores_triton if kernels else block_scores_reference)(qs, meta, block_tables, cand_lo, cand_hi,
-                                                                              width)
+        score = (page_box_scores_triton if kernels else page_box_scores_reference)(qs, meta, block_tables, cand_lo,
+                                                                                  cand_hi, width)
         ranked = score.sort(dim=-1, descending=True, stable=True).indices.to(torch.int32)
         run = KERNELS[self.cfg.decode_kernel] if kernels else psa_decode_reference
         out, _, counts = run(q, k_cache, v_cache, block_tables, seq_lens, ranked, cand_lo, cand_hi,
@@ -157,7 +158,7 @@ class PSA:
         tables = torch.arange(n_pages, dtype=torch.int32)[None].expand(R, n_pages).contiguous()
         meta = torch.zeros(n_pages, 2, Hkv, D)
         rope = self.rope()
-        build_block_meta_reference(cache, tables[:1], torch.zeros(1, dtype=torch.int32),
+        build_page_boxes_reference(cache, tables[:1], torch.zeros(1, dtype=torch.int32),
                                    torch.tensor([L // page], dtype=torch.int32), meta, self.cfg.metadata,
                                    None if rope is None else rope[0])
         seq_lens = (positions + 1).to(torch.int32)

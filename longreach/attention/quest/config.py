@@ -8,7 +8,7 @@ from ..sparse.config import SparseConfig
 
 @dataclass(frozen=True)
 class QuestConfig(SparseConfig):
-    page_size: int = 16
+    page_size: int = 16  # tokens per page; the engine keeps page boxes when it equals --block-size (backend.py)
     budget: int = 2048  # selected tokens per query block (beyond sink and window)
     dense_layers: tuple[int, ...] = (0, 1)
 

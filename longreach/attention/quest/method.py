@@ -3,13 +3,25 @@
 Each page of `page_size` keys keeps the element-wise min and max of its keys; for a query q the bound
 sum_d max(q_d * min_d, q_d * max_d) >= q . k for every key of the page. A query block keeps the `budget / page_size`
 pages with the highest bound (max over the block's queries and the heads of a selection group) among the pages
-before the window. Quest's own recipe keeps the first two layers dense. The reference computes page bounds from the
-cached keys at each call; a kernel implementation would maintain them as pages fill.
+before the window. Quest's own recipe keeps the first two layers dense.
+
+The page's min and max are kept as a `minmax` key box (kernels/key_boxes.py: centre c = (max + min) / 2, radius
+r = (max - min) / 2), whose score q.c + |q|.r is the same bound in exact arithmetic (the store rounds c and r to the
+run dtype). Where the boxes come from:
+  * in the engine, with page_size == --block-size: kept per KV page by id, beside the page pool (attention/
+    box_store.py: PageBoxes, as PSA keeps its block metadata), each step boxing only the pages its new keys touch
+    (the partial last page again until it is complete); selection reads them through the sequence's block table;
+  * otherwise (another page size, KV offloading's prefill on its staging area, tests, the recall tool): boxed from
+    the sequence's keys at each call, as Quest's reference does.
+Scoring, either way: key_boxes.py's score kernel on CUDA (no (blocks, heads, rows, pages) score tensor), its
+PyTorch reference elsewhere; then top-k (kernels/topk.py).
 """
 from __future__ import annotations
 
 import torch
 
+from ...kernels.chunk_box import chunk_boxes
+from ...kernels.key_boxes import BoxView, box_scores
 from ..sparse.selection import SelectionMethod
 from .config import DEFAULT_PRESET, PRESETS, QuestConfig
 
@@ -27,22 +39,25 @@ class Quest(SelectionMethod):
     def selected_budget(self, layer: int) -> int:
         return self.cfg.budget
 
-    def _select(self, layer, q, blocks, keys, state, step):
+    def page_scores(self, q, blocks, keys) -> torch.Tensor:
+        """Bounds (nb, G, pages) of every page of the sequence for each query block, -inf for pages that are not
+        candidates (inside the sink, or starting at or past the block's window)."""
         cfg, P = self.cfg, self.cfg.page_size
-        keys = keys.dense()  # reference only: page bounds from all keys
-        L = keys.shape[0]
-        n_pages = -(-L // P)
-        padded = torch.cat([keys.float(), keys[-1:].float().expand(n_pages * P - L, *keys.shape[1:])])
-        pages = padded.reshape(n_pages, P, *keys.shape[1:])  # (pages, P, H_kv, D); padding repeats a real key
-        kmin = pages.amin(dim=1)[:, self.kv_of_head].transpose(0, 1)  # (H_q, pages, D)
-        kmax = pages.amax(dim=1)[:, self.kv_of_head].transpose(0, 1)
-        qs, ok = self.query_rows(q, blocks)  # (nb, R, H_q, D)
-        # upper bound = q+ . max + q- . min, then max over the block's rows
-        bound = torch.einsum("nrhd,hpd->nhrp", qs.clamp(min=0), kmax) + torch.einsum("nrhd,hpd->nhrp", qs.clamp(max=0), kmin)
-        bound = bound.masked_fill(~ok[:, None, :, None], float("-inf")).amax(dim=2)  # (nb, H_q, pages)
-        score = self.group_max(bound)  # (nb, G, pages)
-        ids = torch.arange(n_pages, device=q.device)
-        cand_end = self.candidate_end(blocks.ends)  # (nb,)
-        usable = ((ids + 1) * P > cfg.n_sink)[None, :] & (ids[None, :] * P < cand_end[:, None])  # page meets range
-        score = score.masked_fill(~usable[:, None, :], float("-inf"))
-        return self.keep_top(ids.expand(score.shape).clone(), score, cfg.budget // P)
+        view = keys.chunk_boxes(P)  # the kept page boxes, else boxed from the keys
+        if view is None:
+            view = BoxView.of(chunk_boxes(keys.dense(), P, "minmax")[:, None])  # (pages, 1 flavour, 2, H_kv, D)
+        qs, ok = self.query_rows(q, blocks)  # (nb, R, H_q, D) fp32
+        qs = torch.where(ok[:, :, None, None], qs, qs[:, :1])  # rows past a block's length repeat its first
+        if view.pool.dtype != torch.float32:
+            qs = qs.to(view.pool.dtype)  # the run dtype: exact, and the kernel's dots multiply exactly
+        # candidates: pages ending past the sink, starting before the block's window
+        cand_end = self.candidate_end(blocks.ends).clamp(min=0)
+        cand_hi = torch.div(cand_end + P - 1, P, rounding_mode="floor").to(torch.int32)
+        per_pair = box_scores(qs, view, cfg.n_sink // P, cand_hi, self.groups)  # (nb, pairs, pages)
+        nb, pairs, n_pages = per_pair.shape
+        return per_pair.reshape(nb, self.groups, pairs // self.groups, n_pages).amax(dim=2)
+
+    def _select(self, layer, q, blocks, keys, state, step):
+        score = self.page_scores(q, blocks, keys)
+        ids = torch.arange(score.shape[-1], device=q.device).expand(score.shape).clone()
+        return self.keep_top(ids, score, self.cfg.budget // self.cfg.page_size)

@@ -6,7 +6,7 @@ Triton kernel on CUDA, the reference elsewhere). A method's backend is a subclas
 (`method_cls`) and, where its selection keeps key boxes across steps, makes them (`make_boxes`).
 
 Composed, not mixed in: the backend owns a `GraphDecoder` (graph.py: the decode step as CUDA-graph variants) and
-the method's kept boxes, if any (a `KeptBoxes`, e.g. infinitehip/boxes.py), and talks to both through their
+the method's kept boxes, if any (a `KeptBoxes`: infinitehip/boxes.py, box_store.py), and talks to both through their
 methods only.
 """
 from __future__ import annotations
@@ -23,7 +23,7 @@ from ..backend import AttentionBackend, AttentionMetadata, GraphSupport
 from ..dense import DenseFallback
 from ..executor import block_sparse_attention
 from ..index import QueryBlocks, SparseIndex
-from ..presets import resolve
+from ..presets import missing_layers, resolve
 from .config import SparseConfig
 from .graph import GraphDecoder
 from .prefill_graph import PrefillGraphs
@@ -58,7 +58,8 @@ class SparseBackend(AttentionBackend):
         return resolve(m.config_cls, m.name, m.presets, m.default_preset, engine_config)
 
     def make_boxes(self) -> KeptBoxes | None:
-        """The key boxes the method keeps across steps (infinitehip's box-scored stage 0), or None (the default)."""
+        """The key boxes the method keeps across steps (infinitehip's box-scored stage 0, Quest's page boxes), or
+        None (the default)."""
         return None
 
     def always_dense_layers(self) -> tuple[int, ...]:
@@ -70,8 +71,7 @@ class SparseBackend(AttentionBackend):
             cfg = cls.resolve_config(engine_config)
         except ValueError as e:
             return [str(e)]
-        bad = [layer for layer in cfg.dense_layers if layer >= model_config.num_layers]
-        return [f"dense_layers {bad} do not exist (the model has {model_config.num_layers} layers)"] if bad else []
+        return missing_layers(cfg.dense_layers, model_config.num_layers)
 
     def dense_below(self, layer: int) -> int:
         """Contexts of at most this many tokens attend densely in `layer` (the dense fallback's limit)."""

@@ -32,8 +32,9 @@ class SequenceKeys:
     Kernels read through the table; reference code calls `dense()`, which gathers (L, H_kv, D) once and keeps it,
     and the reference scorer keeps its position-moved copies of those keys in
     `prune_tables`. One object serves one layer of one step (the keys do not change while it lives). `boxes`: the
-    engine's kept chunk boxes of this sequence in this layer (`KeptBoxes.seq_boxes`; infinitehip/boxes.py): (the
-    layer's pool, the sequence's box table row, chunks per box page), or None (built from the keys when needed).
+    engine's kept key boxes of this sequence in this layer (`KeptBoxes.seq_boxes`: infinitehip's chunk boxes,
+    Quest's page boxes): (the layer's store, the sequence's box table row, units per box page), or None (built from
+    the keys when needed).
     """
 
     def __init__(self, k_cache: torch.Tensor, block_table: torch.Tensor, length: int,
@@ -56,11 +57,12 @@ class SequenceKeys:
         return self._dense
 
     def chunk_boxes(self, chunk: int):
-        """The kept boxes of chunks [0, ceil(length / chunk)) as a kernels.chunk_box.BoxView (read through the box
-        table with static shapes: graph-capturable), or None without kept boxes."""
+        """The kept boxes of chunks [0, ceil(length / chunk)) (a chunk: a KV page with page boxes) as a
+        kernels.key_boxes.BoxView (read through the box table with static shapes: graph-capturable), or None
+        without kept boxes."""
         if self.boxes is None:
             return None
-        from ...kernels.chunk_box import BoxView
+        from ...kernels.key_boxes import BoxView
 
         pool, table, per = self.boxes
         return BoxView(pool, table, per, -(-self.length // chunk))
@@ -97,9 +99,10 @@ class BlockQueries:
 
 
 class KeptBoxes(Protocol):
-    """Key boxes a method keeps per sequence across steps (infinitehip/boxes.py: BoxPool, its stage 0's boxes), as
-    `SparseBackend` and its `GraphDecoder` drive them. Every step boxes the chunks its new keys touch, in every
-    non-dense layer before any selection reads them; `build` returns the batch rows' box tables (n, width)."""
+    """Key boxes a method keeps across steps (attention/box_store.py: PageBoxes, Quest's page boxes; infinitehip/
+    boxes.py: BoxPool, its stage 0's chunk boxes), as `SparseBackend` and its `GraphDecoder` drive them. Every step
+    boxes the units its new keys touch, in every non-dense layer before any selection reads them; `build` returns the
+    batch rows' box tables (n, width), or None when the step reads no kept boxes (then built from the keys)."""
 
     def ensure(self, capacity_tokens: int, dtype: torch.dtype) -> None:
         """Size the boxes for a KV cache of `capacity_tokens` tokens (`AttentionBackend.bind_kv_cache`)."""
@@ -111,7 +114,7 @@ class KeptBoxes(Protocol):
         """An eager step begins (host bookkeeping of the rows' new chunks)."""
 
     def build(self, layer: int, q: torch.Tensor, k_cache: torch.Tensor, meta, rope: RopeArgs | None,
-              graph: tuple[int, bool] | None = None) -> torch.Tensor:
+              graph: tuple[int, bool] | None = None) -> torch.Tensor | None:
         """Box the step's new chunks of `layer`; `graph`: (bucket, catch-up) of a graph-decoded step, whose inputs
         `graph_load` wrote. Returns the rows' box tables."""
 
