@@ -12,7 +12,8 @@
 #   soak       the default sparse method: 64 streams for $SOAK_S seconds (default 600) of 1-3K-token prompts, the
 #              server's memory read every 10 s; started under setsid so that it outlives the call, writing to
 #              /tmp/soak (then `PARTS=soak_collect` copies what it wrote to $OUT once it is done)
-# Logs and JSON go to $OUT (or ./out).
+# $METHODS (default "dense $SPARSE") are the servers of mixed128k; $EXTRA is appended to every server's flags and $TAG
+# to every file name (a variant run beside the default one). Logs and JSON go to $OUT (or ./out).
 set -u
 out=${OUT:-out}; mkdir -p "$out"
 port=${PORT:-8011}
@@ -20,12 +21,12 @@ model=${MODEL:-/tmp/m/model.gguf}
 sparse=${SPARSE:-infinitehip}
 start() {  # start NAME MAX_MODEL_LEN ARGS...: a server; returns 1 if it dies or is not healthy within 300 s
     local name=$1 len=$2; shift 2
-    python3 -m longreach serve "$model" --port $port --max-model-len "$len" --max-num-seqs 80 "$@" \
-        > "$out/serve_$name.log" 2>&1 &
+    python3 -m longreach serve "$model" --port $port --max-model-len "$len" --max-num-seqs 80 "$@" ${EXTRA:-} \
+        > "$out/serve_$name${TAG:-}.log" 2>&1 &
     pid=$!
     for _ in $(seq 300); do
         curl -sf 127.0.0.1:$port/health > /dev/null && return 0
-        kill -0 $pid 2> /dev/null || { echo "server $name died:"; tail -5 "$out/serve_$name.log"; return 1; }
+        kill -0 $pid 2> /dev/null || { echo "server $name died:"; tail -5 "$out/serve_$name${TAG:-}.log"; return 1; }
         sleep 1
     done
     echo "server $name not healthy after 300 s"; return 1
@@ -33,9 +34,9 @@ start() {  # start NAME MAX_MODEL_LEN ARGS...: a server; returns 1 if it dies or
 stop() { kill -TERM $pid 2> /dev/null; wait $pid 2> /dev/null; }
 bench() {  # bench NAME SECONDS ARGS...
     local name=$1 secs=$2; shift 2
-    timeout "$secs" python3 -m longreach bench serve --base-url http://127.0.0.1:$port --out "$out/$name.json" "$@" \
-        > "$out/$name.log" 2>&1
-    echo "== $name (rc $?)"; tail -24 "$out/$name.log"
+    timeout "$secs" python3 -m longreach bench serve --base-url http://127.0.0.1:$port --out "$out/$name${TAG:-}.json" \
+        "$@" > "$out/$name${TAG:-}.log" 2>&1
+    echo "== $name${TAG:-} (rc $?)"; tail -24 "$out/$name${TAG:-}.log"
 }
 alone="--num-prompts 1 --long-prompts 1 --long-input-len 131072 --random-output-len 8"
 mixed="--num-prompts 40 --request-rate 4 --random-input-len 512 --random-output-len 128 --long-prompts 2 \
@@ -43,7 +44,7 @@ mixed="--num-prompts 40 --request-rate 4 --random-input-len 512 --random-output-
 for part in ${PARTS:-mixed128k}; do
     case $part in
     mixed128k)
-        for m in dense "$sparse"; do
+        for m in ${METHODS:-dense $sparse}; do
             if start "$m" 140000 --attention "$m"; then
                 bench "alone_cold_$m" 200 $alone
                 bench "alone_$m" 200 $alone
