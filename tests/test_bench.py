@@ -83,9 +83,10 @@ def test_bench_mixed_times_a_long_prefill_beside_decodes(tmp_path):
     out = tmp_path / "mixed.json"
     assert main(["bench", "mixed", "--model", "random:tiny", "--device", "cpu", "--context", "2048", "--decodes", "3",
                  "--decode-prompt", "16", "--attention", "dense", "streaming", "--max-num-batched-tokens", "512",
-                 "--profile-steps", "2", "--cprofile", "--out", str(out)]) == 0
+                 "--profile-steps", "2", "--cprofile", "--prefill-graphs", "both", "--out", str(out)]) == 0
     rep = json.loads(out.read_text())
-    assert [r["label"] for r in rep["runs"]] == ["dense", "streaming"]
+    assert [r["label"] for r in rep["runs"]] == ["dense", "streaming", "streaming/eager-selection"]
+    assert [r["prefill_graphs"] for r in rep["runs"]] == [None, False, False]  # no CUDA graphs on a CPU
     for r in rep["runs"]:
         assert r["mixed_chunk_tokens_median"] == 128  # 512 / 4 while others run
         assert r["mixed_steps"] == len(r["step_ms"]) >= 2048 // 128

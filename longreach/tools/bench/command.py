@@ -72,6 +72,9 @@ def add_arguments(p) -> None:
     mx.add_argument("--profile-steps", type=int, default=0, metavar="N",
                     help="profile N mixed steps (from the fifth) under torch.profiler (default: 0)")
     mx.add_argument("--cprofile", action="store_true", help="also the host's Python functions over those steps")
+    mx.add_argument("--prefill-graphs", choices=["on", "off", "both"], default="on",
+                    help="a sparse method's prefill selection through CUDA graphs (on, where supported), eagerly "
+                         "(off), or each method both ways (default: on)")
     mx.add_argument("--out", default="bench-mixed.json", help="JSON output path (default: bench-mixed.json)")
     add_engine_args(mx, skip=_DECODE_SETS)
 
@@ -130,7 +133,7 @@ def _mixed(args) -> int:
     methods = parse_methods(args.attention, attention_config=args.attention_config)
     engine = {name: getattr(args, name) for name in EngineConfig.field_names() if name not in _DECODE_SETS}
     run(args.model, methods, engine, args.context, args.decodes, args.decode_prompt, args.seed or 0, args.profile_steps,
-        args.cprofile, args.out, command_line(args))
+        args.cprofile, args.out, command_line(args), args.prefill_graphs)
     return 0
 
 

@@ -11,6 +11,8 @@ arrives. Every engine step is timed between device synchronisations. Reported pe
                         of every short request: a step gives each decode row one token);
   profile               with --profile-steps N, N mixed steps under torch.profiler (bench/profile.py: wall vs
                         device ms, top kernels) and, with --cprofile, the host's Python functions by own time.
+`--prefill-graphs off` runs a sparse method's prefill selection eagerly (attention/sparse/prefill_graph.py), `both`
+runs each sparse method twice, labelled METHOD and METHOD/eager-selection, so that one run compares them.
 Dense runs first when listed, so that the table shows both in one run. The JSON records command, commit and device.
 """
 from __future__ import annotations
@@ -110,33 +112,44 @@ def run_method(engine, context: int, decodes: int, decode_prompt: int, seed: int
 
 
 def run(model: str, methods, engine_kwargs: dict, context: int, decodes: int, decode_prompt: int, seed: int,
-        profile_steps: int, cprofile: bool, out_path: str, command: str) -> dict:
+        profile_steps: int, cprofile: bool, out_path: str, command: str, prefill_graphs: str = "on") -> dict:
     import gc
 
+    from ...attention.sparse.backend import SparseBackend
     from ...engine.llm import LLM
     from ..report import provenance, samples, write_json
     from .profile import format_report
 
-    rows = []
+    rows, runs = [], []
     rep = None
     for spec in methods:
+        modes = {"on": [True], "off": [False], "both": [True, False]}[prefill_graphs] if spec.name != "dense" else [None]
+        runs += [(spec, mode) for mode in modes]
+    for spec, graphs in runs:
         llm = LLM(model, attention=spec.name, preset=spec.preset, max_model_len=context + 1024, **engine_kwargs)
         engine = llm.engine
-        row = {"label": spec.label, **run_method(engine, context, decodes, decode_prompt, seed, profile_steps,
-                                                 cprofile)}
+        pg = engine.backend.prefill_graphs if isinstance(engine.backend, SparseBackend) else None
+        if pg is not None and graphs is not None:
+            pg.enabled = pg.enabled and graphs
+        label = spec.label + ("/eager-selection" if graphs is False else "")
+        row = {"label": label, "prefill_graphs": None if pg is None else pg.enabled,
+               **run_method(engine, context, decodes, decode_prompt, seed, profile_steps, cprofile)}
+        if pg is not None:
+            row.update(prefill_graph_captures=pg.captures, prefill_graph_replays=pg.replays,
+                       prefill_graphs_disabled=pg.disabled_why)
         rows.append(row)
-        print(f"{spec.label}: standalone {row['standalone_prefill_s']:.2f} s (cold {row['standalone_prefill_cold_s']:.2f}),"
+        print(f"{label}: standalone {row['standalone_prefill_s']:.2f} s (cold {row['standalone_prefill_cold_s']:.2f}),"
               f" beside {decodes} decodes {row['mixed_prefill_s']:.2f} s ({row['mixed_vs_standalone']:.2f}x) in "
               f"{row['mixed_steps']} steps of ~{row['mixed_chunk_tokens_median']:.0f} prompt tokens; step ms: "
               f"decode-only {row['decode_step_ms']:.1f}, mixed median {row['mixed_step_ms']['median']:.1f} "
               f"p99 {row['mixed_step_ms']['p99']:.1f} max {row['mixed_step_ms']['max']:.1f}", flush=True)
         if row["profile"]:
-            print(format_report(f"{spec.label} mixed steps", row["profile"]))
+            print(format_report(f"{label} mixed steps", row["profile"]))
         for h in row["host_profile"] or []:
             print(f"  host {h['own_ms_per_step']:8.2f} ms own {h['cum_ms_per_step']:8.2f} cum "
                   f"{h['calls_per_step']:7.1f}x {h['function']}")
         rep = {"provenance": provenance(command, attention=[
-                   {"label": r["label"], "method": m.name, "preset": m.preset} for r, m in zip(rows, methods)],
+                   {"label": r["label"], "method": m.name, "preset": m.preset} for r, (m, _) in zip(rows, runs)],
                    samples=samples(1, "run", "long prompt per method")), "runs": rows}
         write_json(rep, out_path)
         llm = engine = None
