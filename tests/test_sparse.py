@@ -397,3 +397,28 @@ def test_prefill_selection_graph_path_equals_eager(tiny, method):
     got = engine.prompt_logits(ids)
     assert graphs.replays > 0 and graphs.disabled_why is None
     assert (got - expected).abs().max() < 1e-5
+
+
+def test_prefill_graphs_captured_up_front_cover_the_real_chunks(tiny):
+    """`capture_prefill` (the server's warm-up) makes every key the prompt's full chunks then use: the real prefill
+    adds none (on a CPU with the static-buffer path emulated), and the logits are those of the eager selection."""
+    from longreach.attention.sparse.prefill_graph import MIN_ROWS
+    from longreach.engine.llm import LLM
+
+    ids = torch.randint(3, 256, (1200,), generator=torch.Generator().manual_seed(8)).tolist()
+
+    def make():
+        return LLM(tiny, device="cpu", dtype="float32", kv_cache_memory_gb=0.01, attention="infinitehip",
+                   attention_config=GRAPH_CFG["infinitehip-box"], max_num_batched_tokens=MIN_ROWS,
+                   max_model_len=1280).engine
+
+    expected = make().prompt_logits(ids)
+    engine = make()
+    graphs = engine.backend.prefill_graphs
+    graphs.enabled = graphs.emulate = True
+    assert engine.runner.capture_prefill_graphs([MIN_ROWS, 100]) == 0  # emulated: nothing is captured for real
+    keys = set(graphs._graphs)
+    assert {k[4] for k in keys} == {256, 512, 1024, 1280}  # the buckets a 256-row chunk can end in, up to 1280
+    got = engine.prompt_logits(ids)
+    assert set(graphs._graphs) == keys and graphs.replays > len(keys)
+    assert (got - expected).abs().max() < 1e-5

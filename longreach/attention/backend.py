@@ -181,6 +181,12 @@ class AttentionBackend(ABC):
     def begin_step(self, meta: AttentionMetadata) -> None:
         """Once per forward pass, before layer 0."""
 
+    def capture_prefill(self, kv_cache, chunk_rows: list[int]) -> int:
+        """Capture up front what this backend would capture at a prefill chunk's first use (chunks of these row
+        counts, at every context length), so that the first long prompts do not pay for it; returns how many graphs.
+        Default: nothing to capture."""
+        return 0
+
     @abstractmethod
     def forward(
         self,

@@ -105,6 +105,9 @@ class ComposedBackend(AttentionBackend):
         self.prefill.free_sequence(seq_id)
         self.decode.free_sequence(seq_id)
 
+    def capture_prefill(self, kv_cache, chunk_rows: list[int]) -> int:
+        return self.prefill.capture_prefill(kv_cache, chunk_rows)
+
     def bind_kv_cache(self, capacity_tokens: int, dtype) -> None:
         self.prefill.bind_kv_cache(capacity_tokens, dtype)
         self.decode.bind_kv_cache(capacity_tokens, dtype)

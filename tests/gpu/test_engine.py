@@ -173,7 +173,8 @@ def test_prefill_selection_graphs(gpu_model, detail):
     """The prefill chunks' selection replayed from CUDA graphs (attention/sparse/prefill_graph.py) against the eager
     selection, default infinitehip, bf16: a 24K-token prompt of essays in 2,048-token chunks, prompt logits within
     bf16 noise of the eager run (the same blocks are selected; max |diff| <= 0.05) and the greedy continuation equal
-    over 16 tokens; the prefill's wall time both ways is reported (the graph run's second prompt: captures done)."""
+    over 16 tokens; the graphs captured up front (as the server's warm-up does) are every one the chunks use; the
+    prefill's wall time both ways is reported (the graph run's second prompt)."""
     import time
 
     from longreach.config import EngineConfig
@@ -189,8 +190,12 @@ def test_prefill_selection_graphs(gpu_model, detail):
         pg = eng.backend.prefill_graphs
         assert pg.enabled, "prefill graphs should be on for infinitehip on a GPU"
         pg.enabled = graphs
+        up_front = eng.runner.capture_prefill_graphs([2048]) if graphs else 0  # the server's warm-up does this
         ids = eng.tokenizer.encode(essay_text() * 8)[:24000]
         logits = eng.prompt_logits(ids)
+        if graphs and pg.captures != up_front:
+            raise AssertionError(f"the prompt's chunks captured {pg.captures - up_front} graphs beyond the "
+                                 f"{up_front} captured up front")
         params = SamplingParams(temperature=0, max_tokens=16, ignore_eos=True)
         eng.add_request("g", ids, params)
         torch.cuda.synchronize()

@@ -141,6 +141,10 @@ class BoxPool(BoxSteps):
         """SequenceKeys.boxes of batch row `row` in `layer`: (the layer's pool, its box table row, chunks per page)."""
         return self.pool[layer], tables[row], self.per
 
+    def scratch_boxes(self, layer: int) -> tuple[torch.Tensor, torch.Tensor, int]:
+        """SequenceKeys.boxes of the scratch row (it points at page 0 and is never a sequence's)."""
+        return self.seq_boxes(layer, self.tables, self.scratch)
+
     def build(self, layer, q, k_cache, meta, rope, graph: tuple[int, bool] | None = None) -> torch.Tensor:
         """Box this step's new chunks of `layer` into the pool (before any selection reads them); returns the rows'
         box tables (n, width). `graph`: (bucket, catch-up) of a graph step, whose (rows, lens, lo, hi) sit in the

@@ -80,6 +80,7 @@ class SparseBackend(AttentionBackend):
 
     # ---- the KV store's side ------------------------------------------------------------------------------------
     def bind_kv_cache(self, capacity_tokens: int, dtype: torch.dtype) -> None:
+        self.prefill_graphs.dtype = dtype
         if self.boxes is not None:
             self.boxes.ensure(capacity_tokens, dtype)
 
@@ -112,6 +113,22 @@ class SparseBackend(AttentionBackend):
         self.graph.free(seq_id)
         for key in [k for k in self._state if k[0] == seq_id]:
             del self._state[key]
+
+    def capture_prefill(self, kv_cache, chunk_rows: list[int]) -> int:
+        """Every prefill-selection graph a chunk of these row counts can need (prefill_graph.py), captured now."""
+        pg = self.prefill_graphs
+        if not pg.enabled or pg.disabled_why is not None:
+            return 0
+        before = pg.captures
+        mc = self.model_config
+        for layer in range(mc.num_layers):
+            if layer in self.fallback.layers:
+                continue
+            k_cache = kv_cache.layer(layer)[0]
+            boxes = None if self.boxes is None else self.boxes.scratch_boxes(layer)
+            pg.capture_all(layer, k_cache, boxes, chunk_rows, self.config.block_q, self.dense_below(layer),
+                           (mc.num_heads, mc.head_dim))
+        return pg.captures - before
 
     # ---- graph decode (attention/backend.py; the work is graph.py's) -----------------------------------------------
     def graph_unsupported(self) -> str | None:

@@ -48,6 +48,7 @@ class PrefillGraphs:
         self._pool = None
         self.captures = 0
         self.replays = 0
+        self.dtype: torch.dtype | None = None  # the queries' dtype (the model's), set by the backend
 
     def applies(self, n: int, keys: SequenceKeys) -> bool:
         return (self.enabled and self.disabled_why is None and n >= MIN_ROWS and n & (n - 1) == 0
@@ -82,6 +83,27 @@ class PrefillGraphs:
             graph.replay()
         self.replays += 1
         return out.clone()
+
+    def capture_all(self, layer: int, k_cache: torch.Tensor, boxes, chunk_rows: list[int], block_q: int,
+                    dense_below: int, heads: tuple[int, int]) -> None:
+        """Capture `layer`'s graphs for block-aligned chunks of each of `chunk_rows` rows (those `applies` takes) at
+        every bucket a sparse chunk can end in (its sequence longer than `dense_below`, up to max_model_len), with
+        zero queries over the scratch box row: the shapes of the real chunks, nothing real read or written."""
+        dev = k_cache.device
+        for n in sorted(set(chunk_rows)):
+            table = torch.zeros(1, dtype=torch.int32, device=dev)
+            if n % block_q or not self.applies(n, SequenceKeys(k_cache, table, n, boxes)):
+                continue
+            nb = n // block_q
+            q = torch.zeros(n, *heads, dtype=self.dtype or torch.bfloat16, device=dev)
+            step = torch.arange(nb, dtype=torch.long, device=dev) * block_q
+            end = max(n, dense_below + 1)
+            while end <= self.max_model_len:
+                bucket = self.bucket(end)
+                blocks = BlockQueries(step, torch.full_like(step, block_q), step + block_q + (bucket - n), block_q,
+                                      bucket)
+                self.select(layer, q, blocks, SequenceKeys(k_cache, table, bucket, boxes))
+                end = bucket + 1
 
     def _inputs(self, q: torch.Tensor, blocks: BlockQueries, keys: SequenceKeys) -> dict:
         """The static input buffers of this shape, loaded with this chunk's inputs."""

@@ -121,6 +121,9 @@ class KeptBoxes(Protocol):
     def seq_boxes(self, layer: int, tables: torch.Tensor, row: int) -> tuple[torch.Tensor, torch.Tensor, int]:
         """`SequenceKeys.boxes` of batch row `row` in `layer`."""
 
+    def scratch_boxes(self, layer: int) -> tuple[torch.Tensor, torch.Tensor, int]:
+        """`SequenceKeys.boxes` of the scratch row in `layer` (graph captures up front: shapes, no real boxes)."""
+
     def free(self, seq_id: int) -> None: ...
 
     def graph_plan(self, seq_ids: list[int], seq_lens: list[int]) -> bool:
