@@ -416,6 +416,7 @@ def test_prefill_graphs_captured_up_front_cover_the_real_chunks(tiny):
     engine = make()
     graphs = engine.backend.prefill_graphs
     graphs.enabled = graphs.emulate = True
+    engine.prompt_logits(ids[:512])  # a forward first (as the server's warm-up request): buffers made in inference mode
     assert engine.runner.capture_prefill_graphs([MIN_ROWS, 100]) == 0  # emulated: nothing is captured for real
     keys = set(graphs._graphs)
     assert {k[4] for k in keys} == {256, 512, 1024, 1280}  # the buckets a 256-row chunk can end in, up to 1280

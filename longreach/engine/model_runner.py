@@ -171,6 +171,7 @@ class ModelRunner:
         """After a decode step: the store's page counts (the offloaded store installs the pages the step missed)."""
         self.last_kv_counts = self.kv_cache.end_step()
 
+    @torch.inference_mode()
     def capture_prefill_graphs(self, chunk_rows: list[int]) -> int:
         """The backend's prefill graphs for chunks of these row counts, captured now (attention/backend.py)."""
         return self.backend.capture_prefill(self.kv_cache, chunk_rows)
