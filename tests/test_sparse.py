@@ -423,3 +423,32 @@ def test_prefill_graphs_captured_up_front_cover_the_real_chunks(tiny):
     got = engine.prompt_logits(ids)
     assert set(graphs._graphs) == keys and graphs.replays > len(keys)
     assert (got - expected).abs().max() < 1e-5
+
+
+@pytest.mark.parametrize("method", ["infinitehip-box", "hip"])
+def test_warm_decode_variants_are_the_ones_a_long_sequence_uses(tiny, method):
+    """`capture_warm_variants` (the server's warm-up) captures, for one row, every variant a long sequence's decode
+    then uses: the decode adds none (CPU, graphs emulated), and its tokens are the eager run's."""
+    from longreach import SamplingParams
+    from longreach.engine.llm import LLM
+
+    prompt = torch.randint(3, 256, (1000,), generator=torch.Generator().manual_seed(9)).tolist()
+    params = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)
+
+    def make(eager):
+        return LLM(tiny, device="cpu", dtype="float32", kv_cache_memory_gb=0.01, attention=method.removesuffix("-box"),
+                   attention_config=GRAPH_CFG[method], enforce_eager=eager, max_model_len=1280)
+
+    expected = make(True).generate({"prompt_token_ids": prompt}, params, use_tqdm=False)[0].token_ids
+    llm = make(False)
+    runner = llm.engine.runner
+    runner.capture_graphs(emulate=True)
+    warm = runner.capture_warm_variants()
+    keys = {key for _, key in runner._graphs}
+    assert warm == len(keys) > 0 and {k[0] for k in keys} == {128, 256, 512, 1024, 1280}
+    assert runner.capture_warm_variants() == 0  # nothing new the second time
+    replays, replay = [], runner._replay
+    runner._replay = lambda batch: replays.append(1) or replay(batch)
+    got = llm.generate({"prompt_token_ids": prompt}, params, use_tqdm=False)[0].token_ids
+    assert got == expected and len(replays) == 23  # every decode step but the prefill's token went through a graph
+    assert {key for _, key in runner._graphs} == keys  # the decode found every variant it needed

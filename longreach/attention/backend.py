@@ -215,6 +215,11 @@ class AttentionBackend(ABC):
     def graph_scratch(self) -> None:
         """Point the backend's static buffers at scratch state, so warm-up and capture write nothing real."""
 
+    def graph_warm_keys(self) -> list[tuple]:
+        """Variants worth capturing before serving (one row each; a VARIANTS backend's long-context ones), so that
+        their first use does not stall a batch. Default: none (a STATIC backend captures its one up front)."""
+        return []
+
     @contextlib.contextmanager
     def graph_variant(self, key: tuple):
         """While active, `forward` runs decode as variant `key` from the static buffers (captured or emulated)."""

@@ -121,6 +121,9 @@ class ComposedBackend(AttentionBackend):
     def graph_scratch(self) -> None:
         self.decode.graph_scratch()
 
+    def graph_warm_keys(self) -> list[tuple]:
+        return self.decode.graph_warm_keys()
+
     @contextlib.contextmanager
     def graph_variant(self, key):
         with self.decode.graph_variant(key):

@@ -176,6 +176,17 @@ class ModelRunner:
         """The backend's prefill graphs for chunks of these row counts, captured now (attention/backend.py)."""
         return self.backend.capture_prefill(self.kv_cache, chunk_rows)
 
+    @torch.inference_mode()
+    def capture_warm_variants(self) -> int:
+        """The decode variants the backend names for a warm-up (`graph_warm_keys`), captured now for one row: a
+        long sequence's first decode steps then find their kernels compiled. Returns how many were new."""
+        if not self._graph_sizes:
+            return 0
+        keys = [key for key in self.backend.graph_warm_keys() if (1, key) not in self._graphs]
+        for key in keys:
+            self._capture(1, key)
+        return len(keys)
+
     # ---- CUDA graphs for decode ----------------------------------------------------------------------------------
     def graphs_supported(self) -> tuple[bool, str]:
         if self.device.type != "cuda":

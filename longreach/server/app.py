@@ -215,7 +215,7 @@ def warm_up(engine, tokens: int | None) -> None:
     """Run one untimed request through `engine` before the server listens: its prefill chunks (the first one and,
     past one chunk, one with a prefix) and a few decode steps compile the kernels the first clients would otherwise
     wait for; then the backend's prefill-selection graphs for the scheduler's two chunk sizes (a prompt alone, and
-    beside others) are captured at every context length. `tokens` None: one chunk + 1024 on a GPU (at most
+    beside others) are captured at every context length, and its decode variants of one long row. `tokens` None: one chunk + 1024 on a GPU (at most
     max_model_len - 8), nothing on a CPU (0 skips both)."""
     from ..sampling_params import SamplingParams
 
@@ -240,6 +240,11 @@ def warm_up(engine, tokens: int | None) -> None:
         logger.info("warm-up: %d prefill-selection graphs captured (chunks of %s tokens at every context length up "
                     "to %d) in %.1f s", n, " and ".join(map(str, sorted(set(sizes)))), cfg.max_model_len,
                     time.perf_counter() - t0)
+    t0 = time.perf_counter()
+    n = engine.runner.capture_warm_variants()
+    if n:
+        logger.info("warm-up: %d decode-graph variants of a long sequence captured (one row, every context length "
+                    "and refresh level) in %.1f s", n, time.perf_counter() - t0)
 
 
 def serve(engine_config: EngineConfig, config: ServerConfig, verbose: bool = False) -> int:

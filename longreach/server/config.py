@@ -34,8 +34,9 @@ class ServerConfig:
                                          "a long prefill)")
     warmup_tokens: int | None = _f(None, "before listening, run one request of this many prompt tokens (+4 "
                                          "generated) so that kernel compilation happens at startup, not during the "
-                                         "first requests (a fresh process compiles for ~30-50 s); default: on a GPU "
-                                         "one prefill chunk + 1024 tokens, on a CPU none; 0: none")
+                                         "first requests (a fresh process compiles for ~30-50 s), then capture a "
+                                         "sparse method's prefill-selection graphs and long-context decode variants; "
+                                         "default: on a GPU one prefill chunk + 1024 tokens, on a CPU none; 0: none")
 
     def __post_init__(self) -> None:
         def bad(what: str) -> None:

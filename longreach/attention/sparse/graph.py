@@ -65,6 +65,25 @@ class GraphDecoder:
             return "SelfExtend (de) positions change their group size with the context length"
         return None
 
+    def warm_keys(self) -> list[tuple]:
+        """The variants a long sequence decoding among short ones meets, for a warm-up to capture before serving:
+        one long row (select 1), every refresh level, at every bucket past the largest dense limit up to
+        max_model_len. Capturing them compiles the selection kernels of every bucket class on the spot, which a
+        first-use capture otherwise pays while others wait (1.5-4.3 s on an H200 at 140K, docs/serving.md)."""
+        fb = self.fallback
+        limits = fb.limits()
+        if not fb.sparse_layers():
+            return []
+        power = 1 << max(limits[-1], 1).bit_length()  # the first bucket past every limit (`step`'s rule)
+        dense = tuple(False for _ in limits)
+        keys = []
+        while True:
+            bucket = min(power, self.max_model_len)
+            keys += [(bucket, level, dense, 1, False) for level in range(self._num_stages() + 1)]
+            if bucket >= self.max_model_len:
+                return keys
+            power *= 2
+
     def free(self, seq_id: int) -> None:
         if seq_id in self.slots:
             self._free_slots.append(self.slots.pop(seq_id))
