@@ -15,7 +15,10 @@
 # $METHODS (default "dense $SPARSE") are the servers of mixed128k; $EXTRA is appended to every server's flags and $TAG
 # to every file name (a variant run beside the default one). Logs and JSON go to $OUT (or ./out).
 set -u
-out=${OUT:-out}; mkdir -p "$out"
+# The device returns at most 8 files from $OUT: everything is written to a work folder and packed into
+# $OUT/serve-bench.tgz at the end (a soak's own run writes to /tmp/soak, collected by soak_collect).
+final=${OUT:-out}; mkdir -p "$final"
+out=$(mktemp -d /tmp/serve-bench.XXXX)
 port=${PORT:-8011}
 model=${MODEL:-/tmp/m/model.gguf}
 sparse=${SPARSE:-infinitehip}
@@ -75,7 +78,7 @@ for part in ${PARTS:-mixed128k}; do
                 --sample-metrics 10
             stop
         fi
-        touch "$out/done" ;;
+        cp "$out"/* /tmp/soak/ 2> /dev/null; touch /tmp/soak/done ;;
     soak_collect)
         for _ in $(seq ${WAIT_S:-560}); do [ -e /tmp/soak/done ] && break; sleep 1; done
         [ -e /tmp/soak/done ] || echo "soak not done yet"
@@ -83,3 +86,4 @@ for part in ${PARTS:-mixed128k}; do
     *) echo "unknown part $part (mixed128k long1m streams64 soak soak_collect)"; exit 2 ;;
     esac
 done
+tar czf "$final/serve-bench${TAG:-}.tgz" -C "$out" . && echo "packed $(ls "$out" | wc -l) files into $final/serve-bench${TAG:-}.tgz"
