@@ -167,11 +167,17 @@ class AttentionBackend(ABC):
 
     @classmethod
     def unsupported_reasons(cls, model_config: "ModelConfig", engine_config: EngineSettings) -> list[str]:
-        """Why this backend cannot serve this model/config (empty: it can); by default, what `resolve_config` says."""
+        """Why this backend cannot serve this model/config (empty: it can): what `resolve_config` says, then what
+        `config_problems` finds in the resolved config."""
         try:
-            cls.resolve_config(engine_config)
+            cfg = cls.resolve_config(engine_config)
         except ValueError as e:
             return [str(e)]
+        return cls.config_problems(cfg, model_config, engine_config)
+
+    @classmethod
+    def config_problems(cls, cfg, model_config: "ModelConfig", engine_config: EngineSettings) -> list[str]:
+        """What rules out the resolved config `cfg` for this model and engine (empty: nothing). Default: nothing."""
         return []
 
     def bind_kv_cache(self, capacity_tokens: int, dtype: torch.dtype) -> None:

@@ -95,11 +95,7 @@ class CascadingBackend(AttentionBackend):
         return resolve(CascadingConfig, "cascading", PRESETS, DEFAULT_PRESET, engine_config)
 
     @classmethod
-    def unsupported_reasons(cls, model_config, engine_config) -> list[str]:
-        try:
-            cls.resolve_config(engine_config)
-        except ValueError as e:
-            return [str(e)]
+    def config_problems(cls, cfg, model_config, engine_config) -> list[str]:
         why = []
         if engine_config.offload:
             why.append("cascading keeps a bounded cache on the GPU: KV offloading (--kv-offloading-size) has nothing "

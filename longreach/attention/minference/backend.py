@@ -11,7 +11,7 @@ from ...kernels import use_triton
 from ..backend import AttentionBackend, AttentionMetadata, Capabilities, GraphSupport
 from ..dense import DenseFallback
 from ..index import QueryBlocks, RangeIndex
-from ..presets import config_from, preset_and_overrides
+from ..presets import config_from, missing_layers, preset_and_overrides
 from .config import PATTERN_CHOICE, PRESET_NOTES, MInferenceConfig, resolve_patterns, shipped_patterns
 from .method import MInference
 
@@ -69,8 +69,7 @@ class MInferenceBackend(AttentionBackend):
             MInference(cfg, model_config.num_heads, model_config.num_kv_heads, model_config.num_layers)
         except ValueError as e:
             return [str(e)]
-        bad = [layer for layer in cfg.dense_layers if layer >= model_config.num_layers]
-        return [f"dense_layers {bad} do not exist (the model has {model_config.num_layers} layers)"] if bad else []
+        return missing_layers(cfg.dense_layers, model_config.num_layers)
 
     def forward(self, layer, q, k, v, k_cache, v_cache, meta: AttentionMetadata):
         cfg = self.config

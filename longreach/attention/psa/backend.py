@@ -53,11 +53,7 @@ class PSABackend(AttentionBackend):
         return tuple(self.config.dense_layers)
 
     @classmethod
-    def unsupported_reasons(cls, model_config, engine_config) -> list[str]:
-        try:
-            cfg = cls.resolve_config(engine_config)
-        except ValueError as e:
-            return [str(e)]
+    def config_problems(cls, cfg, model_config, engine_config) -> list[str]:
         page, out = engine_config.block_size, []
         if cfg.block_size is not None and cfg.block_size != page:
             out.append(f"psa block_size {cfg.block_size} differs from --block-size {page}: a PSA block is one KV "

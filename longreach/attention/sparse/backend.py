@@ -66,11 +66,7 @@ class SparseBackend(AttentionBackend):
         return tuple(self.config.dense_layers)
 
     @classmethod
-    def unsupported_reasons(cls, model_config, engine_config) -> list[str]:
-        try:
-            cfg = cls.resolve_config(engine_config)
-        except ValueError as e:
-            return [str(e)]
+    def config_problems(cls, cfg, model_config, engine_config) -> list[str]:
         return missing_layers(cfg.dense_layers, model_config.num_layers)
 
     def dense_below(self, layer: int) -> int:
