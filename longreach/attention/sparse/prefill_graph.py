@@ -106,7 +106,9 @@ class PrefillGraphs:
                 end = bucket + 1
 
     def _inputs(self, q: torch.Tensor, blocks: BlockQueries, keys: SequenceKeys) -> dict:
-        """The static input buffers of this shape, loaded with this chunk's inputs."""
+        """The static input buffers of this shape, loaded with this chunk's inputs. The blocks, the block-table row
+        and the box-table row are the same in every layer of a step (the backend builds `blocks` once per sequence
+        and step): they are copied when `blocks` is a new object, the queries every time."""
         table = keys.block_table
         box_row = keys.boxes[1] if keys.boxes is not None else None
         width = self.table_width
@@ -119,6 +121,9 @@ class PrefillGraphs:
                 "table": torch.zeros(width, dtype=table.dtype, device=dev),
                 "boxes": None if box_row is None else torch.zeros_like(box_row)}
         buf["q"].copy_(q)
+        if buf.get("loaded") is blocks:  # held, so its id cannot be reused by another step's blocks
+            return buf
+        buf["loaded"] = blocks
         b = buf["blocks"]
         b[0].copy_(blocks.starts)
         b[1].copy_(blocks.lens)
