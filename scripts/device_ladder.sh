@@ -331,6 +331,12 @@ suite_qwen_final() {  # the 0.5B cells issue 28 still lacks after run 6, in prio
         --attention minference --attention-config '{"patterns": "qwen2.5-coder-0.5b"}'
     for t in niah_single_3 niah_multikey_1; do rl_1m "$t" 2; done
 }
+suite_qwen15_final() {  # the 1.5B past the window in one lease (BG=1, P=3 KV_GB=31): 512K with 10 prompts, 1M with 5
+    pk 512k --seeds 2
+    rl niah_single_2 512k 10
+    pk_1m 1
+    rl_1m niah_single_2 1
+}
 suite_qwen15() {  # issue 28's 1.5B rows: passkey and niah_single_2 at 32K (dense beside), 128K, 512K, 1M
     local m
     for m in "dense dense" "infinitehip-3k-box infinitehip:3k-box"; do
