@@ -71,6 +71,11 @@ class EngineConfig:
     max_num_partial_prefills: int = _f(4, "most sequences part-way through their prefill at once")
     max_long_partial_prefills: int = _f(2, "most long prompts (see long_prefill_token_threshold) part-way through "
                                            "their prefill at once: more wait, shorter ones behind them may start")
+    mixed_step_target_ms: float | None = _f(None, "while requests decode, size each prompt's prefill chunk so that a "
+                                                  "step takes about this long (measured; powers of two from 256 to "
+                                                  "long_prefill_token_threshold; engine/pacing.py): lower inter-token "
+                                                  "latency for the others, a slower prefill for the prompt; default: "
+                                                  "off")
     block_size: int = _f(16, "tokens per KV-cache page")
     gpu_memory_utilization: float = _f(0.90, "share of GPU memory for weights, activations and the KV cache")
     kv_cache_memory_gb: float | None = _f(None, "KV cache size in GiB; default: what gpu_memory_utilization leaves "
@@ -110,6 +115,10 @@ class EngineConfig:
                 not isinstance(self.long_prefill_token_threshold, int) or self.long_prefill_token_threshold < 1):
             bad(f"long_prefill_token_threshold must be a positive integer (or absent: max_num_batched_tokens / 4), "
                 f"got {self.long_prefill_token_threshold!r}")
+        if self.mixed_step_target_ms is not None and (isinstance(self.mixed_step_target_ms, bool) or not isinstance(
+                self.mixed_step_target_ms, (int, float)) or not 0 < self.mixed_step_target_ms < float("inf")):
+            bad(f"mixed_step_target_ms must be a positive number of milliseconds (or absent: off), "
+                f"got {self.mixed_step_target_ms!r}")
         for name in ("max_num_partial_prefills", "max_long_partial_prefills"):
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:

@@ -209,3 +209,78 @@ def test_mixed_steps_give_the_tokens_and_logits_of_separate_steps(tiny, name):
     worst = max((mixed[k] - separate[k]).abs().max().item() for k in mixed)
     assert worst < 1e-4, f"mixed steps moved a logit by {worst}"
     assert all(mixed[k].argmax() == separate[k].argmax() for k in mixed)
+
+
+# ---- pacing: chunks sized by measured step time while others decode (engine/pacing.py) ----------------------------
+def _long_chunk(batch, long) -> int:
+    return dict(zip((s.seq_id for s in batch.seqs), batch.num_tokens)).get(long.seq_id, 0)
+
+
+@pytest.mark.parametrize("mixed", [True, False])
+def test_pacing_halves_a_slow_chunk_and_grows_a_fast_one_back(mixed):
+    """A step over the target halves the long prompt's next chunk (powers of two, never under 256); a step under
+    half the target doubles it back up to the long-prefill threshold. A cost model of the step: 10 ms plus 20 us a
+    prompt token, target 20 ms, so the controller should settle at 256-512 tokens (15-20 ms)."""
+    sched = _scheduler(mixed, mixed_step_target_s=0.020, long_prefill_token_threshold=1000)
+    _decoding(sched, 2)
+    long = _seq(1, 40 * BUDGET)
+    sched.add(long)
+    chunks = []
+    for _ in range(40):
+        batch = sched.schedule()
+        n = _long_chunk(batch, long)
+        if n:
+            chunks.append(n)
+        _run(sched, batch)
+        sched.observe(0.010 + 20e-6 * n)
+    assert chunks[0] == 512  # the threshold's power of two below
+    assert all(c & (c - 1) == 0 and 256 <= c <= 512 for c in chunks)
+    assert chunks[1] == 256  # 512 tokens: 20.2 ms > 20 ms
+    assert 512 not in chunks[2:] or chunks.count(256) > 1  # never stuck at the slow size
+
+
+def test_pacing_grows_to_the_threshold_when_steps_are_fast():
+    sched = _scheduler(True, mixed_step_target_s=0.050, long_prefill_token_threshold=512)
+    _decoding(sched, 2)
+    long = _seq(1, 40 * BUDGET)
+    sched.add(long)
+    b = sched.schedule()
+    assert _long_chunk(b, long) == 512
+    _run(sched, b); sched.observe(0.2)  # noqa: E702 -- one slow step (a capture, say)
+    b = sched.schedule()
+    assert _long_chunk(b, long) == 256
+    seen = []
+    for _ in range(4):
+        _run(sched, b); sched.observe(0.005)  # noqa: E702
+        b = sched.schedule()
+        seen.append(_long_chunk(b, long))
+    assert seen == [512] * 4  # back to the threshold at once, and no further
+
+
+def test_pacing_leaves_a_prompt_alone_at_the_full_budget_and_forgets_finished_ones():
+    sched = _scheduler(True, mixed_step_target_s=0.001)
+    long = _seq(1, 4 * BUDGET)
+    sched.add(long)
+    batch = sched.schedule()
+    assert batch.num_tokens == [BUDGET] and not sched.step_paced  # nobody decodes: not paced, not timed
+    sched.observe(1.0)
+    _run(sched, batch)
+    assert sched.pacer.cap(long.seq_id) == sched.pacer.max_chunk  # the unpaced step taught it nothing
+    decoders = _decoding(sched, 1)
+    batch = sched.schedule()
+    assert sched.step_paced and _long_chunk(batch, long) > 0
+    _run(sched, batch)
+    sched.observe(1.0)
+    assert sched.pacer.cap(long.seq_id) == 256
+    for seq in [long, *decoders]:
+        seq.status = seq.status.FINISHED
+        sched.finish(seq)
+    assert sched.pacer._cap == {}
+
+
+def test_mixed_step_target_is_validated():
+    with pytest.raises(ValueError, match="mixed_step_target_ms must be a positive number"):
+        EngineConfig(mixed_step_target_ms=0)
+    with pytest.raises(ValueError, match="mixed_step_target_ms"):
+        EngineConfig(mixed_step_target_ms="fast")
+    assert EngineConfig(mixed_step_target_ms=40).mixed_step_target_ms == 40

@@ -97,7 +97,9 @@ class LLMEngine:
                                    chunk_align=layout.stride if layout else 1, mixed=mixed,
                                    long_prefill_token_threshold=config.long_prefill_token_threshold,
                                    max_num_partial_prefills=config.max_num_partial_prefills,
-                                   max_long_partial_prefills=config.max_long_partial_prefills)
+                                   max_long_partial_prefills=config.max_long_partial_prefills,
+                                   mixed_step_target_s=(config.mixed_step_target_ms / 1000
+                                                        if config.mixed_step_target_ms else None))
         self.sampler = Sampler(self.device, config.seed)
         self._requests: dict[str, _Request] = {}
         self._seq_ids = itertools.count()
@@ -264,6 +266,10 @@ class LLMEngine:
                     seq.kv_counts[key] = seq.kv_counts.get(key, 0) + n
         sampling = [batch.seqs[i] for i in sample_idx]
         tokens = sample_isolated(self.sampler, logits, sampling, failed, engine_runs) if sampling else []
+        if self.scheduler.step_paced:  # its chunks' pacer wants the step's whole time, the GPU's work included
+            if self.device.type == "cuda":
+                torch.cuda.synchronize(self.device)
+            self.scheduler.observe(time.perf_counter() - t0)
         now = time.perf_counter()
         for seq, n in zip(batch.seqs, batch.num_tokens):
             seq.num_computed += n

@@ -13,6 +13,9 @@ Policy (continuous batching with chunked prefill, as vLLM v1 schedules it):
     arrives behind long ones starts at the next step. At most `max_num_partial_prefills` sequences are mid-prefill
     at once, and of those at most `max_long_partial_prefills` are long (more than the threshold left to prefill).
     Alone, a prompt takes the whole budget (the fastest prefill).
+  * With a step-time target (`mixed_step_target_s`), while sequences decode each prompt's chunk is further capped
+    by a controller that halves or doubles it from the measured times of the steps it shared with decode rows
+    (engine/pacing.py); the engine reports each step's time with `observe`.
   * A backend with a bounded cache of its own (cascading) inserts a prompt into it stride by stride: its chunks then
     end on multiples of `chunk_align` (except at the prompt's end), so results do not depend on how steps cut them.
   * Pages are reserved per step. If a running sequence cannot get a page, the most recently admitted other sequence
@@ -26,6 +29,7 @@ from dataclasses import dataclass
 from typing import Callable
 
 from ..kvcache.block_manager import BlockManager
+from .pacing import ChunkPacer
 from .sequence import Sequence, SequenceStatus
 
 
@@ -49,7 +53,8 @@ class Scheduler:
     def __init__(self, blocks: BlockManager, max_num_seqs: int, max_num_batched_tokens: int,
                  on_release: Callable[[Sequence], None] = lambda seq: None, max_prefill_pages: int | None = None,
                  chunk_align: int = 1, mixed: bool = False, long_prefill_token_threshold: int | None = None,
-                 max_num_partial_prefills: int = 4, max_long_partial_prefills: int = 2):
+                 max_num_partial_prefills: int = 4, max_long_partial_prefills: int = 2,
+                 mixed_step_target_s: float | None = None):
         self.blocks = blocks
         self.max_num_seqs = max_num_seqs
         self.max_num_batched_tokens = max_num_batched_tokens
@@ -63,6 +68,8 @@ class Scheduler:
         self.long_threshold = max(threshold, chunk_align)  # a capped chunk still holds one aligned stride
         self.max_partial = max_num_partial_prefills
         self.max_long_partial = max_long_partial_prefills
+        self.pacer = ChunkPacer(mixed_step_target_s, self.long_threshold) if mixed_step_target_s else None
+        self._paced: dict[int, int] = {}  # the last step's paced chunks: seq_id -> tokens (for `observe`)
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []
         self.num_preemptions = 0
@@ -83,11 +90,12 @@ class Scheduler:
         prefill_first = self.prefill_pending() and not (decoding and self._last_prefill)
         seqs: list[Sequence] = []
         counts: list[int] = []
+        pace = self.pacer is not None and bool(decoding)  # others decode: this step's chunks are paced
         if self.mixed:
             self._schedule_decodes(decoding, seqs, counts)
-            self._schedule_prefill(seqs, counts, self.max_num_batched_tokens - len(seqs))
+            self._schedule_prefill(seqs, counts, self.max_num_batched_tokens - len(seqs), pace)
         elif prefill_first:  # alternate: a step of prefill, then (while sequences decode) a step of decode
-            self._schedule_prefill(seqs, counts, self.max_num_batched_tokens)
+            self._schedule_prefill(seqs, counts, self.max_num_batched_tokens, pace)
         if not seqs and not self.mixed:  # a decode step: its turn, or the prefill could not take a step now
             self._schedule_decodes(decoding, seqs, counts)
         # a reservation may preempt a sequence this step already took (the most recently admitted): drop it
@@ -97,6 +105,7 @@ class Scheduler:
         num_decodes = sum(1 for s in seqs if s.seq_id in decode_ids)
         is_prefill = len(seqs) > num_decodes
         self._last_prefill = is_prefill
+        self._paced = {s.seq_id: n for s, n in zip(seqs, counts) if s.seq_id not in decode_ids} if pace else {}
         return ScheduledBatch(is_prefill, seqs, counts, num_decodes if is_prefill else 0) if seqs else None
 
     def _schedule_decodes(self, decoding: list[Sequence], seqs: list[Sequence], counts: list[int]) -> None:
@@ -107,18 +116,20 @@ class Scheduler:
                 seqs.append(seq)
                 counts.append(1)
 
-    def _schedule_prefill(self, seqs: list[Sequence], counts: list[int], budget: int) -> None:
-        """Append this step's prefill chunks to `seqs` / `counts` within `budget` tokens."""
+    def _schedule_prefill(self, seqs: list[Sequence], counts: list[int], budget: int, pace: bool = False) -> None:
+        """Append this step's prefill chunks to `seqs` / `counts` within `budget` tokens (`pace`: each chunk also
+        within its pacer's cap)."""
         first = len(seqs)
         pages = 0
         others = len(self.running) + len(self.waiting) > 1  # anyone to share the step with: cap the chunks
-        cap = self.long_threshold if others else budget
+        shared = self.long_threshold if others else budget
+        cap_of = (lambda seq: min(shared, self.pacer.cap(seq.seq_id))) if pace else (lambda seq: shared)
         partial = [s for s in self.running if s.status is SequenceStatus.RUNNING and s.is_prefilling]
         n_long = sum(s.num_uncomputed > self.long_threshold for s in partial)
         for seq in partial:  # continue chunked prefills, oldest first
             if budget == 0:
                 break
-            n = self.chunk(seq, min(budget, cap))
+            n = self.chunk(seq, min(budget, cap_of(seq)))
             if n == 0 or len(seqs) > first and not self._stages(pages, seq.num_computed + n):
                 break
             if self._reserve(seq, seq.num_computed + n):
@@ -132,7 +143,7 @@ class Scheduler:
             long = seq.num_uncomputed > self.long_threshold
             if long and n_long >= self.max_long_partial:
                 continue  # no place for another long prompt: shorter ones behind it may still start
-            n = self.chunk(seq, min(budget, cap))
+            n = self.chunk(seq, min(budget, cap_of(seq)))
             if n == 0 or len(seqs) > first and not self._stages(pages, seq.num_computed + n):
                 break
             # Admit only when the whole (re-)prefill fits the free pages: one admitted for its first chunk alone could
@@ -151,6 +162,18 @@ class Scheduler:
             if seq.num_computed + n < seq.num_tokens:
                 partial.append(seq)
                 n_long += long
+
+    def observe(self, seconds: float) -> None:
+        """The last scheduled step took `seconds` (the engine's measure, the GPU's work included): the pacer's
+        input when that step's chunks were paced."""
+        if self._paced:
+            self.pacer.observe(self._paced, seconds)
+            self._paced = {}
+
+    @property
+    def step_paced(self) -> bool:
+        """The last scheduled step's chunks were paced: its time is wanted (`observe`)."""
+        return bool(self._paced)
 
     def chunk(self, seq: Sequence, budget: int) -> int:
         """Tokens of `seq`'s prefill to run within `budget`: ending on a multiple of `chunk_align` unless the prompt
@@ -174,10 +197,15 @@ class Scheduler:
                 return False
         return True
 
-    def _preempt(self, seq: Sequence) -> None:
-        self.running.remove(seq)
+    def _release(self, seq: Sequence) -> None:
         self.blocks.free(seq.seq_id)
         self.on_release(seq)
+        if self.pacer is not None:
+            self.pacer.forget(seq.seq_id)
+
+    def _preempt(self, seq: Sequence) -> None:
+        self.running.remove(seq)
+        self._release(seq)
         seq.num_computed = 0
         seq.num_preemptions += 1
         seq.status = SequenceStatus.WAITING
@@ -190,5 +218,4 @@ class Scheduler:
             self.running.remove(seq)
         elif seq in self.waiting:
             self.waiting.remove(seq)
-        self.blocks.free(seq.seq_id)
-        self.on_release(seq)
+        self._release(seq)
