@@ -221,8 +221,8 @@ class AttentionBackend(ABC):
     def graph_scratch(self) -> None:
         """Point the backend's static buffers at scratch state, so warm-up and capture write nothing real."""
 
-    def graph_warm_keys(self) -> list[tuple]:
-        """Variants worth capturing before serving (one row each; a VARIANTS backend's long-context ones), so that
+    def graph_warm_keys(self) -> list[tuple[int, tuple]]:
+        """Variants worth capturing before serving, as (rows, key) (a VARIANTS backend's long-context ones), so that
         their first use does not stall a batch. Default: none (a STATIC backend captures its one up front)."""
         return []
 

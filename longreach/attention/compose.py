@@ -121,7 +121,7 @@ class ComposedBackend(AttentionBackend):
     def graph_scratch(self) -> None:
         self.decode.graph_scratch()
 
-    def graph_warm_keys(self) -> list[tuple]:
+    def graph_warm_keys(self) -> list[tuple[int, tuple]]:
         return self.decode.graph_warm_keys()
 
     @contextlib.contextmanager

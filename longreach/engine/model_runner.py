@@ -178,14 +178,19 @@ class ModelRunner:
 
     @torch.inference_mode()
     def capture_warm_variants(self) -> int:
-        """The decode variants the backend names for a warm-up (`graph_warm_keys`), captured now for one row: a
-        long sequence's first decode steps then find their kernels compiled. Returns how many were new."""
+        """The decode variants the backend names for a warm-up (`graph_warm_keys`), each captured now at the smallest
+        graph batch size that holds its rows: a long sequence's first decode steps then find their kernels compiled.
+        Returns how many were new."""
         if not self._graph_sizes:
             return 0
-        keys = [key for key in self.backend.graph_warm_keys() if (1, key) not in self._graphs]
-        for key in keys:
-            self._capture(1, key)
-        return len(keys)
+        todo = []
+        for rows, key in self.backend.graph_warm_keys():
+            size = self._graph_sizes[min(bisect.bisect_left(self._graph_sizes, rows), len(self._graph_sizes) - 1)]
+            if (size, key) not in self._graphs:
+                todo.append((size, key))
+        for size, key in todo:
+            self._capture(size, key)
+        return len(todo)
 
     # ---- CUDA graphs for decode ----------------------------------------------------------------------------------
     def graphs_supported(self) -> tuple[bool, str]:

@@ -243,8 +243,8 @@ def warm_up(engine, tokens: int | None) -> None:
     t0 = time.perf_counter()
     n = engine.runner.capture_warm_variants()
     if n:
-        logger.info("warm-up: %d decode-graph variants of a long sequence captured (one row, every context length "
-                    "and refresh level) in %.1f s", n, time.perf_counter() - t0)
+        logger.info("warm-up: %d decode-graph variants of long sequences captured (one and two long rows, every "
+                    "context length and refresh level) in %.1f s", n, time.perf_counter() - t0)
 
 
 def serve(engine_config: EngineConfig, config: ServerConfig, verbose: bool = False) -> int:

@@ -138,7 +138,7 @@ class SparseBackend(AttentionBackend):
     def graph_scratch(self) -> None:
         self.graph.scratch()
 
-    def graph_warm_keys(self) -> list[tuple]:
+    def graph_warm_keys(self) -> list[tuple[int, tuple]]:
         return self.graph.warm_keys() if self.graph_unsupported() is None else []
 
     def graph_variant(self, key: tuple):

@@ -65,11 +65,12 @@ class GraphDecoder:
             return "SelfExtend (de) positions change their group size with the context length"
         return None
 
-    def warm_keys(self) -> list[tuple]:
-        """The variants a long sequence decoding among short ones meets, for a warm-up to capture before serving:
-        one long row (select 1), every refresh level, at every bucket past the largest dense limit up to
-        max_model_len. Capturing them compiles the selection kernels of every bucket class on the spot, which a
-        first-use capture otherwise pays while others wait (1.5-4.3 s on an H200 at 140K, docs/serving.md)."""
+    def warm_keys(self) -> list[tuple[int, tuple]]:
+        """The variants one or two long sequences decoding among short ones meet, for a warm-up to capture before
+        serving, as (rows, key): one and two long rows (select 1 and 2), every refresh level, at every bucket past the
+        largest dense limit up to max_model_len. Capturing them compiles the selection kernels of every bucket class
+        on the spot, which a first-use capture otherwise pays while others wait (1.5-4.3 s on an H200 at 140K; with
+        the one-row variants warm, 3.0 s for the first step that selected for two long rows; docs/serving.md)."""
         fb = self.fallback
         limits = fb.limits()
         if not fb.sparse_layers():
@@ -79,7 +80,8 @@ class GraphDecoder:
         keys = []
         while True:
             bucket = min(power, self.max_model_len)
-            keys += [(bucket, level, dense, 1, False) for level in range(self._num_stages() + 1)]
+            keys += [(select, (bucket, level, dense, select, False)) for select in (1, 2)
+                     for level in range(self._num_stages() + 1)]
             if bucket >= self.max_model_len:
                 return keys
             power *= 2
