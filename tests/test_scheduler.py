@@ -284,3 +284,9 @@ def test_mixed_step_target_is_validated():
     with pytest.raises(ValueError, match="mixed_step_target_ms"):
         EngineConfig(mixed_step_target_ms="fast")
     assert EngineConfig(mixed_step_target_ms=40).mixed_step_target_ms == 40
+
+
+def test_chunk_sizes_name_every_paced_size_for_the_warm_up():
+    assert _scheduler(True).chunk_sizes() == [BUDGET, BUDGET // 4]
+    paced = _scheduler(True, mixed_step_target_s=0.04, long_prefill_token_threshold=1000)
+    assert paced.chunk_sizes() == [BUDGET, 1000, 512, 256]

@@ -46,5 +46,13 @@ class ChunkPacer:
                 cap = min(self.max_chunk, cap * 2)
             self._cap[seq_id] = min(cap, self.max_chunk)
 
+    def sizes(self) -> list[int]:
+        """Every cap the controller can choose (the chunk sizes a warm-up should capture graphs for)."""
+        out, n = [], self.max_chunk
+        while n >= MIN_CHUNK:
+            out.append(n)
+            n //= 2
+        return out or [self.max_chunk]
+
     def forget(self, seq_id: int) -> None:
         self._cap.pop(seq_id, None)

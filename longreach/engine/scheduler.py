@@ -170,6 +170,12 @@ class Scheduler:
             self.pacer.observe(self._paced, seconds)
             self._paced = {}
 
+    def chunk_sizes(self) -> list[int]:
+        """The full-size prefill chunks this scheduler cuts (a prompt alone, beside others, and every paced cap),
+        largest first: the shapes worth capturing prefill graphs for before serving."""
+        sizes = {self.max_num_batched_tokens, self.long_threshold, *(self.pacer.sizes() if self.pacer else ())}
+        return sorted(sizes, reverse=True)
+
     @property
     def step_paced(self) -> bool:
         """The last scheduled step's chunks were paced: its time is wanted (`observe`)."""

@@ -214,8 +214,9 @@ def make_state(engine, config: ServerConfig) -> ServerState:
 def warm_up(engine, tokens: int | None) -> None:
     """Run one untimed request through `engine` before the server listens: its prefill chunks (the first one and,
     past one chunk, one with a prefix) and a few decode steps compile the kernels the first clients would otherwise
-    wait for; then the backend's prefill-selection graphs for the scheduler's two chunk sizes (a prompt alone, and
-    beside others) are captured at every context length, and its decode variants of one long row. `tokens` None: one chunk + 1024 on a GPU (at most
+    wait for; then the backend's prefill-selection graphs for the scheduler's chunk sizes (a prompt alone, beside
+    others, and each paced size with --mixed-step-target-ms) are captured at every context length, and its decode
+    variants of one and two long rows. `tokens` None: one chunk + 1024 on a GPU (at most
     max_model_len - 8), nothing on a CPU (0 skips both)."""
     from ..sampling_params import SamplingParams
 
@@ -234,7 +235,7 @@ def warm_up(engine, tokens: int | None) -> None:
     logger.info("warm-up: one request of %d prompt tokens in %.1f s (kernels compiled before listening; "
                 "--warmup-tokens 0 skips it)", tokens, time.perf_counter() - t0)
     t0 = time.perf_counter()
-    sizes = [cfg.max_num_batched_tokens, engine.scheduler.long_threshold]  # a prompt alone, and beside others
+    sizes = engine.scheduler.chunk_sizes()  # a prompt alone, beside others, and paced (engine/pacing.py)
     n = engine.runner.capture_prefill_graphs(sizes)
     if n:
         logger.info("warm-up: %d prefill-selection graphs captured (chunks of %s tokens at every context length up "
