@@ -188,6 +188,7 @@ suite_qwen_next() {  # the cells issue 28 still lacks, in priority order (the ne
 DEFAULT=infinitehip:3k-box
 ORACLE8K='{"budgets": [8192], "early_last_budget": 16384}'  # the exact top 8K tokens: 4x the oracle's budget
 DENSE32K='{"dense_below": 32768}'  # exact attention while a sequence is inside the trained 32K
+TRAINED='{"dense_below":"trained"}'  # the same, from the model's own trained context (no spaces: a job splits on them)
 pk() {  # pk LENGTHS [eval args...]: the default's passkey cell(s), label infinitehip-3k-box
     job "passkey__paul-graham__infinitehip-3k-box__${1// /-}" passkey --haystack paul-graham --lengths $1 "${@:2}" \
         --attention "$DEFAULT"
@@ -330,6 +331,28 @@ suite_qwen_final() {  # the 0.5B cells issue 28 still lacks after run 6, in prio
     job "passkey__paul-graham__minference-calibrated__16k-32k" passkey --haystack paul-graham --lengths 16k 32k \
         --attention minference --attention-config '{"patterns": "qwen2.5-coder-0.5b"}'
     for t in niah_single_3 niah_multikey_1; do rl_1m "$t" 2; done
+}
+suite_qwen_trained() {  # the default against itself with {"dense_below": "trained"} (exact attention inside the
+    # trained 32K), dense beside inside the window, in one run: the suite a default change needs (issue 28/31)
+    local t m
+    for m in "dense dense {}" "3k-box-trained $DEFAULT $TRAINED"; do
+        set -- $m
+        job "passkey__paul-graham__${1}__4k-8k-16k-32k" passkey --haystack paul-graham --lengths 4k 8k 16k 32k \
+            --attention "$2" --attention-config "$3"
+        for t in niah_single_1 niah_single_2 niah_single_3 niah_multikey_1 niah_multivalue vt; do
+            job "ruler__${t}__${1}__4k-8k-16k-32k" ruler --tasks "$t" --lengths 4k 8k 16k 32k --samples 20 \
+                --attention "$2" --attention-config "$3"
+        done
+    done
+    for m in "infinitehip-3k-box $DEFAULT {}" "3k-box-trained $DEFAULT $TRAINED"; do
+        set -- $m
+        job "passkey__paul-graham__${1}__64k-128k" passkey --haystack paul-graham --lengths 64k 128k \
+            --attention "$2" --attention-config "$3"
+        for t in niah_single_1 niah_single_2 niah_single_3 niah_multikey_1; do
+            job "ruler__${t}__${1}__64k-128k" ruler --tasks "$t" --lengths 64k 128k --samples 20 --attention "$2" \
+                --attention-config "$3"
+        done
+    done
 }
 suite_qwen15_final() {  # the 1.5B past the window in one lease (BG=1, P=3 KV_GB=31): 512K with 10 prompts, 1M with 5
     pk 512k --seeds 2

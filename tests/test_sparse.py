@@ -1,4 +1,5 @@
 """Sparse attention: the index format, the block-sparse executor, the selection methods and the mask cache."""
+import json
 import math
 
 import pytest
@@ -452,3 +453,37 @@ def test_warm_decode_variants_are_the_ones_a_long_sequence_uses(tiny, method):
     got = llm.generate({"prompt_token_ids": prompt}, params, use_tqdm=False)[0].token_ids
     assert got == expected and len(replays) == 23  # every decode step but the prefill's token went through a graph
     assert {key for _, key in runner._graphs} == keys  # the decode found every variant it needed
+
+
+def test_dense_below_trained_is_the_models_trained_context(tmp_path):
+    """`"dense_below": "trained"` attends densely while a sequence is inside the model's trained context (here 128
+    tokens) and sparsely past it: the same logits and tokens as the explicit limit, dense's logits inside it."""
+    from conftest import make_tiny_hf_model
+
+    from longreach import SamplingParams
+    from longreach.engine.llm import LLM
+
+    path = make_tiny_hf_model(tmp_path / "m", arch="llama", max_position_embeddings=128)[0]
+    base = SMALL["infinitehip"].replace(', "dense_below": 0}', '')
+    assert base != SMALL["infinitehip"]
+
+    def make(dense_below):
+        return LLM(path, device="cpu", dtype="float32", kv_cache_memory_gb=0.01, attention="infinitehip",
+                   attention_config=base + f', "dense_below": {json.dumps(dense_below)}}}', max_model_len=512,
+                   max_num_batched_tokens=64)
+
+    ids = torch.randint(3, 256, (200,), generator=torch.Generator().manual_seed(5)).tolist()
+    trained, explicit = make("trained"), make(128)
+    assert trained.engine.backend.dense_below(1) == 128
+    got = trained.engine.prompt_logits(ids)
+    assert (got - explicit.engine.prompt_logits(ids)).abs().max() < 1e-5
+    dense = LLM(path, device="cpu", dtype="float32", kv_cache_memory_gb=0.01, max_model_len=512,
+                max_num_batched_tokens=64).engine.prompt_logits(ids)
+    assert (got[:128] - dense[:128]).abs().max() < 1e-4  # chunks inside the trained 128: exact attention
+    assert (got[150:] - dense[150:]).abs().max() > 1e-3  # past it: sparse
+    params = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)  # a decode that crosses 128
+    prompt = {"prompt_token_ids": ids[:120]}
+    assert (trained.generate(prompt, params, use_tqdm=False)[0].token_ids
+            == explicit.generate(prompt, params, use_tqdm=False)[0].token_ids)
+    with pytest.raises(ValueError, match='dense_below must be an integer >= 0, "trained"'):
+        make("always")

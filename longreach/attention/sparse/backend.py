@@ -72,6 +72,8 @@ class SparseBackend(AttentionBackend):
     def dense_below(self, layer: int) -> int:
         """Contexts of at most this many tokens attend densely in `layer` (the dense fallback's limit)."""
         c = self.config.dense_below
+        if c == "trained":
+            return max(self.method.token_budget(layer), self.model_config.max_position_embeddings)
         return self.method.token_budget(layer) if c is None else c
 
     # ---- the KV store's side ------------------------------------------------------------------------------------

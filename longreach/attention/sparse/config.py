@@ -20,7 +20,9 @@ class SparseConfig:
     last_rows: int = 16
     granularity: str = "kv_head"  # one selection per layer, per KV-head group, or per head (see index.py)
     dense_layers: tuple[int, ...] = ()  # layers that always attend densely
-    dense_below: int | None = None  # sequences this short attend densely; None: the method's token budget
+    # sequences this short attend densely; None: the method's token budget; "trained": the model's trained context
+    # (max_position_embeddings; at least the budget), inside which dense attention is exact and the model's own
+    dense_below: int | str | None = None
     # RoPE position strategies (rope/strategies.py), "strategy[:first-last],...", first match per layer wins
     prune_rope: str = "none"  # while scoring chunks: none, rt, ci, il, de
     attend_rope: str = "none"  # in block-sparse attention: none, st, il, de
@@ -41,6 +43,10 @@ class SparseConfig:
             raise ValueError(f"dense_layers must be layer indices >= 0, got {self.dense_layers}")
         parse_layer_spec(self.prune_rope, PRUNE_CODES, "prune_rope")
         parse_layer_spec(self.attend_rope, ATTEND_CODES, "attend_rope")
+        if self.dense_below is not None and self.dense_below != "trained" and (
+                isinstance(self.dense_below, bool) or not isinstance(self.dense_below, int) or self.dense_below < 0):
+            raise ValueError(f"dense_below must be an integer >= 0, \"trained\" (the model's trained context) or "
+                             f"None (the method's token budget), got {self.dense_below!r}")
         for name in ("rope_from", "de_group"):
             v = getattr(self, name)
             if v is not None and (not isinstance(v, int) or v < (0 if name == "rope_from" else 1)):
