@@ -76,6 +76,9 @@ class EngineConfig:
                                                   "long_prefill_token_threshold; engine/pacing.py): lower inter-token "
                                                   "latency for the others, a slower prefill for the prompt; default: "
                                                   "off")
+    quantization: str | None = _f(None, "weights: fp8 (the decoder's linear layers in float8 e4m3 with a scale per "
+                                        "output channel, activations quantised per token; models/fp8.py: half the "
+                                        "bytes a decode step reads); default: the run dtype")
     block_size: int = _f(16, "tokens per KV-cache page")
     gpu_memory_utilization: float = _f(0.90, "share of GPU memory for weights, activations and the KV cache")
     kv_cache_memory_gb: float | None = _f(None, "KV cache size in GiB; default: what gpu_memory_utilization leaves "
@@ -140,6 +143,8 @@ class EngineConfig:
             if not isinstance(rope, dict) or not rope:
                 bad(f"rope_scaling must be a non-empty JSON object such as '{{\"rope_type\": \"yarn\", "
                     f"\"factor\": 4.0}}', got {self.rope_scaling!r}")
+        if self.quantization not in (None, "fp8"):
+            bad(f"quantization must be fp8 (or absent: the run dtype), got {self.quantization!r}")
         if self.kv_cache_dtype not in KV_DTYPES:
             bad(f"kv_cache_dtype must be one of {', '.join(KV_DTYPES)}, got {self.kv_cache_dtype!r}")
         if self.kv_offloading_size is not None and (isinstance(self.kv_offloading_size, bool) or not isinstance(

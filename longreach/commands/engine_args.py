@@ -7,7 +7,7 @@ import dataclasses
 from ..config import EngineConfig
 
 _ENGINE_TYPES = {"cpu_threads": int, "max_model_len": int, "long_prefill_token_threshold": int, "kv_cache_memory_gb": float,
-                 "mixed_step_target_ms": float, "kv_offloading_size": float,
+                 "mixed_step_target_ms": float, "quantization": str, "kv_offloading_size": float,
                  "rope_scaling": str, "preset": str, "attention_config": str, "decode_attention": str,
                  "decode_attention_config": str}
 

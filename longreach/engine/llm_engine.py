@@ -66,6 +66,8 @@ class LLMEngine:
             if cpu_runtime.keep_freed_memory():
                 logger.debug("glibc malloc: large tensors from the heap, freed memory kept (cpu_runtime.py)")
         self.model_config, self.model, self.tokenizer = loaded.config, loaded.model, loaded.tokenizer
+        if config.quantization == "fp8":
+            self._quantize_fp8()
         if config.rope_scaling:
             self._override_rope(json.loads(config.rope_scaling))
         mc = self.model_config
@@ -119,6 +121,19 @@ class LLMEngine:
         self.model_config = dataclasses.replace(mc, rope=rope)
         self.model.rotary = RotaryEmbedding(rope, mc.head_dim).to(self.device)
         logger.info("RoPE scaling overridden: %s (the checkpoint's: %s)", rope.rope_type, mc.rope.rope_type)
+
+    def _quantize_fp8(self) -> None:
+        """--quantization fp8: the decoder's projections to e4m3 weights (models/fp8.py), before the KV cache is
+        sized, so that the memory they free goes to it."""
+        from ..models.fp8 import quantize_model_fp8, scaled_mm_supported
+
+        before, after = quantize_model_fp8(self.model)
+        if self.device.type == "cuda":
+            torch.cuda.empty_cache()
+        how = ("torch._scaled_mm" if scaled_mm_supported(self.device) else
+               "the fp32 reference (no fp8 tensor cores here: slower than unquantised)")
+        logger.info("fp8 weights: the decoder's linear layers %.2f GB -> %.2f GB, through %s", before / 1e9,
+                    after / 1e9, how)
 
     # ---- KV (sized and built in kvcache/build.py) ---------------------------------------------------------------
     def kv_cache_stats(self) -> dict:
