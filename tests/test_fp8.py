@@ -78,3 +78,4 @@ def test_quantize_model_counts_the_bytes_and_rejects_a_model_without_projections
 def test_quantization_is_validated():
     with pytest.raises(ValueError, match="quantization must be fp8"):
         EngineConfig(quantization="int4")
+

@@ -28,3 +28,19 @@ def resolve_dtype(name: str, device: torch.device) -> torch.dtype:
     if name == "auto":
         return torch.bfloat16 if device.type == "cuda" else torch.float32
     return _DTYPES[name]
+
+
+def triton_cache_line() -> str:
+    """Where Triton keeps compiled kernels and how many it holds: a fresh cache means the first steps of a sparse
+    method compile (tens of seconds on a GPU; the server's warm-up pays it before listening), a warm one loads them."""
+    import os
+
+    try:
+        from triton import knobs
+        where = knobs.cache.dir
+    except (ImportError, AttributeError):
+        where = os.environ.get("TRITON_CACHE_DIR") or os.path.join(os.path.expanduser("~"), ".triton", "cache")
+    n = len(os.listdir(where)) if os.path.isdir(where) else 0
+    state = (f"{n} compiled kernels cached, reused" if n else
+             "empty: kernels compile on first use (set TRITON_CACHE_DIR to keep them across machines)")
+    return f"Triton kernel cache {where}: {state}"

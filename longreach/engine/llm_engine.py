@@ -23,7 +23,7 @@ from ..kvcache.paged import PagedKVCache
 from ..models.loader import load_model
 from ..sampling_params import SamplingParams
 from . import cpu_runtime
-from .devices import resolve_device, resolve_dtype, resolve_kv_dtype
+from .devices import resolve_device, resolve_dtype, resolve_kv_dtype, triton_cache_line
 from .isolation import canary_runs, execute_alone, sample_isolated
 from .model_runner import ModelRunner
 from .outputs import CompletionOutput, RequestFailure, RequestMetrics, RequestOutput
@@ -82,6 +82,8 @@ class LLMEngine:
                            "context", mc.sliding_window)
         self.config = config
         self.backend = make_backend(mc, config, self.device)  # one backend, or prefill + decode (attention/compose.py)
+        if self.device.type == "cuda":
+            logger.info(triton_cache_line())
 
         self.kv_dtype = resolve_kv_dtype(config.kv_cache_dtype, self.dtype)
         layout = self.backend.kv_layout  # a bounded cache's own slot layout (attention/backend.py), or None
