@@ -37,6 +37,10 @@
 #   bash scripts/device_runs.sh batch16     # bench decode, 8B shape, fp8 + offload: 16 requests at 128K decoding
 #                                           # together (issue 30); its 128 GiB host tier needs nvidia-h100-x2 or
 #                                           # h200-x2 (256 GiB of host memory), on one of their GPUs
+#   bash scripts/device_runs.sh fp8w        # needs the model: tests/gpu/test_fp8.py; then bench decode on the 8B shape at
+#                                           # 128K, bf16 weights vs --quantization fp8, dense beside (issue 31)
+#   bash scripts/device_runs.sh paced       # needs the model: bench mixed at 128K beside 32 decodes, 256-token chunks
+#                                           # (what --mixed-step-target-ms chose for infinitehip), profiled (issue 30)
 # A group's first command compiles kernels (~30-60 s); bench decode runs an untimed warm-up prompt first.
 set -u
 out=${OUT:-out}; mkdir -p "$out"
@@ -60,6 +64,17 @@ case "$group" in
 batch16)
     run batch16 1500 $bd --kv-cache-memory-gb 40 --kv-offloading-size 132 --batch 16 --lengths 128k \
         --attention infinitehip --dense-lengths 4k --decode-tokens 64 --out "$out/bench-decode-16x128k.json" ;;
+fp8w)
+    gpu_tests gpu_check_fp8 200 tests/gpu/test_fp8.py --gpu-model "$model"
+    for q in bf16 fp8; do
+        run "decode_128k_$q" 300 python3 -m longreach bench decode --lengths 128k --attention infinitehip \
+            --dense-lengths 4k 128k --decode-tokens 64 $([ $q = fp8 ] && echo --quantization fp8) \
+            --out "$out/bench-decode-128k-weights-$q.json"
+    done ;;
+paced)
+    run mixed_paced 420 python3 -m longreach bench mixed --model "$model" --context 131072 --decodes 32 \
+        --attention dense infinitehip --long-prefill-token-threshold 256 --profile-steps 4 \
+        --out "$out/bench-mixed-128k-chunk256.json" ;;
 kernels)
     gpu_tests gpu_check_kernels 330 tests/gpu -k "not box"  # no model: the engine tests skip
     # minference (each pure pattern) and infinitehip prefill vs cuDNN, one 8B-shaped layer
