@@ -438,6 +438,20 @@ def test_fuzzed_bodies_never_give_5xx(server, http, path):
 
 
 # ---- longreach bench serve -------------------------------------------------------------------------------------------
+def test_bench_serve_marks_every_token_even_one_without_text(server):
+    """bench serve's ITL is per engine step: it asks for token ids, so a chunk whose token decodes to no text (an
+    unfinished multi-byte character, a skipped special token) still counts: every generated token has its chunk."""
+    import asyncio
+    import time
+
+    from longreach.tools.bench.serve import Endpoint, RequestSpec, _run_one
+
+    spec = RequestSpec(list(range(100, 140)), 12, "short")
+    res = asyncio.run(_run_one(Endpoint(server.url, None), False, MODEL, spec, None, time.perf_counter(), True, 60))
+    assert res.success and res.output_len == 12
+    assert len(res.token_times) == 12, res.token_times  # one chunk per generated token
+
+
 def test_bench_serve_against_the_server(server, tmp_path):
     from longreach.cli import main
 

@@ -10,7 +10,8 @@ N prompts L tokens long, spread evenly over the run (the mixed load: a few long 
 `--sample-metrics S` reads the server's /metrics every S seconds (its memory over the run).
 
 Reported (ms, mean / median / p99 / max): TTFT (request sent -> first token), TPOT ((E2EL - TTFT) / (output tokens -
-1)), ITL (between streamed chunks, one per engine step), E2EL; request and token throughput; failures. With long
+1)), ITL (between streamed chunks, one per engine step: on /v1/completions the request asks for `return_token_ids`, so
+a token that decodes to no text still marks its chunk; on chat, a chunk without content is not seen), E2EL; request and token throughput; failures. With long
 prompts, the same for the short requests alone, the long ones alone, and the short ones whose life overlapped a long
 prompt's prefill (what a user of a shared server feels while someone else's 128K prompt is being read), and every gap
 a short request saw while a long prompt was prefilled (serve_report.py). Printed as a table and written as JSON (with
@@ -159,8 +160,8 @@ async def _run_one(ep: Endpoint, chat: bool, model: str, spec: RequestSpec, prom
             "stream_options": {"include_usage": True}, "ignore_eos": ignore_eos}
     if chat:
         body["messages"] = [{"role": "user", "content": prompt_text}]
-    else:
-        body["prompt"] = spec.prompt_ids
+    else:  # token ids in every chunk: a token that decodes to no text (yet) still marks its step (its ITL)
+        body["prompt"], body["return_token_ids"] = spec.prompt_ids, True
     chunks: list[float] = []
     state = {"usage": None, "error": None}
 
