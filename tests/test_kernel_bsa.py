@@ -109,6 +109,8 @@ def test_chunk_score_kernel_matches_reference(dtype, case):
     ids = torch.stack([torch.stack([torch.randperm(n_chunks, generator=g)[: n_chunks - 1] for _ in range(G)])
                        for _ in range(nb)]).to(DEV)
     ids[0, 0, 0] = -1  # padding
+    # then a graph variant's padding (prefill_graph.py): whole tiles of -1, which the kernel skips
+    ids = torch.cat([ids, torch.full((nb, G, 40), -1, dtype=ids.dtype, device=DEV)], dim=-1)
     n_sink = 3
     got = chunk_scores_triton(q, kc, tables[0], starts, lens, cand_end, ids, chunk, exact, n_sink, G,
                               rep_per_head=per_head, block_c=16 if not exact else None, tiles=tiles)

@@ -233,19 +233,22 @@ if triton is not None:
         else:
             f = 0
         cand = (c >= cand_lo) & (c < tl.load(CandHi + b))
-        row = tl.load(Table + b * stride_tb + c // PER, mask=cand, other=0).to(tl.int64) * PER + c % PER
-        base = Pool + row[:, None] * stride_pr + f * stride_pf + (p // PAIRS_PER_KV) * stride_ph + d[None, :]
-        cen = tl.load(base, mask=cand[:, None], other=0.0).to(Q.dtype.element_ty)  # (BLOCK_C, D)
-        rad = tl.load(base + stride_pk, mask=cand[:, None], other=0.0).to(Q.dtype.element_ty)
+        # a tile past every candidate (the -1 padding of a graph variant sized for a larger context bucket) reads
+        # nothing: its -inf is stored without loading boxes or queries
         best = tl.full((BLOCK_C,), float("-inf"), tl.float32)
-        for m0 in range(0, n_rows, BLOCK_M):  # rows m = row of the block * HPP + head of the pair
-            m = m0 + tl.arange(0, BLOCK_M)
-            mok = m < n_rows
-            q = tl.load(Q + f * stride_qf + b * stride_qb + (m // HPP)[:, None] * stride_qr +
-                        (p * HPP + m % HPP)[:, None] * stride_qh + d[None, :], mask=mok[:, None], other=0.0)
-            s = tl.dot(q, tl.trans(cen), input_precision=DOT_PRECISION) + \
-                tl.dot(tl.abs(q), tl.trans(rad), input_precision=DOT_PRECISION)  # (BLOCK_M, BLOCK_C)
-            best = tl.maximum(best, tl.max(tl.where(mok[:, None], s, float("-inf")), axis=0))
+        if tl.max(cand.to(tl.int32), axis=0) > 0:
+            row = tl.load(Table + b * stride_tb + c // PER, mask=cand, other=0).to(tl.int64) * PER + c % PER
+            base = Pool + row[:, None] * stride_pr + f * stride_pf + (p // PAIRS_PER_KV) * stride_ph + d[None, :]
+            cen = tl.load(base, mask=cand[:, None], other=0.0).to(Q.dtype.element_ty)  # (BLOCK_C, D)
+            rad = tl.load(base + stride_pk, mask=cand[:, None], other=0.0).to(Q.dtype.element_ty)
+            for m0 in range(0, n_rows, BLOCK_M):  # rows m = row of the block * HPP + head of the pair
+                m = m0 + tl.arange(0, BLOCK_M)
+                mok = m < n_rows
+                q = tl.load(Q + f * stride_qf + b * stride_qb + (m // HPP)[:, None] * stride_qr +
+                            (p * HPP + m % HPP)[:, None] * stride_qh + d[None, :], mask=mok[:, None], other=0.0)
+                s = tl.dot(q, tl.trans(cen), input_precision=DOT_PRECISION) + \
+                    tl.dot(tl.abs(q), tl.trans(rad), input_precision=DOT_PRECISION)  # (BLOCK_M, BLOCK_C)
+                best = tl.maximum(best, tl.max(tl.where(mok[:, None], s, float("-inf")), axis=0))
         tl.store(Out + b * stride_ob + p * stride_op + c, tl.where(cand, best, float("-inf")), mask=c < width)
 
 
