@@ -75,9 +75,11 @@ class Fp8Linear(nn.Module):
         if pad:
             x2 = torch.nn.functional.pad(x2, (0, 0, 0, pad))
         qx, sx = quantize_rows(x2)
-        y = torch._scaled_mm(qx, self.qweight.t(), scale_a=sx, scale_b=self.scale.t(),
-                             bias=None if self.bias is None else self.bias.to(x.dtype), out_dtype=x.dtype)
-        return y[:m].reshape(*shape[:-1], self.out_features)
+        y = torch._scaled_mm(qx, self.qweight.t(), scale_a=sx, scale_b=self.scale.reshape(1, -1), out_dtype=x.dtype)
+        y = y[:m]
+        if self.bias is not None:  # added here: not every fp8 GEMM path takes a bias with row-wise scales
+            y = y + self.bias.to(x.dtype)
+        return y.reshape(*shape[:-1], self.out_features)
 
 
 def quantize_model_fp8(model: nn.Module) -> tuple[int, int]:
