@@ -290,3 +290,24 @@ def test_chunk_sizes_name_every_paced_size_for_the_warm_up():
     assert _scheduler(True).chunk_sizes() == [BUDGET, BUDGET // 4]
     paced = _scheduler(True, mixed_step_target_s=0.04, long_prefill_token_threshold=1000)
     assert paced.chunk_sizes() == [BUDGET, 1000, 512, 256]
+
+
+@pytest.mark.parametrize("mixed", [True, False])
+def test_pacing_never_caps_a_chunk_below_one_aligned_stride(mixed):
+    """A bounded cache's prompt advances by whole strides (chunk_align, cascading's 1,024): slow steps halve its cap
+    down to one stride, never below it, so it keeps advancing while others decode."""
+    sched = Scheduler(BlockManager(8192, 16), max_num_seqs=64, max_num_batched_tokens=4096, mixed=mixed,
+                      chunk_align=1024, mixed_step_target_s=0.001)
+    _decoding(sched, 2)
+    long = _seq(1, 16 * 1024)
+    sched.add(long)
+    chunks = []
+    for _ in range(40):
+        prefilling = long.is_prefilling
+        batch = sched.schedule()
+        if prefilling:
+            chunks.append(_long_chunk(batch, long))
+        _run(sched, batch)
+        sched.observe(1.0)  # every step far over the target
+    assert not long.is_prefilling  # its whole prompt went through
+    assert chunks and all(c % 1024 == 0 for c in chunks) and 1024 in chunks

@@ -8,8 +8,9 @@ fixed token count suits every length, model and GPU.
 Rule (a per-sequence controller, no cost model): a prompt's chunk cap starts at the scheduler's long-prefill
 threshold. After each step that carried decode rows and chunks of it, the step's measured time is compared to the
 target: above it, the cap halves (to the largest power of two at most half the chunk just run); under half of it,
-the cap doubles (up to the threshold). Caps are powers of two of at least MIN_CHUNK, so a chunk keeps a prefill
-selection graph's shape (attention/sparse/prefill_graph.py) and the number of distinct shapes stays small. A step
+the cap doubles (up to the threshold). Caps are powers of two of at least MIN_CHUNK (and never below `min_chunk`,
+the scheduler's chunk alignment: a bounded cache's stride, whose chunks end on its multiples), so a chunk keeps a
+prefill selection graph's shape (attention/sparse/prefill_graph.py) and the number of distinct shapes stays small. A step
 without decode rows is not paced (a prompt alone, or only prompts, prefills at the full budget), and its time is not
 used. The first step at a new shape may include a graph capture or a kernel compilation: the cap halves once too
 often, then grows back within two steps.
@@ -28,9 +29,10 @@ def _floor_pow2(n: int) -> int:
 
 
 class ChunkPacer:
-    def __init__(self, target_s: float, max_chunk: int):
+    def __init__(self, target_s: float, max_chunk: int, min_chunk: int = 1):
         self.target_s = target_s
-        self.max_chunk = max(_floor_pow2(max_chunk), min(max_chunk, MIN_CHUNK))
+        self.min_chunk = max(MIN_CHUNK, min_chunk)
+        self.max_chunk = max(_floor_pow2(max_chunk), min(max_chunk, self.min_chunk))
         self._cap: dict[int, int] = {}  # seq_id -> its chunk cap while others decode
 
     def cap(self, seq_id: int) -> int:
@@ -41,7 +43,7 @@ class ChunkPacer:
         for seq_id, n in chunks.items():
             cap = self.cap(seq_id)
             if seconds > self.target_s:
-                cap = max(MIN_CHUNK, _floor_pow2(min(n, cap)) // 2)
+                cap = max(self.min_chunk, _floor_pow2(min(n, cap)) // 2)
             elif seconds < self.target_s / 2 and n >= cap:  # only a chunk that used its whole cap asks for more
                 cap = min(self.max_chunk, cap * 2)
             self._cap[seq_id] = min(cap, self.max_chunk)
@@ -49,7 +51,7 @@ class ChunkPacer:
     def sizes(self) -> list[int]:
         """Every cap the controller can choose (the chunk sizes a warm-up should capture graphs for)."""
         out, n = [], self.max_chunk
-        while n >= MIN_CHUNK:
+        while n >= self.min_chunk:
             out.append(n)
             n //= 2
         return out or [self.max_chunk]

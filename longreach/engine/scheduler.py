@@ -68,7 +68,7 @@ class Scheduler:
         self.long_threshold = max(threshold, chunk_align)  # a capped chunk still holds one aligned stride
         self.max_partial = max_num_partial_prefills
         self.max_long_partial = max_long_partial_prefills
-        self.pacer = ChunkPacer(mixed_step_target_s, self.long_threshold) if mixed_step_target_s else None
+        self.pacer = ChunkPacer(mixed_step_target_s, self.long_threshold, chunk_align) if mixed_step_target_s else None
         self._paced: dict[int, int] = {}  # the last step's paced chunks: seq_id -> tokens (for `observe`)
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []
