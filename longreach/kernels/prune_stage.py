@@ -296,12 +296,12 @@ if triton is not None:
             valid = (ids >= 0) & (a < b)
             # a tile with no real candidate (the -1 padding of a graph variant sized for a larger context bucket,
             # attention/sparse/prefill_graph.py) scores nothing: its -inf is stored without reading keys
+            best = tl.full([BLOCK_C], float("-inf"), tl.float32)
             if tl.max(valid.to(tl.int32), axis=0) > 0:
                 from_end = c - (n_chunk - 1)  # ci: the chunk's ordinal counted from the last candidate
                 if PER_HEAD:  # the paper's SelectRep: each query head searches on its own
                     r1 = tl.arange(0, BQ_PAD)
                     row_ok = r1 < length
-                    best = tl.full([BLOCK_C], float("-inf"), tl.float32)
                     for i in range(HPP):  # a loop, not unrolled (kernel-notes v6)
                         q = _load_q(Q, start + r1, r1 * 0 + pair * HPP + i, row_ok, stride_qt, stride_qh, r1, length,
                                     blk_end, inv, remap, n_window, de_group, HEAD_DIM, ROPE)
@@ -323,11 +323,8 @@ if triton is not None:
                     best = _select_rep(q_all, K, KH, Slots, BlockTable, kv, a, b, valid, rows_ok, stride_kp, stride_ko,
                                        stride_kh, stride_khp, inv, remap, from_end, de_group, N_ITER, PAGE, HEAD_DIM,
                                        DOT_PRECISION, ROPE, TIERED, FP8)
-                tl.store(Scores + qb * stride_sb + pair * stride_sp + c, tl.where(valid, best, float("-inf")),
-                         mask=c < num_chunks)
-            else:
-                tl.store(Scores + qb * stride_sb + pair * stride_sp + c, tl.full([BLOCK_C], float("-inf"), tl.float32),
-                         mask=c < num_chunks)
+            tl.store(Scores + qb * stride_sb + pair * stride_sp + c, tl.where(valid, best, float("-inf")),
+                     mask=c < num_chunks)
 
 
 def chunk_scores_triton(q: torch.Tensor, k_cache: torch.Tensor, block_table: torch.Tensor, starts: torch.Tensor,

@@ -17,12 +17,8 @@ and `bench decode --quantization fp8` on a GPU.
 """
 from __future__ import annotations
 
-import logging
-
 import torch
 from torch import nn
-
-logger = logging.getLogger("longreach")
 
 E4M3_MAX = 448.0
 EPS = 1e-12
