@@ -354,6 +354,15 @@ suite_qwen_trained() {  # the default against itself with {"dense_below": "train
         done
     done
 }
+suite_qwen_close() {  # issue 28's last 0.5B cells (one lease, BG=1, P=6 KV_GB=12): where niah_single_2 is lost
+    # past 128K (the exact top-2K oracle at 256K on run 4's prompts), then the whole qwen_trained suite, then the 512K
+    # cells of niah_single_3 and multikey
+    job "ruler__niah_single_2__oracle__256k" ruler --tasks niah_single_2 --lengths 256k --samples 10 \
+        --attention infinitehip:oracle
+    suite_qwen_trained
+    local t
+    for t in niah_single_3 niah_multikey_1; do rl "$t" 512k 10; done
+}
 suite_qwen15_final() {  # the 1.5B past the window in one lease (BG=1, P=3 KV_GB=31): 512K with 10 prompts, 1M with 5
     pk 512k --seeds 2
     rl niah_single_2 512k 10
