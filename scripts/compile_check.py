@@ -24,6 +24,7 @@ from longreach.kernels import (  # noqa: E402
     bsa,
     cascade_insert,
     combine,
+    fp8_gemv,
     fused,
     key_boxes,
     key_mass,
@@ -206,6 +207,14 @@ def all_cases() -> list:
                   dict(Wanted="*u8", Tables=i32, Seq="*i64", First="*i64", Last="*i64", Blocks=i32, P="i32",
                        W="i32", G="i32", K="i32"),
                   dict(BS=16, PER=1, SINK_PAGES=4, SPAN=65, BLOCK_SEL=256, BLOCK_FIXED=128), []))
+    # the weight-only fp8 GEMV of decode rows (kernels/fp8_gemv.py): bf16 activations, one split and split-K, and fp32
+    for label, x, bk, split in (("bf16", bf, 256, False), ("bf16 split", bf, 256, True), ("fp32", f32, 128, False)):
+        cases.append((f"fp8_gemv {label}", fp8_gemv._fp8_gemv_kernel,
+                      dict(X=x, W=f8, S=f32, Bias=x, Y=x, P=f32, M="i32", N="i32", K="i32"),
+                      dict(BLOCK_M=16, BLOCK_N=64, BLOCK_K=bk, SPLIT=split, HAS_BIAS=True,
+                           DOT_PRECISION="ieee" if x == f32 else "tf32"), []))
+    cases.append(("fp8_gemv reduce", fp8_gemv._fp8_gemv_reduce_kernel, dict(P=f32, Bias=bf, Y=bf, N="i32"),
+                  dict(BLOCK=1024, HAS_BIAS=True), []))
     # key boxes (kernels/key_boxes.py): the build kernel per 64-token chunk with both flavours (infinitehip's box
     # stage 0: as stored, and moved to the pruning position) and per 16-token KV page with one (PSA's metadata, keys
     # moved to position 0 with `rope: rank`; Quest's page bounds); the score kernel through a box table (fp32 queries
