@@ -1,11 +1,23 @@
-"""fp8 weights (`--quantization fp8`, models/fp8.py): the quantisation, the reference product the GPU kernel is
-checked against (tests/gpu/test_fp8.py), and a model run with it on a CPU."""
+"""fp8 weights (`--quantization fp8`, models/fp8.py): the quantisation, the reference products the GPU kernels are
+checked against (tests/gpu/test_fp8.py), the weight-only GEMV kernel of decode rows (kernels/fp8_gemv.py) in Triton's
+interpreter (TRITON_INTERPRET=1, set by conftest without a GPU: fp16/fp32, small sizes), which product a layer picks
+for how many rows, and a model run with it on a CPU."""
 import pytest
 import torch
 from torch import nn
 
 from longreach.config import EngineConfig
-from longreach.models.fp8 import E4M3_MAX, Fp8Linear, quantize_model_fp8, quantize_rows, reference_fp8_linear
+from longreach.kernels.fp8_gemv import MAX_ROWS, fp8_gemv, fp8_gemv_reference
+from longreach.models.fp8 import (
+    E4M3_MAX,
+    GEMV_ROWS,
+    Fp8Linear,
+    quantize_model_fp8,
+    quantize_rows,
+    reference_fp8_linear,
+)
+
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 
 
 def test_quantize_rows_scales_each_row_to_the_e4m3_range():
@@ -22,7 +34,7 @@ def test_quantize_rows_scales_each_row_to_the_e4m3_range():
 def test_fp8_linear_is_close_to_the_unquantised_layer(dtype):
     torch.manual_seed(0)
     lin = nn.Linear(256, 96, bias=True).to(dtype)
-    x = torch.randn(5, 7, 256, dtype=dtype)
+    x = torch.randn(5, 7, 256, dtype=dtype)  # 35 rows: W8A8
     q = Fp8Linear.from_linear(lin)
     y, ref = q(x), lin(x)
     assert y.shape == ref.shape and y.dtype == dtype
@@ -30,6 +42,99 @@ def test_fp8_linear_is_close_to_the_unquantised_layer(dtype):
     assert rel < 0.05, rel  # W8A8 e4m3 rowwise: a few percent
     assert q.qweight.dtype == torch.float8_e4m3fn and q.qweight.element_size() == 1
     assert torch.equal(y, reference_fp8_linear(x, q.qweight, q.scale, q.bias))  # the CPU path is the reference
+
+
+def _gemv_case(M, N, K, dtype, bias, seed):
+    """Random weights quantised per channel (a few channels all zero: scale EPS), activations with a few large
+    columns (outliers, as real activations have), on DEVICE."""
+    g = torch.Generator().manual_seed(seed)
+    w = torch.randn(N, K, generator=g) * torch.rand(N, 1, generator=g) * 4
+    w[N // 3] = 0
+    qw, s = quantize_rows(w)
+    x = torch.randn(M, K, generator=g)
+    x[:, torch.randint(0, K, (3,), generator=g)] *= 30
+    b = torch.randn(N, generator=g).to(dtype) if bias else None
+    to = lambda t: None if t is None else t.to(DEVICE)  # noqa: E731
+    return to(x.to(dtype)), to(qw), to(s), to(b)
+
+
+def _check_gemv(y, x, qw, s, b):
+    """The kernel's error against a float64 product is at most twice the fp32 reference's (rounded to x's dtype),
+    plus a small atol; nothing left unwritten (outputs poisoned with NaN by the callers)."""
+    exact = x.double() @ (qw.double() * s.double()).t() + (0 if b is None else b.double())
+    ref = fp8_gemv_reference(x, qw, s, b)
+    assert y.shape == ref.shape and y.dtype == x.dtype and not torch.isnan(y).any()
+    own = (ref.double() - exact).abs().max().item()
+    err = (y.double() - exact).abs().max().item()
+    assert err <= 2 * own + 1e-5 * exact.abs().max().item(), (err, own)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+@pytest.mark.parametrize("M, N, K, block_n, block_k, splits, bias", [
+    (1, 96, 256, 32, 64, 1, True),     # one row, blocks that divide N and K
+    (3, 100, 200, 32, 64, 1, False),   # N and K not multiples of the blocks
+    (16, 70, 130, 32, 64, 3, True),    # all 16 rows, split-K with a short last tile
+    (5, 40, 448, 16, 64, 4, False),    # 7 tiles in 4 splits of 2 (the last one tile)
+    (2, 33, 96, 16, 32, 5, True),      # more splits asked than tiles: trimmed to 3, none empty
+    (4, 96, 320, 64, None, None, True),  # the default rule (block_k 256 / 128 for fp32)
+])
+def test_fp8_gemv_matches_the_reference(dtype, M, N, K, block_n, block_k, splits, bias):
+    x, qw, s, b = _gemv_case(M, N, K, dtype, bias, seed=M * 1000 + N + K)
+    out = torch.full((M, N), float("nan"), dtype=dtype, device=DEVICE)
+    partials = None
+    if splits and splits > 1:
+        tiles = -(-K // block_k)
+        per = -(-tiles // min(splits, tiles))
+        partials = torch.full((-(-tiles // per), M, N), float("nan"), device=DEVICE)
+    y = fp8_gemv(x, qw, s, b, block_n=block_n, block_k=block_k, splits=splits, out=out, partials=partials)
+    assert y is out
+    _check_gemv(y, x, qw, s, b)
+
+
+def test_fp8_gemv_refuses_bad_inputs_before_launch():
+    x, qw, s, b = _gemv_case(2, 32, 64, torch.float32, True, seed=1)
+    with pytest.raises(ValueError, match=f"1 to {MAX_ROWS} rows"):
+        fp8_gemv(x.new_zeros(MAX_ROWS + 1, 64), qw, s)
+    with pytest.raises(ValueError, match="float8_e4m3fn"):
+        fp8_gemv(x, qw.float(), s)
+    with pytest.raises(ValueError, match="unit stride along K"):
+        fp8_gemv(x.t().contiguous().t(), qw, s)
+    with pytest.raises(ValueError, match="one per output channel"):
+        fp8_gemv(x, qw, s[:-1])
+    with pytest.raises(ValueError, match="bias"):
+        fp8_gemv(x, qw, s, b[:-1])
+    with pytest.raises(ValueError, match=r"\(M, K\) and qw \(N, K\)"):
+        fp8_gemv(x[:, :48], qw, s)
+
+
+def test_a_layer_is_weight_only_up_to_16_rows_and_w8a8_above():
+    """Fp8Linear picks the product by the rows of a call (models/fp8.py): up to GEMV_ROWS the weight-only reference
+    (on a CPU; the kernel on a GPU), above them W8A8. The two differ (the activations' quantisation), so the test
+    tells them apart."""
+    torch.manual_seed(0)
+    q = Fp8Linear.from_linear(nn.Linear(128, 48, bias=True))
+    for rows in (1, GEMV_ROWS, GEMV_ROWS + 1):
+        x = torch.randn(rows, 128)
+        wo = fp8_gemv_reference(x, q.qweight, q.scale, q.bias)
+        w8a8 = reference_fp8_linear(x, q.qweight, q.scale, q.bias)
+        assert not torch.equal(wo, w8a8)
+        assert torch.equal(q(x), wo if rows <= GEMV_ROWS else w8a8), rows
+    x = torch.randn(2, 3, 128)  # leading dimensions: 6 rows
+    assert torch.equal(q(x), fp8_gemv_reference(x.reshape(6, 128), q.qweight, q.scale, q.bias).reshape(2, 3, 48))
+
+
+def test_a_layer_runs_the_gemv_kernel_where_it_may(monkeypatch):
+    """The layer's kernel path (a GPU's decode rows), here in the interpreter: (B, T, K) inputs, with a bias, equal to
+    the weight-only reference up to the fp32 sums' order."""
+    torch.manual_seed(1)
+    q = Fp8Linear.from_linear(nn.Linear(96, 40, bias=True)).to(DEVICE)
+    monkeypatch.setattr(q, "_gemv", True)
+    calls = []
+    monkeypatch.setattr("longreach.models.fp8.fp8_gemv", lambda *a, **k: calls.append(1) or fp8_gemv(*a, **k))
+    x = torch.randn(2, 3, 96, device=DEVICE)
+    y = q(x)
+    assert calls and y.shape == (2, 3, 40)
+    _check_gemv(y.reshape(6, 40), x.reshape(6, 96), q.qweight, q.scale, q.bias)
 
 
 def test_a_model_runs_with_fp8_weights(tmp_path):
@@ -49,9 +154,10 @@ def test_a_model_runs_with_fp8_weights(tmp_path):
 
 
 def test_smollm2_with_fp8_weights_predicts_what_it_does_unquantised():
-    """A real model (SmolLM2-135M, fp32 on a CPU): W8A8 keeps the greedy answer and the top-1 prediction at >= 90% of
-    a prompt's positions. Measured at writing: 18 of 19 positions, logits' cosine >= 0.87 (per-token activation
-    scales cost most of it: weight-only fp8 keeps >= 0.96); a small model has the largest activation outliers."""
+    """A real model (SmolLM2-135M, fp32 on a CPU): fp8 weights keep the greedy answer (its decode steps weight-only)
+    and the top-1 prediction at >= 90% of a prompt's positions (a prefill of more than 16 tokens: W8A8). Measured at
+    writing: 18 of 19 positions, logits' cosine >= 0.87 (per-token activation scales cost most of it: weight-only fp8
+    keeps >= 0.96); a small model has the largest activation outliers."""
     from longreach import SamplingParams
     from longreach.engine.llm import LLM
 

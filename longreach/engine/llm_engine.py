@@ -132,8 +132,9 @@ class LLMEngine:
         before, after = quantize_model_fp8(self.model)
         if self.device.type == "cuda":
             torch.cuda.empty_cache()
-        how = ("torch._scaled_mm" if scaled_mm_supported(self.device) else
-               "the fp32 reference (no fp8 tensor cores here: slower than unquantised)")
+        how = ("the fp8 GEMV kernel for calls of at most 16 rows (decode), torch._scaled_mm above"
+               if scaled_mm_supported(self.device) else
+               "the fp32 references (no fp8 tensor cores here: slower than unquantised)")
         logger.info("fp8 weights: the decoder's linear layers %.2f GB -> %.2f GB, through %s", before / 1e9,
                     after / 1e9, how)
 
