@@ -363,6 +363,14 @@ suite_qwen_close() {  # issue 28's last 0.5B cells (one lease, BG=1, P=6 KV_GB=1
     local t
     for t in niah_single_3 niah_multikey_1; do rl "$t" 512k 10; done
 }
+suite_qwen_close2() {  # what qwen_close's deadline cut (run 8): the trained rows past the window, then 512K
+    local t
+    for t in niah_single_2 niah_single_3 niah_multikey_1; do
+        job "ruler__${t}__3k-box-trained__64k-128k" ruler --tasks "$t" --lengths 64k 128k --samples 20 \
+            --attention "$DEFAULT" --attention-config "$TRAINED"
+    done
+    for t in niah_single_3 niah_multikey_1; do rl "$t" 512k 10; done
+}
 suite_qwen15_final() {  # the 1.5B past the window in one lease (BG=1, P=3 KV_GB=31): 512K with 10 prompts, 1M with 5
     pk 512k --seeds 2
     rl niah_single_2 512k 10
