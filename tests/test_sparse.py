@@ -487,3 +487,10 @@ def test_dense_below_trained_is_the_models_trained_context(tmp_path):
             == explicit.generate(prompt, params, use_tqdm=False)[0].token_ids)
     with pytest.raises(ValueError, match='dense_below must be an integer >= 0, "trained"'):
         make("always")
+    # infinitehip's default is "trained" (docs/quality.md, run 8); null restores the token budget
+    default = LLM(path, device="cpu", dtype="float32", kv_cache_memory_gb=0.01, attention="infinitehip",
+                  attention_config=base + "}", max_model_len=512, max_num_batched_tokens=64)
+    assert default.engine.backend.dense_below(1) == 128
+    assert (default.engine.prompt_logits(ids) - got).abs().max() < 1e-5
+    budget = make(None).engine.backend
+    assert budget.dense_below(1) == budget.method.token_budget(1) < 128

@@ -72,7 +72,8 @@ PRESETS = {
 DEFAULT_PRESET = "3k-box"
 
 PRESET_NOTES = {  # preset -> what it is for (`longreach backends`)
-    "3k-box": "3k's budgets, stage 0 scored from a min/max box per 64-token chunk (default)",
+    "3k-box": "3k's budgets, stage 0 scored from a min/max box per 64-token chunk (default; every preset attends "
+              "densely inside the model's trained context: dense_below \"trained\")",
     "3k": "the paper's: SelectRep pruning to 2,048 keys per query block (4,096 in layers 0-2)",
     "5k": "a bigger budget: 4,096 keys per query block in every layer",
     "3k-fast": "3k with masks refreshed every 32/16/8 decode steps (3k: 16/8/4): faster decode",
