@@ -213,6 +213,19 @@ def all_cases() -> list:
                       dict(X=x, W=f8, S=f32, Bias=x, Y=x, P=f32, M="i32", N="i32", K="i32"),
                       dict(BLOCK_M=16, BLOCK_N=64, BLOCK_K=bk, SPLIT=split, HAS_BIAS=True,
                            DOT_PRECISION="ieee" if x == f32 else "tf32"), []))
+    # its fma strategy as `launch_config` sizes it for Llama-8B's projections (K a multiple of BLOCK_K): one row at
+    # BLOCK_N 8 and 16, split-K, 4 and 16 rows (smaller tiles), fp32 activations, a K that needs masks
+    for label, x, rows, bn, bk, even, split in (("bf16 m1 n8", bf, 1, 8, 1024, True, False),
+                                                ("bf16 m1 n16", bf, 1, 16, 1024, True, False),
+                                                ("bf16 m1 n4 split", bf, 1, 4, 1024, True, True),
+                                                ("bf16 m4", bf, 4, 8, 512, True, False),
+                                                ("bf16 m16", bf, 16, 4, 256, True, False),
+                                                ("fp32 m1", f32, 1, 8, 1024, True, False),
+                                                ("bf16 m1 k-mask", bf, 1, 8, 1024, False, False)):
+        cases.append((f"fp8_gemv fma {label}", fp8_gemv._fp8_gemv_fma_kernel,
+                      dict(X=x, W=f8, S=f32, Bias=x, Y=x, P=f32, M="i32", N="i32", K="i32"),
+                      dict(ROWS=rows, BLOCK_N=bn, BLOCK_K=bk, VEC=4 if x == f32 else 8, STAGES=3, EVEN_K=even,
+                           SPLIT=split, HAS_BIAS=True), []))
     cases.append(("fp8_gemv reduce", fp8_gemv._fp8_gemv_reduce_kernel, dict(P=f32, Bias=bf, Y=bf, N="i32"),
                   dict(BLOCK=1024, HAS_BIAS=True), []))
     # key boxes (kernels/key_boxes.py): the build kernel per 64-token chunk with both flavours (infinitehip's box

@@ -7,7 +7,7 @@ import torch
 from torch import nn
 
 from longreach.config import EngineConfig
-from longreach.kernels.fp8_gemv import MAX_ROWS, fp8_gemv, fp8_gemv_reference
+from longreach.kernels.fp8_gemv import MAX_ROWS, fp8_gemv, fp8_gemv_reference, gemv_plan
 from longreach.models.fp8 import (
     E4M3_MAX,
     GEMV_ROWS,
@@ -69,6 +69,19 @@ def _check_gemv(y, x, qw, s, b):
     assert err <= 2 * own + 1e-5 * exact.abs().max().item(), (err, own)
 
 
+def _run_gemv(strategy, M, N, K, dtype, bias, splits, **blocks):
+    """One launch on poisoned outputs (and partials, with split-K) against the reference."""
+    x, qw, s, b = _gemv_case(M, N, K, dtype, bias, seed=M * 1000 + N + K)
+    out = torch.full((M, N), float("nan"), dtype=dtype, device=DEVICE)
+    partials = None
+    if splits and splits > 1:
+        sp = gemv_plan(N, K, torch.device(DEVICE), blocks["block_n"], blocks["block_k"], splits)[0]
+        partials = torch.full((sp, M, N), float("nan"), device=DEVICE)
+    y = fp8_gemv(x, qw, s, b, strategy=strategy, splits=splits, out=out, partials=partials, **blocks)
+    assert y is out
+    _check_gemv(y, x, qw, s, b)
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
 @pytest.mark.parametrize("M, N, K, block_n, block_k, splits, bias", [
     (1, 96, 256, 32, 64, 1, True),     # one row, blocks that divide N and K
@@ -79,16 +92,21 @@ def _check_gemv(y, x, qw, s, b):
     (4, 96, 320, 64, None, None, True),  # the default rule (block_k 256 / 128 for fp32)
 ])
 def test_fp8_gemv_matches_the_reference(dtype, M, N, K, block_n, block_k, splits, bias):
-    x, qw, s, b = _gemv_case(M, N, K, dtype, bias, seed=M * 1000 + N + K)
-    out = torch.full((M, N), float("nan"), dtype=dtype, device=DEVICE)
-    partials = None
-    if splits and splits > 1:
-        tiles = -(-K // block_k)
-        per = -(-tiles // min(splits, tiles))
-        partials = torch.full((-(-tiles // per), M, N), float("nan"), device=DEVICE)
-    y = fp8_gemv(x, qw, s, b, block_n=block_n, block_k=block_k, splits=splits, out=out, partials=partials)
-    assert y is out
-    _check_gemv(y, x, qw, s, b)
+    _run_gemv("dot", M, N, K, dtype, bias, splits, block_n=block_n, block_k=block_k)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+@pytest.mark.parametrize("M, N, K, block_n, block_k, stages, splits, bias", [
+    (1, 96, 256, 8, 64, 3, 1, True),      # one row (ROWS 1), blocks that divide N and K (EVEN_K: no masks), cp.async
+    (1, 37, 200, 4, 32, 1, 1, False),     # N and K not multiples of the blocks, not pipelined
+    (3, 50, 130, 16, 64, 2, 1, True),     # 3 rows padded to 4, a short last tile
+    (16, 33, 160, 4, 32, 3, 3, False),    # all 16 rows, split-K: 5 tiles in splits of 2, 2, 1
+    (2, 40, 448, 8, 64, 3, 4, True),      # 7 tiles in 4 splits, the bias added by the reduce
+    (1, 100, 1100, None, None, None, None, True),  # launch_config's rule: block_k 1024, two tiles (the last masked)
+])
+def test_fp8_gemv_fma_matches_the_reference(dtype, M, N, K, block_n, block_k, stages, splits, bias):
+    """The CUDA-core strategy (products summed along K in registers) on the same cases' kinds as the dot one."""
+    _run_gemv("fma", M, N, K, dtype, bias, splits, block_n=block_n, block_k=block_k, num_stages=stages)
 
 
 def test_fp8_gemv_refuses_bad_inputs_before_launch():
@@ -105,6 +123,10 @@ def test_fp8_gemv_refuses_bad_inputs_before_launch():
         fp8_gemv(x, qw, s, b[:-1])
     with pytest.raises(ValueError, match=r"\(M, K\) and qw \(N, K\)"):
         fp8_gemv(x[:, :48], qw, s)
+    with pytest.raises(ValueError, match="known: dot, fma"):
+        fp8_gemv(x, qw, s, strategy="simt")
+    with pytest.raises(ValueError, match="powers of two"):
+        fp8_gemv(x, qw, s, strategy="fma", block_n=12)
 
 
 def test_a_layer_is_weight_only_up_to_16_rows_and_w8a8_above():

@@ -1,5 +1,6 @@
-"""Helpers shared by the GPU tests: error measures, RoPE frequencies, random paged caches, two-tier caches, timing,
-the essay text."""
+"""Helpers shared by the GPU tests (and scripts/fp8_gemv_sweep.py): error measures, RoPE frequencies, random paged
+caches, two-tier caches, timing (eager, and inside CUDA graphs over more weights than the L2 cache holds), the essay
+text."""
 from __future__ import annotations
 
 import gc
@@ -69,6 +70,25 @@ def median_us(fn, reps: int = 50) -> float:
         torch.cuda.synchronize()
         times.append(a.elapsed_time(b) * 1000)
     return sorted(times)[reps // 2]
+
+
+def graph_us(fns, reps: int = 20) -> float:
+    """Median microseconds per call of `fns`, captured one after another in one CUDA graph, as a decode step runs its
+    layers (no launch overhead between them; where each reads other weights, the L2 cache holds none of them)."""
+    for fn in fns:
+        fn()
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        for fn in fns:
+            fn()
+    return median_us(graph.replay, reps=reps) / len(fns)
+
+
+def l2_copies(nbytes: int) -> int:
+    """How many copies of a weight of `nbytes` make three times the L2 cache (at least 2, at most 32)."""
+    l2 = getattr(torch.cuda.get_device_properties(0), "L2_cache_size", 50 << 20)
+    return max(2, min(32, -(-3 * l2 // nbytes)))
 
 
 def gpu_and_cpu_tokens(gpu_model, attention: str, attention_config: str, check=None, prompt_tokens: int = 3000,

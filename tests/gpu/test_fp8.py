@@ -1,9 +1,9 @@
 """fp8 weights on the GPU (models/fp8.py): the two products against their fp32 references in bf16 at an 8B layer's
 sizes, each timed against the bf16 matmul (reported, not asserted: speed goals live in `bench decode --quantization
-fp8`) -- the weight-only GEMV kernel of decode rows (kernels/fp8_gemv.py: 1, 4 and 16 rows, the four projections,
-also replayed in a CUDA graph) and `torch._scaled_mm` (W8A8: decode and prefill row counts, including row counts that
-need padding) -- and the engine with `--quantization fp8` on a real model, greedy tokens against bf16 (reported) and
-under CUDA graphs == eager."""
+fp8`) -- the weight-only GEMV kernel of decode rows (kernels/fp8_gemv.py, both strategies: 1, 4 and 16 rows, the four
+projections, also replayed in a CUDA graph; scripts/fp8_gemv_sweep.py times their block sizes) and `torch._scaled_mm`
+(W8A8: decode and prefill row counts, including row counts that need padding) -- and the engine with `--quantization
+fp8` on a real model, greedy tokens against bf16 (reported) and under CUDA graphs == eager."""
 from __future__ import annotations
 
 import gc
@@ -11,37 +11,19 @@ import gc
 import pytest
 import torch
 
-from .common import median_us, rel_err
+from .common import graph_us, l2_copies, median_us, rel_err
 
 PROJECTIONS_8B = [(6144, 4096), (4096, 4096), (28672, 4096), (4096, 14336)]  # (N, K): qkv, o, gate_up, down
 
 
-def graph_us(fns) -> float:
-    """Median microseconds per call of `fns`, captured one after another in one CUDA graph, as a decode step runs its
-    layers (no launch overhead between them; each reads other weights, so the L2 cache holds none of them)."""
-    for fn in fns:
-        fn()
-    torch.cuda.synchronize()
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        for fn in fns:
-            fn()
-    return median_us(graph.replay, reps=20) / len(fns)
-
-
-def copies(nbytes: int) -> int:
-    """How many copies of a weight of `nbytes` make three times the L2 cache (at least 2, at most 32)."""
-    l2 = getattr(torch.cuda.get_device_properties(0), "L2_cache_size", 50 << 20)
-    return max(2, min(32, -(-3 * l2 // nbytes)))
-
-
 @pytest.mark.parametrize("N, K", PROJECTIONS_8B)
 def test_fp8_gemv_matches_the_reference(N, K, detail):
-    """The W8A16 kernel in bf16 at Llama-8B's projection sizes against the float64 product of the same values: its
-    error at most twice that of the fp32 reference rounded to bf16; the layer runs it for decode rows; a captured call
-    == the eager one. Timed inside CUDA graphs over more weights than the L2 cache holds, against the bf16 matmul
-    (x @ w.t()) of the dequantised weights; GB/s counts the weight bytes read."""
-    from longreach.kernels.fp8_gemv import fp8_gemv, fp8_gemv_reference, gemv_plan
+    """The W8A16 kernel's two strategies (kernels/fp8_gemv.py: "dot", "fma") in bf16 at Llama-8B's projection sizes
+    against the float64 product of the same values: each one's error at most twice that of the fp32 reference rounded
+    to bf16; the layer runs the default for decode rows; a captured call == the eager one. Timed inside CUDA graphs
+    over more weights than the L2 cache holds, against the bf16 matmul (x @ w.t()) of the dequantised weights; GB/s
+    counts the weight bytes read."""
+    from longreach.kernels.fp8_gemv import STRATEGIES, fp8_gemv, fp8_gemv_reference, gemv_plan, launch_config
     from longreach.models.fp8 import Fp8Linear, quantize_rows, scaled_mm_supported
 
     dev = torch.device("cuda")
@@ -49,36 +31,46 @@ def test_fp8_gemv_matches_the_reference(N, K, detail):
         pytest.skip("Triton's fp8 (e4m3) needs compute capability >= 8.9")
     g = torch.Generator(device=dev).manual_seed(N + K)
     qws, scales = zip(*(quantize_rows(torch.randn(N, K, device=dev, generator=g, dtype=torch.bfloat16) * 0.02)
-                        for _ in range(copies(N * K))))
+                        for _ in range(l2_copies(N * K))))
     qw, s = qws[0], scales[0]
-    w16 = [(q.float() * sc).to(torch.bfloat16) for q, sc in zip(qws[:copies(2 * N * K)], scales)]
+    w16 = [(q.float() * sc).to(torch.bfloat16) for q, sc in zip(qws[:l2_copies(2 * N * K)], scales)]
     bias = torch.randn(N, device=dev, generator=g, dtype=torch.bfloat16)
     layer = Fp8Linear(qw, s, bias)
     assert layer._gemv
     parts = []
     for rows in (1, 4, 16):
         x = torch.randn(rows, K, device=dev, generator=g, dtype=torch.bfloat16)
-        for b in (None, bias):
-            got = fp8_gemv(x, qw, s, b, out=torch.full((rows, N), float("nan"), device=dev, dtype=torch.bfloat16))
-            exact = x.double() @ (qw.double() * s.double()).t() + (0 if b is None else b.double())
-            err, own = rel_err(got, exact), rel_err(fp8_gemv_reference(x, qw, s, b), exact)
-            assert not got.isnan().any() and err <= 2 * own + 1e-4, f"rows {rows}: {err:.2e} vs reference {own:.2e}"
+        for strategy in STRATEGIES:
+            for b in (None, bias):
+                got = fp8_gemv(x, qw, s, b, strategy=strategy,
+                               out=torch.full((rows, N), float("nan"), device=dev, dtype=torch.bfloat16))
+                exact = x.double() @ (qw.double() * s.double()).t() + (0 if b is None else b.double())
+                err, own = rel_err(got, exact), rel_err(fp8_gemv_reference(x, qw, s, b), exact)
+                assert not got.isnan().any() and err <= 2 * own + 1e-4, \
+                    f"{strategy}, rows {rows}: {err:.2e} vs reference {own:.2e}"
         assert torch.equal(layer(x[None]), fp8_gemv(x, qw, s, bias)[None])  # the layer's decode path is the kernel
-        t8 = graph_us([lambda q=q, sc=sc: fp8_gemv(x, q, sc) for q, sc in zip(qws, scales)])
         t16 = graph_us([lambda w=w: x @ w.t() for w in w16])
-        e8, e16 = median_us(lambda: fp8_gemv(x, qw, s)), median_us(lambda: x @ w16[0].t())
-        parts.append(f"{rows} rows {t8:.1f} us ({N * K / t8 / 1e3:.0f} GB/s) vs bf16 {t16:.1f} "
-                     f"({2 * N * K / t16 / 1e3:.0f} GB/s), {t16 / t8:.2f}x; eager {e8:.1f} vs {e16:.1f} us")
+        timed = []
+        for strategy in STRATEGIES:
+            t8 = graph_us([lambda q=q, sc=sc: fp8_gemv(x, q, sc, strategy=strategy) for q, sc in zip(qws, scales)])
+            e8 = median_us(lambda: fp8_gemv(x, qw, s, strategy=strategy))
+            timed.append(f"{strategy} {t8:.1f} us ({N * K / t8 / 1e3:.0f} GB/s, {t16 / t8:.2f}x, eager {e8:.1f})")
+        parts.append(f"{rows} rows: " + ", ".join(timed) + f" vs bf16 {t16:.1f} ({2 * N * K / t16 / 1e3:.0f} GB/s, "
+                     f"eager {median_us(lambda: x @ w16[0].t()):.1f})")
     x = torch.randn(1, K, device=dev, generator=g, dtype=torch.bfloat16)
-    eager = fp8_gemv(x, qw, s, bias)
-    torch.cuda.synchronize()
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        captured = fp8_gemv(x, qw, s, bias)
-    graph.replay()
-    assert torch.equal(captured, eager), "fp8_gemv: a CUDA-graph replay differs from the eager call"
-    splits = gemv_plan(N, K, dev, 64, 256)[0]
-    detail(f"{N}x{K} ({splits} split{'s' if splits > 1 else ''}), graphs: " + "; ".join(parts))
+    plans = []
+    for strategy in STRATEGIES:
+        eager = fp8_gemv(x, qw, s, bias, strategy=strategy)
+        torch.cuda.synchronize()
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            captured = fp8_gemv(x, qw, s, bias, strategy=strategy)
+        graph.replay()
+        assert torch.equal(captured, eager), f"fp8_gemv {strategy}: a CUDA-graph replay differs from the eager call"
+        cfg = launch_config(strategy, 1, N, torch.bfloat16, dev)
+        splits = gemv_plan(N, K, dev, cfg["block_n"], cfg["block_k"])[0]
+        plans.append(f"{strategy} {cfg['block_n']}x{cfg['block_k']} {splits} split{'s' if splits > 1 else ''}")
+    detail(f"{N}x{K} (1 row: {', '.join(plans)}), graphs: " + "; ".join(parts))
 
 
 @pytest.mark.parametrize("rows", [1, 7, 64, 2048])
