@@ -16,7 +16,6 @@ from __future__ import annotations
 import argparse
 import json
 import pathlib
-import subprocess
 import sys
 import time
 
@@ -145,8 +144,10 @@ def main() -> int:
         f"{n} {r['config']} {r['us']:.1f} us ({bf16[n][0] / r['us']:.2f}x bf16)" for n, r in fastest.items() if r))
     print("\n".join(lines))
 
-    commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=ROOT, capture_output=True, text=True)
-    report = dict(device=torch.cuda.get_device_name(dev), rows=args.rows, commit=commit.stdout.strip() or None,
+    from longreach.tools.report import commit  # $LONGREACH_COMMIT first: a device copy's git view can be stale
+
+    report = dict(device=torch.cuda.get_device_name(dev), rows=args.rows, commit=commit(),
+                  command=" ".join(["python", *sys.argv]),
                   seconds=round(time.time() - started, 1), bf16_us=bf16, defaults_twice_us=noise,
                   best_sum=best, results=results, table=lines)
     pathlib.Path(args.out).parent.mkdir(parents=True, exist_ok=True)

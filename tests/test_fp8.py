@@ -109,6 +109,21 @@ def test_fp8_gemv_fma_matches_the_reference(dtype, M, N, K, block_n, block_k, st
     _run_gemv("fma", M, N, K, dtype, bias, splits, block_n=block_n, block_k=block_k, num_stages=stages)
 
 
+def test_fp8_gemv_picks_its_strategy_by_rows(monkeypatch):
+    """Without a `strategy`, fp8_gemv runs "fma" up to FMA_ROWS rows and "dot" above (the H200's measurements)."""
+    from longreach.kernels import fp8_gemv as mod
+
+    assert [mod.default_strategy(m) for m in (1, 4, 5, 16)] == ["fma", "fma", "dot", "dot"]
+    seen = []
+    real = mod.launch_config
+    monkeypatch.setattr(mod, "launch_config", lambda strategy, *a: seen.append(strategy) or real(strategy, *a))
+    for m in (1, 5):
+        x, qw, s, _ = _gemv_case(m, 24, 64, torch.float32, False, seed=m)
+        y = fp8_gemv(x, qw, s)
+        assert torch.allclose(y, fp8_gemv_reference(x, qw, s, None), rtol=1e-5, atol=1e-5)
+    assert seen == ["fma", "dot"]
+
+
 def test_fp8_gemv_refuses_bad_inputs_before_launch():
     x, qw, s, b = _gemv_case(2, 32, 64, torch.float32, True, seed=1)
     with pytest.raises(ValueError, match=f"1 to {MAX_ROWS} rows"):

@@ -5,7 +5,7 @@ those bytes. `torch._scaled_mm` (W8A8) needs the activations quantised at every 
 pad: several small kernels) and was barely faster than bf16 or slower at one row (H200, Llama-8B's projections:
 models/fp8.py).
 This kernel reads the e4m3 weights and the activations as they are, by one of two strategies (STRATEGIES; `strategy`
-names one, STRATEGY is the default):
+names one; `default_strategy` picks by the number of rows, from the measurements below):
 
 "dot": the grid is (blocks of BLOCK_N output channels, K splits). Each program loads a (BLOCK_N, BLOCK_K) tile of
 e4m3 weights once per step along K, widens it in registers to the activations' dtype (exact: every e4m3 value is a
@@ -14,8 +14,8 @@ bf16, fp16 and fp32 value), and multiplies it with the (BLOCK_M = 16, BLOCK_K) t
 MMA's long side, "swap AB" as small-batch GEMMs do. Blocks: BLOCK_N = 64 (Hopper's wgmma takes the weight tile as its
 64-row A operand from registers), BLOCK_K = 256 (128 for fp32 activations), 4 warps, 4 stages (cp.async pipelining of
 both tiles). Compiled for sm_90 with bf16 activations, as launched: 173 registers and 80 KiB of shared memory a
-program, so two programs per SM. Measured (H200, one row, in CUDA graphs): 1.2-1.8 TB/s of fp8 weights, 0.87-0.98x
-the bf16 matmul's time -- far from the ~4 TB/s a weight stream can reach.
+program, so two programs per SM. Measured (H200, one row, in CUDA graphs): 1.2-1.9 TB/s of fp8 weights, 0.86-1.05x
+the bf16 matmul's speed -- far from the ~4 TB/s a weight stream can reach; it is for 5-16 rows (below).
 "fma" (no tensor cores; for the memory-bound rows of decode): the same grid, BLOCK_N small (4-16) and BLOCK_K large
 (1024), so that Llama-8B's projections give >= 4 programs per SM without splitting K (`launch_config`). Each step
 loads a (BLOCK_N, BLOCK_K) weight tile and the (ROWS, BLOCK_K) activations (16-byte vectors; with STAGES > 1 by
@@ -26,8 +26,15 @@ in registers, and the sum across threads happens once, after the loop. ROWS = M 
 constexpr (one row, batch-1 decode, compiles to a kernel of its own); more rows shrink the tiles (FMA_PRODUCTS) to
 keep the accumulators in registers. Rows past N or M read the last real one (no masks along them) and are never
 stored; EVEN_K drops the masks along K. Compiled for sm_90 (bf16, one row, 8 x 1024, 3 stages): 52 registers, 20 KiB
-of shared memory, no spills. Written without a GPU at hand: its speed is scripts/fp8_gemv_sweep.py's and
-tests/gpu/test_fp8.py's to measure.
+of shared memory, no spills.
+
+Measured (H200, CUDA graphs, L2 flushed, Llama-8B's four projections; `docs/results/fp8-gemv-sweep-h200.json` and
+`docs/results/gpu-tests-h200-fp8-fma.json`, one run each at 0591eeb): at one row "fma" reads 2.2-3.5 TB/s of fp8,
+1.76-1.92x the bf16 matmul's speed (the four projections: 69.8 us against 130.6), where "dot" reaches 0.86-1.05x; at
+4 rows "fma" 1.05-1.23x and "dot" 0.83-1.05x; at 16 rows "fma" falls to 0.38-0.47x (16 products per weight byte on
+CUDA cores) and "dot" holds 0.84-1.04x. Hence FMA_ROWS = 4 (5-8 rows, not measured, go to "dot"). In the sweep at
+one row, 8 channels per program was the best BLOCK_N on every projection (within 5% of the others that kept >= 2
+programs per SM); 1-4 stages differ by under 10%.
 
 Both: the channel scale multiplies the fp32 sum once per channel (sum_k x q s = s sum_k x q). With one split the
 program adds the bias and stores y in x's dtype; with several (`gemv_plan`: splits of K when N alone gives fewer than
@@ -63,7 +70,7 @@ except ImportError:  # the CPU path never needs Triton
 
 MAX_ROWS = 16  # rows one launch takes: the MMA's smallest M (decode batches beyond it go to the W8A8 GEMM)
 STRATEGIES = ("dot", "fma")  # tensor-core tiles, or CUDA-core products summed along K (module docstring)
-STRATEGY = "dot"  # fp8_gemv's default; tests/gpu/test_fp8.py and scripts/fp8_gemv_sweep.py time both
+FMA_ROWS = 4  # fp8_gemv's default strategy: "fma" up to this many rows, "dot" above (measured: module docstring)
 FMA_PRODUCTS = 16384  # the fma kernel's rows x BLOCK_N x BLOCK_K at most (its registers: `launch_config`)
 
 
@@ -190,13 +197,18 @@ def gemv_plan(N: int, K: int, device: torch.device, block_n: int, block_k: int,
     return -(-tiles // per), per
 
 
+def default_strategy(rows: int) -> str:
+    """The faster strategy at this many rows on an H200 (module docstring): "fma" up to FMA_ROWS, "dot" above."""
+    return "fma" if rows <= FMA_ROWS else "dot"
+
+
 def launch_config(strategy: str, M: int, N: int, dtype: torch.dtype, device: torch.device) -> dict:
     """The block sizes, warps and pipeline depth of a launch whose caller names none (module docstring's rules)."""
     if strategy == "dot":
         return dict(block_n=64, block_k=128 if dtype == torch.float32 else 256, num_warps=4, num_stages=4)
     rows = triton.next_power_of_2(M) if triton is not None else M
     sms = sm_count(device)
-    block_n = next((b for b in (16, 8) if -(-N // b) >= 4 * sms), 4)  # >= 4 programs per SM without splitting K
+    block_n = 8 if -(-N // 8) >= 2 * sms else 4  # >= 2 programs per SM without splitting K (the sweep's best: 8)
     block_k = 1024  # a 16-byte vector of activations per thread and row across 4 warps (8 bf16; fp32: two of 4)
     while rows * block_n * block_k > FMA_PRODUCTS and block_k > 256:  # more rows: the accumulators take registers
         block_k //= 2
@@ -209,13 +221,13 @@ def fp8_gemv(x: torch.Tensor, qw: torch.Tensor, scale: torch.Tensor, bias: torch
              strategy: str | None = None, block_n: int | None = None, block_k: int | None = None,
              num_warps: int | None = None, num_stages: int | None = None, splits: int | None = None,
              out: torch.Tensor | None = None, partials: torch.Tensor | None = None) -> torch.Tensor:
-    """x (M, K), M <= MAX_ROWS -> (M, N) in x's dtype (module docstring). strategy: "dot" or "fma" (STRATEGY by
-    default); block_n, block_k, num_warps, num_stages: `launch_config`'s where not given (tests and
+    """x (M, K), M <= MAX_ROWS -> (M, N) in x's dtype (module docstring). strategy: "dot" or "fma"
+    (`default_strategy(M)` by default); block_n, block_k, num_warps, num_stages: `launch_config`'s where not given (tests and
     scripts/fp8_gemv_sweep.py name them); splits: `gemv_plan`'s by default. `out` and `partials` (tests):
     preallocated (M, N) in x's dtype and (splits, M, N) fp32 buffers, e.g. poisoned with NaN."""
     if triton is None:
         raise RuntimeError("fp8_gemv needs Triton; use fp8_gemv_reference on CPU")
-    strategy = strategy or STRATEGY
+    strategy = strategy or default_strategy(x.shape[0])
     if strategy not in STRATEGIES:
         raise ValueError(f"unknown fp8_gemv strategy {strategy!r}; known: {', '.join(STRATEGIES)}")
     if x.dim() != 2 or qw.dim() != 2 or x.shape[1] != qw.shape[1]:
