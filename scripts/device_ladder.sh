@@ -394,8 +394,11 @@ suite_qwen15() {  # issue 28's 1.5B rows: passkey and niah_single_2 at 32K (dens
 suite_"${SUITE:-smollm2}"
 if [ -n "${LIST:-}" ]; then printf '%s\n' "${JOBS[@]}"; exit 0; fi  # LIST=1: print the suite's jobs, run nothing
 if [ -n "${BG:-}" ]; then  # a run longer than one call: under setsid it outlives the call (until the machine goes back)
-    rm -rf /tmp/ladder-bg; mkdir -p /tmp/ladder-bg
-    BG= OUT=/tmp/ladder-bg setsid nohup bash "$0" "$budget" > /tmp/ladder-bg/driver.log 2>&1 < /dev/null &
+    # from a snapshot of the tree: the device tool copies the tree again at every later call, and a job that imported
+    # a module during such a copy once found it missing (run 9; docs/quality.md)
+    rm -rf /tmp/ladder-bg /tmp/ladder-src; mkdir -p /tmp/ladder-bg && cp -a . /tmp/ladder-src
+    (cd /tmp/ladder-src && PYTHONPATH="/tmp/ladder-src:${PYTHONPATH:-}" BG= OUT=/tmp/ladder-bg setsid nohup \
+        bash scripts/device_ladder.sh "$budget" > /tmp/ladder-bg/driver.log 2>&1 < /dev/null &)
     echo "started under setsid for $budget s: /tmp/ladder-bg/driver.log; collect with COLLECT=1"; exit 0
 fi
 if [ -n "${COLLECT:-}" ]; then  # wait for the background run (at most WAIT_S), then pack what exists into $OUT
