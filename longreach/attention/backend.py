@@ -106,6 +106,7 @@ class EngineSettings(Protocol):
     offload: bool
     block_size: int
     kv_cache_dtype: str
+    dtype: str
     max_model_len: int | None
     max_num_batched_tokens: int
     max_num_seqs: int

@@ -101,25 +101,28 @@ class DenseBackend(AttentionBackend):
 
 class DenseFallback:
     """When a method attends densely instead of by its own rule, and the dense backend that then runs: in its
-    always-dense layers, and for a context no longer than the layer's limit (`limit(layer)` tokens; 0: never)."""
+    always-dense layers, and for a context no longer than the layer's limit (`limit(layer, decoding)` tokens; 0:
+    never). Prefill and decode may have different limits (sparse/config.py's `dense_below_decode`): a decode step
+    asks with decoding=True, a prefill chunk with False, and decode's CUDA-graph variants are keyed by the decode
+    limits (`limits(True)`)."""
 
     def __init__(self, model_config, engine_config, device: torch.device, dense_layers: tuple[int, ...],
-                 limit: Callable[[int], int] = lambda layer: 0):
+                 limit: Callable[[int, bool], int] = lambda layer, decoding: 0):
         self.backend = DenseBackend(model_config, engine_config, device)
         self.num_layers = model_config.num_layers
         self.layers = tuple(dense_layers)
         self.limit = limit
 
-    def applies(self, layer: int, length: int) -> bool:
+    def applies(self, layer: int, length: int, decoding: bool = False) -> bool:
         """Does `layer` attend densely when the longest sequence of the step holds `length` tokens?"""
-        return layer in self.layers or length <= self.limit(layer)
+        return layer in self.layers or length <= self.limit(layer, decoding)
 
     def sparse_layers(self) -> list[int]:
         return [layer for layer in range(self.num_layers) if layer not in self.layers]
 
-    def limits(self) -> list[int]:
+    def limits(self, decoding: bool = False) -> list[int]:
         """The distinct limits over every layer, ascending."""
-        return sorted({self.limit(layer) for layer in range(self.num_layers)})
+        return sorted({self.limit(layer, decoding) for layer in range(self.num_layers)})
 
     def forward(self, layer, q, k, v, k_cache, v_cache, meta: AttentionMetadata) -> torch.Tensor:
         return self.backend.forward(layer, q, k, v, k_cache, v_cache, meta)

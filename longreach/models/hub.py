@@ -99,10 +99,14 @@ class DownloadError(ValueError):
     """The alias's file could not be made; the message says what to run instead."""
 
 
-def cache_dir() -> str:
-    root = os.environ.get("LONGREACH_CACHE") or os.path.join(
+def cache_root() -> str:
+    """longreach's cache: $LONGREACH_CACHE, else $XDG_CACHE_HOME/longreach, else ~/.cache/longreach."""
+    return os.environ.get("LONGREACH_CACHE") or os.path.join(
         os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache"), "longreach")
-    return os.path.join(root, "models")
+
+
+def cache_dir() -> str:
+    return os.path.join(cache_root(), "models")
 
 
 def _installed_file(part: Part) -> str | None:

@@ -65,6 +65,19 @@ class LoadedModel:
     path: str
 
 
+def model_config_of(model: str) -> ModelConfig:
+    """The model's config, without loading its weights (`load_model` reads the same)."""
+    if model.startswith("random:"):
+        from .random_init import random_shape
+
+        return random_shape(model).config
+    path = resolve_model_path(model)
+    if path.endswith(".gguf"):
+        return GGUFFile(path).model_config()
+    with open(os.path.join(path, "config.json")) as f:
+        return ModelConfig.from_hf(json.load(f), name=os.path.basename(os.path.normpath(path)))
+
+
 def load_model(model: str, dtype: torch.dtype, device: torch.device) -> LoadedModel:
     if model.startswith("random:"):  # a named shape with random weights, for benchmarks (random_init.py)
         from .random_init import load_random_model

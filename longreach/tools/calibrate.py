@@ -1,6 +1,8 @@
-"""`longreach calibrate --method minference`: MInference's offline per-head pattern search, written to a JSON file.
+"""`longreach calibrate --method minference`: MInference's offline per-head pattern search, written to a JSON file;
+and `longreach calibrate crossover`, the decode speed crossover of a sparse method (tools/bench/crossover.py).
 
     longreach calibrate --method minference --model M (--task kv-retrieval | --text-file F) --length 32k --out P.json
+    longreach calibrate crossover --model M --attention METHOD[:PRESET] [--lengths 4k 8k ...]
 
 Runs the model densely over one calibration prompt (the paper: one synthetic KV-retrieval sample of ~30K tokens)
 in a single prefill chunk; at each layer, before the dense output goes on to the next layer, the search of
@@ -25,24 +27,30 @@ import random
 import sys
 import time
 
-HELP = "offline per-head pattern search for minference (writes the pattern file --attention-config loads)"
+HELP = ("offline per-head pattern search for minference (writes the pattern file --attention-config loads); "
+        "`calibrate crossover`: where sparse decode beats dense")
 DESCRIPTION = ("Run a model densely over one calibration prompt and choose, per attention head and layer, the "
                "MInference pattern (Λ-shape, vertical-slash, block-sparse) whose output is closest to dense among "
                "candidates of equal kernel FLOPs. Writes a JSON pattern file with its provenance; use it with "
-               "--attention minference --attention-config '{\"patterns\": \"P.json\"}'.")
+               "--attention minference --attention-config '{\"patterns\": \"P.json\"}'. "
+               "`longreach calibrate crossover --help`: the decode speed crossover of a sparse method.")
 
 
 def add_arguments(p) -> None:
+    from .bench import crossover
     from .eval.common import context_length
 
-    p.add_argument("--method", required=True, choices=["minference"], help="the method to calibrate")
+    sub = p.add_subparsers(dest="calibrate_what", metavar="{crossover}", required=False)
+    crossover.add_arguments(sub.add_parser("crossover", help=crossover.HELP, description=crossover.DESCRIPTION))
+    # required unless `crossover` is given: checked in main (argparse would ask for them after the subcommand too)
+    p.add_argument("--method", choices=["minference"], help="the method to calibrate (required)")
     p.add_argument("--model", default="smollm2", help="model (default: smollm2)")
-    src = p.add_mutually_exclusive_group(required=True)
+    src = p.add_mutually_exclusive_group()
     src.add_argument("--task", choices=["kv-retrieval"], help="synthetic calibration data (the paper's)")
     src.add_argument("--text-file", metavar="PATH", help="calibrate on the first --length tokens of this text")
     p.add_argument("--length", type=context_length, default=32768, help="prompt tokens, e.g. 32k (default: 32k)")
     p.add_argument("--seed", type=int, default=0, help="seed of the kv-retrieval sample (default: 0)")
-    p.add_argument("--out", required=True, metavar="P.json", help="where to write the pattern file")
+    p.add_argument("--out", metavar="P.json", help="where to write the pattern file (required)")
     p.add_argument("--granularity", choices=["head", "kv_head"], default="head",
                    help="one pattern per query head (the paper's) or per KV-head group (default: head)")
     p.add_argument("--target", default="1024,4096", metavar="SINK,LOCAL",
@@ -158,6 +166,18 @@ def calibrate(engine, token_ids: list[int], space, granularity: str = "head", bl
 
 
 def main(args) -> int:
+    if getattr(args, "calibrate_what", None) == "crossover":
+        from .bench import crossover
+
+        return crossover.main(args)
+    missing = [flag for flag, value in (("--method", args.method), ("--task or --text-file", args.task or
+                                                                      args.text_file), ("--out", args.out)) if not value]
+    if missing:
+        raise ValueError(f"the minference calibration needs {', '.join(missing)} (or: longreach calibrate crossover)")
+    return _minference(args)
+
+
+def _minference(args) -> int:
     from .. import __version__
     from ..attention.minference import PATTERNS_FORMAT
     from .report import command_line, provenance, samples

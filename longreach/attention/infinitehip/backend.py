@@ -23,6 +23,6 @@ class InfiniteHiPBackend(SparseBackend):
         if spec is None:
             return None
         mc, ec = self.model_config, self.engine_config
-        min_len = min([self.dense_below(layer) for layer in self.fallback.sparse_layers()] or [0])
+        min_len = self.shortest_dense_below()
         return BoxPool(mc.num_layers, *spec, mc.num_kv_heads, mc.head_dim, min_len, ec.max_num_seqs,
                        ec.max_model_len, self.device)

@@ -34,7 +34,7 @@ class MInferenceBackend(AttentionBackend):
                                  model_config.num_layers)
         dense_config = dataclasses.replace(engine_config, attention="dense", preset=None, attention_config=None)
         self.fallback = DenseFallback(model_config, dense_config, device, self.config.dense_layers,
-                                      lambda layer: self.config.dense_below)
+                                      lambda layer, decoding: self.config.dense_below)
         if self.config.patterns is None:
             logger.info("minference: no pattern file, %s (shipped files: %s; `longreach calibrate --method "
                         "minference` writes one, loaded with --attention-config '{\"patterns\": \"P.json\"}')",

@@ -82,7 +82,7 @@ class PSABackend(AttentionBackend):
 
     # ---- attention -------------------------------------------------------------------------------------------------
     def forward(self, layer, q, k, v, k_cache, v_cache, meta: AttentionMetadata):
-        if meta.is_prefill or self.fallback.applies(layer, meta.max_seq_len):
+        if meta.is_prefill or self.fallback.applies(layer, meta.max_seq_len, True):
             return self.fallback.forward(layer, q, k, v, k_cache, v_cache, meta)
         page = k_cache.shape[1]
         # graph decode: this step's blocks to box sit in the store's static buffer (graph_step); its width is the

@@ -32,6 +32,6 @@ class QuestBackend(SparseBackend):
                            "boxes every page from the sequence's keys (set page_size to the block size to keep them)",
                            self.config.page_size, ec.block_size)
             return None
-        min_len = min([self.dense_below(layer) for layer in self.fallback.sparse_layers()] or [0])
+        min_len = self.shortest_dense_below()
         return PageBoxes("quest", mc.num_layers, mc.num_kv_heads, mc.head_dim, ec.block_size, "minmax", partial=True,
                          prefill=not ec.offload, max_seqs=ec.max_num_seqs, device=self.device, min_len=min_len)

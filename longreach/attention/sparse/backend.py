@@ -11,6 +11,8 @@ methods only.
 """
 from __future__ import annotations
 
+import json
+import logging
 from typing import ClassVar
 
 import torch
@@ -29,6 +31,8 @@ from .graph import GraphDecoder
 from .prefill_graph import PrefillGraphs
 from .selection import BlockQueries, KeptBoxes, SelectionMethod, SequenceKeys, use_kernels
 
+logger = logging.getLogger("longreach")
+
 
 class SparseBackend(AttentionBackend):
     """Engine backend for a `SelectionMethod` (set `method_cls` in the subclass)."""
@@ -41,6 +45,7 @@ class SparseBackend(AttentionBackend):
         self.config = self.resolve_config(engine_config)
         self.method = self.method_cls(self.config, model_config.num_heads, model_config.num_kv_heads)
         self.method.rope_frame = RopeFrame.of_model(model_config, self.config.rope_from, device)
+        self._decode_below = self._resolve_decode_below()
         self.fallback = DenseFallback(model_config, engine_config, device, self.config.dense_layers, self.dense_below)
         self._num_sms = sm_count(device)
         self._decode_step: dict[int, int] = {}  # seq_id -> decode steps since its last prefill (-1: none yet)
@@ -69,12 +74,43 @@ class SparseBackend(AttentionBackend):
     def config_problems(cls, cfg, model_config, engine_config) -> list[str]:
         return missing_layers(cfg.dense_layers, model_config.num_layers)
 
-    def dense_below(self, layer: int) -> int:
-        """Contexts of at most this many tokens attend densely in `layer` (the dense fallback's limit)."""
-        c = self.config.dense_below
+    def dense_below(self, layer: int, decoding: bool = False) -> int:
+        """Contexts of at most this many tokens attend densely in `layer` (the dense fallback's limit): in prefill
+        chunks (the chunk's end) by `dense_below`, in decode steps by `dense_below_decode` as resolved at start-up."""
+        c = self._decode_below if decoding else self.config.dense_below
         if c == "trained":
             return max(self.method.token_budget(layer), self.model_config.max_position_embeddings)
         return self.method.token_budget(layer) if c is None else c
+
+    def shortest_dense_below(self) -> int:
+        """The shortest context any sparse layer selects in, prefill or decode (kept boxes start past it)."""
+        return min([min(self.dense_below(layer), self.dense_below(layer, True))
+                    for layer in self.fallback.sparse_layers()] or [0])
+
+    def _resolve_decode_below(self) -> int | str | None:
+        """`dense_below_decode` as decode steps use it: None gives dense_below's value (today's behaviour); "auto"
+        becomes min(trained, the measured crossover) from this key's file (sparse/crossover.py), or dense_below's
+        value, logged once, where none was measured."""
+        d = self.config.dense_below_decode
+        if d is None:
+            return self.config.dense_below
+        if d != "auto":
+            return d
+        from . import crossover
+
+        key = crossover.key_fields(self.model_config, self.method.name, self.config, self.engine_config,
+                                   self.device)
+        record = crossover.load(key)
+        if record is None:
+            logger.info("%s: dense_below_decode \"auto\" has no crossover measured for this model shape, %s and "
+                        "config (%s): decode uses dense_below (%s); `%s` measures it", self.method.name,
+                        key["device"], crossover.path_of(key), json.dumps(self.config.dense_below),
+                        crossover.MEASURE_COMMAND)
+            return self.config.dense_below
+        limit = crossover.decode_limit(record, self.model_config.max_position_embeddings)
+        logger.info("%s: dense_below_decode \"auto\": decode attends densely up to %d tokens (crossover %s, %s)",
+                    self.method.name, limit, record.get("crossover"), crossover.path_of(key))
+        return limit
 
     # ---- the KV store's side ------------------------------------------------------------------------------------
     def bind_kv_cache(self, capacity_tokens: int, dtype: torch.dtype) -> None:
@@ -157,9 +193,10 @@ class SparseBackend(AttentionBackend):
         if self.boxes is not None and layer not in self.fallback.layers:  # before any selection reads them
             rope = self.method.rope_args(layer, "prune", meta.max_seq_len)
             box_tables = self.boxes.build(layer, q, k_cache, meta, rope)
-        if self.fallback.applies(layer, meta.max_seq_len):
+        decoding = not meta.is_prefill
+        if self.fallback.applies(layer, meta.max_seq_len, decoding):
             return self.fallback.forward(layer, q, k, v, k_cache, v_cache, meta)
-        limit = self.dense_below(layer)
+        limit = self.dense_below(layer, decoding)
         m = self.method
         qb, per_seq, plan_queries = self._layout(meta, q.device)
         selections: list[torch.Tensor] = []
@@ -169,7 +206,6 @@ class SparseBackend(AttentionBackend):
                 all_blocks = torch.arange(-(-length // m.block_k), device=q.device)
                 selections.append(all_blocks.expand(local.num_blocks, m.groups, -1))
             else:
-                decoding = not meta.is_prefill
                 state = self._state.setdefault((seq_id, layer), {}) if decoding else None
                 boxes = None if box_tables is None else self.boxes.seq_boxes(layer, box_tables, i)
                 keys = SequenceKeys(k_cache, meta.block_tables[i], length, boxes)

@@ -23,6 +23,11 @@ class SparseConfig:
     # sequences this short attend densely; None: the method's token budget; "trained": the model's trained context
     # (max_position_embeddings; at least the budget), inside which dense attention is exact and the model's own
     dense_below: int | str | None = None
+    # decode steps' limit, where it differs (sparse decode can win inside the trained context while sparse prefill
+    # loses there: docs/design-crossover.md). None: dense_below's limit, exactly; an integer; "trained"; "auto": the
+    # measured decode crossover of this model shape, GPU, method config and KV dtype (`longreach calibrate
+    # crossover`), at most the trained context, and dense_below's limit while no measurement exists (sparse/crossover.py)
+    dense_below_decode: int | str | None = None
     # RoPE position strategies (rope/strategies.py), "strategy[:first-last],...", first match per layer wins
     prune_rope: str = "none"  # while scoring chunks: none, rt, ci, il, de
     attend_rope: str = "none"  # in block-sparse attention: none, st, il, de
@@ -47,6 +52,10 @@ class SparseConfig:
                 isinstance(self.dense_below, bool) or not isinstance(self.dense_below, int) or self.dense_below < 0):
             raise ValueError(f"dense_below must be an integer >= 0, \"trained\" (the model's trained context) or "
                              f"None (the method's token budget), got {self.dense_below!r}")
+        d = self.dense_below_decode
+        if d is not None and d not in ("trained", "auto") and (isinstance(d, bool) or not isinstance(d, int) or d < 0):
+            raise ValueError(f"dense_below_decode must be an integer >= 0, \"trained\", \"auto\" (the measured decode "
+                             f"crossover, at most the trained context) or None (dense_below's limit), got {d!r}")
         for name in ("rope_from", "de_group"):
             v = getattr(self, name)
             if v is not None and (not isinstance(v, int) or v < (0 if name == "rope_from" else 1)):

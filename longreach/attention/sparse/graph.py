@@ -6,8 +6,8 @@ only every refresh[i] steps, and a short context attends densely. So the step co
   bucket  a power of two >= the batch's longest sequence (capped at max_model_len): the stages' candidate
           widths are sized by it, so one variant serves every length up to it (extra candidates are -1);
   level   the earliest stage any sequence of the batch recomputes this step (len(stages): none does);
-  dense   for each distinct `dense_below` limit, whether the longest sequence is within it (those layers
-          attend densely, as in an eager step);
+  dense   for each distinct decode limit (`dense_below_decode`, which is `dense_below` unless set), whether the
+          longest sequence is within it (those layers attend densely, as in an eager step);
   catchup whether some row boxes more than one chunk this step (a box-scored stage 0, infinitehip/boxes.py: a
           sequence just past the shortest limit, or the first decode step after another backend's prefill); the
           box kernel then covers every chunk of the bucket instead of one per row;
@@ -72,7 +72,7 @@ class GraphDecoder:
         on the spot, which a first-use capture otherwise pays while others wait (1.5-4.3 s on an H200 at 140K; with
         the one-row variants warm, 3.0 s for the first step that selected for two long rows; docs/serving.md)."""
         fb = self.fallback
-        limits = fb.limits()
+        limits = fb.limits(True)
         if not fb.sparse_layers():
             return []
         power = 1 << max(limits[-1], 1).bit_length()  # the first bucket past every limit (`step`'s rule)
@@ -130,8 +130,8 @@ class GraphDecoder:
         m, L, N, fb = self.method, self.num_layers, self._num_stages(), self.fallback
         longest = max(seq_lens)
         bucket = min(1 << (longest - 1).bit_length(), max(longest, self.max_model_len))
-        dense = tuple(longest <= lim for lim in fb.limits())
-        sparse_layers = [layer for layer in fb.sparse_layers() if longest > fb.limit(layer)]
+        dense = tuple(longest <= lim for lim in fb.limits(True))
+        sparse_layers = [layer for layer in fb.sparse_layers() if longest > fb.limit(layer, True)]
         first = np.full((L, len(seq_ids)), N, dtype=np.int64)
         slots = []
         for row, (seq_id, length, step) in enumerate(zip(seq_ids, seq_lens, steps)):
@@ -139,7 +139,7 @@ class GraphDecoder:
                 self.slots[seq_id] = self._free_slots.pop()
             slots.append(self.slots[seq_id])
             for layer in sparse_layers:
-                if length <= fb.limit(layer):  # reads every key block: its stages are not needed (stay N)
+                if length <= fb.limit(layer, True):  # reads every key block: its stages are not needed (stay N)
                     continue
                 if (seq_id, layer) not in self.cached:  # the cache starts once the sequence is past the limit
                     first[layer, row] = 0
@@ -147,7 +147,7 @@ class GraphDecoder:
                 else:
                     first[layer, row] = m.refresh_from(step)
         level = int(first[sparse_layers].min()) if sparse_layers else N
-        shortest_limit = min(fb.limit(layer) for layer in sparse_layers) if sparse_layers else None
+        shortest_limit = min(fb.limit(layer, True) for layer in sparse_layers) if sparse_layers else None
         need = 0 if shortest_limit is None else sum(length > shortest_limit for length in seq_lens)
         if need and any(a < b for a, b in zip(seq_lens, seq_lens[1:])):
             raise ValueError("graph decode needs the batch ordered longest first (engine/model_runner.py)")
@@ -174,8 +174,8 @@ class GraphDecoder:
         if self.boxes is not None and layer not in fb.layers:  # box the rows' new chunks before any selection
             rope = m.rope_args(layer, "prune", meta.max_seq_len)
             box_tables = self.boxes.build(layer, q, k_cache, meta, rope, graph=(bucket, catchup))
-        limit = fb.limit(layer)
-        if layer in fb.layers or dense[fb.limits().index(limit)]:
+        limit = fb.limit(layer, True)
+        if layer in fb.layers or dense[fb.limits(True).index(limit)]:
             return None
         g, dev = self._g, q.device
         caches = g["cache"][layer]
