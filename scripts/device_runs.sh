@@ -39,6 +39,8 @@
 #                                           # h200-x2 (256 GiB of host memory), on one of their GPUs
 #   bash scripts/device_runs.sh fp8w        # needs the model: tests/gpu/test_fp8.py; then bench decode on the 8B shape at
 #                                           # 128K, bf16 weights vs --quantization fp8, dense beside (issue 31)
+#   bash scripts/device_runs.sh crossover   # the 8B shape's decode crossover file (calibrate crossover), then fp8 weights
+#                                           # vs bf16 at 4K dense, end to end (issue 31)
 #   bash scripts/device_runs.sh paced       # needs the model: bench mixed at 128K beside 32 decodes, 256-token chunks
 #                                           # (what --mixed-step-target-ms chose for infinitehip), profiled (issue 30)
 # A group's first command compiles kernels (~30-60 s); bench decode runs an untimed warm-up prompt first.
@@ -70,6 +72,14 @@ fp8w)
         run "decode_128k_$q" 300 python3 -m longreach bench decode --lengths 128k --attention infinitehip \
             --dense-lengths 4k 128k --decode-tokens 64 $([ $q = fp8 ] && echo --quantization fp8) \
             --out "$out/bench-decode-128k-weights-$q.json"
+    done ;;
+crossover)  # issue 31: the 8B shape's decode crossover (dense vs infinitehip, 4K-128K), then bench decode with
+    # --quantization fp8 against bf16 (the fp8 GEMV end to end); files in $OUT
+    run crossover_8b 420 python3 -m longreach calibrate crossover --model random:llama-3.1-8b --attention infinitehip \
+        --lengths 16k 32k 64k 128k --out-dir "$out/crossover"
+    for q in bf16 fp8; do
+        run "decode_4k_$q" 150 python3 -m longreach bench decode --lengths 4k --attention infinitehip --dense-lengths 4k \
+            --decode-tokens 64 $([ $q = fp8 ] && echo --quantization fp8) --out "$out/bench-decode-4k-weights-$q.json"
     done ;;
 paced)
     run mixed_paced 420 python3 -m longreach bench mixed --model "$model" --context 131072 --decodes 32 \
@@ -221,7 +231,7 @@ seeds8b)
     ;;
 *)
     echo "usage: bash scripts/device_runs.sh GROUP... (kernels recheck decode1m decode128k engine smollm1m serve" \
-        "quality lowq prefill128k cascadecheck fp8quality cascading psa1m verify7 psaeps psarank psarecall prefill1m psa1mdiag cascadedecode box1m psa128k seeds8b)" >&2
+        "quality lowq prefill128k cascadecheck fp8quality cascading psa1m verify7 psaeps psarank psarecall prefill1m psa1mdiag cascadedecode box1m psa128k seeds8b batch16 fp8w crossover paced)" >&2
     exit 2
     ;;
 esac
