@@ -14,10 +14,12 @@ bf16, fp16 and fp32 value), and multiplies it with the (BLOCK_M = 16, BLOCK_K) t
 MMA's long side, "swap AB" as small-batch GEMMs do. Blocks: BLOCK_N = 64 (Hopper's wgmma takes the weight tile as its
 64-row A operand from registers), BLOCK_K = 256 (128 for fp32 activations), 4 warps, 4 stages (cp.async pipelining of
 both tiles). Compiled for sm_90 with bf16 activations, as launched: 173 registers and 80 KiB of shared memory a
-program, so two programs per SM. Measured (H200, one row, in CUDA graphs): 1.2-1.9 TB/s of fp8 weights, 0.86-1.05x
-the bf16 matmul's speed -- far from the ~4 TB/s a weight stream can reach; it is for 5-16 rows (below).
-"fma" (no tensor cores; for the memory-bound rows of decode): the same grid, BLOCK_N small (4-16) and BLOCK_K large
-(1024), so that Llama-8B's projections give >= 4 programs per SM without splitting K (`launch_config`). Each step
+program, so two programs per SM. Measured (H200, one row, CUDA graphs; one run,
+`docs/results/gpu-tests-h200-fp8-fma.json`): 1.25-1.91 TB/s of fp8 weights, 0.86-1.05x the bf16 matmul's speed --
+far from the ~4 TB/s a weight stream can reach; it is for 5-16 rows (below).
+"fma" (no tensor cores; for the memory-bound rows of decode): the same grid, BLOCK_N small (8, or 4 where 8 would
+give under two programs per SM) and BLOCK_K large (1024), so that Llama-8B's projections fill the SMs without
+splitting K (`launch_config`). Each step
 loads a (BLOCK_N, BLOCK_K) weight tile and the (ROWS, BLOCK_K) activations (16-byte vectors; with STAGES > 1 by
 cp.async into a ring of shared-memory buffers, `tl.range(num_stages=...)`: Triton pipelines a loop without a dot
 only when asked), widens both to fp32 and multiplies them broadcast to (ROWS, BLOCK_N, BLOCK_K); each thread sums its
@@ -28,13 +30,16 @@ keep the accumulators in registers. Rows past N or M read the last real one (no 
 stored; EVEN_K drops the masks along K. Compiled for sm_90 (bf16, one row, 8 x 1024, 3 stages): 52 registers, 20 KiB
 of shared memory, no spills.
 
-Measured (H200, CUDA graphs, L2 flushed, Llama-8B's four projections; `docs/results/fp8-gemv-sweep-h200.json` and
-`docs/results/gpu-tests-h200-fp8-fma.json`, one run each at 0591eeb): at one row "fma" reads 2.2-3.5 TB/s of fp8,
-1.76-1.92x the bf16 matmul's speed (the four projections: 69.8 us against 130.6), where "dot" reaches 0.86-1.05x; at
-4 rows "fma" 1.05-1.23x and "dot" 0.83-1.05x; at 16 rows "fma" falls to 0.38-0.47x (16 products per weight byte on
-CUDA cores) and "dot" holds 0.84-1.04x. Hence FMA_ROWS = 4 (5-8 rows, not measured, go to "dot"). In the sweep at
-one row, 8 channels per program was the best BLOCK_N on every projection (within 5% of the others that kept >= 2
-programs per SM); 1-4 stages differ by under 10%.
+Measured (H200, CUDA graphs, L2 flushed, Llama-8B's four projections, the bf16 matmul timed in the same run; the
+kernels of 0591eeb):
+- `docs/results/gpu-tests-h200-fp8-fma.json` (one run; "fma" with the block rule of then, 4-16 channels a
+  program): at one row "fma" 1.76-1.92x the bf16 matmul's speed, "dot" 0.86-1.05x; at 4 rows "fma" 1.05-1.23x,
+  "dot" 0.83-1.05x; at 16 rows "fma" 0.38-0.47x (16 products per weight byte on CUDA cores), "dot" 0.84-1.04x.
+  Hence FMA_ROWS = 4 (5-8 rows, not measured, go to "dot").
+- `docs/results/fp8-gemv-sweep-h200.json` (another run, one row; its JSON's commit field is the device copy's stale
+  dc01256): 8 channels a program was the fastest BLOCK_N on every projection, so it is the rule now. Its row "fma
+  8x1024 w4 s3", today's default launch: 2.3-3.5 TB/s, 1.77-2.05x bf16, the four projections in 67.7 us against
+  130.6. Stages 1-4 at 8 x 1024 differ by at most 10%.
 
 Both: the channel scale multiplies the fp32 sum once per channel (sum_k x q s = s sum_k x q). With one split the
 program adds the bias and stores y in x's dtype; with several (`gemv_plan`: splits of K when N alone gives fewer than

@@ -9,8 +9,8 @@ The product depends on M, the rows of one call (all the tokens of a step's forwa
   * M <= 16 (GEMV_ROWS; decode steps of up to 16 sequences, and a prefill of at most 16 tokens in all): weight-only,
     W8A16. y = x @ (q_w * s_w)^T (+ bias), the activations as they are (bf16, fp16 or fp32, not quantised),
     accumulated in fp32, returned in x's dtype. On a GPU of compute capability >= 8.9 with Triton:
-    kernels/fp8_gemv.py, which reads the e4m3 weights and widens them in registers (CUDA-core products up to 4 rows:
-    1.76-1.92x the bf16 matmul's speed at one row on an H200; tensor-core tiles at 5-16 rows, 0.84-1.04x at 16);
+    kernels/fp8_gemv.py, which reads the e4m3 weights and widens them in registers (CUDA-core products up to 4 rows,
+    tensor-core tiles at 5-16; measured speeds against bf16 in that module's docstring);
     elsewhere (CPU, older GPUs) its reference `fp8_gemv_reference` in fp32.
     Why not W8A8 here: at one row, `torch._scaled_mm` was barely faster than the bf16 matmul or slower (H200, eager,
     Llama-8B's four projections: 19.3 / 19.3 / 46.4 / 44.3 us against 15.9 / 17.3 / 58.7 / 33.1), and quantising the
