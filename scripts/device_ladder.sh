@@ -230,59 +230,6 @@ streaming16k() {  # streaming with the memory of cascading:16k (16,384 tokens)
     job "passkey__paul-graham__streaming-16k__64k-128k" passkey --haystack paul-graham --lengths 64k 128k \
         --attention streaming --attention-config '{"n_sink": 64, "n_window": 16320}'
 }
-suite_qwen_close() {  # issue 28's remaining cells on the 0.5B, in priority order over three calls of one lease
-    local t m n
-    # inside the window: the remedy for the default's misses (exact attention while inside the trained 32K)
-    for t in niah_multikey_1 niah_multivalue niah_single_3; do
-        job "ruler__${t}__3k-box-dense32k__16k-32k" ruler --tasks "$t" --lengths 16k 32k --samples 20 \
-            --attention "$DEFAULT" --attention-config "$DENSE32K"
-    done
-    # every method inside the window on the essay passkey, dense beside them (psa metered: keys read per query)
-    for m in "dense dense" "infinitehip-3k-box infinitehip:3k-box" "streaming streaming" "hip hip" "quest quest"; do
-        set -- $m
-        job "passkey__paul-graham__${1}__16k-32k" passkey --haystack paul-graham --lengths 16k 32k --attention "$2"
-    done
-    job "passkey__paul-graham__psa-0.95__16k-32k" passkey --haystack paul-graham --lengths 16k 32k --attention psa \
-        --attention-config '{"count_reads": true}'
-    job "passkey__paul-graham__minference-calibrated__16k-32k" passkey --haystack paul-graham --lengths 16k 32k \
-        --attention minference --attention-config '{"patterns": "qwen2.5-coder-0.5b"}'
-    # bounded memory past the window: cascading 16k against streaming with the same 16,384 tokens
-    job "passkey__paul-graham__cascading-16k__64k-128k" passkey --haystack paul-graham --lengths 64k 128k \
-        --attention cascading:16k
-    streaming16k
-    # beyond: >= 10 prompts per cell at 256K and 512K for the default, the oracle8k rung beside it
-    for n in 256k 512k; do
-        pk "$n" --seeds 2
-        rl niah_single_1 "$n" 10
-        rl niah_single_2 "$n" 10
-    done
-    oracle8k_256k
-    ppl_essays_512k
-    pk_1m 2
-    rl_1m niah_single_1 2
-    ppl_hotpotqa_1m
-    rl_1m niah_single_2 2
-    dense32k_256k
-}
-suite_qwen_close2() {  # the second lease of qwen_close (the first went back after one call): dense beside the
-    # remedy inside the window, then the cells past 128K, 1M last
-    local t
-    for t in niah_multikey_1 niah_multivalue niah_single_3; do
-        job "ruler__${t}__dense__16k-32k" ruler --tasks "$t" --lengths 16k 32k --samples 20 --attention dense
-    done
-    rl niah_single_2 256k 10
-    pk 512k --seeds 2
-    rl niah_single_1 512k 10
-    rl niah_single_2 512k 10
-    oracle8k_256k
-    ppl_essays_512k
-    rl_1m niah_single_1 2
-    pk_1m 2
-    ppl_hotpotqa_1m
-    dense32k_256k
-    streaming16k
-    rl_1m niah_single_2 2
-}
 suite_qwen_remedy() {  # exact attention inside the trained 32K (dense_below 32768) against the default, in one run:
     # inside the window with dense beside, and past it on the two tasks the default loses most
     local t m
@@ -330,7 +277,13 @@ suite_qwen_final() {  # the 0.5B cells issue 28 still lacks after run 6, in prio
     for t in niah_single_3 niah_multikey_1; do rl "$t" 512k 10; done
     job "passkey__paul-graham__minference-calibrated__16k-32k" passkey --haystack paul-graham --lengths 16k 32k \
         --attention minference --attention-config '{"patterns": "qwen2.5-coder-0.5b"}'
-    for t in niah_single_3 niah_multikey_1; do rl_1m "$t" 2; done
+    local s
+    for s in 42 43 44 45 46; do  # rl_1m's jobs, the two tasks in turn (a deadline cuts both alike)
+        for t in niah_single_3 niah_multikey_1; do
+            job "ruler__${t}__infinitehip-3k-box__1M-s$s" ruler --tasks "$t" --lengths 1M --samples 2 --seed "$s" \
+                --attention "$DEFAULT"
+        done
+    done
 }
 suite_qwen_trained() {  # the default against itself with {"dense_below": "trained"} (exact attention inside the
     # trained 32K), dense beside inside the window, in one run: the suite a default change needs (issue 28/31)
@@ -370,6 +323,20 @@ suite_qwen_close2() {  # what qwen_close's deadline cut (run 8): the trained row
             --attention "$DEFAULT" --attention-config "$TRAINED"
     done
     for t in niah_single_3 niah_multikey_1; do rl "$t" 512k 10; done
+}
+suite_qwen_wall512() {  # issue 28's last 0.5B cells (one lease, BG=1, P=5 KV_GB=14): niah_single_3 and multikey
+    # at 512K, niah_single_3's own oracle rung at 256K (where its fall past 128K is), then both at 1M
+    local t
+    for t in niah_single_3 niah_multikey_1; do rl "$t" 512k 10; done
+    job "ruler__niah_single_3__oracle__256k" ruler --tasks niah_single_3 --lengths 256k --samples 10 \
+        --attention infinitehip:oracle
+    local s
+    for s in 42 43 44 45 46; do  # rl_1m's jobs, the two tasks in turn (a deadline cuts both alike)
+        for t in niah_single_3 niah_multikey_1; do
+            job "ruler__${t}__infinitehip-3k-box__1M-s$s" ruler --tasks "$t" --lengths 1M --samples 2 --seed "$s" \
+                --attention "$DEFAULT"
+        done
+    done
 }
 suite_qwen15_final() {  # the 1.5B past the window in one lease (BG=1, P=3 KV_GB=31): 512K with 10 prompts, 1M with 5
     pk 512k --seeds 2
