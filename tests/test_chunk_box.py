@@ -311,3 +311,37 @@ def test_boxes_catch_up_after_another_backends_prefill(tiny_long, monkeypatch):
         if run == "graph":
             assert any(key[4] for _, key in llm.engine.runner._graphs)  # a catch-up variant ran
     assert out["eager"] == out["fresh"] == out["graph"]
+
+
+def test_graph_steps_below_the_limit_build_no_boxes(tiny_long, monkeypatch):
+    """On the (emulated) graph path, a decode variant whose rows are all within the dense limit (the boxes start
+    past it) launches no box build; once the sequence is past the limit the build runs (the catch-up variant boxes
+    what the dense steps skipped), and the tokens equal the eager run's, which plans and builds every step."""
+    from longreach.attention.infinitehip.boxes import BoxPool
+    from longreach.engine.llm import LLM
+    from longreach.sampling_params import SamplingParams
+
+    builds = []
+    real = BoxPool.build
+
+    def counted(self, layer, q, k_cache, meta, rope=None, graph=None):
+        if graph is not None:  # a graph step's build (the eager prefill chunks box as they always did)
+            builds.append(max(meta.seq_lens.tolist()))
+        return real(self, layer, q, k_cache, meta, rope, graph)
+
+    monkeypatch.setattr(BoxPool, "build", counted)
+    ids = torch.randint(3, 256, (300,), generator=torch.Generator().manual_seed(4)).tolist()
+    params = SamplingParams(temperature=0, max_tokens=40, ignore_eos=True)  # 300 -> 340 crosses dense_below 320
+    out = {}
+    for run in ("eager", "graph"):
+        llm = LLM(tiny_long, attention="infinitehip", attention_config=BOX_CFG % (320, "minmax"),
+                  enforce_eager=run != "graph", **ENGINE_KW)
+        if run == "graph":
+            llm.engine.runner.capture_graphs(emulate=True)
+        builds.clear()
+        out[run] = llm.generate([{"prompt_token_ids": ids}], params, use_tqdm=False)[0].token_ids
+        if run == "graph":
+            keys = {key for _, key in llm.engine.runner._graphs}
+            assert {k[2] for k in keys} == {(True,), (False,)}  # steps below and past the limit both ran
+            assert builds and min(builds) > 320  # no build while every row was within the limit
+    assert out["eager"] == out["graph"]

@@ -164,6 +164,17 @@ class GraphDecoder:
                 self.boxes.graph_load(rows)
         return (bucket, level, dense, select, catchup), load
 
+    def _below_boxes(self, dense: tuple[bool, ...]) -> bool:
+        """A variant whose rows are all too short to box anything: every decode limit holds the longest row
+        (`dense`), and the kept boxes start no earlier than the shortest sparse layer's decode limit (their
+        `min_len` is the shortest limit, prefill or decode), so the longest row is within `min_len` and the build
+        would launch for nothing (~3 small kernels per layer). Decided from the variant key alone, as a captured
+        graph must be. Why a dense-mode step was slower than the dense backend's (0.93x at 4K on the 8B shape,
+        docs/benchmarks.md) is not profiled: this removes the part of it that the code shows."""
+        fb = self.fallback
+        sparse = fb.sparse_layers()
+        return all(dense) and bool(sparse) and self.boxes.min_len >= min(fb.limit(layer, True) for layer in sparse)
+
     def select(self, layer: int, q: torch.Tensor, k_cache: torch.Tensor, meta: AttentionMetadata):
         """The running variant's selection in `layer`: None when the layer attends densely, else what
         `SparseBackend.attend` takes (query blocks, the kernels' block tensors, blocks, counts, context length)."""
@@ -171,8 +182,8 @@ class GraphDecoder:
         m, fb = self.method, self.fallback
         n = q.shape[0]
         box_tables = None
-        if self.boxes is not None and layer not in fb.layers:  # box the rows' new chunks before any selection
-            rope = m.rope_args(layer, "prune", meta.max_seq_len)
+        if self.boxes is not None and layer not in fb.layers and not self._below_boxes(dense):
+            rope = m.rope_args(layer, "prune", meta.max_seq_len)  # box the rows' new chunks before any selection
             box_tables = self.boxes.build(layer, q, k_cache, meta, rope, graph=(bucket, catchup))
         limit = fb.limit(layer, True)
         if layer in fb.layers or dense[fb.limits(True).index(limit)]:

@@ -104,6 +104,8 @@ class KeptBoxes(Protocol):
     boxes the units its new keys touch, in every non-dense layer before any selection reads them; `build` returns the
     batch rows' box tables (n, width), or None when the step reads no kept boxes (then built from the keys)."""
 
+    min_len: int  # sequences of at most this many tokens are not boxed (the shortest context any layer selects in)
+
     def ensure(self, capacity_tokens: int, dtype: torch.dtype) -> None:
         """Size the boxes for a KV cache of `capacity_tokens` tokens (`AttentionBackend.bind_kv_cache`)."""
 
