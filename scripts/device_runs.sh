@@ -43,6 +43,10 @@
 #                                           # vs bf16 at 4K dense, end to end (issue 31)
 #   bash scripts/device_runs.sh paced       # needs the model: bench mixed at 128K beside 32 decodes, 256-token chunks
 #                                           # (what --mixed-step-target-ms chose for infinitehip), profiled (issue 30)
+#   bash scripts/device_runs.sh chunkgraphs # needs the model: tests/gpu's chunk-graph and box tests; then `paced` again
+#                                           # (prefill chunks through piecewise CUDA graphs now) (issue 30)
+#   bash scripts/device_runs.sh profile8b   # 8B shape, bf16: bench decode at 128K, infinitehip pruned vs dense, the
+#                                           # last 4 steps profiled (where the sparse step's fixed cost goes; issue 31)
 # A group's first command compiles kernels (~30-60 s); bench decode runs an untimed warm-up prompt first.
 set -u
 out=${OUT:-out}; mkdir -p "$out"
@@ -81,6 +85,16 @@ crossover)  # issue 31: the 8B shape's decode crossover (dense vs infinitehip, 4
         run "decode_4k_$q" 150 python3 -m longreach bench decode --lengths 4k --attention infinitehip --dense-lengths 4k \
             --decode-tokens 64 $([ $q = fp8 ] && echo --quantization fp8) --out "$out/bench-decode-4k-weights-$q.json"
     done ;;
+chunkgraphs)
+    gpu_tests gpu_chunk_graphs 400 tests/gpu/test_engine.py tests/gpu/test_box.py --gpu-model "$model" \
+        -k "chunk or box or graph"
+    run mixed_paced_graphs 420 python3 -m longreach bench mixed --model "$model" --context 131072 --decodes 32 \
+        --attention dense infinitehip --long-prefill-token-threshold 256 --profile-steps 4 \
+        --out "$out/bench-mixed-128k-chunk256-graphs.json" ;;
+profile8b)
+    run profile_8b_128k 400 python3 -m longreach bench decode --lengths 128k --attention infinitehip@pruned \
+        --attention-config '{"infinitehip@pruned": {"dense_below": null}}' --dense-lengths 128k --decode-tokens 64 \
+        --profile-steps 4 --out "$out/bench-decode-128k-profile-8b.json" ;;
 paced)
     run mixed_paced 420 python3 -m longreach bench mixed --model "$model" --context 131072 --decodes 32 \
         --attention dense infinitehip --long-prefill-token-threshold 256 --profile-steps 4 \
