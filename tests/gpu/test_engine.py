@@ -169,6 +169,75 @@ def test_mixed_steps(gpu_model, detail):
     detail("; ".join(rows))
 
 
+def test_chunk_graphs_equal_eager(gpu_model, detail):
+    """Prefill steps through the piecewise chunk graphs (engine/chunk_graphs.py: each layer's work around attention
+    replayed, attention eager) against the same engine without them (--chunk-graph-max-tokens 0, decode graphs on)
+    and against --enforce-eager, fp32 (so that the padded GEMMs' other rounding cannot flip a greedy token), dense
+    and the default infinitehip: two chats decode while a 3,000-token prompt of essays prefills in 256-token steps
+    (chunks of 64 beside them, 256 once alone: sizes 256 and 64 captured; the chats' 100-token first step pads to
+    256). Asserted: the chunk graphs were captured at start-up for exactly those sizes and ran, the three
+    runs' greedy tokens are equal, and every step's logits with and without the chunk graphs agree within 1e-3.
+    Reported: each run's median wall time of the steps that carried prefill (one run each, not a benchmark)."""
+    import statistics
+
+    from longreach.config import EngineConfig
+    from longreach.engine.llm_engine import LLMEngine
+    from longreach.sampling_params import SamplingParams
+
+    rows = []
+    for attention in ("dense", "infinitehip"):
+        runs = {}
+        for name, kw in (("chunk graphs", {}), ("none", {"chunk_graph_max_tokens": 0}),
+                         ("eager", {"enforce_eager": True})):
+            gc.collect()
+            torch.cuda.empty_cache()
+            eng = LLMEngine(EngineConfig(model=gpu_model, attention=attention, dtype="float32", max_model_len=4096,
+                                         kv_cache_memory_gb=1, max_num_batched_tokens=256, **kw))
+            graphs = eng.runner.chunk_graphs
+            if name == "chunk graphs" and (graphs is None or graphs.sizes != [64, 256]):
+                raise AssertionError(f"{attention}: chunk graphs captured at start-up for sizes "
+                                     f"{graphs and graphs.sizes}, expected [64, 256]")
+            if name != "chunk graphs" and graphs is not None:
+                raise AssertionError(f"{attention}: chunk graphs captured with {kw}")
+            logits, inner = [], eng.runner.execute
+
+            def execute(batch, all_logits=False, inner=inner, logits=logits):
+                out, idx = inner(batch, all_logits)
+                logits.append(out.clone())
+                return out, idx
+            eng.runner.execute = execute
+            ids = eng.tokenizer.encode(essay_text())
+            params = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)
+            eng.add_request("a", ids[:40], params)
+            eng.add_request("b", ids[100:160], params)
+            got, prefill_s = {}, []
+            for step in range(400):
+                if step == 3:
+                    eng.add_request("long", ids[:3000], params)
+                for o in eng.step():
+                    got[o.request_id] = o.outputs[0].token_ids
+                if eng.last_step is not None and eng.last_step.is_prefill:
+                    prefill_s.append(eng.last_step.seconds)
+                if len(got) == 3:
+                    break
+            runs[name] = (got, logits, statistics.median(prefill_s), graphs.runs if graphs else 0)
+            del eng, graphs
+        (got, logits, graph_s, n_runs), (none, none_logits, none_s, _), (eager, _, eager_s, _) = \
+            runs["chunk graphs"], runs["none"], runs["eager"]
+        if n_runs == 0:
+            raise AssertionError(f"{attention}: no prefill step ran through the chunk graphs")
+        if len(logits) != len(none_logits):
+            raise AssertionError(f"{attention}: {len(logits)} steps with the chunk graphs, {len(none_logits)} without")
+        diff = max((a - b).abs().max().item() for a, b in zip(logits, none_logits))
+        same = [sum(got[r] == other[r] for r in got) for other in (none, eager)]
+        rows.append(f"{attention}: tokens equal {same[0]}/3 vs none, {same[1]}/3 vs eager; max |logit diff| vs none "
+                    f"{diff:.2e}; {n_runs} chunk-graph steps; median prefill-step wall ms graphs {1e3 * graph_s:.1f} / "
+                    f"none {1e3 * none_s:.1f} / eager {1e3 * eager_s:.1f}")
+        if same != [3, 3] or diff > 1e-3:
+            raise AssertionError(rows[-1])
+    detail("; ".join(rows))
+
+
 def test_prefill_selection_graphs(gpu_model, detail):
     """The prefill chunks' selection replayed from CUDA graphs (attention/sparse/prefill_graph.py) against the eager
     selection, default infinitehip, bf16: a 24K-token prompt of essays in 2,048-token chunks, prompt logits within
