@@ -18,8 +18,8 @@ residual stream and cos/sin are graph outputs, kept referenced from one replay t
 Padding, for a step of T < P rows: rows past T get token id 0 and position 0, flow through every segment (each op is
 row by row: nothing mixes rows) and are dropped (`hidden[:T]`). Attention is called on q/k/v[:T] only, so padding
 rows never reach the KV cache or any backend state; its output is copied into the static buffer's first T rows, and
-the rows past T keep what an earlier step left there (finite: the buffer is zeroed at allocation, then holds attention
-outputs). A step of at most EAGER_MAX_ROWS rows runs eagerly (`run` says why).
+the rows past T keep what an earlier step left there (zeros at first), which reaches only the padding rows' outputs.
+A step of at most EAGER_MAX_ROWS rows runs eagerly (the constant says why).
 
 RoPE: the embed segment is captured with `max_position=None`. That is exact because only dynamic NTK reads the step's
 largest position (rope/scaling.py), and chunk graphs refuse a dynamic-NTK model (as the decode graphs do:
