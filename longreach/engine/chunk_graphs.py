@@ -138,7 +138,8 @@ class ChunkGraphs:
     def run(self, input_ids: torch.Tensor, positions: torch.Tensor, ctx: ForwardContext) -> torch.Tensor | None:
         """A prefill step's final hidden states (T, hidden) for input_ids, positions (T,), through the smallest
         captured size that holds T rows, with `ctx.attention` called eagerly on the T real rows of every layer.
-        None when no size holds T rows or T <= EAGER_MAX_ROWS: the caller runs the model eagerly."""
+        None when no size holds T rows or T <= EAGER_MAX_ROWS: the caller runs the model eagerly. Under
+        torch.inference_mode(), as the runner's `execute` calls it (the static buffers are inference tensors)."""
         T = input_ids.shape[0]
         at = bisect.bisect_left(self.sizes, T)
         if T <= EAGER_MAX_ROWS or at == len(self.sizes):
