@@ -92,7 +92,12 @@ class EngineConfig:
     kv_offloading_size: float | None = _f(None, "host-memory tier of the KV cache in GiB (pinned): every page lives "
                                                 "there and --kv-cache-memory-gb becomes the GPU page cache; "
                                                 "0 or absent: no offloading (sparse attention only)")
-    enforce_eager: bool = _f(False, "no CUDA graphs: decode and the sparse methods' prefill selection run eagerly")
+    enforce_eager: bool = _f(False, "no CUDA graphs: decode, prefill chunks and the sparse methods' prefill selection "
+                                    "run eagerly")
+    chunk_graph_max_tokens: int = _f(2048, "largest prefill step (tokens) whose work around attention replays from "
+                                           "CUDA graphs, attention eager between them (engine/chunk_graphs.py): "
+                                           "captured for the scheduler's chunk sizes up to it and the powers of two "
+                                           "from 256, a step padded to the next; larger steps run eagerly; 0: off")
     seed: int = _f(0, "random seed for requests that give none")
 
     def __post_init__(self) -> None:
@@ -147,6 +152,10 @@ class EngineConfig:
             bad(f"quantization must be fp8 (or absent: the run dtype), got {self.quantization!r}")
         if self.kv_cache_dtype not in KV_DTYPES:
             bad(f"kv_cache_dtype must be one of {', '.join(KV_DTYPES)}, got {self.kv_cache_dtype!r}")
+        if isinstance(self.chunk_graph_max_tokens, bool) or not isinstance(self.chunk_graph_max_tokens, int) or \
+                self.chunk_graph_max_tokens < 0:
+            bad(f"chunk_graph_max_tokens must be an integer >= 0 (0: prefill chunks without CUDA graphs), "
+                f"got {self.chunk_graph_max_tokens!r}")
         if self.kv_offloading_size is not None and (isinstance(self.kv_offloading_size, bool) or not isinstance(
                 self.kv_offloading_size, (int, float)) or self.kv_offloading_size < 0):
             bad(f"kv_offloading_size must be a number of GiB >= 0 (0: no offloading), got {self.kv_offloading_size!r}")

@@ -23,6 +23,7 @@ from ..kvcache.paged import PagedKVCache
 from ..models.loader import load_model
 from ..sampling_params import SamplingParams
 from . import cpu_runtime
+from .chunk_graphs import chunk_graph_sizes
 from .devices import resolve_device, resolve_dtype, resolve_kv_dtype, triton_cache_line
 from .isolation import canary_runs, execute_alone, sample_isolated
 from .model_runner import ModelRunner
@@ -104,6 +105,9 @@ class LLMEngine:
                                    max_long_partial_prefills=config.max_long_partial_prefills,
                                    mixed_step_target_s=(config.mixed_step_target_ms / 1000
                                                         if config.mixed_step_target_ms else None))
+        # after the decode graphs, once the scheduler says which chunk sizes it cuts (engine/chunk_graphs.py)
+        self.runner.capture_chunk_graphs(chunk_graph_sizes(self.scheduler.chunk_sizes(), config.chunk_graph_max_tokens,
+                                                           config.max_num_batched_tokens))
         self.sampler = Sampler(self.device, config.seed)
         self._requests: dict[str, _Request] = {}
         self._seq_ids = itertools.count()

@@ -2,10 +2,13 @@
 
 Decode steps run through CUDA graphs captured per bucketed batch size (1, 2, 4, 8, then multiples of 16): inputs are
 copied into static buffers and rows past the real batch point at a scratch page, so they write nothing that matters.
+Prefill steps (and a mixed step's prefill part) replay each layer's work around attention from graphs captured per
+padded chunk size, attention eager between them (engine/chunk_graphs.py).
 """
 from __future__ import annotations
 
 import bisect
+import itertools
 import logging
 import time
 import typing
@@ -18,6 +21,7 @@ from ..config import EngineConfig
 from ..kvcache.block_manager import BlockManager
 from ..kvcache.base import KVCache
 from ..models.llama import LlamaForCausalLM
+from .chunk_graphs import ChunkGraphs
 from .scheduler import ScheduledBatch
 
 logger = logging.getLogger("longreach")
@@ -70,6 +74,7 @@ class ModelRunner:
         self._graphs: dict[tuple, typing.Callable[[], torch.Tensor]] = {}  # (rows, backend variant) -> step
         self._graph_sizes: list[int] = []
         self.last_kv_counts: dict | None = None  # the last decode step's page counts, where the store keeps them
+        self.chunk_graphs: ChunkGraphs | None = None  # prefill steps' graphs (capture_chunk_graphs)
 
     # ---- batch tensors -------------------------------------------------------------------------------------------
     def _metadata(self, batch: ScheduledBatch):
@@ -133,7 +138,7 @@ class ModelRunner:
             if batch.is_prefill:
                 staged = self.kv_cache.prefill_view(meta, [self.blocks.table(s.seq_id) for s in batch.seqs])
             ctx = StepContext(self.kv_cache, self.backend, meta, meta.max_seq_len - 1, staged)
-            hidden = self.model(input_ids, positions, ctx)
+            hidden = self._forward(input_ids, positions, ctx, batch.is_prefill)
         if not batch.is_prefill or batch.mixed:
             self._end_step()
         if all_logits:
@@ -144,7 +149,8 @@ class ModelRunner:
     def _graph_and_prefill(self, batch: ScheduledBatch) -> tuple[torch.Tensor, list[int]]:
         """A mixed step where decode runs through CUDA graphs: the decode rows replay their graph (a graph-decoding
         backend keeps its decode state, masks and schedules, on that path: decoding the same sequence eagerly in
-        some steps would split it) and the prefill chunks run eagerly after it, two passes in one step."""
+        some steps would split it) and the prefill chunks run after it (through the chunk graphs where a size holds
+        them, else eagerly), two passes in one step."""
         d = batch.num_decodes
         decode_logits = self._replay(ScheduledBatch(False, batch.seqs[:d], batch.num_tokens[:d]))
         self._end_step()
@@ -163,9 +169,20 @@ class ModelRunner:
             self.backend.begin_step(meta)
         ctx = StepContext(self.kv_cache, self.backend, built[0][2], max(m.max_seq_len for _, _, m, _ in built) - 1,
                           parts=[(0, built[0][2]), (d, built[1][2])])
-        hidden = self.model(torch.cat([b[0] for b in built]), torch.cat([b[1] for b in built]), ctx)
+        hidden = self._forward(torch.cat([b[0] for b in built]), torch.cat([b[1] for b in built]), ctx, True)
         qsl = np.concatenate((built[0][3], built[1][3][1:] + d))  # decode rows are one token each
         return hidden, qsl
+
+    def _forward(self, input_ids: torch.Tensor, positions: torch.Tensor, ctx: StepContext,
+                 prefill: bool) -> torch.Tensor:
+        """The model over a step's T rows -> hidden (T, hidden): a prefill step's (a mixed one's too: still one
+        attention call per layer, split by `ctx.parts`) through the chunk graphs when a captured size holds T rows
+        (engine/chunk_graphs.py), anything else eagerly."""
+        if prefill and self.chunk_graphs is not None:
+            hidden = self.chunk_graphs.run(input_ids, positions, ctx)
+            if hidden is not None:
+                return hidden
+        return self.model(input_ids, positions, ctx)
 
     def _end_step(self) -> None:
         """After a decode step: the store's page counts (the offloaded store installs the pages the step missed)."""
@@ -191,6 +208,60 @@ class ModelRunner:
         for size, key in todo:
             self._capture(size, key)
         return len(todo)
+
+    # ---- CUDA graphs for prefill chunks ---------------------------------------------------------------------------
+    @torch.inference_mode()
+    def capture_chunk_graphs(self, sizes: list[int], emulate: bool = False) -> None:
+        """Prefill steps of up to max(sizes) rows through piecewise CUDA graphs, every size captured now (sizes:
+        engine/chunk_graphs.py's chunk_graph_sizes; none, i.e. --chunk-graph-max-tokens 0: eager).
+
+        On the decode graphs' switch (graphs_supported: CUDA, no --enforce-eager, no dynamic NTK, a backend whose
+        decode can be captured). The last is stricter than the chunk graphs need, their attention being eager: with
+        quest and cascading prefill stays eager too, as it was, untried with the graphs. On a GPU, only the sizes
+        whose estimated memory fits in half the free memory are captured, smallest first (the larger a chunk, the less
+        its launches weigh); the other half stays for the eager path's activations (steps past the sizes, scoring)
+        and the decode variants captured later.
+
+        `emulate` (tests, any device): the same static-buffer path, each segment run eagerly in place of its replay.
+        """
+        if not emulate:
+            ok, why = self.graphs_supported()
+            if not ok:  # capture_graphs has logged why
+                logger.debug("prefill chunks run eagerly (no CUDA graphs): %s", why)
+                return
+            if not sizes:
+                logger.info("prefill chunks run eagerly: --chunk-graph-max-tokens is 0")
+                return
+        t0 = time.perf_counter()
+        graphs = self.chunk_graphs or ChunkGraphs(self.model, self.device, emulate)
+        if emulate:
+            graphs.capture(sizes)
+            self.chunk_graphs = graphs
+            return
+        sizes = sorted(set(sizes))
+        torch.cuda.empty_cache()
+        free = torch.cuda.mem_get_info(self.device)[0]
+        need = [graphs.estimate_bytes(size) for size in sizes]
+        kept = [size for size, total in zip(sizes, itertools.accumulate(need)) if total <= free / 2]
+        if len(kept) < len(sizes):
+            logger.warning("prefill chunk graphs: sizes %s would keep ~%.2f GB, more than half the free GPU memory "
+                           "(%.2f GB): only %s captured, larger steps run eagerly (--chunk-graph-max-tokens)", sizes,
+                           sum(need) / 1e9, free / 1e9, kept or "none")
+        if not kept:
+            return
+        before = torch.cuda.memory_reserved(self.device)
+        try:
+            graphs.capture(kept)
+        except RuntimeError as e:  # an op that cannot be captured (a host sync): prefill stays eager, as it was
+            logger.warning("prefill chunks run eagerly: capturing their graphs failed (%s)",
+                           f"{type(e).__name__}: {e}".splitlines()[0][:200])
+            torch.cuda.synchronize(self.device)
+            return
+        torch.cuda.synchronize(self.device)
+        self.chunk_graphs = graphs
+        logger.info("prefill chunks through CUDA graphs, attention eager between them: sizes %s; %d graphs captured "
+                    "in %.1f s, %.2f GB", sorted(graphs.sizes, reverse=True), graphs.num_graphs,
+                    time.perf_counter() - t0, (torch.cuda.memory_reserved(self.device) - before) / 1e9)
 
     # ---- CUDA graphs for decode ----------------------------------------------------------------------------------
     def graphs_supported(self) -> tuple[bool, str]:

@@ -9,6 +9,10 @@ compared token for token. On a GPU the residual add + RMSNorm, the rotary embedd
 kernel each (kernels/fused.py: the same arithmetic, ~30 fewer launches per layer in a decode step); elsewhere their
 PyTorch references. The residual stream is carried beside each layer's output (vLLM's layout) so that the add fuses
 into the next norm.
+
+The forward pass is written as pieces split at each attention call (`embed`, `DecoderLayer.pre_attention` /
+`post_attention`, `finish`): `forward` composes them around `ctx.attention`, and engine/chunk_graphs.py captures
+the same pieces in CUDA graphs for prefill chunks, with attention still called eagerly between them.
 """
 from __future__ import annotations
 
@@ -49,6 +53,9 @@ class RMSNorm(nn.Module):
 
 
 class Attention(nn.Module):
+    """The projections around attention; the attention itself is the engine's (`ForwardContext.attention`), called by
+    the decoder layer between `project` and `output`."""
+
     def __init__(self, cfg: ModelConfig, layer: int):
         super().__init__()
         self.layer = layer
@@ -63,7 +70,8 @@ class Attention(nn.Module):
         else:
             self.q_norm = self.k_norm = None
 
-    def forward(self, x, cos, sin, ctx: ForwardContext):
+    def project(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor):
+        """The layer's work before attention: x (T, hidden) -> q (T, H_q, D), k, v (T, H_kv, D), RoPE applied."""
         T = x.shape[0]
         qkv = self.qkv_proj(x)  # (T, (H_q + 2 H_kv) D)
         if self.q_norm is None:  # q and k heads side by side: one in-place rotation for both
@@ -77,8 +85,11 @@ class Attention(nn.Module):
             k = self.k_norm(k.view(T, self.num_kv_heads, self.head_dim))
             v = v.view(T, self.num_kv_heads, self.head_dim)
             q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
-        out = ctx.attention(self.layer, q, k, v)  # (T, H_q, D)
-        return self.o_proj(out.reshape(T, self.q_size))
+        return q, k, v
+
+    def output(self, attn_out: torch.Tensor) -> torch.Tensor:
+        """The layer's work after attention: attn_out (T, H_q, D) -> o_proj (T, hidden)."""
+        return self.o_proj(attn_out.reshape(attn_out.shape[0], self.q_size))
 
 
 class MLP(nn.Module):
@@ -99,16 +110,27 @@ class DecoderLayer(nn.Module):
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.mlp = MLP(cfg)
 
-    def forward(self, x, residual, cos, sin, ctx):
-        """x: the previous layer's MLP output (the embeddings, with residual None, in layer 0) -> (this layer's MLP
-        output, the residual stream before it). The stream is the same sum `x + attn(...)`, `x + mlp(...)` as
-        before, the adds fused into the norms."""
+    def pre_attention(self, x, residual, cos, sin):
+        """x: the previous layer's MLP output (the embeddings, with residual None, in layer 0) -> (q, k, v, the
+        residual stream with x added)."""
         if residual is None:
             h, residual = self.input_layernorm(x), x
         else:
             h, residual = self.input_layernorm(x, residual)
-        h, residual = self.post_attention_layernorm(self.self_attn(h, cos, sin, ctx), residual)
+        return (*self.self_attn.project(h, cos, sin), residual)
+
+    def post_attention(self, attn_out, residual):
+        """attn_out (T, H_q, D), the residual stream -> (this layer's MLP output, the residual stream before it)."""
+        h, residual = self.post_attention_layernorm(self.self_attn.output(attn_out), residual)
         return self.mlp(h), residual
+
+    def forward(self, x, residual, cos, sin, ctx):
+        """x: the previous layer's MLP output (the embeddings, with residual None, in layer 0) -> (this layer's MLP
+        output, the residual stream before it). The stream is the same sum `x + attn(...)`, `x + mlp(...)` as
+        before, the adds fused into the norms. Split at the attention call (`pre_attention`, `post_attention`) so
+        that engine/chunk_graphs.py can capture the pieces around it."""
+        q, k, v, residual = self.pre_attention(x, residual, cos, sin)
+        return self.post_attention(ctx.attention(self.self_attn.layer, q, k, v), residual)
 
 
 class LlamaForCausalLM(nn.Module):
@@ -125,12 +147,28 @@ class LlamaForCausalLM(nn.Module):
             self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, ctx: ForwardContext) -> torch.Tensor:
-        """input_ids, positions (T,) -> final hidden states (T, hidden). Call `logits` on the rows you need."""
-        x = self.embed_tokens(input_ids)
-        cos, sin = self.rotary(positions, x.dtype, ctx.max_position)
+        """input_ids, positions (T,) -> final hidden states (T, hidden). Call `logits` on the rows you need.
+
+        The composition of `embed`, each layer's `pre_attention`, attention and `post_attention`, and `finish`:
+        engine/chunk_graphs.py runs the same pieces, captured, around eager attention calls."""
+        x, cos, sin = self.embed(input_ids, positions, ctx.max_position)
         residual = None
         for layer in self.layers:
             x, residual = layer(x, residual, cos, sin, ctx)
+        return self.finish(x, residual)
+
+    def embed(self, input_ids: torch.Tensor, positions: torch.Tensor, max_position: int | None):
+        """input_ids, positions (T,) -> embeddings x (T, hidden) and the rotary cos, sin (T, D/2).
+
+        `max_position` (host int): read only by dynamic NTK RoPE (rope/scaling.py), so None gives the same cos/sin
+        for every other RoPE type."""
+        x = self.embed_tokens(input_ids)
+        cos, sin = self.rotary(positions, x.dtype, max_position)
+        return x, cos, sin
+
+    @staticmethod
+    def finish(x: torch.Tensor, residual: torch.Tensor | None) -> torch.Tensor:
+        """The last layer's MLP output and residual stream -> the final hidden states (T, hidden), before the norm."""
         return x if residual is None else residual + x
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:

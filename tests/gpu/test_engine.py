@@ -13,8 +13,10 @@ from .common import essay_text
 
 
 def test_graphs_eager_chunked(gpu_model, detail):
-    """Greedy decode of four prompts: CUDA graphs == eager, token for token; chunked prefill (128-token steps) beside
-    the unchunked run (reported, not asserted)."""
+    """Greedy decode of four prompts: CUDA-graph decode == eager, token for token (the prefill eager in both: the
+    chunk graphs pad its GEMMs, whose other cuBLAS kernels may round otherwise in bf16; test_chunk_graphs_equal_eager
+    checks them in fp32); the default engine, chunk graphs on, beside it, and chunked prefill (128-token steps)
+    beside the unchunked run (both reported, not asserted)."""
     from longreach import LLM, SamplingParams
 
     def fresh(**kw):  # a fixed KV pool so that several engines fit on the GPU one after another
@@ -22,11 +24,14 @@ def test_graphs_eager_chunked(gpu_model, detail):
         torch.cuda.empty_cache()
         return LLM(gpu_model, max_num_seqs=32, kv_cache_memory_gb=4, **kw)
 
-    llm = fresh()
     prompts = ["The history of the Roman Empire", "def quicksort(arr):", "Photosynthesis is " * 40,
                "Once upon a time, " * 100]
     params = SamplingParams(temperature=0, max_tokens=64, ignore_eos=True)
+    llm = fresh(chunk_graph_max_tokens=0)
     graphed = [o.token_ids for o in llm.generate(prompts, params, use_tqdm=False)]
+    del llm
+    llm = fresh()
+    default = [o.token_ids for o in llm.generate(prompts, params, use_tqdm=False)]
     del llm
     eager = fresh(enforce_eager=True)
     eager_out = [o.token_ids for o in eager.generate(prompts, params, use_tqdm=False)]
@@ -37,7 +42,9 @@ def test_graphs_eager_chunked(gpu_model, detail):
     chunked = fresh(max_num_batched_tokens=128)
     chunk_out = [o.token_ids for o in chunked.generate(prompts, params, use_tqdm=False)]
     agree = sum(a == b for a, b in zip(graphed, chunk_out))
-    detail(f"graph == eager on {same}/{len(prompts)}; chunked-prefill (128) == unchunked on {agree}/{len(prompts)}")
+    with_chunks = sum(a == b for a, b in zip(default, eager_out))
+    detail(f"graph == eager on {same}/{len(prompts)}; with the chunk graphs too (bf16) == eager on "
+           f"{with_chunks}/{len(prompts)}; chunked-prefill (128) == unchunked on {agree}/{len(prompts)}")
 
 
 def test_fp32_parity(gpu_model, detail):
@@ -166,6 +173,77 @@ def test_mixed_steps(gpu_model, detail):
         rows.append(f"{attention} {'eager' if eager else 'graphs'}: {same}/3 requests equal, {n} mixed steps")
         if same != 3:
             raise AssertionError(f"{attention}: mixed steps changed the greedy tokens of {3 - same}/3 requests")
+    detail("; ".join(rows))
+
+
+def test_chunk_graphs_equal_eager(gpu_model, detail):
+    """Prefill steps through the piecewise chunk graphs (engine/chunk_graphs.py: each layer's work around attention
+    replayed, attention eager) against the same engine without them (--chunk-graph-max-tokens 0, decode graphs on)
+    and against --enforce-eager, fp32 (so that the padded GEMMs' other rounding cannot flip a greedy token), dense
+    and the default infinitehip: two chats decode while a 3,000-token prompt of essays prefills in 256-token steps
+    (chunks of 64 beside them, 256 when alone: sizes 256 and 64 captured; the chats' 100-token first step pads to
+    256). Asserted: the chunk graphs were captured at start-up for exactly those sizes and ran, the three
+    runs' greedy tokens are equal, and with dense every step's logits with and without the chunk graphs agree within
+    1e-3 (infinitehip's max difference is reported: a near tie in its block selection may go the other way on keys
+    that differ in the last bits). Reported: each run's median wall time of the steps that carried prefill (one run
+    each, not a benchmark)."""
+    import statistics
+
+    from longreach.config import EngineConfig
+    from longreach.engine.llm_engine import LLMEngine
+    from longreach.sampling_params import SamplingParams
+
+    rows = []
+    for attention in ("dense", "infinitehip"):
+        runs = {}
+        for name, kw in (("chunk graphs", {}), ("none", {"chunk_graph_max_tokens": 0}),
+                         ("eager", {"enforce_eager": True})):
+            gc.collect()
+            torch.cuda.empty_cache()
+            eng = LLMEngine(EngineConfig(model=gpu_model, attention=attention, dtype="float32", max_model_len=4096,
+                                         kv_cache_memory_gb=1, max_num_batched_tokens=256, **kw))
+            graphs = eng.runner.chunk_graphs
+            if name == "chunk graphs" and (graphs is None or graphs.sizes != [64, 256]):
+                raise AssertionError(f"{attention}: chunk graphs captured at start-up for sizes "
+                                     f"{graphs and graphs.sizes}, expected [64, 256]")
+            if name != "chunk graphs" and graphs is not None:
+                raise AssertionError(f"{attention}: chunk graphs captured with {kw}")
+            logits, inner = [], eng.runner.execute
+
+            def execute(batch, all_logits=False, inner=inner, logits=logits):
+                out, idx = inner(batch, all_logits)
+                logits.append(out.clone())
+                return out, idx
+            eng.runner.execute = execute
+            ids = eng.tokenizer.encode(essay_text())
+            params = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)
+            eng.add_request("a", ids[:40], params)
+            eng.add_request("b", ids[100:160], params)
+            got, prefill_s = {}, []
+            for step in range(400):
+                if step == 3:
+                    eng.add_request("long", ids[:3000], params)
+                for o in eng.step():
+                    got[o.request_id] = o.outputs[0].token_ids
+                if eng.last_step is not None and eng.last_step.is_prefill:
+                    prefill_s.append(eng.last_step.seconds)
+                if len(got) == 3:
+                    break
+            runs[name] = (got, logits, statistics.median(prefill_s), graphs.runs if graphs else 0)
+            del eng, graphs
+        (got, logits, graph_s, n_runs), (none, none_logits, none_s, _), (eager, _, eager_s, _) = \
+            runs["chunk graphs"], runs["none"], runs["eager"]
+        if n_runs == 0:
+            raise AssertionError(f"{attention}: no prefill step ran through the chunk graphs")
+        if len(logits) != len(none_logits):
+            raise AssertionError(f"{attention}: {len(logits)} steps with the chunk graphs, {len(none_logits)} without")
+        diff = max((a - b).abs().max().item() for a, b in zip(logits, none_logits))
+        same = [sum(got[r] == other[r] for r in got) for other in (none, eager)]
+        rows.append(f"{attention}: tokens equal {same[0]}/3 vs none, {same[1]}/3 vs eager; max |logit diff| vs none "
+                    f"{diff:.2e}; {n_runs} chunk-graph steps; median prefill-step wall ms graphs {1e3 * graph_s:.1f} / "
+                    f"none {1e3 * none_s:.1f} / eager {1e3 * eager_s:.1f}")
+        if same != [3, 3] or (attention == "dense" and diff > 1e-3):
+            raise AssertionError(rows[-1])
     detail("; ".join(rows))
 
 

@@ -97,8 +97,9 @@ def test_scaled_mm_matches_the_reference(rows, detail):
 
 
 def test_engine_fp8_weights(gpu_model, detail):
-    """SmolLM2 (or --gpu-model) with --quantization fp8: CUDA graphs == eager token for token (decode steps of at most
-    8 rows: the GEMV kernel; prefills: torch._scaled_mm); greedy tokens against the bf16 engine reported."""
+    """SmolLM2 (or --gpu-model) with --quantization fp8: CUDA-graph decode == eager token for token (decode steps of
+    at most 8 rows: the GEMV kernel; prefills: torch._scaled_mm, eager in both: a padded chunk graph's fp8 GEMM may
+    round otherwise); with the chunk graphs too, and the bf16 engine, greedy tokens reported."""
     from longreach import LLM, SamplingParams
     from longreach.models.fp8 import scaled_mm_supported
 
@@ -113,11 +114,15 @@ def test_engine_fp8_weights(gpu_model, detail):
     prompts = ["The history of the Roman Empire", "def quicksort(arr):", "Photosynthesis is " * 40]
     params = SamplingParams(temperature=0, max_tokens=48, ignore_eos=True)
     outs = {}
-    for name, kw in [("bf16", {}), ("fp8", {"quantization": "fp8"}),
-                     ("fp8-eager", {"quantization": "fp8", "enforce_eager": True})]:
+    for name, kw in [("bf16", {"chunk_graph_max_tokens": 0}),
+                     ("fp8", {"quantization": "fp8", "chunk_graph_max_tokens": 0}),
+                     ("fp8-eager", {"quantization": "fp8", "enforce_eager": True}),
+                     ("fp8-chunk-graphs", {"quantization": "fp8"})]:
         llm = fresh(**kw)
         outs[name] = [o.token_ids for o in llm.generate(prompts, params, use_tqdm=False)]
         del llm
     assert outs["fp8"] == outs["fp8-eager"], "fp8 weights: CUDA-graph decode differs from eager"
     same = [sum(a == b for a, b in zip(x, y)) for x, y in zip(outs["fp8"], outs["bf16"])]
-    detail(f"fp8 graphs == eager; greedy tokens equal to bf16's: {same} of {params.max_tokens} per prompt")
+    chunks = [sum(a == b for a, b in zip(x, y)) for x, y in zip(outs["fp8-chunk-graphs"], outs["fp8-eager"])]
+    detail(f"fp8 graphs == eager; greedy tokens equal to bf16's: {same}, with the chunk graphs too to eager's: "
+           f"{chunks} of {params.max_tokens} per prompt")
