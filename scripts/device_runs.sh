@@ -88,9 +88,11 @@ crossover)  # issue 31: the 8B shape's decode crossover (dense vs infinitehip, 4
 chunkgraphs)
     gpu_tests gpu_chunk_graphs 400 tests/gpu/test_engine.py tests/gpu/test_box.py --gpu-model "$model" \
         -k "chunk or box or graph"
-    run mixed_paced_graphs 420 python3 -m longreach bench mixed --model "$model" --context 131072 --decodes 32 \
-        --attention dense infinitehip --long-prefill-token-threshold 256 --profile-steps 4 \
-        --out "$out/bench-mixed-128k-chunk256-graphs.json" ;;
+    for g in 2048 0; do  # chunk graphs on (the default cap), then off: the same command in one call
+        run "mixed_paced_graphs$g" 420 python3 -m longreach bench mixed --model "$model" --context 131072 \
+            --decodes 32 --attention dense infinitehip --long-prefill-token-threshold 256 --profile-steps 4 \
+            --chunk-graph-max-tokens "$g" --out "$out/bench-mixed-128k-chunk256-graphs$g.json"
+    done ;;
 profile8b)
     run profile_8b_128k 400 python3 -m longreach bench decode --lengths 128k --attention infinitehip@pruned \
         --attention-config '{"infinitehip@pruned": {"dense_below": null}}' --dense-lengths 128k --decode-tokens 64 \
