@@ -16,6 +16,7 @@ from typing import Any
 DTYPES = ("auto", "bfloat16", "float16", "float32")
 DEVICES = ("auto", "cpu", "cuda")
 KV_DTYPES = ("auto", "bfloat16", "float16", "fp8")
+DENSE_PREFILL = ("sdpa", "paged")
 
 
 def _f(default: Any, help: str, hash: bool = True):
@@ -98,6 +99,11 @@ class EngineConfig:
                                            "CUDA graphs, attention eager between them (engine/chunk_graphs.py): "
                                            "captured for the scheduler's chunk sizes up to it and the powers of two "
                                            "from 256, a step padded to the next; larger steps run eagerly; 0: off")
+    dense_prefill: str = _f("sdpa", "how dense attention (--attention dense, and the sparse methods' dense layers and "
+                                    "short contexts) reads a prefill chunk's cached prefix: sdpa (gathered out of the "
+                                    "paged cache, expanded over the GQA group, PyTorch SDPA) or paged (read in place "
+                                    "by the block-sparse kernel, every causal key block selected; not measured on a "
+                                    "GPU yet)")
     seed: int = _f(0, "random seed for requests that give none")
 
     def __post_init__(self) -> None:
@@ -152,6 +158,9 @@ class EngineConfig:
             bad(f"quantization must be fp8 (or absent: the run dtype), got {self.quantization!r}")
         if self.kv_cache_dtype not in KV_DTYPES:
             bad(f"kv_cache_dtype must be one of {', '.join(KV_DTYPES)}, got {self.kv_cache_dtype!r}")
+        if self.dense_prefill not in DENSE_PREFILL:
+            bad(f"dense_prefill must be one of {', '.join(DENSE_PREFILL)} (sdpa: the prefix gathered for PyTorch SDPA; "
+                f"paged: read in place by the block-sparse kernel), got {self.dense_prefill!r}")
         if isinstance(self.chunk_graph_max_tokens, bool) or not isinstance(self.chunk_graph_max_tokens, int) or \
                 self.chunk_graph_max_tokens < 0:
             bad(f"chunk_graph_max_tokens must be an integer >= 0 (0: prefill chunks without CUDA graphs), "

@@ -1,7 +1,10 @@
 """Dense attention: every query attends to every earlier key.
 
 Prefill: PyTorch SDPA per sequence (cuDNN first on GPU, then flash / mem-efficient; the math kernel on CPU). A chunk
-with a cached prefix gathers the prefix from the paged cache and uses a bottom-right-aligned causal mask.
+with a cached prefix gathers the prefix from the paged cache and uses a bottom-right-aligned causal mask; with
+`--dense-prefill paged` such chunks are read in place instead, by the block-sparse kernel with every causal key block
+selected (`prefix_index`; kernels/bsa.py on CUDA, its PyTorch reference elsewhere), GQA-native, all of them in one
+launch.
 Decode: the Triton paged flash-decoding kernel on CUDA (CUDA-graph capturable), its PyTorch reference on CPU.
 
 `DenseFallback` is the sparse methods' shared rule for when they attend densely instead (always-dense layers, short
@@ -16,10 +19,15 @@ import torch
 from torch.nn import functional as F
 
 from ..kernels import use_triton
-from ..kernels.combine import sm_count
+from ..kernels.combine import sm_count, split_count
 from ..kernels.paged_decode import default_num_splits, paged_decode, paged_decode_reference
 from ..kvcache.paged import gather_tokens
 from .backend import AttentionBackend, AttentionMetadata, Capabilities, GraphSupport
+from .executor import block_sparse_attention
+from .index import QueryBlocks, SparseIndex
+
+PREFIX_BLOCK = 64  # query rows per query block and keys per key block of the paged prefill's index
+KEYS_PER_SPLIT = 2048  # the paged prefill's split-K reads at least this many keys of the longest sequence per split
 
 
 def _sdpa_context(device: torch.device):
@@ -50,6 +58,55 @@ def causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: f
     return out.squeeze(0).transpose(0, 1)
 
 
+def prefix_index(query_lens: list[int], context_lens: list[int], device, block: int = PREFIX_BLOCK
+                 ) -> SparseIndex | None:
+    """The `SparseIndex` under which block-sparse attention is dense causal attention over each cached prefix: the
+    query blocks (`block` rows, position-aligned) of every sequence with a prefix (context > 0; the others get none,
+    their rows are left to SDPA), each selecting every key block of `block` keys from 0 to the one holding its last
+    row. One selection for all heads (groups 1: a program reads each KV block once for its whole GQA group). No sink
+    and no window (n_sink = n_window = 0): the selected part then admits key k for the row at position p iff
+    0 <= k <= p, so the diagonal block is masked per row, as SDPA's bottom-right causal mask does (index_types.py).
+    None when no sequence has a prefix."""
+    qb = QueryBlocks.build(query_lens, context_lens, block)
+    keep = [b for b in range(qb.num_blocks) if context_lens[qb.seq[b]] > 0]
+    if not keep:
+        return None
+    qb = QueryBlocks(*([getattr(qb, f)[b] for b in keep] for f in ("seq", "start", "length", "pos")))
+    ends = torch.tensor([-(-(p + n) // block) for p, n in zip(qb.pos, qb.length)], dtype=torch.int32).to(device)
+    ids = torch.arange(int(ends.max()), dtype=torch.int32, device=device)
+    blocks = torch.where(ids[None, :] < ends[:, None], ids[None, :], -1).unsqueeze(1)  # (NQB, 1, most blocks)
+    return SparseIndex(block, block, 0, 0, 1, qb, blocks, ends[:, None])
+
+
+def prefix_splits(num_query_blocks: int, num_kv_heads: int, longest: int, num_sms: int) -> int:
+    """Split-K for the paged prefill (kernels/combine.py merges the splits). Without it a launch runs one program per
+    query block and KV head (a 256-token chunk of an 8-KV-head model: 4 x 8 = 32 programs, the launcher may halve a
+    group's heads over two) while each walks the whole prefix: a 128K prefix would keep a quarter of the SMs busy.
+    `split_count` gives enough splits to fill the GPU about twice, capped so that each split still reads at least
+    KEYS_PER_SPLIT keys of the longest sequence (`longest` tokens; below that the merge costs more than it spreads)
+    and at most 32. A function of shapes only. E.g. 132 SMs: a 256-token chunk at 128K, 8 KV heads: 9 splits; a
+    2,048-token chunk (32 query blocks): 1."""
+    most = min(32, max(1, longest // KEYS_PER_SPLIT))
+    return split_count(num_query_blocks * num_kv_heads, num_sms, most)
+
+
+def paged_prefix_attention(q, k_cache, v_cache, block_tables, index: SparseIndex, scale: float, num_splits: int = 1,
+                           out: torch.Tensor | None = None, plan=None, kernel: bool | None = None) -> torch.Tensor:
+    """Attention of the rows of `index`'s query blocks over their sequences' paged K/V (q (T, H_q, D), caches as the
+    kernels take them: one tier or two, fp8 or not), written into `out` (T, H_q, D), a new tensor if None. Rows in
+    no query block are the caller's to write afterwards: the merge of split-K rewrites every row. `kernel`: the
+    Triton kernel (default: on CUDA; tests pass True under the interpreter) or the PyTorch reference (`num_splits`
+    and `plan` unused)."""
+    if kernel if kernel is not None else use_triton(q):
+        from ..kernels.bsa import block_sparse_attention_triton
+
+        out, _ = block_sparse_attention_triton(q, k_cache, v_cache, block_tables, index, scale,
+                                               num_splits=num_splits, plan=plan, out=out)
+        return out
+    ref, _ = block_sparse_attention(q, k_cache, v_cache, block_tables, index, scale, need_lse=False)
+    return ref if out is None else out.copy_(ref)
+
+
 class DenseBackend(AttentionBackend):
     name = "dense"
     capabilities = Capabilities(graph=GraphSupport.STATIC, mixed_batches=True)
@@ -61,17 +118,37 @@ class DenseBackend(AttentionBackend):
 
     def _prefill(self, q, k, v, k_cache, v_cache, meta: AttentionMetadata):
         out = torch.empty_like(q)
+        in_place = self.paged_prefill and any(meta.context_lens)
+        if in_place:  # every chunk with a cached prefix in one launch; the rows of the others are SDPA's, below
+            index, plan, splits = self._prefix_plan(meta, q.device)
+            paged_prefix_attention(q, k_cache, v_cache, meta.block_tables, index, self.scale, splits, out, plan)
         start = 0
         for i, (n, ctx) in enumerate(zip(meta.query_lens, meta.context_lens)):
             rows = slice(start, start + n)
+            start += n
             if ctx == 0:
-                ki, vi = k[rows], v[rows]
-            else:  # chunked prefill: the prefix lives in the paged cache (this chunk was stored there too)
+                out[rows] = causal_attention(q[rows], k[rows], v[rows], self.scale)
+            elif not in_place:  # chunked prefill: the prefix lives in the paged cache (this chunk was stored there too)
                 ki = gather_tokens(k_cache, meta.block_tables[i], ctx + n).to(q.dtype)
                 vi = gather_tokens(v_cache, meta.block_tables[i], ctx + n).to(q.dtype)
-            out[rows] = causal_attention(q[rows], ki, vi, self.scale)
-            start += n
+                out[rows] = causal_attention(q[rows], ki, vi, self.scale)
         return out
+
+    def _prefix_plan(self, meta: AttentionMetadata, device):
+        """(index, kernel plan or None, splits) of the paged prefill, built once per step and shared by its layers
+        (the same `meta` object: one host-to-device copy of the query blocks per step, not per layer)."""
+        if self._prefix is not None and self._prefix[0] is meta:
+            return self._prefix[1]
+        index = prefix_index(meta.query_lens, meta.context_lens, device)
+        plan, splits = None, 1
+        if use_triton(device):
+            from ..kernels.bsa import BSAPlan
+
+            mc = self.model_config
+            plan = BSAPlan(index, mc.num_heads, mc.num_kv_heads, device)
+            splits = prefix_splits(index.queries.num_blocks, mc.num_kv_heads, meta.max_seq_len, self._num_sms)
+        self._prefix = (meta, (index, plan, splits))
+        return self._prefix[1]
 
     @classmethod
     def resolve_config(cls, engine_config) -> None:
@@ -84,6 +161,8 @@ class DenseBackend(AttentionBackend):
     def __init__(self, model_config, engine_config, device):
         super().__init__(model_config, engine_config, device)
         self._num_sms = sm_count(device)
+        self.paged_prefill = engine_config.dense_prefill == "paged"  # config.py: dense_prefill
+        self._prefix = None  # (meta, (index, plan, splits)) of the current step, see _prefix_plan
 
     def num_splits(self, batch: int) -> int:
         """Split count for the decode kernel: a function of the batch size only, so eager and graph runs agree."""
