@@ -45,6 +45,8 @@
 #                                           # (what --mixed-step-target-ms chose for infinitehip), profiled (issue 30)
 #   bash scripts/device_runs.sh chunkgraphs # needs the model: tests/gpu's chunk-graph and box tests; then `paced` again
 #                                           # (prefill chunks through piecewise CUDA graphs now) (issue 30)
+#   bash scripts/device_runs.sh pagedprefill # needs the model: tests/gpu's paged-prefill test; then bench mixed at
+#                                           # 128K beside 32 decodes, dense, --dense-prefill paged vs sdpa, profiled
 #   bash scripts/device_runs.sh profile8b   # 8B shape, bf16: bench decode at 128K, infinitehip pruned vs dense, the
 #                                           # last 4 steps profiled (where the sparse step's fixed cost goes; issue 31)
 # A group's first command compiles kernels (~30-60 s); bench decode runs an untimed warm-up prompt first.
@@ -92,6 +94,13 @@ chunkgraphs)
         run "mixed_paced_graphs$g" 420 python3 -m longreach bench mixed --model "$model" --context 131072 \
             --decodes 32 --attention dense infinitehip --long-prefill-token-threshold 256 --profile-steps 4 \
             --chunk-graph-max-tokens "$g" --out "$out/bench-mixed-128k-chunk256-graphs$g.json"
+    done ;;
+pagedprefill)
+    gpu_tests gpu_paged_prefill 300 tests/gpu/test_engine.py --gpu-model "$model" -k paged
+    for m in paged sdpa; do  # the prefix read in place, then gathered for SDPA: the same command in one call
+        run "mixed_paced_$m" 420 python3 -m longreach bench mixed --model "$model" --context 131072 --decodes 32 \
+            --attention dense --long-prefill-token-threshold 256 --profile-steps 4 --dense-prefill "$m" \
+            --out "$out/bench-mixed-128k-chunk256-prefill-$m.json"
     done ;;
 profile8b)
     run profile_8b_128k 400 python3 -m longreach bench decode --lengths 128k --attention infinitehip@pruned \
