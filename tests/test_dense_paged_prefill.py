@@ -129,17 +129,23 @@ def _cache(lengths, Hkv, D, page, dtype, g):
 
 
 @pytest.mark.parametrize("splits", [1, 3])
-@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
-def test_kernel_paged_prefill_equals_sdpa(dtype, splits):
+@pytest.mark.parametrize("dtype, kv", [(torch.float32, None), (torch.float16, None), (torch.float32, "fp8")],
+                         ids=["fp32", "fp16", "fp32-fp8kv"])
+def test_kernel_paged_prefill_equals_sdpa(dtype, kv, splits):
     """The Triton launch of the paged path (4 query heads on 2 KV heads, 16-token pages) for a step of three
     chunks: one at a 37-token prefix (not a multiple of the page or the query block), one without a prefix, one at
     130, against the SDPA path (gathered prefix, bottom-right causal mask) in fp32 on the same cache values. Every
     row of the prefixed chunks is written (the output is poisoned first) and agrees within 1e-5 (fp32) / 2e-3 (fp16
-    output rounding); the rows of the chunk without a prefix are the engine's SDPA's (not compared)."""
+    output rounding); the rows of the chunk without a prefix are the engine's SDPA's (not compared). With an fp8
+    cache (rows quantised with their scales, kernels/fp8.py) both paths read the same dequantised values."""
     Hq, Hkv, D, page = 4, 2, 32, 16
     g = torch.Generator().manual_seed(7 + splits)
     query_lens, context_lens = [50, 30, 20], [37, 0, 130]
     kc, vc, tables = _cache([c + n for c, n in zip(context_lens, query_lens)], Hkv, D, page, dtype, g)
+    if kv == "fp8":
+        from longreach.kernels.fp8 import quantize
+
+        kc, vc = quantize(kc), quantize(vc)
     q = torch.randn(sum(query_lens), Hq, D, generator=g).to(dtype).to(DEV)
     scale = D ** -0.5
     index = prefix_index(query_lens, context_lens, DEV)
