@@ -204,10 +204,16 @@ pk_1m() {  # pk_1m SEEDS: the default's 1M passkey, one job per depth (a call's 
     done
 }
 rl_1m() {  # rl_1m TASK SAMPLES: the default's 1M RULER cell, one job per seed (42-46)
-    local s
+    rl_1m_turns "$2" "$1"
+}
+rl_1m_turns() {  # rl_1m_turns SAMPLES TASK...: rl_1m of each task, seed by seed with the tasks in turn
+    local s t n=$1
+    shift
     for s in 42 43 44 45 46; do
-        job "ruler__$1__infinitehip-3k-box__1M-s$s" ruler --tasks "$1" --lengths 1M --samples "$2" --seed "$s" \
-            --attention "$DEFAULT"
+        for t in "$@"; do
+            job "ruler__${t}__infinitehip-3k-box__1M-s$s" ruler --tasks "$t" --lengths 1M --samples "$n" --seed "$s" \
+                --attention "$DEFAULT"
+        done
     done
 }
 oracle8k_256k() {
@@ -277,13 +283,7 @@ suite_qwen_final() {  # the 0.5B cells issue 28 still lacks after run 6, in prio
     for t in niah_single_3 niah_multikey_1; do rl "$t" 512k 10; done
     job "passkey__paul-graham__minference-calibrated__16k-32k" passkey --haystack paul-graham --lengths 16k 32k \
         --attention minference --attention-config '{"patterns": "qwen2.5-coder-0.5b"}'
-    local s
-    for s in 42 43 44 45 46; do  # rl_1m's jobs, the two tasks in turn (a deadline cuts both alike)
-        for t in niah_single_3 niah_multikey_1; do
-            job "ruler__${t}__infinitehip-3k-box__1M-s$s" ruler --tasks "$t" --lengths 1M --samples 2 --seed "$s" \
-                --attention "$DEFAULT"
-        done
-    done
+    for t in niah_single_3 niah_multikey_1; do rl_1m "$t" 2; done
 }
 suite_qwen_trained() {  # the default against itself with {"dense_below": "trained"} (exact attention inside the
     # trained 32K), dense beside inside the window, in one run: the suite a default change needs (issue 28/31)
@@ -330,13 +330,7 @@ suite_qwen_wall512() {  # issue 28's last 0.5B cells (one lease, BG=1, P=5 KV_GB
     for t in niah_single_3 niah_multikey_1; do rl "$t" 512k 10; done
     job "ruler__niah_single_3__oracle__256k" ruler --tasks niah_single_3 --lengths 256k --samples 10 \
         --attention infinitehip:oracle
-    local s
-    for s in 42 43 44 45 46; do  # rl_1m's jobs, the two tasks in turn (a deadline cuts both alike)
-        for t in niah_single_3 niah_multikey_1; do
-            job "ruler__${t}__infinitehip-3k-box__1M-s$s" ruler --tasks "$t" --lengths 1M --samples 2 --seed "$s" \
-                --attention "$DEFAULT"
-        done
-    done
+    rl_1m_turns 2 niah_single_3 niah_multikey_1  # the two tasks in turn: a deadline cuts both alike
 }
 suite_qwen15_final() {  # the 1.5B past the window in one lease (BG=1, P=3 KV_GB=31): 512K with 10 prompts, 1M with 5
     pk 512k --seeds 2

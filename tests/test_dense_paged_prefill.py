@@ -13,6 +13,7 @@ from longreach.attention import dense
 from longreach.attention.dense import (causal_attention, paged_prefix_attention, prefix_index, prefix_splits)
 from longreach.kvcache.paged import gather_tokens
 from longreach.sampling_params import SamplingParams
+from tests.test_kernel_bsa import _cache  # a paged cache of scattered pages, NaN in every unowned slot
 
 DEV = "cuda" if torch.cuda.is_available() else "cpu"
 
@@ -109,23 +110,6 @@ def test_dense_prefill_setting_is_checked():
 
 
 # ---- the kernel, in the interpreter ---------------------------------------------------------------------------------
-def _cache(lengths, Hkv, D, page, dtype, g):
-    """Each sequence's tokens in scattered pages of one cache; NaN in every slot no sequence owns."""
-    need = [-(-n // page) for n in lengths]
-    n_pages = sum(need) + 3
-    perm = torch.randperm(n_pages, generator=g)
-    tables = torch.zeros(len(lengths), max(need), dtype=torch.int32)
-    o = 0
-    for i, k in enumerate(need):
-        tables[i, :k] = perm[o:o + k]
-        o += k
-    kc = torch.randn(n_pages, page, Hkv, D, generator=g).to(dtype)
-    vc = torch.randn(n_pages, page, Hkv, D, generator=g).to(dtype)
-    kc[perm[o:]] = vc[perm[o:]] = float("nan")
-    for i, n in enumerate(lengths):
-        if n % page:
-            kc[tables[i, need[i] - 1], n % page:] = vc[tables[i, need[i] - 1], n % page:] = float("nan")
-    return kc.to(DEV), vc.to(DEV), tables.to(DEV)
 
 
 @pytest.mark.parametrize("splits", [1, 3])
