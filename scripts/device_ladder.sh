@@ -332,6 +332,17 @@ suite_qwen_wall512() {  # issue 28's last 0.5B cells (one lease, BG=1, P=5 KV_GB
         --attention infinitehip:oracle
     rl_1m_turns 2 niah_single_3 niah_multikey_1  # the two tasks in turn: a deadline cuts both alike
 }
+suite_qwen_wall512b() {  # what run 10 left (P=4 KV_GB=14): multikey's oracle rung at 512K (its miss is not located),
+    # then the 1M jobs its deadline cut, so that both 1M cells hold 10 prompts
+    job "ruler__niah_multikey_1__oracle__512k" ruler --tasks niah_multikey_1 --lengths 512k --samples 10 \
+        --attention infinitehip:oracle
+    local j
+    for j in "niah_multikey_1 45" "niah_single_3 46" "niah_multikey_1 46"; do
+        set -- $j
+        job "ruler__$1__infinitehip-3k-box__1M-s$2" ruler --tasks "$1" --lengths 1M --samples 2 --seed "$2" \
+            --attention "$DEFAULT"
+    done
+}
 suite_qwen15_final() {  # the 1.5B past the window in one lease (BG=1, P=3 KV_GB=31): 512K with 10 prompts, 1M with 5
     pk 512k --seeds 2
     rl niah_single_2 512k 10
