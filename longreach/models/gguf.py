@@ -329,7 +329,7 @@ def _build_gemma_tokenizer(tokens, types, *, bos_id, eos_id, unk_id, add_bos, ch
     token's place in the vocabulary (Gemma's scores do not follow its merge order; its order does), longer left part
     first; control and byte tokens are never merged into. Tokens of only spaces are stored with real spaces and spelt with U+2581 here, as the normaliser writes
     them. Control tokens (type 3) match as special tokens, user-defined ones (type 4) verbatim."""
-    from tokenizers import AddedToken, decoders, models, normalizers
+    from tokenizers import AddedToken, decoders, models, normalizers, processors
     from tokenizers import Tokenizer as HFTokenizer
 
     spelt = ["\u2581" * len(t) if " " in t and not t.strip() else t for t in tokens]
@@ -346,8 +346,6 @@ def _build_gemma_tokenizer(tokens, types, *, bos_id, eos_id, unk_id, add_bos, ch
     tk.decoder = decoders.Sequence([decoders.Replace("\u2581", " "), decoders.ByteFallback(), decoders.Fuse()])
     tk.add_special_tokens([AddedToken(t, special=True, normalized=False) for t, ty in zip(spelt, types) if ty == 3])
     tk.add_tokens([AddedToken(t, special=False, normalized=False) for t, ty in zip(spelt, types) if ty == 4])
-    from tokenizers import processors
-
     bos = spelt[bos_id] if bos_id is not None else None
     eos = spelt[eos_id] if eos_id is not None else None
     if add_bos and bos is not None:
