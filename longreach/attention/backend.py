@@ -139,12 +139,15 @@ class AttentionBackend(ABC):
     capabilities: Capabilities = Capabilities()  # what it can do (a class's declaration; an instance may refine it)
     kv_layout: KVLayout | None = None  # a bounded cache's slot layout; None: token t in slot t (see the docstring)
     preset_notes: ClassVar[dict[str, str]] = {}  # preset -> one line on what it is for (`longreach backends`)
+    # attends each sliding-window layer (ModelConfig.window_of, Gemma 3) within its window; the others refuse such
+    # models (unsupported_reasons)
+    honours_layer_windows: ClassVar[bool] = False
 
     def __init__(self, model_config: "ModelConfig", engine_config: EngineSettings, device: torch.device):
         self.model_config = model_config
         self.engine_config = engine_config
         self.device = device
-        self.scale = model_config.head_dim ** -0.5
+        self.scale = model_config.attn_scale  # head_dim ** -0.5, or Gemma's query_pre_attn_scalar ** -0.5
 
     # ---- what the KV store must provide (kvcache/build.py sizes the store from it) ---------------------------------
     def kv_needs(self, dtype: torch.dtype) -> KVNeeds:
@@ -170,11 +173,21 @@ class AttentionBackend(ABC):
     def unsupported_reasons(cls, model_config: "ModelConfig", engine_config: EngineSettings) -> list[str]:
         """Why this backend cannot serve this model/config (empty: it can): what `resolve_config` says, then what
         `config_problems` finds in the resolved config."""
+        if cls.layer_window_problems(model_config):
+            return cls.layer_window_problems(model_config)
         try:
             cfg = cls.resolve_config(engine_config)
         except ValueError as e:
             return [str(e)]
         return cls.config_problems(cfg, model_config, engine_config)
+
+    @classmethod
+    def layer_window_problems(cls, model_config: "ModelConfig") -> list[str]:
+        """A model with sliding-window layers, for a backend that does not honour them: why it cannot run it."""
+        if model_config.has_layer_windows and not cls.honours_layer_windows:
+            return [f"{model_config.architecture} has sliding-window layers (window {model_config.sliding_window}), "
+                    f"which only dense attention honours for now: run it with --attention dense (the default)"]
+        return []
 
     @classmethod
     def config_problems(cls, cfg, model_config: "ModelConfig", engine_config: EngineSettings) -> list[str]:

@@ -7,6 +7,12 @@ selected (`prefix_index`; kernels/bsa.py on CUDA, its PyTorch reference elsewher
 launch.
 Decode: the Triton paged flash-decoding kernel on CUDA (CUDA-graph capturable), its PyTorch reference on CPU.
 
+Sliding-window layers (Gemma 3's local layers, `ModelConfig.window_of`): a query at position p sees the keys at
+positions p - window < k <= p (the window counts the current token, as transformers' mask does). Prefill gathers only
+the keys a chunk's window can reach and runs SDPA under a banded mask; decode gathers each sequence's last `window`
+keys by slot (`window_decode`: fixed shapes, so it is CUDA-graph capturable too) and attends in fp32. Every page is
+kept: nothing outside the window is freed yet.
+
 `DenseFallback` is the sparse methods' shared rule for when they attend densely instead (always-dense layers, short
 contexts) and the dense backend that then runs.
 """
@@ -21,6 +27,7 @@ from torch.nn import functional as F
 from ..kernels import use_triton
 from ..kernels.combine import sm_count, split_count
 from ..kernels.paged_decode import default_num_splits, paged_decode, paged_decode_reference
+from ..kernels.kv_layout import as_tensor
 from ..kvcache.paged import gather_tokens
 from .backend import AttentionBackend, AttentionMetadata, Capabilities, GraphSupport
 from .executor import block_sparse_attention
@@ -39,8 +46,12 @@ def _sdpa_context(device: torch.device):
     return sdpa_kernel(order, set_priority=True)
 
 
-def causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float) -> torch.Tensor:
-    """q (n, H_q, D) are the last n positions of a sequence whose keys are k, v (L, H_kv, D), L >= n -> (n, H_q, D)."""
+def causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float, window: int | None = None,
+                     k_start: int = 0) -> torch.Tensor:
+    """q (n, H_q, D) are the last n positions of a sequence whose keys are k, v (L, H_kv, D), L >= n -> (n, H_q, D).
+
+    With `window`: the query at position p attends to keys p - window < k <= p only; k, v may then begin at position
+    `k_start` (the keys before it being out of every query's window)."""
     n, Hq, _ = q.shape
     L, Hkv, _ = k.shape
     g = Hq // Hkv
@@ -49,7 +60,12 @@ def causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: f
     kh = k.transpose(0, 1).repeat_interleave(g, dim=0).unsqueeze(0)
     vh = v.transpose(0, 1).repeat_interleave(g, dim=0).unsqueeze(0)
     with _sdpa_context(q.device):
-        if n == L:
+        if window is not None:
+            qpos = torch.arange(k_start + L - n, k_start + L, device=q.device)[:, None]
+            kpos = torch.arange(k_start, k_start + L, device=q.device)[None, :]
+            band = (kpos <= qpos) & (kpos > qpos - window)  # (n, L)
+            out = F.scaled_dot_product_attention(qh, kh, vh, attn_mask=band, scale=scale)
+        elif n == L:
             out = F.scaled_dot_product_attention(qh, kh, vh, is_causal=True, scale=scale)
         else:
             from torch.nn.attention.bias import causal_lower_right
@@ -107,18 +123,40 @@ def paged_prefix_attention(q, k_cache, v_cache, block_tables, index: SparseIndex
     return ref if out is None else out.copy_(ref)
 
 
+def window_decode(q, k_cache, v_cache, block_tables, seq_lens, scale: float, window: int) -> torch.Tensor:
+    """One query per sequence (q (B, H_q, D), at position seq_len - 1) over its last `window` keys, gathered from the
+    paged cache by slot (B x window rows, fixed shapes: graph-capturable), in fp32 -> (B, H_q, D)."""
+    kc, vc = as_tensor(k_cache, q.dtype), as_tensor(v_cache, q.dtype)
+    B, Hq, D = q.shape
+    _, page, Hkv, _ = kc.shape
+    pos = seq_lens.long()[:, None] - window + torch.arange(window, device=q.device)[None, :]  # (B, W)
+    valid = pos >= 0
+    pos = pos.clamp(min=0)
+    slots = block_tables.long().gather(1, pos // page) * page + pos % page
+    k = kc.reshape(-1, Hkv, D)[slots].float()  # (B, W, H_kv, D)
+    v = vc.reshape(-1, Hkv, D)[slots].float()
+    s = torch.einsum("bhgd,bwhd->bhgw", q.float().view(B, Hkv, Hq // Hkv, D), k) * scale
+    s = s.masked_fill(~valid[:, None, None, :], float("-inf"))
+    out = torch.einsum("bhgw,bwhd->bhgd", torch.softmax(s, dim=-1), v)
+    return out.reshape(B, Hq, D).to(q.dtype)
+
+
 class DenseBackend(AttentionBackend):
     name = "dense"
     capabilities = Capabilities(graph=GraphSupport.STATIC, mixed_batches=True)
+    honours_layer_windows = True
 
     def forward(self, layer, q, k, v, k_cache, v_cache, meta: AttentionMetadata):
+        window = self.model_config.window_of(layer)
         if meta.is_prefill:
-            return self._prefill(q, k, v, k_cache, v_cache, meta)
+            return self._prefill(q, k, v, k_cache, v_cache, meta, window)
+        if window is not None:
+            return window_decode(q, k_cache, v_cache, meta.block_tables, meta.seq_lens, self.scale, window)
         return self._decode(q, k_cache, v_cache, meta)
 
-    def _prefill(self, q, k, v, k_cache, v_cache, meta: AttentionMetadata):
+    def _prefill(self, q, k, v, k_cache, v_cache, meta: AttentionMetadata, window: int | None = None):
         out = torch.empty_like(q)
-        in_place = self.paged_prefill and any(meta.context_lens)
+        in_place = self.paged_prefill and any(meta.context_lens) and window is None
         if in_place:  # every chunk with a cached prefix in one launch; the rows of the others are SDPA's, below
             index, plan, splits = self._prefix_plan(meta, q.device)
             paged_prefix_attention(q, k_cache, v_cache, meta.block_tables, index, self.scale, splits, out, plan)
@@ -126,7 +164,15 @@ class DenseBackend(AttentionBackend):
         for i, (n, ctx) in enumerate(zip(meta.query_lens, meta.context_lens)):
             rows = slice(start, start + n)
             start += n
-            if ctx == 0:
+            if window is not None:  # only the keys this chunk's window reaches: from position ctx - window + 1
+                if ctx == 0:
+                    out[rows] = causal_attention(q[rows], k[rows], v[rows], self.scale, window)
+                else:
+                    first = max(0, ctx - window + 1)
+                    ki = gather_tokens(k_cache, meta.block_tables[i], ctx + n, first).to(q.dtype)
+                    vi = gather_tokens(v_cache, meta.block_tables[i], ctx + n, first).to(q.dtype)
+                    out[rows] = causal_attention(q[rows], ki, vi, self.scale, window, first)
+            elif ctx == 0:
                 out[rows] = causal_attention(q[rows], k[rows], v[rows], self.scale)
             elif not in_place:  # chunked prefill: the prefix lives in the paged cache (this chunk was stored there too)
                 ki = gather_tokens(k_cache, meta.block_tables[i], ctx + n).to(q.dtype)

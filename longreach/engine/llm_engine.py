@@ -78,7 +78,7 @@ class LLMEngine:
         elif config.max_model_len > trained:
             logger.warning("max_model_len %d exceeds the model's trained context (%d): dense attention degrades "
                            "past it", config.max_model_len, trained)
-        if mc.sliding_window and config.max_model_len > mc.sliding_window:
+        if mc.sliding_window and not mc.has_layer_windows and config.max_model_len > mc.sliding_window:
             logger.warning("the model was trained with a %d-token sliding window; longreach attends over the full "
                            "context", mc.sliding_window)
         self.config = config

@@ -2,6 +2,11 @@
 
 llama.cpp's converter permutes the rows of attn_q / attn_k of `llama`-architecture files for its interleaved rotary
 layout; `_unpermute` restores the HF "rotate half" layout (Qwen files are not permuted: llama.cpp treats them as NEOX).
+Gemma 3 (`gemma3`): the file leaves the layer pattern, the sliding layers' RoPE base and the softmax scale to
+llama.cpp's code, so they are set here as llama.cpp sets them (every sixth layer global, base 10K, head_dim ** -0.5
+but for the 62-layer 27B); its norm weights already hold Gemma's 1 + w; its tokenizer is SentencePiece-style BPE
+(`tokenizer.ggml.model` "llama"), rebuilt as transformers' GGUF loader rebuilds Gemma's (`_build_gemma_tokenizer`),
+and a file without a chat template gets Gemma's turn format (`GEMMA_CHAT_TEMPLATE`).
 The container is parsed here (`read_gguf`): the gguf package's reader makes a numpy view per metadata item, which for a
 150k-token vocabulary takes seconds.
 """
@@ -15,11 +20,11 @@ from typing import Any, Iterator
 import numpy as np
 import torch
 
-from .config import ModelConfig, RopeConfig
+from .config import ModelConfig, RopeConfig, gemma3_sliding_layers
 from .quant import dequantize
 from .tokenizer import Tokenizer
 
-GGUF_ARCHITECTURES = {"llama": "llama", "qwen2": "qwen2", "qwen3": "qwen3"}
+GGUF_ARCHITECTURES = {"llama": "llama", "qwen2": "qwen2", "qwen3": "qwen3", "gemma3": "gemma3"}
 
 _LAYER_NAMES = {  # GGUF per-layer name -> HF name (under model.layers.N.)
     "attn_norm": "input_layernorm",
@@ -34,6 +39,10 @@ _LAYER_NAMES = {  # GGUF per-layer name -> HF name (under model.layers.N.)
     "ffn_up": "mlp.up_proj",
     "ffn_down": "mlp.down_proj",
 }
+_GEMMA_LAYER_NAMES = {**_LAYER_NAMES,  # Gemma's four norms per layer (models/llama.py: DecoderLayer)
+                      "post_attention_norm": "post_attention_layernorm",
+                      "ffn_norm": "pre_feedforward_layernorm",
+                      "post_ffw_norm": "post_feedforward_layernorm"}
 _GLOBAL_NAMES = {"token_embd": "model.embed_tokens", "output_norm": "model.norm", "output": "lm_head"}
 
 # GGUF pre-tokenizer name -> (split regex or None, digits split individually); byte-level BPE for all of them.
@@ -164,6 +173,21 @@ class GGUFFile:
         eot = self.get("tokenizer.ggml.eot_token_id")
         eos_ids = tuple(dict.fromkeys(i for i in (eos, eot) if i is not None))
         vocab = self.hp("vocab_size") or self.tensors["token_embd.weight"].shape[0]
+        gemma = {}
+        if self.arch == "gemma3":
+            tokens = self.get("tokenizer.ggml.tokens") or []
+            if "<end_of_turn>" in tokens:  # a chat turn's end: Gemma's generation config stops there too
+                eos_ids = tuple(dict.fromkeys((*eos_ids, tokens.index("<end_of_turn>"))))
+            layers = int(self.hp("block_count"))
+            window = self.hp("attention.sliding_window")
+            gemma = dict(
+                sliding_window=int(window) if window else None,
+                sliding_layers=gemma3_sliding_layers(layers) if window else (),
+                rope_local=RopeConfig(theta=float(self.hp("rope.freq_base_swa", 10000.0))),
+                hidden_act="gelu_pytorch_tanh", sandwich_norms=True, scale_embeddings=True,
+                query_pre_attn_scalar=float(hidden // heads if layers == 62 else head_dim),
+                final_logit_softcapping=self.hp("final_logit_softcapping"),
+            )
         return ModelConfig(
             architecture=GGUF_ARCHITECTURES[self.arch],
             vocab_size=int(vocab),
@@ -183,6 +207,7 @@ class GGUFFile:
             bos_token_id=self.get("tokenizer.ggml.bos_token_id"),
             eos_token_ids=eos_ids,
             name=self.get("general.name", os.path.basename(self.path)),
+            **gemma,
         )
 
     # ---- weights -------------------------------------------------------------------------------------------------
@@ -192,15 +217,16 @@ class GGUFFile:
 
     def weights(self, cfg: ModelConfig, dtype: torch.dtype) -> Iterator[tuple[str, torch.Tensor]]:
         """Yield (HF name, tensor in `dtype`), one tensor at a time (peak memory: one tensor)."""
+        layer_names = _GEMMA_LAYER_NAMES if self.arch == "gemma3" else _LAYER_NAMES
         for name in self.tensors:
             if name == "rope_freqs.weight":
                 continue
             base, suffix = name.rsplit(".", 1)  # suffix: weight | bias
             if base.startswith("blk."):
                 _, layer, part = base.split(".", 2)
-                if part not in _LAYER_NAMES:
+                if part not in layer_names:
                     raise ValueError(f"unexpected GGUF tensor {name!r}")
-                hf = f"model.layers.{layer}.{_LAYER_NAMES[part]}.{suffix}"
+                hf = f"model.layers.{layer}.{layer_names[part]}.{suffix}"
             elif base in _GLOBAL_NAMES:
                 hf = f"{_GLOBAL_NAMES[base]}.{suffix}"
             else:
@@ -217,6 +243,14 @@ class GGUFFile:
         model = self.get("tokenizer.ggml.model")
         if model is None:
             return None
+        if model == "llama" and self.arch == "gemma3":
+            tokens = self.get("tokenizer.ggml.tokens")
+            return _build_gemma_tokenizer(
+                tokens, self.get("tokenizer.ggml.token_type") or [1] * len(tokens),
+                bos_id=self.get("tokenizer.ggml.bos_token_id"), eos_id=self.get("tokenizer.ggml.eos_token_id"),
+                unk_id=self.get("tokenizer.ggml.unknown_token_id"),
+                add_bos=bool(self.get("tokenizer.ggml.add_bos_token", True)),
+                chat_template=self.get("tokenizer.chat_template") or GEMMA_CHAT_TEMPLATE)
         if model != "gpt2":
             raise ValueError(
                 f"GGUF tokenizer type {model!r} is not supported (only byte-level BPE, 'gpt2'); "
@@ -268,6 +302,55 @@ def _build_bpe_tokenizer(tokens, types, merges, pre, *, bos_id, eos_id, add_bos,
         tk.post_processor = processors.TemplateProcessing(
             single=f"{bos} $A", pair=f"{bos} $A {bos} $B", special_tokens=[(bos, bos_id)]
         )
+    return Tokenizer(tk, chat_template=chat_template, bos_token=bos, eos_token=eos)
+
+
+# Gemma's turn format (written for longreach after Gemma's documented prompt format): a system message is folded into
+# the first user turn, the assistant's role is called "model", every turn ends with <end_of_turn>.
+GEMMA_CHAT_TEMPLATE = (
+    "{{ bos_token }}"
+    "{% set ns = namespace(system='') %}"
+    "{% for m in messages %}"
+    "{% if m['role'] == 'system' %}{% set ns.system = ns.system + m['content'] + '\n\n' %}"
+    "{% else %}"
+    "{% if m['role'] == 'assistant' %}{% set role = 'model' %}{% else %}{% set role = m['role'] %}{% endif %}"
+    "{{ '<start_of_turn>' + role + '\n' + (ns.system if role == 'user' else '') + m['content'] | trim + "
+    "'<end_of_turn>\n' }}"
+    "{% if role == 'user' %}{% set ns.system = '' %}{% endif %}"
+    "{% endif %}"
+    "{% endfor %}"
+    "{% if add_generation_prompt %}{{ '<start_of_turn>model\n' }}{% endif %}"
+)
+
+
+def _build_gemma_tokenizer(tokens, types, *, bos_id, eos_id, unk_id, add_bos, chat_template) -> Tokenizer:
+    """Gemma's SentencePiece BPE from GGUF metadata: spaces written as U+2581, byte fallback (<0xNN> tokens), no
+    prefix space. The file lists no merges: a token's merges are its splits into two vocabulary tokens, ranked by the
+    token's place in the vocabulary (Gemma's scores do not follow its merge order; its order does), longer left part
+    first; control and byte tokens are never merged into. Tokens of only spaces are stored with real spaces and spelt with U+2581 here, as the normaliser writes
+    them. Control tokens (type 3) match as special tokens, user-defined ones (type 4) verbatim."""
+    from tokenizers import AddedToken, decoders, models, normalizers, processors
+    from tokenizers import Tokenizer as HFTokenizer
+
+    spelt = ["\u2581" * len(t) if " " in t and not t.strip() else t for t in tokens]
+    vocab = {t: i for i, t in enumerate(spelt)}
+    merges = []
+    for i, t in enumerate(spelt):
+        if types[i] not in (1, 4) or len(t) < 2:  # normal and user-defined tokens (runs of spaces) are merged
+            continue
+        pairs = [(t[:j], t[j:]) for j in range(len(t) - 1, 0, -1) if t[:j] in vocab and t[j:] in vocab]
+        merges.extend(pairs)
+    unk = spelt[unk_id] if unk_id is not None else None
+    tk = HFTokenizer(models.BPE(vocab=vocab, merges=merges, unk_token=unk, fuse_unk=True, byte_fallback=True))
+    tk.normalizer = normalizers.Replace(" ", "\u2581")
+    tk.decoder = decoders.Sequence([decoders.Replace("\u2581", " "), decoders.ByteFallback(), decoders.Fuse()])
+    tk.add_special_tokens([AddedToken(t, special=True, normalized=False) for t, ty in zip(spelt, types) if ty == 3])
+    tk.add_tokens([AddedToken(t, special=False, normalized=False) for t, ty in zip(spelt, types) if ty == 4])
+    bos = spelt[bos_id] if bos_id is not None else None
+    eos = spelt[eos_id] if eos_id is not None else None
+    if add_bos and bos is not None:
+        tk.post_processor = processors.TemplateProcessing(
+            single=f"{bos} $A", pair=f"{bos} $A {bos} $B", special_tokens=[(bos, bos_id)])
     return Tokenizer(tk, chat_template=chat_template, bos_token=bos, eos_token=eos)
 
 

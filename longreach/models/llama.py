@@ -1,11 +1,15 @@
-"""The Llama family in one module: Llama 2/3/3.x, Mistral, Qwen2/2.5 (q/k/v bias), Qwen3 (q/k RMSNorm).
+"""The Llama family in one module: Llama 2/3/3.x, Mistral, Qwen2/2.5 (q/k/v bias), Qwen3 (q/k RMSNorm), Gemma 3
+(the same decoder with its options, models/config.py: q/k norms, four norms per layer, GeGLU, scaled embeddings,
+sliding-window layers with a RoPE of their own; the window itself is attention's, `ModelConfig.window_of`).
 
 Tokens of all sequences in a step are flattened into one (T, hidden) batch; only attention needs to know which
 token belongs to which sequence, and it learns that from the engine's `AttentionMetadata` through `ForwardContext`.
 q/k/v and gate/up are fused into single matmuls at load time (fewer launches per decode step).
 
 Numerics follow transformers (RMSNorm in fp32 then cast, RoPE in the activation dtype) so that greedy outputs can be
-compared token for token. On a GPU the residual add + RMSNorm, the rotary embedding and SiLU * up run as one Triton
+compared token for token. Gemma's RMSNorm multiplies by (1 + w): the 1 is added to the weights at load
+(`ModelConfig.norm_offset`), so the norm is Llama's, bit for bit the same in fp32 (Gemma casts after the weight
+multiply, Llama before: bf16 results may differ in the last bit). On a GPU the residual add + RMSNorm, the rotary embedding and SiLU * up run as one Triton
 kernel each (kernels/fused.py: the same arithmetic, ~30 fewer launches per layer in a decode step); elsewhere their
 PyTorch references. The residual stream is carried beside each layer's output (vLLM's layout) so that the add fuses
 into the next norm.
@@ -97,9 +101,14 @@ class MLP(nn.Module):
         super().__init__()
         self.gate_up_proj = nn.Linear(cfg.hidden_size, 2 * cfg.intermediate_size, bias=cfg.mlp_bias)
         self.down_proj = nn.Linear(cfg.intermediate_size, cfg.hidden_size, bias=cfg.mlp_bias)
+        self.geglu = cfg.hidden_act == "gelu_pytorch_tanh"
 
     def forward(self, x):
-        return self.down_proj(silu_mul(self.gate_up_proj(x)))
+        gate_up = self.gate_up_proj(x)
+        if self.geglu:
+            gate, up = gate_up.chunk(2, dim=-1)
+            return self.down_proj(F.gelu(gate, approximate="tanh") * up)
+        return self.down_proj(silu_mul(gate_up))
 
 
 class DecoderLayer(nn.Module):
@@ -107,12 +116,24 @@ class DecoderLayer(nn.Module):
         super().__init__()
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.self_attn = Attention(cfg, layer)
+        # Llama: post_attention_layernorm is the norm before the MLP (the residual add fused into it). Gemma (HF
+        # names kept): post_attention_layernorm normalises attention's output, pre_feedforward_layernorm is the norm
+        # before the MLP, post_feedforward_layernorm normalises the MLP's output.
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.sandwich = cfg.sandwich_norms
+        if self.sandwich:
+            self.pre_feedforward_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+            self.post_feedforward_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.mlp = MLP(cfg)
+        # which of the model's RoPEs this layer takes when there are two (embed's cos/sin are then pairs): 0 the
+        # global one, 1 the sliding layers' own; None: one RoPE, cos/sin are tensors
+        self.rope_slot = None if cfg.rope_local is None else int(cfg.window_of(layer) is not None)
 
     def pre_attention(self, x, residual, cos, sin):
         """x: the previous layer's MLP output (the embeddings, with residual None, in layer 0) -> (q, k, v, the
         residual stream with x added)."""
+        if self.rope_slot is not None:
+            cos, sin = cos[self.rope_slot], sin[self.rope_slot]
         if residual is None:
             h, residual = self.input_layernorm(x), x
         else:
@@ -121,6 +142,10 @@ class DecoderLayer(nn.Module):
 
     def post_attention(self, attn_out, residual):
         """attn_out (T, H_q, D), the residual stream -> (this layer's MLP output, the residual stream before it)."""
+        if self.sandwich:
+            h, residual = self.pre_feedforward_layernorm(self.post_attention_layernorm(self.self_attn.output(attn_out)),
+                                                         residual)
+            return self.post_feedforward_layernorm(self.mlp(h)), residual
         h, residual = self.post_attention_layernorm(self.self_attn.output(attn_out), residual)
         return self.mlp(h), residual
 
@@ -141,6 +166,7 @@ class LlamaForCausalLM(nn.Module):
         self.layers = nn.ModuleList(DecoderLayer(cfg, i) for i in range(cfg.num_layers))
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.rotary = RotaryEmbedding(cfg.rope, cfg.head_dim)
+        self.rotary_local = None if cfg.rope_local is None else RotaryEmbedding(cfg.rope_local, cfg.head_dim)
         if cfg.tie_word_embeddings:
             self.lm_head = None
         else:
@@ -158,12 +184,18 @@ class LlamaForCausalLM(nn.Module):
         return self.finish(x, residual)
 
     def embed(self, input_ids: torch.Tensor, positions: torch.Tensor, max_position: int | None):
-        """input_ids, positions (T,) -> embeddings x (T, hidden) and the rotary cos, sin (T, D/2).
+        """input_ids, positions (T,) -> embeddings x (T, hidden) and the rotary cos, sin (T, D/2); with a second
+        RoPE for the sliding layers (Gemma 3), cos and sin are pairs (global, local) (`DecoderLayer.rope_slot`).
 
         `max_position` (host int): read only by dynamic NTK RoPE (rope/scaling.py), so None gives the same cos/sin
         for every other RoPE type."""
         x = self.embed_tokens(input_ids)
+        if self.config.scale_embeddings:  # Gemma: the factor in the model dtype, as transformers does
+            x = x * torch.tensor(self.config.hidden_size ** 0.5, dtype=x.dtype, device=x.device)
         cos, sin = self.rotary(positions, x.dtype, max_position)
+        if self.rotary_local is not None:
+            cos_l, sin_l = self.rotary_local(positions, x.dtype, max_position)
+            cos, sin = (cos, cos_l), (sin, sin_l)
         return x, cos, sin
 
     @staticmethod
@@ -175,7 +207,9 @@ class LlamaForCausalLM(nn.Module):
         """hidden (N, hidden) -> fp32 logits (N, vocab)."""
         h = self.norm(hidden)
         w = self.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
-        return F.linear(h, w).float()
+        logits = F.linear(h, w).float()
+        cap = self.config.final_logit_softcapping
+        return logits if not cap else torch.tanh(logits / cap) * cap
 
     # ---- weights -------------------------------------------------------------------------------------------------
     _STACKED = {  # checkpoint name part -> (our fused param part, slot)
@@ -219,6 +253,8 @@ class LlamaForCausalLM(nn.Module):
                 dst = param.narrow(0, start, sizes[slot])
             if dst.shape != tensor.shape:
                 raise ValueError(f"tensor {name!r} has shape {tuple(tensor.shape)}, the model expects {tuple(dst.shape)}")
+            if cfg.norm_offset and target.endswith("norm.weight"):  # Gemma's (1 + w), see ModelConfig.norm_offset
+                tensor = tensor.float() + cfg.norm_offset
             dst.copy_(tensor)
             loaded.add(target if slot is None else f"{target}#{slot}")
         expected = set()

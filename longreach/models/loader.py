@@ -112,4 +112,6 @@ def build_model(cfg: ModelConfig, weights, dtype: torch.dtype, device: torch.dev
     net = net.to(dtype).to_empty(device=device)  # allocate in `dtype`: no fp32 copy to convert
     net.load_weights((name, t.to(device)) for name, t in weights)
     net.rotary = type(net.rotary)(cfg.rope, cfg.head_dim).to(device)  # fp32 buffers, rebuilt after to_empty
+    if cfg.rope_local is not None:
+        net.rotary_local = type(net.rotary)(cfg.rope_local, cfg.head_dim).to(device)
     return net.eval()

@@ -64,6 +64,8 @@ class MInferenceBackend(AttentionBackend):
 
     @classmethod
     def unsupported_reasons(cls, model_config, engine_config) -> list[str]:
+        if cls.layer_window_problems(model_config):
+            return cls.layer_window_problems(model_config)
         try:
             cfg = cls.resolve_config(engine_config, by_alias=True)
             MInference(cfg, model_config.num_heads, model_config.num_kv_heads, model_config.num_layers)
