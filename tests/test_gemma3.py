@@ -77,6 +77,33 @@ def test_tiny_gemma3_greedy_decode_past_the_window(tmp_path):
     assert len(set(want)) > 3, "a degenerate continuation would not test much"
 
 
+def test_tiny_gemma3_graphs_give_the_eager_tokens(tmp_path):
+    """The decode graphs and the prefill chunks' piecewise graphs (both emulated on a CPU) carry the two RoPE tables
+    and the windowed decode: three prompts longer than the window, two joining while the first decodes, the same
+    greedy tokens as eager."""
+    from longreach.engine.chunk_graphs import chunk_graph_sizes
+
+    path = _tiny_gemma3(tmp_path / "g3")[0]
+    g = torch.Generator().manual_seed(4)
+    prompts = [{"prompt_token_ids": torch.randint(3, 256, (n,), generator=g).tolist()} for n in (70, 37, 21)]
+    params = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
+    runs = []
+    for graphs in (False, True):
+        llm = LLM(path, device="cpu", dtype="float32", max_model_len=256, kv_cache_memory_gb=0.02, block_size=4,
+                  max_num_batched_tokens=64, long_prefill_token_threshold=32)
+        if graphs:
+            runner = llm.engine.runner
+            runner.capture_graphs(emulate=True)
+            sizes = chunk_graph_sizes(llm.engine.scheduler.chunk_sizes(), llm.engine.config.chunk_graph_max_tokens,
+                                      llm.engine.config.max_num_batched_tokens)
+            runner.capture_chunk_graphs(sizes, emulate=True)
+            assert runner.chunk_graphs is not None
+        runs.append([o.token_ids for o in llm.generate(prompts, params, use_tqdm=False)])
+        if graphs:
+            assert runner.chunk_graphs.runs > 0
+    assert runs[0] == runs[1]
+
+
 def test_gemma3_config_spellings_agree(tmp_path):
     """transformers 5's per-layer-type rope_parameters and 4.x's rope_theta / rope_local_base_freq /
     sliding_window_pattern describe the same model."""
