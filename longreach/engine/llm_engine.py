@@ -70,7 +70,7 @@ class LLMEngine:
             from .tp_workers import start_workers
 
             check_tensor_parallel(model_config_of(config.model), config.tensor_parallel_size)  # before any spawn
-            self.workers, tp = start_workers(config, self.device)
+            self.workers, tp = start_workers(config, self.device, type(self))
         self.tp = tp or TPGroup.single()
         if self.tp.world_size > 1:
             from .tp_workers import rank_device

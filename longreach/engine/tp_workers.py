@@ -84,8 +84,9 @@ def _end_processes(processes: list, timeout: float) -> None:
             p.join()
 
 
-def start_workers(config, device: torch.device) -> tuple[TPWorkers, TPGroup]:
-    """Spawn ranks 1..N-1 of `config.tensor_parallel_size` and connect to them as rank 0 on `device`."""
+def start_workers(config, device: torch.device, engine_cls) -> tuple[TPWorkers, TPGroup]:
+    """Spawn ranks 1..N-1 of `config.tensor_parallel_size`, each building an `engine_cls(config, tp=its group)`
+    (LLMEngine, passed in: it imports this module), and connect to them as rank 0 on `device`."""
     import torch.multiprocessing as mp
 
     n = config.tensor_parallel_size
@@ -94,8 +95,8 @@ def start_workers(config, device: torch.device) -> tuple[TPWorkers, TPGroup]:
                          "are visible")
     port = free_port()
     ctx = mp.get_context("spawn")
-    procs = [ctx.Process(target=worker_main, args=(rank, n, port, config), name=f"longreach-tp{rank}", daemon=True)
-             for rank in range(1, n)]
+    procs = [ctx.Process(target=worker_main, args=(rank, n, port, config, engine_cls), name=f"longreach-tp{rank}",
+                         daemon=True) for rank in range(1, n)]
     for p in procs:
         p.start()
     workers = TPWorkers(procs)
@@ -122,18 +123,17 @@ def _watch_parent(parent: int) -> None:
         time.sleep(1.0)
 
 
-def worker_main(rank: int, world_size: int, port: int, config) -> None:
+def worker_main(rank: int, world_size: int, port: int, config, engine_cls) -> None:
     """A worker process: join the group, build this rank's engine, run its plans until the stop plan."""
     threading.Thread(target=_watch_parent, args=(os.getppid(),), daemon=True, name="parent-watch").start()
     logging.getLogger("longreach").setLevel(logging.ERROR)  # rank 0 logs the engine; a worker only its errors
     from .devices import resolve_device
-    from .llm_engine import LLMEngine
 
     device = rank_device(resolve_device(config.device), rank)
     if device.type == "cuda":
         torch.cuda.set_device(device)
     group = TPGroup.connect(rank, world_size, port, device)
-    engine = LLMEngine(config, tp=group)
+    engine = engine_cls(config, tp=group)
     serve_plans(engine)
 
 
