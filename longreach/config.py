@@ -104,6 +104,10 @@ class EngineConfig:
                                     "paged cache, expanded over the GQA group, PyTorch SDPA) or paged (read in place "
                                     "by the block-sparse kernel, every causal key block selected; not measured on a "
                                     "GPU yet)")
+    tensor_parallel_size: int = _f(1, "split the model over this many processes of one host (rank r on cuda:r; "
+                                      "gloo over CPU processes with --device cpu): attention heads, MLP and "
+                                      "vocabulary, each rank its share of the KV cache; dense attention only for now, "
+                                      "no KV offloading, no fp8 weights, no CUDA graphs (docs/design-tensor-parallel.md)")
     seed: int = _f(0, "random seed for requests that give none")
 
     def __post_init__(self) -> None:
@@ -168,6 +172,7 @@ class EngineConfig:
         if self.kv_offloading_size is not None and (isinstance(self.kv_offloading_size, bool) or not isinstance(
                 self.kv_offloading_size, (int, float)) or self.kv_offloading_size < 0):
             bad(f"kv_offloading_size must be a number of GiB >= 0 (0: no offloading), got {self.kv_offloading_size!r}")
+        self._check_tensor_parallel()
         from .attention.registry import MethodSpec, check_backend_name
 
         check_backend_name(self.attention)
@@ -194,6 +199,26 @@ class EngineConfig:
                 decode_config(self)  # an EngineConfig of the decode method alone: its __post_init__ checks it
             except ValueError as e:
                 raise ValueError(f"decode_attention {self.decode_attention!r}: {e}") from None
+
+    def _check_tensor_parallel(self) -> None:
+        """What this milestone of tensor parallelism runs (issue 32): the dense backend, GPU-resident KV, unquantised
+        weights. The rest is refused here, before any process starts, rather than run untested."""
+        n = self.tensor_parallel_size
+        if isinstance(n, bool) or not isinstance(n, int) or n < 1:
+            raise ValueError(f"tensor_parallel_size must be a positive integer, got {n!r}")
+        if n == 1:
+            return
+        why = []
+        if self.attention != "dense" or self.decode_attention not in (None, "dense"):
+            why.append("sparse attention methods are not split over ranks yet: use --attention dense")
+        if self.offload:
+            why.append("KV offloading is not split over ranks yet: leave --kv-offloading-size out")
+        if self.quantization is not None:
+            why.append("fp8 weights are not tested with tensor parallelism yet: leave --quantization out")
+        if self.device.startswith("cuda:"):
+            why.append(f"device {self.device!r} names one GPU: use --device cuda (rank r runs on cuda:r)")
+        if why:
+            raise ValueError(f"tensor_parallel_size={n}: " + "; ".join(why))
 
     @property
     def offload(self) -> bool:

@@ -5,7 +5,7 @@ Every import statement counts, at module level and inside functions (a function-
 same, only hidden) and under `if TYPE_CHECKING:`, with relative imports resolved against the importing module.
 
 Layers, lowest first (`LAYERS`): an arrow may only point to a lower layer or stay inside its package:
-  rope, progress, sampling_params < kernels < kvcache, models < attention < config < engine < longreach (the root
+  rope, progress, sampling_params, distributed < kernels < kvcache, models < attention < config < engine < longreach (the root
   package: `__version__`, lazy `LLM`), commands < server < tools (the lab: bench, eval, calibrate, demo) < cli <
   __main__
 (a package not named in LAYERS is still in the circle test). Nothing of the runtime imports the lab (tools/), so that
@@ -115,7 +115,7 @@ def test_no_circle_among_kernels_attention_kvcache():
 
 # Every subpackage and top-level module of longreach, lowest layer first; "longreach" is the root package itself.
 LAYERS = (
-    ("rope", "progress", "sampling_params"),
+    ("rope", "progress", "sampling_params", "distributed"),
     ("kernels",),
     ("kvcache", "models"),
     ("attention",),

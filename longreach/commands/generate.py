@@ -66,8 +66,11 @@ def main(args) -> int:
     from ..engine.llm import LLM
 
     t0 = time.perf_counter()
-    llm = LLM(**dataclasses.asdict(config))
-    load_s = time.perf_counter() - t0
+    with LLM(**dataclasses.asdict(config)) as llm:  # closed on the way out: tensor-parallel workers end
+        return _generate(llm, args, prompt, params, config, time.perf_counter() - t0)
+
+
+def _generate(llm, args, prompt, params, config, load_s: float) -> int:
     if args.chat:
         messages = ([{"role": "system", "content": args.system}] if args.system else []) + [
             {"role": "user", "content": prompt}]

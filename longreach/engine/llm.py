@@ -25,6 +25,16 @@ class LLM:
         self.engine = LLMEngine(EngineConfig(model=model, **kwargs))
         self.config = self.engine.config
 
+    def close(self) -> None:
+        """End what outlives this object: with tensor_parallel_size > 1, the worker processes. Idempotent."""
+        self.engine.close()
+
+    def __enter__(self) -> "LLM":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
     def get_tokenizer(self):
         return self.engine.tokenizer
 

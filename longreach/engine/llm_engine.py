@@ -3,6 +3,10 @@
 `LLMEngine` owns the model, the paged KV cache, the attention backend, the scheduler and the sampler. `step()` runs
 one prefill or decode step and returns the requests that finished in it. Mutates: every call to `add_request` /
 `step` / `abort_request` changes the scheduler's queues and the sequences' state; not thread-safe.
+
+With `tensor_parallel_size` N > 1 the engine built by the user is rank 0: it starts ranks 1..N-1 (engine/tp_workers.py),
+each building an `LLMEngine` of its own part of the model, KV heads and backend; rank 0 alone schedules and samples,
+and sends each step's plan before running it (engine/tp_plan.py). `close()` ends the workers.
 """
 from __future__ import annotations
 
@@ -17,6 +21,7 @@ import torch
 
 from ..attention.compose import make_backend
 from ..config import EngineConfig
+from ..distributed.group import TPGroup
 from ..kvcache.block_manager import BlockManager
 from ..kvcache.build import GiB, build_kv_cache
 from ..kvcache.paged import PagedKVCache
@@ -54,14 +59,36 @@ class _Request:
 
 
 class LLMEngine:
-    def __init__(self, config: EngineConfig):
+    def __init__(self, config: EngineConfig, tp: TPGroup | None = None):
+        """`tp`: given to the workers of a tensor-parallel engine (their rank's group); the user leaves it out, and with
+        `config.tensor_parallel_size` > 1 this engine becomes rank 0 and starts the others."""
         self.device = resolve_device(config.device)
+        self.workers = None  # rank 0 of a tensor-parallel engine: its handle on the other ranks' processes
+        if tp is None and config.tensor_parallel_size > 1:
+            from ..models.loader import model_config_of
+            from ..models.shard import check_tensor_parallel
+            from .tp_workers import start_workers
+
+            check_tensor_parallel(model_config_of(config.model), config.tensor_parallel_size)  # before any spawn
+            self.workers, tp = start_workers(config, self.device, type(self))
+        self.tp = tp or TPGroup.single()
+        if self.tp.world_size > 1:
+            from .tp_workers import rank_device
+
+            self.device = rank_device(self.device, self.tp.rank)
+        try:
+            self._build(config)
+        except BaseException:
+            self.close()
+            raise
+
+    def _build(self, config: EngineConfig) -> None:
         self.dtype = resolve_dtype(config.dtype, self.device)
         torch.manual_seed(config.seed)
         cpu = self.device.type == "cpu"
         # auto: measure the other processes' load while the model loads, then pick the threads (cpu_runtime.py)
         load = cpu_runtime.LoadSample() if cpu and config.cpu_threads is None else None
-        loaded = load_model(config.model, self.dtype, self.device)
+        loaded = load_model(config.model, self.dtype, self.device, self.tp)
         if cpu:
             logger.info(cpu_runtime.apply(config.cpu_threads, load))
             if cpu_runtime.keep_freed_memory():
@@ -82,16 +109,24 @@ class LLMEngine:
             logger.warning("the model was trained with a %d-token sliding window; longreach attends over the full "
                            "context", mc.sliding_window)
         self.config = config
-        self.backend = make_backend(mc, config, self.device)  # one backend, or prefill + decode (attention/compose.py)
+        # what this rank's attention and KV cache see: its query and KV heads (all of them with one rank)
+        self.rank_model_config = rank_mc = self.model.shard.local_config(mc)
+        self.backend = make_backend(rank_mc, config, self.device)  # one backend, or prefill + decode (attention/compose.py)
         if self.device.type == "cuda":
             logger.info(triton_cache_line())
 
         self.kv_dtype = resolve_kv_dtype(config.kv_cache_dtype, self.dtype)
         layout = self.backend.kv_layout  # a bounded cache's own slot layout (attention/backend.py), or None
-        self.blocks, self.kv_cache = build_kv_cache(config, mc, self.kv_dtype, self.device,
-                                                    self.backend.kv_needs(self.dtype), self._profile_free_gpu_memory)
+        self.blocks, self.kv_cache = build_kv_cache(config, rank_mc, self.kv_dtype, self.device,
+                                                    self.backend.kv_needs(self.dtype), self._profile_free_gpu_memory,
+                                                    self.tp.min_int)
         self.backend.bind_kv_cache(self.blocks.num_blocks * config.block_size, self.dtype)
         self.runner = ModelRunner(self.model, config, self.kv_cache, self.blocks, self.backend, self.device)
+        if self.workers is not None:  # rank 0: every forward pass is announced to the workers first
+            from .tp_plan import PlanSender
+
+            self._plans = PlanSender(self.tp, self.blocks, self.workers.check_alive)
+            self.runner.before_step = self._plans.send
         self.runner.capture_graphs()
         # one step may carry decode rows and prefill chunks when the backend can attend both in one forward pass and
         # the whole context is on the GPU (an offloaded prefill attends on its staging area: steps of their own)
@@ -150,7 +185,7 @@ class LLMEngine:
     @torch.inference_mode()
     def _profile_free_gpu_memory(self) -> float:
         """Bytes left for the KV cache after weights and the activations of a largest prefill step."""
-        cfg, mc = self.config, self.model_config
+        cfg, mc = self.config, self.rank_model_config
         n = min(cfg.max_num_batched_tokens, cfg.max_model_len)
         layout = self.backend.kv_layout
         slots = n if layout is None else layout.slots_for(n)
@@ -280,6 +315,8 @@ class LLMEngine:
         try:
             logits, sample_idx = self.runner.execute(batch)
         except Exception as e:  # noqa: BLE001 -- isolated below; re-raised when nothing survives
+            if self.workers is not None:  # the ranks are out of step: fatal (a dead worker, named, if one died)
+                raise (self.workers.failure() or e) from e
             logits, sample_idx = execute_alone(self.runner, batch, e, failed, engine_runs)
         kv_counts = self.runner.last_kv_counts
         if kv_counts is not None:
@@ -331,6 +368,15 @@ class LLMEngine:
                          self.blocks.num_blocks - self.blocks.num_free_blocks, self.blocks.num_blocks,
                          len(self.scheduler.waiting), kv)
         return finished
+
+    def close(self) -> None:
+        """Release what outlives the engine object: a tensor-parallel engine's worker processes (stopped, then
+        joined; terminated if they do not leave). Idempotent; the engine cannot step afterwards."""
+        workers, self.workers = self.workers, None
+        if workers is not None:
+            plans = getattr(self, "_plans", None)
+            workers.close(plans.stop if plans is not None else None)
+            self.tp = TPGroup.single()
 
     def _fail_request(self, request_id: str, why: RequestFailure, now: float) -> RequestOutput:
         """Stop every unfinished sample of the request (finish_reason "error", pages freed) and return its output

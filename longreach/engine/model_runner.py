@@ -75,6 +75,9 @@ class ModelRunner:
         self._graph_sizes: list[int] = []
         self.last_kv_counts: dict | None = None  # the last decode step's page counts, where the store keeps them
         self.chunk_graphs: ChunkGraphs | None = None  # prefill steps' graphs (capture_chunk_graphs)
+        # called with (batch, all_logits) before each step's forward pass: rank 0 of a tensor-parallel engine sends
+        # the step's plan to the other ranks (engine/tp_plan.py)
+        self.before_step: typing.Callable[[ScheduledBatch, bool], None] | None = None
 
     # ---- batch tensors -------------------------------------------------------------------------------------------
     def _metadata(self, batch: ScheduledBatch):
@@ -122,6 +125,8 @@ class ModelRunner:
         With `all_logits`, the logits of every fed token (T, V) come back instead (scoring a prompt).
         """
         sample_idx = [i for i, (s, n) in enumerate(zip(batch.seqs, batch.num_tokens)) if s.num_computed + n == s.num_tokens]
+        if self.before_step is not None:  # (never with graphs: _graph_and_prefill's second execute would send twice)
+            self.before_step(batch, all_logits)
         self.last_kv_counts = None
         if not all_logits and not batch.is_prefill and self._graph_sizes and len(batch.seqs) <= self._graph_sizes[-1]:
             logits = self._replay(batch)
@@ -269,6 +274,8 @@ class ModelRunner:
             return False, "not on CUDA"
         if self.config.enforce_eager:
             return False, "enforce_eager is set"
+        if self.model.tp.world_size > 1:
+            return False, "tensor parallelism runs eagerly for now (CUDA graphs with NCCL: a later milestone)"
         why = self.backend.graph_unsupported()
         if why:
             return False, why

@@ -35,6 +35,10 @@ class BlockManager:
         """The live block table of `seq_id` (empty if it owns no pages). Mutated in place by ensure/free."""
         return self._tables.setdefault(seq_id, [])
 
+    def owns(self, seq_id: int) -> bool:
+        """Does `seq_id` hold a block table (possibly empty) now? False once `free` returned its pages."""
+        return seq_id in self._tables
+
     def extra_blocks_needed(self, seq_id: int, num_tokens: int) -> int:
         return max(0, self.blocks_for(num_tokens) - len(self._tables.get(seq_id, ())))
 

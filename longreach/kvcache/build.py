@@ -27,15 +27,18 @@ def dtype_name(dtype: torch.dtype) -> str:
 
 
 def build_kv_cache(cfg, mc, kv_dtype: torch.dtype, device: torch.device, needs: KVNeeds,
-                   free_gpu_bytes: Callable[[], float]) -> tuple[BlockManager, KVCache]:
-    """The block manager and the KV store for EngineConfig `cfg` and ModelConfig `mc`. `free_gpu_bytes()` profiles
-    the GPU bytes left for KV (called only when the budget is sized from free memory). Raises ValueError with what to
-    change when the cache cannot hold one longest sequence."""
+                   free_gpu_bytes: Callable[[], float],
+                   agree: Callable[[int], int] = lambda n: n) -> tuple[BlockManager, KVCache]:
+    """The block manager and the KV store for EngineConfig `cfg` and ModelConfig `mc` (a tensor-parallel rank's: its
+    KV heads). `free_gpu_bytes()` profiles the GPU bytes left for KV (called only when the budget is sized from free
+    memory). `agree(pages)`: the page count every tensor-parallel rank can hold (the smallest; rank 0's block tables
+    index every rank's cache). Raises ValueError with what to change when the cache cannot hold one longest
+    sequence."""
     if cfg.offload:
         return build_offloaded_cache(cfg, mc, kv_dtype, device, needs.dense_layers, free_gpu_bytes,
                                      needs.page_state_bytes)
     layout = needs.layout
-    num_blocks = _num_resident_blocks(cfg, mc, kv_dtype, device, needs, free_gpu_bytes)
+    num_blocks = _num_resident_blocks(cfg, mc, kv_dtype, device, needs, free_gpu_bytes, agree)
     blocks = BlockManager(num_blocks, cfg.block_size, slots_for=layout and layout.slots_for)
     # One extra page: the scratch page that padded CUDA-graph rows write to.
     cache = PagedKVCache(mc.num_layers, num_blocks + 1, cfg.block_size, mc.num_kv_heads, mc.head_dim, kv_dtype, device)
@@ -49,7 +52,7 @@ def build_kv_cache(cfg, mc, kv_dtype: torch.dtype, device: torch.device, needs: 
     return blocks, cache
 
 
-def _num_resident_blocks(cfg, mc, kv_dtype, device, needs: KVNeeds, free_gpu_bytes) -> int:
+def _num_resident_blocks(cfg, mc, kv_dtype, device, needs: KVNeeds, free_gpu_bytes, agree=lambda n: n) -> int:
     per_block = PagedKVCache.bytes_per_block(mc.num_layers, cfg.block_size, mc.num_kv_heads, mc.head_dim, kv_dtype)
     layout = needs.layout  # a bounded cache: a sequence needs at most layout.max_slots slots
     need = cfg.max_model_len if layout is None else layout.slots_for(cfg.max_model_len)
@@ -67,6 +70,7 @@ def _num_resident_blocks(cfg, mc, kv_dtype, device, needs: KVNeeds, free_gpu_byt
     num_blocks = int(budget // per_block)
     if layout is not None:  # more pages than max_num_seqs bounded sequences can use would sit idle
         num_blocks = min(num_blocks, pages_per_seq * cfg.max_num_seqs)
+    num_blocks = agree(num_blocks)
     if num_blocks * cfg.block_size < need:
         what = f"max_model_len={cfg.max_model_len}" if layout is None else \
             f"the {need} slots one {cfg.attention} sequence needs (its cache plus one prefill chunk)"

@@ -6,6 +6,11 @@ Tokens of all sequences in a step are flattened into one (T, hidden) batch; only
 token belongs to which sequence, and it learns that from the engine's `AttentionMetadata` through `ForwardContext`.
 q/k/v and gate/up are fused into single matmuls at load time (fewer launches per decode step).
 
+Tensor parallelism (docs/design-tensor-parallel.md): built with a `TPGroup` of N ranks, the model holds its rank's part
+(models/shard.py: its query heads and their KV heads, a 1/N slice of the MLP and of the vocabulary); o_proj and
+down_proj are followed by an all-reduce, the embedding by one, and the LM head's logits are gathered to rank 0. With
+one rank (the default) every collective is the identity and the layers are the full ones.
+
 Numerics follow transformers (RMSNorm in fp32 then cast, RoPE in the activation dtype) so that greedy outputs can be
 compared token for token. Gemma's RMSNorm multiplies by (1 + w): the 1 is added to the weights at load
 (`ModelConfig.norm_offset`), so the norm is Llama's, bit for bit the same in fp32 (Gemma casts after the weight
@@ -26,9 +31,11 @@ import torch
 from torch import nn
 from torch.nn import functional as F
 
+from ..distributed.group import TPGroup
 from ..kernels.fused import add_rms_norm, rms_norm, rms_norm_reference, rope_qk_, silu_mul
 from ..rope.scaling import RotaryEmbedding, apply_rope
 from .config import ModelConfig
+from .shard import ModelShard
 
 
 class ForwardContext(Protocol):
@@ -60,14 +67,15 @@ class Attention(nn.Module):
     """The projections around attention; the attention itself is the engine's (`ForwardContext.attention`), called by
     the decoder layer between `project` and `output`."""
 
-    def __init__(self, cfg: ModelConfig, layer: int):
+    def __init__(self, cfg: ModelConfig, layer: int, tp: TPGroup, shard: ModelShard):
         super().__init__()
-        self.layer = layer
-        self.num_heads, self.num_kv_heads, self.head_dim = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
-        self.q_size = cfg.num_heads * cfg.head_dim
-        self.kv_size = cfg.num_kv_heads * cfg.head_dim
-        self.qkv_proj = nn.Linear(cfg.hidden_size, self.q_size + 2 * self.kv_size, bias=cfg.qkv_bias)
-        self.o_proj = nn.Linear(self.q_size, cfg.hidden_size, bias=cfg.o_bias)
+        self.layer, self.tp = layer, tp
+        # this rank's heads: all of them with one rank
+        self.num_heads, self.num_kv_heads, self.head_dim = len(shard.q_heads), len(shard.kv_heads), cfg.head_dim
+        self.q_size = self.num_heads * cfg.head_dim
+        self.kv_size = self.num_kv_heads * cfg.head_dim
+        self.qkv_proj = nn.Linear(cfg.hidden_size, self.q_size + 2 * self.kv_size, bias=cfg.qkv_bias)  # column-par.
+        self.o_proj = nn.Linear(self.q_size, cfg.hidden_size, bias=cfg.o_bias)  # row-parallel
         if cfg.qk_norm:
             self.q_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps)
             self.k_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps)
@@ -92,30 +100,34 @@ class Attention(nn.Module):
         return q, k, v
 
     def output(self, attn_out: torch.Tensor) -> torch.Tensor:
-        """The layer's work after attention: attn_out (T, H_q, D) -> o_proj (T, hidden)."""
-        return self.o_proj(attn_out.reshape(attn_out.shape[0], self.q_size))
+        """The layer's work after attention: attn_out (T, H_q, D) -> o_proj (T, hidden), summed over the ranks."""
+        return self.tp.all_reduce(self.o_proj(attn_out.reshape(attn_out.shape[0], self.q_size)))
 
 
 class MLP(nn.Module):
-    def __init__(self, cfg: ModelConfig):
+    def __init__(self, cfg: ModelConfig, tp: TPGroup, shard: ModelShard):
         super().__init__()
-        self.gate_up_proj = nn.Linear(cfg.hidden_size, 2 * cfg.intermediate_size, bias=cfg.mlp_bias)
-        self.down_proj = nn.Linear(cfg.intermediate_size, cfg.hidden_size, bias=cfg.mlp_bias)
+        self.tp = tp
+        width = len(shard.inter)  # this rank's slice of the intermediate dim
+        self.gate_up_proj = nn.Linear(cfg.hidden_size, 2 * width, bias=cfg.mlp_bias)  # column-parallel
+        self.down_proj = nn.Linear(width, cfg.hidden_size, bias=cfg.mlp_bias)  # row-parallel
         self.geglu = cfg.hidden_act == "gelu_pytorch_tanh"
 
     def forward(self, x):
         gate_up = self.gate_up_proj(x)
-        if self.geglu:
+        if self.geglu:  # Gemma: GeGLU, gelu-tanh
             gate, up = gate_up.chunk(2, dim=-1)
-            return self.down_proj(F.gelu(gate, approximate="tanh") * up)
-        return self.down_proj(silu_mul(gate_up))
+            h = F.gelu(gate, approximate="tanh") * up
+        else:
+            h = silu_mul(gate_up)
+        return self.tp.all_reduce(self.down_proj(h))
 
 
 class DecoderLayer(nn.Module):
-    def __init__(self, cfg: ModelConfig, layer: int):
+    def __init__(self, cfg: ModelConfig, layer: int, tp: TPGroup, shard: ModelShard):
         super().__init__()
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
-        self.self_attn = Attention(cfg, layer)
+        self.self_attn = Attention(cfg, layer, tp, shard)
         # Llama: post_attention_layernorm is the norm before the MLP (the residual add fused into it). Gemma (HF
         # names kept): post_attention_layernorm normalises attention's output, pre_feedforward_layernorm is the norm
         # before the MLP, post_feedforward_layernorm normalises the MLP's output.
@@ -124,7 +136,7 @@ class DecoderLayer(nn.Module):
         if self.sandwich:
             self.pre_feedforward_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
             self.post_feedforward_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
-        self.mlp = MLP(cfg)
+        self.mlp = MLP(cfg, tp, shard)
         # which of the model's RoPEs this layer takes when there are two (embed's cos/sin are then pairs): 0 the
         # global one, 1 the sliding layers' own; None: one RoPE, cos/sin are tensors
         self.rope_slot = None if cfg.rope_local is None else int(cfg.window_of(layer) is not None)
@@ -159,18 +171,22 @@ class DecoderLayer(nn.Module):
 
 
 class LlamaForCausalLM(nn.Module):
-    def __init__(self, cfg: ModelConfig):
+    def __init__(self, cfg: ModelConfig, tp: TPGroup | None = None):
+        """`tp`: the tensor-parallel group this rank belongs to (default: one rank, the whole model). Raises
+        ValueError naming the allowed sizes when its size cannot split the model."""
         super().__init__()
         self.config = cfg
-        self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
-        self.layers = nn.ModuleList(DecoderLayer(cfg, i) for i in range(cfg.num_layers))
+        self.tp = tp or TPGroup.single()
+        self.shard = ModelShard.of(cfg, self.tp.rank, self.tp.world_size)
+        self.embed_tokens = nn.Embedding(self.shard.vocab_rows, cfg.hidden_size)  # vocab-parallel (all: one rank)
+        self.layers = nn.ModuleList(DecoderLayer(cfg, i, self.tp, self.shard) for i in range(cfg.num_layers))
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.rotary = RotaryEmbedding(cfg.rope, cfg.head_dim)
         self.rotary_local = None if cfg.rope_local is None else RotaryEmbedding(cfg.rope_local, cfg.head_dim)
         if cfg.tie_word_embeddings:
             self.lm_head = None
         else:
-            self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
+            self.lm_head = nn.Linear(cfg.hidden_size, self.shard.vocab_rows, bias=False)
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, ctx: ForwardContext) -> torch.Tensor:
         """input_ids, positions (T,) -> final hidden states (T, hidden). Call `logits` on the rows you need.
@@ -189,7 +205,7 @@ class LlamaForCausalLM(nn.Module):
 
         `max_position` (host int): read only by dynamic NTK RoPE (rope/scaling.py), so None gives the same cos/sin
         for every other RoPE type."""
-        x = self.embed_tokens(input_ids)
+        x = self._embed_tokens(input_ids)
         if self.config.scale_embeddings:  # Gemma: the factor in the model dtype, as transformers does
             x = x * torch.tensor(self.config.hidden_size ** 0.5, dtype=x.dtype, device=x.device)
         cos, sin = self.rotary(positions, x.dtype, max_position)
@@ -198,16 +214,33 @@ class LlamaForCausalLM(nn.Module):
             cos, sin = (cos, cos_l), (sin, sin_l)
         return x, cos, sin
 
+    def _embed_tokens(self, input_ids: torch.Tensor) -> torch.Tensor:
+        """input_ids (T,) -> (T, hidden). Vocab-parallel: each rank looks up the ids of its vocab range, zeros for the
+        others, and the all-reduce sums the one non-zero row per token."""
+        if self.shard.whole:
+            return self.embed_tokens(input_ids)
+        local = input_ids - self.shard.vocab_start
+        outside = (local < 0) | (local >= self.shard.vocab_rows)
+        x = self.embed_tokens(local.masked_fill(outside, 0)).masked_fill_(outside[:, None], 0.0)
+        return self.tp.all_reduce(x)
+
     @staticmethod
     def finish(x: torch.Tensor, residual: torch.Tensor | None) -> torch.Tensor:
         """The last layer's MLP output and residual stream -> the final hidden states (T, hidden), before the norm."""
         return x if residual is None else residual + x
 
-    def logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        """hidden (N, hidden) -> fp32 logits (N, vocab)."""
+    def logits(self, hidden: torch.Tensor) -> torch.Tensor | None:
+        """hidden (N, hidden) -> fp32 logits (N, vocab). Tensor-parallel: every rank computes its vocab shard's and
+        they are gathered to rank 0, where the sampler runs; the other ranks get None (each must call it, with the
+        same rows)."""
         h = self.norm(hidden)
         w = self.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
         logits = F.linear(h, w).float()
+        if not self.shard.whole:
+            logits = self.tp.gather_last_dim(logits)  # (N, size * Vp) on rank 0, None elsewhere
+            if logits is None:
+                return None
+            logits = logits[:, :self.config.vocab_size]
         cap = self.config.final_logit_softcapping
         return logits if not cap else torch.tanh(logits / cap) * cap
 
@@ -222,13 +255,11 @@ class LlamaForCausalLM(nn.Module):
 
     @torch.no_grad()
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
-        """Load HF-named tensors ("model.layers.3.self_attn.q_proj.weight", ...); every parameter must be covered."""
+        """Load HF-named tensors ("model.layers.3.self_attn.q_proj.weight", ...); every parameter must be covered.
+        Each tensor is cut to this rank's part as it arrives (models/shard.py: `ModelShard.cut`)."""
         params = dict(self.named_parameters())
         cfg = self.config
-        splits = {
-            "self_attn.qkv_proj": [cfg.num_heads * cfg.head_dim, cfg.num_kv_heads * cfg.head_dim, cfg.num_kv_heads * cfg.head_dim],
-            "mlp.gate_up_proj": [cfg.intermediate_size, cfg.intermediate_size],
-        }
+        splits = self._fused_splits()
         loaded: set[str] = set()
         for name, tensor in weights:
             if name.startswith("model."):
@@ -245,12 +276,19 @@ class LlamaForCausalLM(nn.Module):
             if target not in params:
                 raise ValueError(f"checkpoint tensor {name!r} has no place in the {cfg.architecture} model")
             param = params[target]
+            module = _module_of(target)
             if slot is None:
                 dst = param
             else:
-                sizes = splits[target.split(".", 2)[2].rsplit(".", 1)[0]]
+                sizes = splits[module]
                 start = sum(sizes[:slot])
                 dst = param.narrow(0, start, sizes[slot])
+            if not self.shard.whole:
+                full = tuple(tensor.shape)
+                tensor = self.shard.cut(module, slot, tensor, target.endswith(".bias"))
+                if dst.shape != tensor.shape:
+                    raise ValueError(f"tensor {name!r} has shape {full}, the model's rank {self.shard.rank} of "
+                                     f"{self.shard.size} expects {tuple(dst.shape)} of it, got {tuple(tensor.shape)}")
             if dst.shape != tensor.shape:
                 raise ValueError(f"tensor {name!r} has shape {tuple(tensor.shape)}, the model expects {tuple(dst.shape)}")
             if cfg.norm_offset and target.endswith("norm.weight"):  # Gemma's (1 + w), see ModelConfig.norm_offset
@@ -259,7 +297,7 @@ class LlamaForCausalLM(nn.Module):
             loaded.add(target if slot is None else f"{target}#{slot}")
         expected = set()
         for pname in params:
-            key = pname.split(".", 2)[2].rsplit(".", 1)[0] if pname.startswith("layers.") else None
+            key = _module_of(pname)
             if key in splits:
                 expected.update(f"{pname}#{i}" for i in range(len(splits[key])))
             else:
@@ -267,3 +305,29 @@ class LlamaForCausalLM(nn.Module):
         missing = sorted(expected - loaded)
         if missing:
             raise ValueError(f"checkpoint is missing {len(missing)} tensors, e.g. {missing[:4]}")
+
+    def _fused_splits(self) -> dict[str, list[int]]:
+        """The fused parameters' parts (rows of this rank's q, k, v; gate, up)."""
+        a, width = self.layers[0].self_attn, len(self.shard.inter)
+        return {"self_attn.qkv_proj": [a.q_size, a.kv_size, a.kv_size], "mlp.gate_up_proj": [width, width]}
+
+    def cut_fused(self, name: str, full: torch.Tensor) -> torch.Tensor:
+        """This rank's part of parameter `name` given the whole model's value of it (fused layout: q, k, v rows;
+        gate, up rows): random weights drawn whole (models/random_init.py), then cut like a checkpoint's."""
+        if self.shard.whole:
+            return full
+        module, is_bias = _module_of(name), name.endswith(".bias")
+        if module == "self_attn.qkv_proj":
+            cfg = self.config
+            sizes = [cfg.num_heads * cfg.head_dim] + [cfg.num_kv_heads * cfg.head_dim] * 2
+        elif module == "mlp.gate_up_proj":
+            sizes = [self.config.intermediate_size] * 2
+        else:
+            return self.shard.cut(module, None, full, is_bias)
+        return torch.cat([self.shard.cut(module, i, part, is_bias) for i, part in enumerate(full.split(sizes))])
+
+
+def _module_of(param: str) -> str:
+    """"layers.3.self_attn.qkv_proj.weight" -> "self_attn.qkv_proj"; "embed_tokens.weight" -> "embed_tokens"."""
+    path = param.rsplit(".", 1)[0]
+    return path.split(".", 2)[2] if path.startswith("layers.") else path

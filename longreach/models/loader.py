@@ -10,6 +10,7 @@ from typing import Iterator
 
 import torch
 
+from ..distributed.group import TPGroup
 from .config import ModelConfig
 from .gguf import GGUFFile, find_gguf_in_dir
 from .hub import ALIASES, DownloadError, resolve_alias
@@ -78,11 +79,13 @@ def model_config_of(model: str) -> ModelConfig:
         return ModelConfig.from_hf(json.load(f), name=os.path.basename(os.path.normpath(path)))
 
 
-def load_model(model: str, dtype: torch.dtype, device: torch.device) -> LoadedModel:
+def load_model(model: str, dtype: torch.dtype, device: torch.device, tp: TPGroup | None = None) -> LoadedModel:
+    """`tp`: the tensor-parallel group of this rank, which then loads only its part of each tensor (default: one
+    rank, the whole model)."""
     if model.startswith("random:"):  # a named shape with random weights, for benchmarks (random_init.py)
         from .random_init import load_random_model
 
-        cfg, net = load_random_model(model, dtype, device)
+        cfg, net = load_random_model(model, dtype, device, tp)
         return LoadedModel(cfg, net, None, model)
     path = resolve_model_path(model)
     t0 = time.perf_counter()
@@ -96,19 +99,22 @@ def load_model(model: str, dtype: torch.dtype, device: torch.device) -> LoadedMo
             cfg = ModelConfig.from_hf(json.load(f), name=os.path.basename(os.path.normpath(path)))
         tokenizer = Tokenizer.from_dir(path) if os.path.isfile(os.path.join(path, "tokenizer.json")) else None
         weights = _safetensors_weights(path, dtype)
-    net = build_model(cfg, weights, dtype, device)
+    net = build_model(cfg, weights, dtype, device, tp)
     if tokenizer is None:
         logger.warning("%s carries no tokenizer: only token-id prompts can be used", path)
     n_params = sum(p.numel() for p in net.parameters())
-    logger.info("loaded %s (%s, %.0fM parameters, %s) in %.1f s", cfg.name or path, cfg.architecture,
-                n_params / 1e6, str(dtype).replace("torch.", ""), time.perf_counter() - t0)
+    part = f", tensor-parallel rank {net.tp.rank} of {net.tp.world_size}" if net.tp.world_size > 1 else ""
+    logger.info("loaded %s (%s, %.0fM parameters%s, %s) in %.1f s", cfg.name or path, cfg.architecture,
+                n_params / 1e6, part, str(dtype).replace("torch.", ""), time.perf_counter() - t0)
     return LoadedModel(cfg, net, tokenizer, path)
 
 
-def build_model(cfg: ModelConfig, weights, dtype: torch.dtype, device: torch.device) -> LlamaForCausalLM:
-    """Allocate without initialising (meta device), then fill every parameter from `weights`."""
+def build_model(cfg: ModelConfig, weights, dtype: torch.dtype, device: torch.device,
+                tp: TPGroup | None = None) -> LlamaForCausalLM:
+    """Allocate without initialising (meta device), then fill every parameter from `weights` (cut to `tp`'s rank:
+    each tensor is sliced before it moves to `device`)."""
     with torch.device("meta"):
-        net = LlamaForCausalLM(cfg)
+        net = LlamaForCausalLM(cfg, tp)
     net = net.to(dtype).to_empty(device=device)  # allocate in `dtype`: no fp32 copy to convert
     net.load_weights((name, t.to(device)) for name, t in weights)
     net.rotary = type(net.rotary)(cfg.rope, cfg.head_dim).to(device)  # fp32 buffers, rebuilt after to_empty

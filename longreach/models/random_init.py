@@ -74,31 +74,42 @@ def weights_note(model: str, dtype: torch.dtype) -> str:
 
 
 @torch.no_grad()
-def build_random_model(cfg: ModelConfig, dtype: torch.dtype, device: torch.device, seed: int = SEED):
-    """A LlamaForCausalLM of shape `cfg` with seeded random weights, allocated in `dtype` directly on `device`."""
+def build_random_model(cfg: ModelConfig, dtype: torch.dtype, device: torch.device, seed: int = SEED, tp=None):
+    """A LlamaForCausalLM of shape `cfg` with seeded random weights, allocated in `dtype` directly on `device`.
+
+    With a tensor-parallel group `tp` of several ranks, each matrix is drawn whole (the same draws as one rank makes,
+    one matrix at a time) and cut to the rank's part, so every size gives the same model."""
     from .llama import LlamaForCausalLM, RMSNorm
 
     with torch.device("meta"):
-        net = LlamaForCausalLM(cfg)
+        net = LlamaForCausalLM(cfg, tp)
+        whole = dict(LlamaForCausalLM(cfg).named_parameters()) if not net.shard.whole else None  # shapes only
     net = net.to(dtype).to_empty(device=device)  # cast while on meta: the only allocation is in the run dtype
     gen = torch.Generator(device=device).manual_seed(seed)
-    for module in net.modules():  # a fixed order, so a seed gives the same weights on every run of a device kind
+    for name, module in net.named_modules():  # a fixed order: a seed gives the same weights on every run of a device
         if isinstance(module, RMSNorm):
             module.weight.fill_(1.0)
         elif isinstance(module, (nn.Linear, nn.Embedding)):
-            module.weight.normal_(0.0, INIT_STD, generator=gen)
+            if whole is None:
+                module.weight.normal_(0.0, INIT_STD, generator=gen)
+            else:
+                pname = f"{name}.weight"
+                full = torch.empty(whole[pname].shape, dtype=dtype, device=device).normal_(0.0, INIT_STD,
+                                                                                          generator=gen)
+                module.weight.copy_(net.cut_fused(pname, full))
+                del full
             if getattr(module, "bias", None) is not None:
                 module.bias.zero_()
     net.rotary = type(net.rotary)(cfg.rope, cfg.head_dim).to(device)  # fp32 buffers, rebuilt after to_empty
     return net.eval()
 
 
-def load_random_model(model: str, dtype: torch.dtype, device: torch.device) -> tuple[ModelConfig, nn.Module]:
+def load_random_model(model: str, dtype: torch.dtype, device: torch.device, tp=None) -> tuple[ModelConfig, nn.Module]:
     """(config, model) of "random:<shape>", for `loader.load_model`, which wraps them in a LoadedModel with no
     tokenizer (loader imports this module, not the other way round)."""
     shape = random_shape(model)
     t0 = time.perf_counter()
-    net = build_random_model(shape.config, dtype, device)
+    net = build_random_model(shape.config, dtype, device, tp=tp)
     if device.type == "cuda":
         torch.cuda.synchronize(device)
     n_params = sum(p.numel() for p in net.parameters())

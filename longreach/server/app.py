@@ -254,6 +254,9 @@ def serve(engine_config: EngineConfig, config: ServerConfig, verbose: bool = Fal
 
     from ..engine.llm_engine import LLMEngine
 
+    if engine_config.tensor_parallel_size > 1:
+        raise ValueError("the server does not run tensor parallelism yet (issue 32; docs/design-tensor-parallel.md): "
+                         "leave --tensor-parallel-size out, or use `longreach generate` / the LLM API")
     t0 = time.perf_counter()
     engine = LLMEngine(engine_config)
     warm_up(engine, config.warmup_tokens)

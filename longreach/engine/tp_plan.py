@@ -1,0 +1,108 @@
+"""Tensor parallelism's step plans: what rank 0 tells the other ranks before each forward pass, and how a worker
+rebuilds the step from it.
+
+Rank 0 alone schedules (docs/design-tensor-parallel.md: one decision maker cannot diverge). Before each
+`ModelRunner.execute` it broadcasts a `StepPlan`: per sequence of the step its id, how many tokens it has computed
+and knows, the tokens fed, and its block table's new entries since the last plan (the whole table when it was
+replaced); and the sequences whose pages were freed since. A worker mirrors the block tables (`MirroredBlocks`) and
+runs the same `execute` on stand-in sequences (`PlannedSeq`), so every rank builds the same batch tensors and meets
+the same collectives in the same order.
+
+Per-sequence backend state follows rank 0's: a freed sequence's is dropped (`free_sequence`), and a sequence fed
+from position 0 starts afresh, as on rank 0, where a sequence at position 0 has never run or was released.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from .scheduler import ScheduledBatch
+
+
+@dataclass
+class SeqPlan:
+    seq_id: int
+    num_computed: int
+    num_tokens: int  # tokens the sequence knows (prompt + output): the step samples when it feeds up to here
+    tokens: list[int]  # the tokens fed this step, from num_computed on
+    table_start: int  # the block-table entries below this index are the ones already sent
+    table_tail: list[int]  # the entries from table_start on
+
+
+@dataclass
+class StepPlan:
+    is_prefill: bool
+    num_decodes: int
+    all_logits: bool
+    seqs: list[SeqPlan]
+    freed: list[int]  # sequences whose pages were freed since the last plan
+
+
+class PlanSender:
+    """Rank 0's side: `send(batch, all_logits)` broadcasts the plan of a step about to run (a ModelRunner's
+    `before_step`). Mutates its record of the tables the workers hold; not thread-safe."""
+
+    def __init__(self, tp, blocks, check_workers=lambda: None):
+        self.tp, self.blocks, self.check_workers = tp, blocks, check_workers
+        self.sent: dict[int, list[int]] = {}  # seq id -> the block table as the workers hold it
+
+    def plan(self, batch: ScheduledBatch, all_logits: bool) -> StepPlan:
+        freed = [sid for sid in self.sent if not self.blocks.owns(sid)]
+        for sid in freed:
+            del self.sent[sid]
+        seqs = []
+        for seq, n in zip(batch.seqs, batch.num_tokens):
+            table, known = self.blocks.table(seq.seq_id), self.sent.get(seq.seq_id, [])
+            start = len(known) if table[:len(known)] == known else 0  # tables grow at the end, or are replaced
+            if start < len(table) or len(table) != len(known):
+                self.sent[seq.seq_id] = list(table)
+            c = seq.num_computed
+            seqs.append(SeqPlan(seq.seq_id, c, seq.num_tokens, seq.token_slice(c, c + n), start, table[start:]))
+        return StepPlan(batch.is_prefill, batch.num_decodes, all_logits, seqs, freed)
+
+    def send(self, batch: ScheduledBatch, all_logits: bool) -> None:
+        self.check_workers()  # a dead worker: raise here, before a collective that would wait for it
+        self.tp.broadcast_object(self.plan(batch, all_logits))
+
+    def stop(self) -> None:
+        """The plan that ends the workers' loops."""
+        self.tp.broadcast_object(None)
+
+
+@dataclass
+class PlannedSeq:
+    """What `ModelRunner.execute` reads of a sequence, on a worker."""
+
+    seq_id: int
+    num_computed: int
+    num_tokens: int
+    tokens: list[int]
+
+    def token_slice(self, start: int, stop: int) -> list[int]:
+        return self.tokens[start - self.num_computed:stop - self.num_computed]
+
+
+class MirroredBlocks:
+    """A worker's copy of rank 0's block tables: what `ModelRunner` reads of a `BlockManager`."""
+
+    def __init__(self, num_blocks: int, block_size: int):
+        self.num_blocks, self.block_size = num_blocks, block_size
+        self._tables: dict[int, list[int]] = {}
+
+    def table(self, seq_id: int) -> list[int]:
+        return self._tables.setdefault(seq_id, [])
+
+    def apply(self, plan: StepPlan, backend) -> ScheduledBatch:
+        """Take `plan`'s table changes and frees (dropping the backend's state of freed and restarted sequences);
+        returns the step's batch of stand-in sequences."""
+        for sid in plan.freed:
+            self._tables.pop(sid, None)
+            backend.free_sequence(sid)
+        seqs = []
+        for p in plan.seqs:
+            if p.num_computed == 0:
+                backend.free_sequence(p.seq_id)
+            table = self.table(p.seq_id)
+            del table[p.table_start:]
+            table.extend(p.table_tail)
+            seqs.append(PlannedSeq(p.seq_id, p.num_computed, p.num_tokens, p.tokens))
+        return ScheduledBatch(plan.is_prefill, seqs, [len(p.tokens) for p in plan.seqs], plan.num_decodes)
