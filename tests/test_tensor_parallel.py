@@ -177,6 +177,26 @@ def test_tp2_prompt_logits_equal_tp1(engines, checkpoints, shape):
     assert err_two <= 2 * err_one + 1e-6
 
 
+def test_tp2_gemma3_equals_tp1(tmp_path):
+    """Gemma 3's options under TP=2 (test_gemma3.py's tiny model: sliding-window layers with their own RoPE, GeGLU,
+    the four norms, scaled embeddings, logit soft-capping applied on rank 0 after the gather): greedy tokens decoded
+    past the window and prompt logits equal TP=1's."""
+    from test_gemma3 import _tiny_gemma3
+
+    path = _tiny_gemma3(tmp_path / "g3", final_logit_softcapping=30.0)[0]
+    cfg = dict(ENGINE, max_model_len=256)
+    one, two = LLM(path, **cfg), LLM(path, tensor_parallel_size=2, **cfg)
+    try:
+        prompts = _prompts(seed=2)
+        want = [o.token_ids for o in one.generate(prompts, GREEDY, use_tqdm=False)]
+        assert [o.token_ids for o in two.generate(prompts, GREEDY, use_tqdm=False)] == want
+        tokens = prompts[2]["prompt_token_ids"]
+        a, b = one.engine.prompt_logits(tokens), two.engine.prompt_logits(tokens)
+        assert (a - b).abs().max().item() <= 1e-5 * a.abs().max().item()
+    finally:
+        two.close()
+
+
 # ---- shutdown and failure ---------------------------------------------------------------------------------------------
 def _gone(pid: int) -> bool:
     try:
