@@ -120,11 +120,44 @@ def test_gemma3_config_spellings_agree(tmp_path):
     assert a.attn_scale == 24 ** -0.5 and a.norm_offset == 1.0 and a.tie_word_embeddings
 
 
-def test_sparse_methods_refuse_sliding_window_layers(tmp_path):
-    path, _ = _tiny_gemma3(tmp_path / "g3")
-    with pytest.raises(ValueError, match="sliding-window layers"):
-        _engine(path, attention="streaming")
+def test_sparse_methods_attend_the_global_layers_only(tmp_path):
+    """The sliding-window layers are the dense fallback's (attended within their window), the sparse method selects in
+    the global ones. Streaming whose window covers the whole prompt is exact attention in the global layer, so its
+    logits are transformers' (had it attended a sliding layer, that layer would see the whole prompt, not its 8-token
+    window); infinitehip with budgets far below the prompt gives the same greedy tokens through the decode and chunk
+    graphs (emulated) as eagerly, and its selection runs in layer 2 only."""
+    from longreach.engine.chunk_graphs import chunk_graph_sizes
 
+    path, hf = _tiny_gemma3(tmp_path / "g3")
+    ids = torch.randint(3, 256, (40,), generator=torch.Generator().manual_seed(1)).tolist()
+    streaming = _engine(path, attention="streaming",
+                        attention_config='{"n_sink": 8, "n_window": 64, "block_q": 8, "dense_below": 0}')
+    assert streaming.backend.fallback.layers == (0, 1, 3) and streaming.backend.fallback.sparse_layers() == [2]
+    assert (streaming.prompt_logits(ids) - _hf_logits(hf, ids)).abs().max().item() <= 1e-4
+    cfg = ('{"n_sink": 4, "n_window": 8, "block_q": 8, "chunk_sizes": [16, 8, 2], "budgets": [32, 16, 8], '
+           '"early_layers": 0, "refresh": [4, 2, 1], "dense_below": 0}')
+    prompts = [{"prompt_token_ids": torch.randint(3, 256, (n,), generator=torch.Generator().manual_seed(n)).tolist()}
+               for n in (90, 45)]
+    params = SamplingParams(temperature=0, max_tokens=10, ignore_eos=True)
+    runs = []
+    for graphs in (False, True):
+        llm = LLM(path, device="cpu", dtype="float32", max_model_len=256, kv_cache_memory_gb=0.02, block_size=4,
+                  attention="infinitehip", attention_config=cfg, max_num_batched_tokens=64)
+        selected = []
+        select = llm.engine.backend.method.select
+        llm.engine.backend.method.select = lambda *a, **k: selected.append(a) or select(*a, **k)
+        if graphs:
+            runner = llm.engine.runner
+            runner.capture_graphs(emulate=True)
+            runner.capture_chunk_graphs(chunk_graph_sizes(llm.engine.scheduler.chunk_sizes(), 2048, 64), emulate=True)
+        runs.append([o.token_ids for o in llm.generate(prompts, params, use_tqdm=False)])
+        if not graphs:
+            assert selected and {a[0] for a in selected} == {2}  # the layer, select's first argument
+    assert runs[0] == runs[1]
+    dense = LLM(path, device="cpu", dtype="float32", max_model_len=256, kv_cache_memory_gb=0.02, block_size=4)
+    assert runs[0] != [o.token_ids for o in dense.generate(prompts, params, use_tqdm=False)]  # the pruning acted
+    with pytest.raises(ValueError, match="sliding-window layers"):
+        _engine(path, attention="cascading")
 
 
 def _gemma_gguf():

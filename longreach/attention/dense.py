@@ -229,13 +229,18 @@ class DenseFallback:
     always-dense layers, and for a context no longer than the layer's limit (`limit(layer, decoding)` tokens; 0:
     never). Prefill and decode may have different limits (sparse/config.py's `dense_below_decode`): a decode step
     asks with decoding=True, a prefill chunk with False, and decode's CUDA-graph variants are keyed by the decode
-    limits (`limits(True)`)."""
+    limits (`limits(True)`).
+
+    A model's sliding-window layers (Gemma 3's local layers, `ModelConfig.window_of`) are always-dense layers too: the
+    dense backend attends them within their window, so a sparse method selects in the global layers only, and its
+    budgets are per global layer."""
 
     def __init__(self, model_config, engine_config, device: torch.device, dense_layers: tuple[int, ...],
                  limit: Callable[[int, bool], int] = lambda layer, decoding: 0):
         self.backend = DenseBackend(model_config, engine_config, device)
         self.num_layers = model_config.num_layers
-        self.layers = tuple(dense_layers)
+        windowed = {layer for layer in range(self.num_layers) if model_config.window_of(layer) is not None}
+        self.layers = tuple(sorted(set(dense_layers) | windowed))
         self.limit = limit
 
     def applies(self, layer: int, length: int, decoding: bool = False) -> bool:

@@ -22,6 +22,7 @@ class MInferenceBackend(AttentionBackend):
     """MInference: per-head Λ-shape / vertical-slash / block-sparse prefill from a calibration file; dense decode."""
 
     name = "minference"
+    honours_layer_windows = True  # sliding-window layers go to the dense fallback (DenseFallback's docstring)
     # decode is dense (the dense backend's graphs), or composed, another backend's (attention/compose.py)
     capabilities = Capabilities(graph=GraphSupport.STATIC, prefill_only=True)
     method_cls = MInference

@@ -23,6 +23,7 @@ class PSABackend(AttentionBackend):
     """PSA: per query, blocks in metadata-rank order until the attended mass reaches epsilon; dense prefill."""
 
     name = "psa"
+    honours_layer_windows = True  # sliding-window layers go to the dense fallback (DenseFallback's docstring)
     capabilities = Capabilities(graph=GraphSupport.VARIANTS, mixed_batches=True)  # graphs: per context bucket
     method_cls = PSA
     preset_notes = PRESET_NOTES

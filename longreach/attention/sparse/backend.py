@@ -38,6 +38,7 @@ class SparseBackend(AttentionBackend):
     """Engine backend for a `SelectionMethod` (set `method_cls` in the subclass)."""
 
     method_cls: ClassVar[type[SelectionMethod]]
+    honours_layer_windows = True  # sliding-window layers go to the dense fallback (DenseFallback's docstring)
     # capabilities: GraphSupport.VARIANTS for methods whose decode selection is graph-capturable (graph_stage_widths)
 
     def __init__(self, model_config, engine_config, device):
