@@ -168,3 +168,19 @@ def test_plan_is_built_once_per_step_not_per_layer(tiny, monkeypatch):
     assert len(seen) == 3 * len(steps)  # the tiny model's 3 layers
     assert [id(m) for m in builds] == [id(m) for m in steps]  # once per step, at its first layer
     assert len(masks) == sum(c > 0 for m in steps for c in m.context_lens)
+
+
+def test_cuda_mask_and_gqa_calls_on_cpu():
+    """What the CUDA path calls, as far as a CPU can run it: the flash check (`_flash_takes`, False off CUDA) and
+    SDPA with torch's `CausalBias` and `enable_gqa` (its dispatch materialises the mask on CPU), equal to the
+    boolean mask and to K/V expanded over the group."""
+    from torch.nn.attention.bias import causal_lower_right
+
+    g = torch.Generator().manual_seed(3)
+    q, k, v = torch.randn(7, 4, 16, generator=g), torch.randn(19, 2, 16, generator=g), torch.randn(19, 2, 16,
+                                                                                                   generator=g)
+    assert dense._flash_takes(q, k, v) is False
+    ref = dense._attend(q, k, v, 0.25, dense.bottom_right_mask(7, 19, "cpu"), gqa=False)
+    for mask in (causal_lower_right(7, 19), dense.bottom_right_mask(7, 19, "cpu")):
+        assert (dense._attend(q, k, v, 0.25, mask, gqa=True) - ref).abs().max() <= 1e-6
+    assert (dense.causal_attention(q, k, v, 0.25) - ref).abs().max() <= 1e-6

@@ -69,10 +69,15 @@ def bottom_right_mask(n: int, length: int, device):
 def _native_gqa(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> bool:
     """May a bottom-right-masked SDPA of q (n, H_q, D) over k, v (·, H_kv, D) read the KV heads per GQA group itself
     (`enable_gqa`)? Off CUDA, yes (the math and CPU kernels take any group). On CUDA, where torch's flash kernel
-    takes it: `CausalBias` dispatches to flash (GQA-native), else straight to the mem-efficient kernel, which is
-    not handed `enable_gqa`, so K/V are expanded over the group there (fp32, head dims flash lacks)."""
-    if q.device.type != "cuda" or q.shape[1] == k.shape[1]:
-        return True
+    takes it (`_flash_takes`): `CausalBias` dispatches to flash (GQA-native), else straight to the mem-efficient
+    kernel's op, which it does not hand `enable_gqa`, so K/V are expanded over the group there (fp32, head dims
+    flash lacks)."""
+    return q.shape[1] == k.shape[1] or q.device.type != "cuda" or _flash_takes(q, k, v)
+
+
+def _flash_takes(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> bool:
+    """Does torch's flash kernel take q (n, H_q, D), k, v (·, H_kv, D) as SDPA inputs with `enable_gqa` and no mask
+    (the check `CausalBias`'s dispatch makes)? False off CUDA."""
     from torch.backends.cuda import SDPAParams, can_use_flash_attention
 
     params = SDPAParams(*(x.transpose(0, 1).unsqueeze(0) for x in (q, k, v)), None, 0.0, False, True)
