@@ -7,7 +7,8 @@ layer of a step shares is built once, at its first layer, and kept on the step's
 in one gather per K and V), each chunk's rows and key span, its bottom-right mask (torch's `CausalBias` on CUDA,
 which runs the flash kernel's own bottom-right causal mode; a boolean tensor on CPU) and whether SDPA reads the KV
 heads per GQA group itself (`enable_gqa`; on CUDA only where the flash kernel takes the chunk, else K/V are expanded
-over the group as before). A layer then does no host-to-device copy, no host sync and no per-step Python of its own.
+over the group as before). The later layers repeat none of it: a layer's own work is two gathers and an SDPA call per
+chunk, with no host-to-device copy and no host sync.
 With `--dense-prefill paged` chunks with a prefix are read in place instead, by the block-sparse kernel with every
 causal key block selected (`prefix_index`; kernels/bsa.py on CUDA, its PyTorch reference elsewhere), GQA-native, all
 of them in one launch; measured slower than the SDPA path (docs/design-mixed-graphs.md), so not the default.
@@ -101,13 +102,14 @@ def _attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float, mas
 
 @dataclass
 class SdpaPlan:
-    """A prefill step's SDPA work, the same in every layer: built at the step's first layer (`DenseBackend._plan`),
+    """A prefill step's SDPA work, the same in every layer: built at the step's first layer (`DenseBackend._prefill`),
     kept on its metadata (`step_cache`), read by the others."""
 
     # per sequence: (its rows of q, the first row of its keys in the layer's gathered prefix or -1 for a chunk
     # without a prefix (its keys are the step's own rows), its key count L, its mask: None where n == L)
     chunks: list[tuple[slice, int, int, object]]
-    pages: torch.Tensor | None  # (P,) int64: the pages holding every prefixed chunk's keys, chunk after chunk; None: no prefix
+    # (P,) int64: the pages holding every prefixed chunk's keys, chunk after chunk; None: no chunk has a prefix
+    pages: torch.Tensor | None
     gqa: bool  # prefixed chunks: SDPA reads the KV heads per GQA group itself (`_native_gqa`)
     square: bool  # some chunk has no prefix (SDPA's own causal mode: the cuDNN-first kernel order applies)
 
