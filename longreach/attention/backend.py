@@ -36,7 +36,7 @@ import contextlib
 import enum
 import typing
 from abc import ABC, abstractmethod
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, ClassVar, Protocol
 
 import torch
@@ -72,6 +72,10 @@ class AttentionMetadata:
     # the index each layer attended (`PageReads`) and the runner hands it to the store after the layer; None: no
     # store asks (prefill, a GPU-resident cache)
     page_reads: list[PageReads] | None = None
+    # what a backend derives from this metadata once and reuses in every layer of the step (e.g. attention/dense.py:
+    # the pages of each cached prefix, the causal masks), keyed by the backend's own names. Not an __init__ argument:
+    # `dataclasses.replace` (a staged prefill's metadata, kvcache/offload.py) starts an empty one
+    step_cache: dict = field(default_factory=dict, init=False, repr=False, compare=False)
 
     @property
     def num_seqs(self) -> int:

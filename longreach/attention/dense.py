@@ -1,10 +1,17 @@
 """Dense attention: every query attends to every earlier key.
 
 Prefill: PyTorch SDPA per sequence (cuDNN first on GPU, then flash / mem-efficient; the math kernel on CPU). A chunk
-with a cached prefix gathers the prefix from the paged cache and uses a bottom-right-aligned causal mask; with
-`--dense-prefill paged` such chunks are read in place instead, by the block-sparse kernel with every causal key block
-selected (`prefix_index`; kernels/bsa.py on CUDA, its PyTorch reference elsewhere), GQA-native, all of them in one
-launch.
+with a cached prefix gathers the prefix from the paged cache and uses a bottom-right-aligned causal mask. What every
+layer of a step shares is built once, at its first layer, and kept on the step's metadata (`SdpaPlan`,
+`AttentionMetadata.step_cache`): the pages of every prefixed chunk as one index (a layer gathers them for all chunks
+in one gather per K and V), each chunk's rows and key span, its bottom-right mask (torch's `CausalBias` on CUDA,
+which runs the flash kernel's own bottom-right causal mode; a boolean tensor on CPU) and whether SDPA reads the KV
+heads per GQA group itself (`enable_gqa`; on CUDA only where the flash kernel takes the chunk, else K/V are expanded
+over the group as before). The later layers repeat none of it: a layer's own work is two gathers and an SDPA call per
+chunk, with no host-to-device copy and no host sync.
+With `--dense-prefill paged` chunks with a prefix are read in place instead, by the block-sparse kernel with every
+causal key block selected (`prefix_index`; kernels/bsa.py on CUDA, its PyTorch reference elsewhere), GQA-native, all
+of them in one launch; measured slower than the SDPA path (docs/design-mixed-graphs.md), so not the default.
 Decode: the Triton paged flash-decoding kernel on CUDA (CUDA-graph capturable), its PyTorch reference on CPU.
 
 Sliding-window layers (Gemma 3's local layers, `ModelConfig.window_of`): a query at position p sees the keys at
@@ -20,14 +27,16 @@ from __future__ import annotations
 
 import contextlib
 from collections.abc import Callable
+from dataclasses import dataclass
 
 import torch
 from torch.nn import functional as F
 
 from ..kernels import use_triton
 from ..kernels.combine import sm_count, split_count
-from ..kernels.paged_decode import default_num_splits, paged_decode, paged_decode_reference
+from ..kernels.fp8 import as_bytes, values
 from ..kernels.kv_layout import as_tensor
+from ..kernels.paged_decode import default_num_splits, paged_decode, paged_decode_reference
 from ..kvcache.paged import gather_tokens
 from .backend import AttentionBackend, AttentionMetadata, Capabilities, GraphSupport
 from .executor import block_sparse_attention
@@ -46,32 +55,116 @@ def _sdpa_context(device: torch.device):
     return sdpa_kernel(order, set_priority=True)
 
 
-def causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float, window: int | None = None,
-                     k_start: int = 0) -> torch.Tensor:
-    """q (n, H_q, D) are the last n positions of a sequence whose keys are k, v (L, H_kv, D), L >= n -> (n, H_q, D).
-
-    With `window`: the query at position p attends to keys p - window < k <= p only; k, v may then begin at position
-    `k_start` (the keys before it being out of every query's window)."""
-    n, Hq, _ = q.shape
-    L, Hkv, _ = k.shape
-    g = Hq // Hkv
-    qh = q.transpose(0, 1).unsqueeze(0)  # (1, H_q, n, D)
-    # (1, H_q, L, D): expand K/V over the GQA group (the fused GPU kernels have no GQA path)
-    kh = k.transpose(0, 1).repeat_interleave(g, dim=0).unsqueeze(0)
-    vh = v.transpose(0, 1).repeat_interleave(g, dim=0).unsqueeze(0)
+def causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float) -> torch.Tensor:
+    """q (n, H_q, D) are the last n positions of a sequence whose keys are k, v (L, H_kv, D), L >= n -> (n, H_q, D)."""
+    mask = None if q.shape[0] == k.shape[0] else bottom_right_mask(q.shape[0], k.shape[0], q.device)
     with _sdpa_context(q.device):
-        if window is not None:
-            qpos = torch.arange(k_start + L - n, k_start + L, device=q.device)[:, None]
-            kpos = torch.arange(k_start, k_start + L, device=q.device)[None, :]
-            band = (kpos <= qpos) & (kpos > qpos - window)  # (n, L)
-            out = F.scaled_dot_product_attention(qh, kh, vh, attn_mask=band, scale=scale)
-        elif n == L:
-            out = F.scaled_dot_product_attention(qh, kh, vh, is_causal=True, scale=scale)
-        else:
-            from torch.nn.attention.bias import causal_lower_right
+        return _attend(q, k, v, scale, mask, gqa=mask is None or _native_gqa(q, k, v))
 
-            out = F.scaled_dot_product_attention(qh, kh, vh, attn_mask=causal_lower_right(n, L), scale=scale)
+
+
+def window_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float, window: int,
+                     k_start: int = 0) -> torch.Tensor:
+    """`causal_attention` within a sliding window: the query at position p (q's rows are the last n positions) attends
+    to keys p - window < k <= p only; k, v (L, H_kv, D) begin at position `k_start` (the keys before it being out of
+    every query's window). SDPA under a banded boolean mask (K/V expanded over the GQA group on CUDA, where the
+    kernels that take a mask have no GQA path)."""
+    n, L = q.shape[0], k.shape[0]
+    qpos = torch.arange(k_start + L - n, k_start + L, device=q.device)[:, None]
+    kpos = torch.arange(k_start, k_start + L, device=q.device)[None, :]
+    band = (kpos <= qpos) & (kpos > qpos - window)  # (n, L)
+    with _sdpa_context(q.device):
+        return _attend(q, k, v, scale, band, gqa=q.device.type != "cuda")
+
+def bottom_right_mask(n: int, length: int, device):
+    """The causal mask of the last n of `length` positions (query row i sees keys 0 .. length - n + i), as SDPA takes
+    it: on CUDA torch's `CausalBias` (its dispatch runs the flash kernel's bottom-right causal mode, or the
+    mem-efficient kernel's, without materialising it), elsewhere a boolean (n, length) tensor (what that dispatch
+    would materialise for the CPU kernels at every call)."""
+    device = torch.device(device)
+    if device.type == "cuda":
+        from torch.nn.attention.bias import causal_lower_right
+
+        return causal_lower_right(n, length)
+    return torch.ones(n, length, dtype=torch.bool, device=device).tril(length - n)
+
+
+def _native_gqa(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> bool:
+    """May a bottom-right-masked SDPA of q (n, H_q, D) over k, v (·, H_kv, D) read the KV heads per GQA group itself
+    (`enable_gqa`)? Off CUDA, yes (the math and CPU kernels take any group). On CUDA, where torch's flash kernel
+    takes it (`_flash_takes`): `CausalBias` dispatches to flash (GQA-native), else straight to the mem-efficient
+    kernel's op, which it does not hand `enable_gqa`, so K/V are expanded over the group there (fp32, head dims
+    flash lacks)."""
+    return q.shape[1] == k.shape[1] or q.device.type != "cuda" or _flash_takes(q, k, v)
+
+
+def _flash_takes(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> bool:
+    """Does torch's flash kernel take q (n, H_q, D), k, v (·, H_kv, D) as SDPA inputs with `enable_gqa` and no mask
+    (the check `CausalBias`'s dispatch makes)? False off CUDA."""
+    from torch.backends.cuda import SDPAParams, can_use_flash_attention
+
+    params = SDPAParams(*(x.transpose(0, 1).unsqueeze(0) for x in (q, k, v)), None, 0.0, False, True)
+    return can_use_flash_attention(params)
+
+
+def _attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float, mask, gqa: bool) -> torch.Tensor:
+    """`causal_attention` with its mask given (None: n == L, SDPA's own causal mode) and its GQA decision made, in
+    the caller's `_sdpa_context`."""
+    g = q.shape[1] // k.shape[1]
+    qh = q.transpose(0, 1).unsqueeze(0)  # (1, H_q, n, D)
+    kh, vh = k.transpose(0, 1).unsqueeze(0), v.transpose(0, 1).unsqueeze(0)  # (1, H_kv, L, D), views
+    if g > 1 and not gqa:  # (1, H_q, L, D): K/V expanded over the GQA group (a copy)
+        kh, vh = kh.repeat_interleave(g, dim=1), vh.repeat_interleave(g, dim=1)
+    if mask is None:
+        out = F.scaled_dot_product_attention(qh, kh, vh, is_causal=True, scale=scale, enable_gqa=g > 1)
+    else:
+        out = F.scaled_dot_product_attention(qh, kh, vh, attn_mask=mask, scale=scale, enable_gqa=g > 1 and gqa)
     return out.squeeze(0).transpose(0, 1)
+
+
+@dataclass
+class SdpaPlan:
+    """A prefill step's SDPA work, the same in every layer: built at the step's first layer (`DenseBackend._prefill`),
+    kept on its metadata (`step_cache`), read by the others."""
+
+    # per sequence: (its rows of q, the first row of its keys in the layer's gathered prefix or -1 for a chunk
+    # without a prefix (its keys are the step's own rows), its key count L, its mask: None where n == L)
+    chunks: list[tuple[slice, int, int, object]]
+    # (P,) int64: the pages holding every prefixed chunk's keys, chunk after chunk; None: no chunk has a prefix
+    pages: torch.Tensor | None
+    gqa: bool  # prefixed chunks: SDPA reads the KV heads per GQA group itself (`_native_gqa`)
+    square: bool  # some chunk has no prefix (SDPA's own causal mode: the cuDNN-first kernel order applies)
+
+    KEY = "dense.sdpa"  # its key in `AttentionMetadata.step_cache`
+
+    @classmethod
+    def build(cls, meta: AttentionMetadata, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, block_size: int
+              ) -> "SdpaPlan":
+        chunks, pages, start, first = [], [], 0, 0
+        for i, (n, ctx) in enumerate(zip(meta.query_lens, meta.context_lens)):
+            rows = slice(start, start + n)
+            start += n
+            if ctx == 0:
+                chunks.append((rows, -1, n, None))
+                continue
+            length, num_pages = ctx + n, -(-(ctx + n) // block_size)
+            chunks.append((rows, first, length, bottom_right_mask(n, length, q.device)))
+            pages.append(meta.block_tables[i, :num_pages])
+            first += num_pages * block_size
+        index = (pages[0] if len(pages) == 1 else torch.cat(pages)).long() if pages else None
+        gqa = index is None or _native_gqa(q, k, v)
+        return cls(chunks, index, gqa, any(f < 0 for _, f, _, _ in chunks))
+
+
+def gather_pages(cache, pages: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """The pages (P,) of one layer's K or V as one (P * block_size, H_kv, D) tensor in `dtype` (fp8 rows
+    dequantised): one gather for every prefixed chunk of a step. cache: (num_blocks, block_size, H_kv, D) or a
+    two-tier `TierView` (kernels/kv_layout.py)."""
+    if hasattr(cache, "pages"):
+        rows = cache.pages(pages)
+    else:
+        rows = as_bytes(cache).index_select(0, pages).view(cache.dtype)  # fp8 gathered as bytes
+    return values(rows.view(-1, *rows.shape[2:]), torch.float32).to(dtype)
 
 
 def prefix_index(query_lens: list[int], context_lens: list[int], device, block: int = PREFIX_BLOCK
@@ -149,42 +242,63 @@ class DenseBackend(AttentionBackend):
     def forward(self, layer, q, k, v, k_cache, v_cache, meta: AttentionMetadata):
         window = self.model_config.window_of(layer)
         if meta.is_prefill:
-            return self._prefill(q, k, v, k_cache, v_cache, meta, window)
+            if window is not None:
+                return self._window_prefill(q, k, v, k_cache, v_cache, meta, window)
+            return self._prefill(q, k, v, k_cache, v_cache, meta)
         if window is not None:
             return window_decode(q, k_cache, v_cache, meta.block_tables, meta.seq_lens, self.scale, window)
         return self._decode(q, k_cache, v_cache, meta)
 
-    def _prefill(self, q, k, v, k_cache, v_cache, meta: AttentionMetadata, window: int | None = None):
+    def _window_prefill(self, q, k, v, k_cache, v_cache, meta: AttentionMetadata, window: int):
+        """A sliding-window layer's prefill: each chunk over only the keys its window reaches (from position
+        ctx - window + 1), gathered from the paged cache where the chunk has a prefix."""
         out = torch.empty_like(q)
-        in_place = self.paged_prefill and any(meta.context_lens) and window is None
-        if in_place:  # every chunk with a cached prefix in one launch; the rows of the others are SDPA's, below
-            index, plan, splits = self._prefix_plan(meta, q.device)
-            paged_prefix_attention(q, k_cache, v_cache, meta.block_tables, index, self.scale, splits, out, plan)
         start = 0
         for i, (n, ctx) in enumerate(zip(meta.query_lens, meta.context_lens)):
             rows = slice(start, start + n)
             start += n
-            if window is not None:  # only the keys this chunk's window reaches: from position ctx - window + 1
-                if ctx == 0:
-                    out[rows] = causal_attention(q[rows], k[rows], v[rows], self.scale, window)
+            if ctx == 0:
+                out[rows] = window_attention(q[rows], k[rows], v[rows], self.scale, window)
+            else:
+                first = max(0, ctx - window + 1)
+                ki = gather_tokens(k_cache, meta.block_tables[i], ctx + n, first).to(q.dtype)
+                vi = gather_tokens(v_cache, meta.block_tables[i], ctx + n, first).to(q.dtype)
+                out[rows] = window_attention(q[rows], ki, vi, self.scale, window, first)
+        return out
+
+    def _prefill(self, q, k, v, k_cache, v_cache, meta: AttentionMetadata):
+        plan = meta.step_cache.get(SdpaPlan.KEY)
+        if plan is None:  # the step's first layer
+            plan = meta.step_cache[SdpaPlan.KEY] = SdpaPlan.build(meta, q, k, v, k_cache.shape[1])
+        in_place = self.paged_prefill and plan.pages is not None
+        alone = len(plan.chunks) == 1 and not in_place  # one chunk: its output is the layer's, no copy
+        out = None if alone else torch.empty_like(q)
+        if in_place:  # every chunk with a cached prefix in one launch; the rows of the others are SDPA's, below
+            index, kplan, splits = self._prefix_plan(meta, q.device)
+            paged_prefix_attention(q, k_cache, v_cache, meta.block_tables, index, self.scale, splits, out, kplan)
+        elif plan.pages is not None:  # chunked prefill: every prefix (this chunk too was stored) in one gather
+            kp, vp = gather_pages(k_cache, plan.pages, q.dtype), gather_pages(v_cache, plan.pages, q.dtype)
+        # SDPA's kernel order matters only to chunks without a prefix: a CausalBias dispatches by its own rule
+        with _sdpa_context(q.device) if plan.square else contextlib.nullcontext():
+            for rows, first, length, mask in plan.chunks:
+                if first < 0:
+                    o = _attend(q[rows], k[rows], v[rows], self.scale, None, True)
+                elif in_place:
+                    continue
                 else:
-                    first = max(0, ctx - window + 1)
-                    ki = gather_tokens(k_cache, meta.block_tables[i], ctx + n, first).to(q.dtype)
-                    vi = gather_tokens(v_cache, meta.block_tables[i], ctx + n, first).to(q.dtype)
-                    out[rows] = causal_attention(q[rows], ki, vi, self.scale, window, first)
-            elif ctx == 0:
-                out[rows] = causal_attention(q[rows], k[rows], v[rows], self.scale)
-            elif not in_place:  # chunked prefill: the prefix lives in the paged cache (this chunk was stored there too)
-                ki = gather_tokens(k_cache, meta.block_tables[i], ctx + n).to(q.dtype)
-                vi = gather_tokens(v_cache, meta.block_tables[i], ctx + n).to(q.dtype)
-                out[rows] = causal_attention(q[rows], ki, vi, self.scale)
+                    o = _attend(q[rows], kp[first:first + length], vp[first:first + length], self.scale, mask,
+                                plan.gqa)
+                if alone:
+                    return o
+                out[rows] = o
         return out
 
     def _prefix_plan(self, meta: AttentionMetadata, device):
-        """(index, kernel plan or None, splits) of the paged prefill, built once per step and shared by its layers
-        (the same `meta` object: one host-to-device copy of the query blocks per step, not per layer)."""
-        if self._prefix is not None and self._prefix[0] is meta:
-            return self._prefix[1]
+        """(index, kernel plan or None, splits) of the paged prefill, built once per step and kept on its metadata
+        (`step_cache`): one host-to-device copy of the query blocks per step, not per layer."""
+        built = meta.step_cache.get("dense.paged")
+        if built is not None:
+            return built
         index = prefix_index(meta.query_lens, meta.context_lens, device)
         plan, splits = None, 1
         if use_triton(device):
@@ -193,8 +307,8 @@ class DenseBackend(AttentionBackend):
             mc = self.model_config
             plan = BSAPlan(index, mc.num_heads, mc.num_kv_heads, device)
             splits = prefix_splits(index.queries.num_blocks, mc.num_kv_heads, meta.max_seq_len, self._num_sms)
-        self._prefix = (meta, (index, plan, splits))
-        return self._prefix[1]
+        built = meta.step_cache["dense.paged"] = (index, plan, splits)
+        return built
 
     @classmethod
     def resolve_config(cls, engine_config) -> None:
@@ -208,7 +322,6 @@ class DenseBackend(AttentionBackend):
         super().__init__(model_config, engine_config, device)
         self._num_sms = sm_count(device)
         self.paged_prefill = engine_config.dense_prefill == "paged"  # config.py: dense_prefill
-        self._prefix = None  # (meta, (index, plan, splits)) of the current step, see _prefix_plan
 
     def num_splits(self, batch: int) -> int:
         """Split count for the decode kernel: a function of the batch size only, so eager and graph runs agree."""
