@@ -54,7 +54,8 @@ def _per_layer_prefill(self, q, k, v, k_cache, v_cache, meta):
 
 
 def _backend(Hq, Hkv, D):
-    mc = SimpleNamespace(head_dim=D, num_heads=Hq, num_kv_heads=Hkv, num_layers=3)
+    mc = SimpleNamespace(head_dim=D, num_heads=Hq, num_kv_heads=Hkv, num_layers=3, attn_scale=D ** -0.5,
+                         window_of=lambda layer: None)
     ec = SimpleNamespace(dense_prefill="sdpa", max_model_len=4096)
     return DenseBackend(mc, ec, torch.device("cpu"))
 
