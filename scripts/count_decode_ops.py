@@ -74,9 +74,11 @@ def build(context: int, layers: int):
     return llm
 
 
-def count(steps: int = 16, context: int = 2048, layers: int = 4, seed: int = 0):
+def count(steps: int = 16, context: int = 2048, layers: int = 4, seed: int = 0, graph: bool = True):
     """{"per_step": [op count of each decode step], "kernels": [Triton launches of each step], "ops": Counter over
-    every step, "levels": the refresh level of each step's variant, "tokens": the sampled tokens}."""
+    every step, "levels": the refresh level of each step's variant (None: eager), "by_level": Counter per level,
+    "tokens": the sampled tokens, "picked": (layer, blocks, counts) of every attended layer of every step}.
+    `graph` False: the eager decode step (no graph variants), the same kernels forced on."""
     import triton.runtime.interpreter as interp
 
     import longreach.attention.box_store as box_store
@@ -89,7 +91,8 @@ def count(steps: int = 16, context: int = 2048, layers: int = 4, seed: int = 0):
 
     llm = build(context, layers)
     engine = llm.engine
-    engine.runner.capture_graphs(emulate=True)
+    if graph:
+        engine.runner.capture_graphs(emulate=True)
     ids = torch.randint(3, 500, (context,), generator=torch.Generator().manual_seed(seed)).tolist()
     engine.add_request("0", ids, SamplingParams(temperature=0, max_tokens=steps + 1, ignore_eos=True))
     while engine.scheduler.prefill_pending():

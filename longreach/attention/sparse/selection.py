@@ -243,10 +243,9 @@ class SelectionMethod(ABC):
         step = max(1, budget // max(1, bytes_per_item))
         return [slice(i, min(n, i + step)) for i in range(0, n, step)]
 
-    @staticmethod
-    def query_rows(q: torch.Tensor, blocks: BlockQueries):
+    def query_rows(self, q: torch.Tensor, blocks: BlockQueries):
         """(nb, max_rows, H_q, D) fp32 queries of the blocks and the (nb, max_rows) row mask."""
-        r = torch.arange(blocks.max_rows, device=q.device)
+        r = self.arange(blocks.max_rows, q.device, torch.long)
         rows = (blocks.starts[:, None] + r).clamp(max=q.shape[0] - 1)
         ok = r[None, :] < blocks.lens[:, None]
         return q[rows].float(), ok
