@@ -46,6 +46,8 @@ class BoxSteps:
         self._plans: deque[tuple] = deque(maxlen=2)
         self._eager: deque[tuple] = deque(maxlen=2)
         self._graph_in: torch.Tensor | None = None  # (4, max_seqs) int32 rows, lens, lo, hi of a graph step
+        self.tables: torch.Tensor | None = None  # per table row, its box pages (a store with box tables: BoxPool)
+        self._graph_tables: torch.Tensor | None = None  # the graph step's rows of `tables`, gathered as it loads
 
     def _row(self, seq_id: int, length: int) -> int:
         """The box-table row of a sequence of `length` tokens (its store grown to hold it)."""
@@ -126,10 +128,16 @@ class BoxSteps:
     def build_into(self, pool: torch.Tensor, per: int, q, k_cache, meta, graph: tuple[int, bool] | None,
                    move: tuple[torch.Tensor, int] | None, tables: torch.Tensor | None = None) -> torch.Tensor:
         """Box the step's new units into one layer's `pool` (rows, F, 2, H_kv, D) through the rows' box tables: rows
-        of the store's `tables`, or (None) the KV block tables themselves (page-indexed). Returns those tables."""
+        of the store's `tables`, or (None) the KV block tables themselves (page-indexed). Returns those tables (a
+        graph step's rows of `tables` were gathered once, as it loaded: `graph_load`)."""
         rows, lens, lo, hi, most = self.step_inputs(meta, q, graph)
         block_tables = meta.block_tables[:rows.shape[0]]
-        box_tables = block_tables if tables is None else tables[rows.long()]
+        if tables is None:
+            box_tables = block_tables
+        elif graph is not None and tables is self.tables:
+            box_tables = self._graph_tables[:rows.shape[0]]
+        else:
+            box_tables = tables[rows.long()]
         args = (k_cache, block_tables, lens, lo, hi, box_tables, pool, per, self.unit, self.kind)
         if use_triton(q):
             build_boxes_triton(*args, most, move)
@@ -144,20 +152,31 @@ class BoxSteps:
 
     def graph_scratch(self, rows: int | None = None) -> None:
         """Graph inputs that box nothing (the scratch row, length 1, no units) in the first `rows` rows."""
-        if self._graph_in is None:
-            self._graph_in = torch.zeros(4, self.max_seqs, dtype=torch.int32, device=self.device)
-        box = self._graph_in[:, :rows]
-        box.zero_()
-        box[0].fill_(self.scratch)
-        box[1].fill_(1)
+        self._graph_write([[self.scratch], [1], [0], [0]], self.max_seqs if rows is None else rows)
 
     def graph_load(self, rows: int) -> None:
         """The planned step's inputs into the static buffer, padding rows to `rows` with scratch; its complete units
         count as built (the graph replays next). The store exists: a forward (at least a capture's warm-up) made it."""
-        self.graph_scratch(rows)
         cols = self.assign()
-        self._graph_in[:, :len(cols[0])].copy_(torch.tensor(cols, dtype=torch.int32), non_blocking=True)
+        self._graph_write(cols, rows)
         self.commit()
+
+    def _graph_write(self, cols: list[list[int]], rows: int) -> None:
+        """(rows, lens, lo, hi) of the first len(cols[0]) batch rows, the rest up to `rows` scratch, into the static
+        buffer in one host-to-device copy; and, with box tables, those rows' tables gathered into theirs (one
+        kernel per step, outside the graph, instead of one per layer inside it)."""
+        if self._graph_in is None:
+            self._graph_in = torch.zeros(4, self.max_seqs, dtype=torch.int32, device=self.device)
+        n = min(len(cols[0]), rows)
+        pad = rows - n
+        host = torch.tensor([c[:n] + [fill] * pad for c, fill in zip(cols, (self.scratch, 1, 0, 0))],
+                            dtype=torch.int32).reshape(4, rows)
+        self._graph_in[:, :rows].copy_(host, non_blocking=True)
+        if self.tables is not None:
+            if self._graph_tables is None:
+                self._graph_tables = torch.zeros(self.max_seqs, self.tables.shape[1], dtype=torch.int32,
+                                                 device=self.device)
+            torch.index_select(self.tables, 0, self._graph_in[0, :rows], out=self._graph_tables[:rows])
 
 
 class PageBoxes(BoxSteps):

@@ -101,11 +101,13 @@ def score_boxes(q32: torch.Tensor, q_moved: torch.Tensor, moved: torch.Tensor, b
     view = boxes if isinstance(boxes, BoxView) else BoxView.of(boxes)
     Hkv = view.pool.shape[3]
     P = len(head_pairs(Hq, Hkv, groups)[0])
-    pair_group, _ = pair_index(P, Hkv, groups, dev)
     every = torch.full((nb,), view.n, dtype=torch.int32, device=dev)  # candidates: selected by `ids` below
     out = box_scores(q32, view, 0, every, groups, q_moved, moved, max_bytes)  # (nb, P, n_chunks)
     n_chunks = out.shape[2]
     _, _, valid = chunk_bounds(ids, chunk, n_sink, cand_end)
+    if P == groups:  # a pair per group (KV-head groups, or one per head): no pairs to gather, no max over them
+        return torch.gather(out, 2, ids.clamp(0, n_chunks - 1).long()).masked_fill(~valid, float("-inf"))
+    pair_group, _ = pair_index(P, Hkv, groups, dev)
     ids_p, valid_p = ids[:, pair_group], valid[:, pair_group]  # (nb, P, C)
     s = torch.gather(out, 2, ids_p.clamp(0, n_chunks - 1).long()).masked_fill(~valid_p, float("-inf"))
     return s.reshape(nb, groups, P // groups, -1).amax(dim=2)

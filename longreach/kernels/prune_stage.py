@@ -351,7 +351,9 @@ def chunk_scores_triton(q: torch.Tensor, k_cache: torch.Tensor, block_table: tor
     nb, G, C = ids.shape
     pairs, hpp = head_pairs(Hq, Hkv, groups)
     P = len(pairs)
-    ids32 = ids.to(torch.int32).contiguous()
+    ids32 = ids.to(torch.int32)  # no copy when int32 already: the kernel reads any strides but a unit last one
+    if ids32.stride(-1) != 1:
+        ids32 = ids32.contiguous()
     if nb == 0 or C == 0:
         return torch.full((nb, G, C), float("-inf"), device=q.device)
     scores = torch.empty(nb, P, C, dtype=torch.float32, device=q.device)

@@ -169,26 +169,30 @@ class InfiniteHiP(SelectionMethod):
             width, needs_scores = widths[i]
             if i == 0:
                 lo = cfg.n_sink // l
-                hi = torch.div(cand_end + l - 1, l, rounding_mode="floor")  # chunks that start before cand_end
-                ids = lo + torch.arange(width, device=dev)
+                hi = torch.div(cand_end + (l - 1), l, rounding_mode="floor")  # chunks that start before cand_end
+                ids = self.arange(lo + width, dev)[lo:]  # lo, lo + 1, ...: a view of a kept buffer, no kernel
                 ids = torch.where(ids[None, :] < hi[:, None], ids[None, :], -1)[:, None, :].expand(nb, G, width)
             else:
+                # the survivors' sub-chunks; a dropped survivor (-1) gives negative ids, which no scorer scores
+                # (-inf) and top_k never keeps, as it would -1 (and ci's count of candidates counts ids >= 0)
                 ratio = cfg.chunk_sizes[i - 1] // l
-                sub = prev[..., None] * ratio + torch.arange(ratio, device=dev)
-                ids = torch.where(prev[..., None] >= 0, sub, -1).reshape(nb, G, -1)
-            _, _, valid = chunk_bounds(ids, l, cfg.n_sink, cand_end)
+                ids = (prev[..., None] * ratio + self.arange(ratio, dev, prev.dtype)).reshape(nb, G, -1)
             if needs_scores and i == 0 and cfg.stage0_scores != "selectrep" and l > cfg.exact_below:
                 score = self.box_scores(layer, q, blocks, keys, ids, l, cand_end)
             elif needs_scores:
                 score = self.chunk_scores(layer, q, blocks, keys, ids, l, l <= cfg.exact_below, cand_end)
             else:  # every candidate fits the budget
+                _, _, valid = chunk_bounds(ids, l, cfg.n_sink, cand_end)
                 score = torch.where(valid, 0.0, float("-inf"))
             k = budgets[i] // l
             if keep is None:  # no static width to match: never wider than the candidates (a budget of 1M tokens)
                 k = min(k, max(1, width))
-            prev, counts = self.top_k(torch.where(valid, ids, -1), score, k)
+            # every scorer gives an invalid candidate (chunk_bounds) -inf, which top_k never keeps: its id needs no
+            # masking to -1 first
+            prev, counts = self.top_k(ids, score, k)
             if keep is not None:
                 prev = torch.where((keep[1] > i)[:, None, None], keep[0][i], prev)
-                counts = (prev >= 0).sum(-1).to(torch.int32)
+                if return_counts:
+                    counts = (prev >= 0).sum(-1, dtype=torch.int32)
             outs.append(prev)
         return (outs, counts) if return_counts else outs

@@ -55,6 +55,9 @@ class GraphDecoder:
         self.cached: set[tuple[int, int]] = set()  # (seq_id, layer) whose stage cache is filled
         self._g: dict | None = None  # static buffers (slots, refresh levels, stage caches), made on first use
         self._free_slots: list[int] = []
+        # tensors every layer of one forward shares, made by the first layer that needs them (`_step_memo`)
+        self._memo: dict = {}
+        self._memo_layer = -1
 
     def unsupported(self) -> str | None:
         """Why this method and config cannot decode through graphs, or None."""
@@ -92,17 +95,56 @@ class GraphDecoder:
         self.cached = {key for key in self.cached if key[0] != seq_id}
 
     def _buffers(self) -> dict:
+        """The static buffers, made once (outside any capture, so the constants among them hold their values in
+        every graph): the rows' slots and first recomputed stage per layer; per layer the stage caches, one
+        (slots + 1, groups, width) int32 tensor per stage, -1 padded, whose last stage is a view of `last`, the
+        same rows padded with -1 columns to the width of the layer's attention index (`_index_width`), so that a
+        gather of its rows is the index with no pad; and constants: `arange` (0, 1, ... as int32, as long as the
+        widest index or the batch), `ones` and `zero` (int32: the one-row query blocks' starts and lengths)."""
         if self._g is None:
             m, slots, dev = self.method, self.max_num_seqs, self.device
             L = self.num_layers
+            cache, last = [], []
+            for layer in range(L):
+                widths = m.graph_stage_widths(layer)
+                stages = [torch.full((slots + 1, m.groups, w), -1, dtype=torch.int32, device=dev)
+                          for w in widths[:-1]]
+                full = None
+                if widths:
+                    full = torch.full((slots + 1, m.groups, self._index_width(layer, widths[-1])), -1,
+                                      dtype=torch.int32, device=dev)
+                    stages.append(full[..., :widths[-1]])
+                cache.append(stages)
+                last.append(full)
+            widest = max([slots] + [self._index_width(layer, 0) for layer in range(L)] +
+                         [t.shape[2] for t in last if t is not None])
             self._g = {
                 "slot": torch.full((slots,), slots, dtype=torch.long, device=dev),
                 "first": torch.zeros(L, slots, dtype=torch.long, device=dev),
-                "cache": [[torch.full((slots + 1, m.groups, w), -1, dtype=torch.int32, device=dev)
-                           for w in m.graph_stage_widths(layer)] for layer in range(L)],
+                "cache": cache,
+                "last": last,
+                "arange": torch.arange(widest, dtype=torch.int32, device=dev),
+                "ones": torch.ones(slots, dtype=torch.int32, device=dev),
+                "zero": torch.zeros(1, dtype=torch.int32, device=dev),
             }
             self._free_slots = list(range(slots))[::-1]
         return self._g
+
+    def _index_width(self, layer: int, width: int) -> int:
+        """Width of `layer`'s attention index in a captured step whose last stage is `width` wide: a row no longer
+        than the layer's decode limit reads every key block up to the limit."""
+        limit = self.fallback.limit(layer, True)
+        return max(width, -(-limit // self.method.block_k)) if limit > 0 else width
+
+    def _step_memo(self, layer: int) -> dict:
+        """Tensors the layers of one forward share (the positions of the rows' queries, the "every block" rows of
+        each decode limit), made by the first layer that needs them; inside a captured graph they are that layer's
+        kernels, replayed every step. A forward starts afresh at its first layer (the layers run in order) and at
+        every `running`: a capture's warm-up forward and the capture itself each make their own."""
+        if layer <= self._memo_layer:
+            self._memo = {}
+        self._memo_layer = layer
+        return self._memo
 
     def _num_stages(self) -> int:
         return len(self.method.graph_stage_widths(0))
@@ -118,10 +160,12 @@ class GraphDecoder:
     @contextlib.contextmanager
     def running(self, key: tuple):
         self.variant = key
+        self._memo, self._memo_layer = {}, -1
         try:
             yield
         finally:
             self.variant = None
+            self._memo, self._memo_layer = {}, -1
 
     def step(self, seq_ids: list[int], seq_lens: list[int], steps: list[int]):
         """Host side of one graph-decoded step, the rows ordered longest first; `steps`: each sequence's decode step
@@ -154,12 +198,13 @@ class GraphDecoder:
         select = 0 if need == 0 else 1 << (need - 1).bit_length()
         catchup = self.boxes is not None and self.boxes.graph_plan(seq_ids, seq_lens)
 
-        def load(rows: int) -> None:
+        def load(rows: int) -> None:  # one host-to-device copy per buffer, the padding rows included
             n = len(slots)
-            g["slot"][:n].copy_(torch.tensor(slots, dtype=torch.long), non_blocking=True)
-            g["slot"][n:rows].fill_(self.max_num_seqs)
-            g["first"][:, :n].copy_(torch.from_numpy(first), non_blocking=True)
-            g["first"][:, n:rows].fill_(N)
+            padded = np.full((L, rows), N, dtype=np.int64)
+            padded[:, :n] = first
+            g["slot"][:rows].copy_(torch.tensor(slots + [self.max_num_seqs] * (rows - n), dtype=torch.long),
+                                   non_blocking=True)
+            g["first"][:, :rows].copy_(torch.from_numpy(padded), non_blocking=True)
             if self.boxes is not None:
                 self.boxes.graph_load(rows)
         return (bucket, level, dense, select, catchup), load
@@ -181,6 +226,7 @@ class GraphDecoder:
         bucket, level, dense, select, catchup = self.variant
         m, fb = self.method, self.fallback
         n = q.shape[0]
+        self._step_memo(layer)
         box_tables = None
         if self.boxes is not None and layer not in fb.layers and not self._below_boxes(dense):
             rope = m.rope_args(layer, "prune", meta.max_seq_len)  # box the rows' new chunks before any selection
@@ -189,41 +235,51 @@ class GraphDecoder:
         if layer in fb.layers or dense[fb.limits(True).index(limit)]:
             return None
         g, dev = self._g, q.device
+        memo = self._memo
         caches = g["cache"][layer]
+        N = len(caches)
         slot = g["slot"][:n]
-        cached = [c[slot] for c in caches]  # (n, G, w_i)
         first = g["first"][layer, :n]
-        ends = meta.seq_lens[:n].long()
-        zero, one = torch.zeros(1, dtype=torch.long, device=dev), torch.ones(1, dtype=torch.long, device=dev)
+        ends = meta.seq_lens[:n]  # int32, as the kernels read it (no cast)
         # rows [0, sel) run the stages; the rest are no longer than every limit and read every key block below
         sel = min(select, n)
-        fresh: list[list[torch.Tensor]] = [[] for _ in caches[level:]]
-        for i in range(sel):
-            blocks = BlockQueries(zero, one, ends[i:i + 1], 1, bucket)
-            boxes = None if box_tables is None else self.boxes.seq_boxes(layer, box_tables, i)
-            keys = SequenceKeys(k_cache, meta.block_tables[i], bucket, boxes)
-            outs = m.graph_select(layer, q[i:i + 1], blocks, keys, [c[i:i + 1] for c in cached], first[i:i + 1],
-                                  level)
-            for j, o in enumerate(outs):
-                fresh[j].append(o)
-        stages = cached[:level] + [torch.cat(f) if f else c[:0] for f, c in zip(fresh, cached[level:])]
-        for c, st in zip(caches[level:], stages[level:]):
-            c.index_copy_(0, slot[:sel], st)
-        if stages:  # the unselected rows' blocks are replaced by "every block" below; any values do
-            blocks = torch.cat([stages[-1], cached[-1][sel:]]) if level < len(caches) else stages[-1]
+        if level < N:
+            # the cached stages this variant reads, one gather each: stage level - 1 (what the recomputation starts
+            # from) and level.. (kept by the rows whose own schedule does not refresh them); none at level N
+            cached = [c[slot] if i >= level - 1 else None for i, c in enumerate(caches)]
+            fresh: list[list[torch.Tensor]] = [[] for _ in caches[level:]]
+            for i in range(sel):
+                blocks = BlockQueries(g["zero"], g["ones"][:1], ends[i:i + 1], 1, bucket)
+                boxes = None if box_tables is None else self.boxes.seq_boxes(layer, box_tables, i)
+                keys = SequenceKeys(k_cache, meta.block_tables[i], bucket, boxes)
+                outs = m.graph_select(layer, q[i:i + 1], blocks, keys,
+                                      [None if c is None else c[i:i + 1] for c in cached], first[i:i + 1], level)
+                for j, o in enumerate(outs):
+                    fresh[j].append(o)
+            for c, f in zip(caches[level:], fresh):
+                if f:
+                    c.index_copy_(0, slot[:sel], f[0] if len(f) == 1 else torch.cat(f))
+        if N:  # every row's last stage (just written, or cached), already padded to the index width
+            blocks = g["last"][layer][slot]
         else:
-            blocks = torch.empty(n, m.groups, 0, dtype=torch.int32, device=dev)
-        if limit > 0:  # a row no longer than the limit reads every key block, as in an eager step
-            width = max(blocks.shape[2], -(-limit // m.block_k))
-            blocks = torch.nn.functional.pad(blocks, (0, width - blocks.shape[2]), value=-1)
-            ids = torch.arange(width, dtype=torch.int32, device=dev)
-            every = torch.where(ids[None, :] < torch.div(ends + m.block_k - 1, m.block_k, rounding_mode="floor")[:, None],
-                                ids[None, :], -1)
-            blocks = torch.where((ends <= limit)[:, None, None], every[:, None, :], blocks)
-        counts = (blocks >= 0).sum(-1).to(torch.int32)
+            blocks = torch.full((n, m.groups, self._index_width(layer, 0)), -1, dtype=torch.int32, device=dev)
+        # a row no longer than the limit reads every key block, as in an eager step; with one row the variant's
+        # `dense` says the row is longer than the limit (else this layer attended densely above)
+        if limit > 0 and n > 1:
+            width = blocks.shape[2]
+            if ("every", limit, width) not in memo:  # the same for every layer of this limit and width
+                ids = g["arange"][:width]
+                n_blocks = torch.div(ends + (m.block_k - 1), m.block_k, rounding_mode="floor")
+                every = torch.where(ids[None, :] < n_blocks[:, None], ids[None, :], -1)
+                memo["every", limit, width] = (every[:, None, :], (ends <= limit)[:, None, None])
+            every, short = memo["every", limit, width]
+            blocks = torch.where(short, every, blocks)
+        counts = (blocks >= 0).sum(-1, dtype=torch.int32)
         if use_kernels(q):
-            rows = torch.arange(n, dtype=torch.int32, device=dev)
-            plan_queries = (rows, rows, torch.ones_like(rows), meta.seq_lens[:n] - 1)
+            if "queries" not in memo:
+                rows = g["arange"][:n]
+                memo["queries"] = (rows, rows, g["ones"][:n], meta.seq_lens[:n] - 1)
+            plan_queries = memo["queries"]
             qb = QueryBlocks(list(range(n)), list(range(n)), [1] * n, [0] * n)  # host mirror: only its size is read
         else:  # the reference executor reads host positions (no graph to break off CUDA)
             plan_queries = None

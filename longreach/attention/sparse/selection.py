@@ -160,6 +160,8 @@ class SelectionMethod(ABC):
         self.prune_spec = parse_layer_spec(cfg.prune_rope, PRUNE_CODES, "prune_rope")
         self.attend_spec = parse_layer_spec(cfg.attend_rope, ATTEND_CODES, "attend_rope")
         self.rope_frame: RopeFrame | None = None  # set by the backend (the model's frequencies); None: no remapping
+        self._aranges: dict[tuple[str, torch.dtype], torch.Tensor] = {}
+        self._retired: list[torch.Tensor] = []  # outgrown aranges: a captured graph may still read them
 
     def rope_args(self, layer: int, phase: str, context_len: int) -> RopeArgs | None:
         """The strategy of `phase` ("prune" or "attend") in `layer` for a context of `context_len` tokens, or None
@@ -218,16 +220,32 @@ class SelectionMethod(ABC):
         raise NotImplementedError
 
     # ---- helpers shared by the methods ---------------------------------------------------------------------------
+    def arange(self, n: int, device, dtype: torch.dtype = torch.int32) -> torch.Tensor:
+        """torch.arange(n) as a view of a buffer kept per device and dtype: no kernel once the buffer is long enough
+        (a captured decode step launches none for it). Grown only outside a CUDA graph capture (during one a short
+        buffer gives a fresh arange, a kernel in the graph); an outgrown buffer is kept alive, since a captured
+        graph reads it by address. Read-only: nothing may write into the view."""
+        device = torch.device(device)
+        key = (str(device), dtype)
+        buf = self._aranges.get(key)
+        if buf is None or buf.shape[0] < n:
+            if device.type == "cuda" and torch.cuda.is_current_stream_capturing():
+                return torch.arange(n, dtype=dtype, device=device)
+            if buf is not None:
+                self._retired.append(buf)
+            buf = self._aranges[key] = torch.arange(max(1024, 1 << max(0, n - 1).bit_length()), dtype=dtype,
+                                                    device=device)
+        return buf[:n]
+
     @staticmethod
     def slices(n: int, bytes_per_item: int, budget: int = 256 << 20):
         """Cut range(n) into slices whose working set stays near `budget` bytes."""
         step = max(1, budget // max(1, bytes_per_item))
         return [slice(i, min(n, i + step)) for i in range(0, n, step)]
 
-    @staticmethod
-    def query_rows(q: torch.Tensor, blocks: BlockQueries):
+    def query_rows(self, q: torch.Tensor, blocks: BlockQueries):
         """(nb, max_rows, H_q, D) fp32 queries of the blocks and the (nb, max_rows) row mask."""
-        r = torch.arange(blocks.max_rows, device=q.device)
+        r = self.arange(blocks.max_rows, q.device, torch.long)
         rows = (blocks.starts[:, None] + r).clamp(max=q.shape[0] - 1)
         ok = r[None, :] < blocks.lens[:, None]
         return q[rows].float(), ok

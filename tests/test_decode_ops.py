@@ -1,0 +1,44 @@
+"""The small kernels of a captured infinitehip decode step (issue 31), counted on a CPU: scripts/count_decode_ops.py
+runs the emulated graph path with the Triton kernels forced on (Triton's interpreter), so the code is the GPU's, and
+counts the torch ops inside the attention backend. On a GPU each is a kernel launch inside the decode graph (a few
+microseconds each, whatever its size), so these bounds guard against the per-layer small ops coming back: the
+aranges, fills, casts, row gathers and where/cat chains that were ~24 per layer in every step (now 3), and ~50 per
+layer in a step that refreshes the last stage (now ~13). The selections must equal the eager decode step's, which
+shares none of the graph decoder's code (its own stage cache, host-built query blocks, box tables gathered per
+layer)."""
+import os
+import sys
+
+import pytest
+
+sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "scripts"))
+
+pytestmark = pytest.mark.skipif(os.environ.get("TRITON_INTERPRET") != "1", reason="counts the CPU interpreter's path")
+
+
+def _trimmed(picked):
+    """(layer, [the listed blocks of each row and group]) per attended layer: the eager index is as wide as the
+    widest selection, the graph's as wide as the layer's index width, both -1 padded."""
+    return [(layer, [[b[:int(c)].tolist() for b, c in zip(rb, rc)] for rb, rc in zip(blocks, counts)])
+            for layer, blocks, counts in picked]
+
+
+def test_captured_decode_step_launches_few_small_ops():
+    from count_decode_ops import count
+
+    layers, steps = 4, 5  # refresh levels 0, 3, 3, 3, 2 with refresh (16, 8, 4)
+    graph = count(steps=steps, layers=layers)
+    eager = count(steps=steps, layers=layers, graph=False)
+    assert graph["tokens"] == eager["tokens"]
+    assert _trimmed(graph["picked"]) == _trimmed(eager["picked"])
+    assert graph["levels"] == [0, 3, 3, 3, 2]
+    per_step = graph["per_step"]
+    # level 3 (no stage refreshed; 12 of every 16 steps): the cached last stage gathered, its counts (2 ops), and
+    # the query positions once per step; was 24 per layer
+    assert all(n <= 3 * layers + 1 for n in per_step[1:4]), per_step
+    # level 2 (the last stage refreshed): was 51 per layer
+    assert per_step[4] <= 13 * layers, per_step
+    # every layer launches its box build, block-sparse attention and split-K combine, and nothing else at level 3
+    assert graph["kernels"][1:4] == [3 * layers] * 3
+    assert all(not any(k.startswith("aten::" + op) for k in graph["by_level"][3])
+               for op in ("to", "arange", "zeros", "ones", "cat", "pad", "where", "div"))
