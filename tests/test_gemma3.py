@@ -192,3 +192,16 @@ def test_gemma3_270m_gguf_matches_transformers_gguf_loader():
     got = llm.generate([{"prompt_token_ids": ids}], SamplingParams(temperature=0, max_tokens=16, ignore_eos=True),
                        use_tqdm=False)[0].token_ids
     assert got == want
+
+
+def test_gemma_3_12b_random_shape_is_the_published_one():
+    """`random:gemma-3-12b` (issue 33's KV-memory bench): keras-hub's published parameter count of gemma3_12b_text,
+    11,765,788,416, from these sizes; layers 5, 11, ..., 47 global, the others over a 1,024-token window."""
+    from longreach.models.llama import LlamaForCausalLM
+    from longreach.models.random_init import random_shape
+
+    cfg = random_shape("random:gemma-3-12b").config
+    with torch.device("meta"):  # shapes only
+        assert sum(p.numel() for p in LlamaForCausalLM(cfg).parameters()) == 11_765_788_416
+    assert [layer for layer in range(48) if cfg.window_of(layer) is None] == list(range(5, 48, 6))
+    assert cfg.sliding_window == 1024 and cfg.attn_scale == 256 ** -0.5 and cfg.rope.factor == 8.0

@@ -13,6 +13,7 @@ that is a worst case of locality, not a typical one.
 """
 from __future__ import annotations
 
+import dataclasses
 import logging
 import time
 from dataclasses import dataclass
@@ -44,6 +45,17 @@ SHAPES: dict[str, RandomShape] = {
         rope=RopeConfig(theta=500000.0, rope_type="llama3", factor=8.0, low_freq_factor=1.0, high_freq_factor=4.0,
                         original_max_position_embeddings=8192),
         tie_word_embeddings=False, name="random:llama-3.1-8b"), "(no 8B checkpoint offline)"),
+    # google/gemma-3-12b-pt's text config (the vocabulary without the image tokens: 262,144 rows, which with these
+    # sizes gives keras-hub's published 11,765,788,416 parameters of gemma3_12b_text; tests/test_gemma3.py): 48
+    # layers, one global in six, the sliding ones over 1,024 tokens (issue 33's KV-memory goal)
+    "gemma-3-12b": RandomShape("Gemma-3-12B", dataclasses.replace(ModelConfig.from_hf({
+        "model_type": "gemma3_text", "vocab_size": 262144, "hidden_size": 3840, "intermediate_size": 15360,
+        "num_hidden_layers": 48, "num_attention_heads": 16, "num_key_value_heads": 8, "head_dim": 256,
+        "sliding_window": 1024, "sliding_window_pattern": 6, "rope_theta": 1_000_000.0,
+        "rope_local_base_freq": 10_000.0, "rope_scaling": {"rope_type": "linear", "factor": 8.0},
+        "query_pre_attn_scalar": 256, "max_position_embeddings": 131072, "rms_norm_eps": 1e-6,
+        "hidden_activation": "gelu_pytorch_tanh", "final_logit_softcapping": None, "tie_word_embeddings": True},
+        name="random:gemma-3-12b"), bos_token_id=None, eos_token_ids=()), "(no Gemma 3 12B checkpoint offline)"),
     # CPU tests: head_dim 16 is the smallest the kernels take (a power of two >= 16)
     "tiny": RandomShape("tiny Llama", ModelConfig(
         architecture="llama", vocab_size=512, hidden_size=64, intermediate_size=128, num_layers=2, num_heads=4,
