@@ -47,6 +47,13 @@
 #                                           # (prefill chunks through piecewise CUDA graphs now) (issue 30)
 #   bash scripts/device_runs.sh pagedprefill # needs the model: tests/gpu's paged-prefill test; then bench mixed at
 #                                           # 128K beside 32 decodes, dense, --dense-prefill paged vs sdpa, profiled
+#   OLD=.carry/old OLD_COMMIT=C bash scripts/device_runs.sh abmixed  # needs the model: bench mixed (128K beside 32 decodes,
+#                                           # 256-token chunks, dense and infinitehip) in an earlier tree and in this
+#                                           # one, in one call: the earlier code is the same-call baseline. Make the
+#                                           # earlier tree here with `mkdir -p .carry/old && git archive C longreach |
+#                                           # tar -x -C .carry/old` and carry .carry/old (1.5 MB)
+#   OLD=.carry/old OLD_COMMIT=C bash scripts/device_runs.sh ab8b  # 8B shape, bf16: bench decode at 128K, infinitehip pruned vs
+#                                           # dense, in the earlier tree and in this one (issue 31's small kernels)
 #   bash scripts/device_runs.sh profile8b   # 8B shape, bf16: bench decode at 128K, infinitehip pruned vs dense, the
 #                                           # last 4 steps profiled (where the sparse step's fixed cost goes; issue 31)
 # A group's first command compiles kernels (~30-60 s); bench decode runs an untimed warm-up prompt first.
@@ -101,6 +108,23 @@ pagedprefill)
         run "mixed_paced_$m" 420 python3 -m longreach bench mixed --model "$model" --context 131072 --decodes 32 \
             --attention dense --long-prefill-token-threshold 256 --profile-steps 4 --dense-prefill "$m" \
             --out "$out/bench-mixed-128k-chunk256-prefill-$m.json"
+    done ;;
+abmixed|ab8b)  # the same command in the tree at $OLD, then in this one
+    : "${OLD:?OLD=the earlier tree (see the usage above)}"
+    for tree in old new; do  # python -m imports from the working directory first: each tree runs from its own
+        dir=$PWD commit=${LONGREACH_COMMIT:-}
+        [ "$tree" = old ] && dir=$(cd "$OLD" && pwd) commit=${OLD_COMMIT:?OLD_COMMIT: the commit of the earlier tree}
+        path="$dir:$(printf %s "${PYTHONPATH:-}" | tr ':' '\n' | grep -vx "$PWD" | paste -sd: -)"
+        e=(env -C "$dir" PYTHONPATH="$path" LONGREACH_COMMIT="$commit")
+        if [ "$group" = abmixed ]; then
+            run "mixed_paced_$tree" 280 "${e[@]}" python3 -m longreach bench mixed --model "$model" \
+                --context 131072 --decodes 32 --attention dense infinitehip --long-prefill-token-threshold 256 \
+                --out "$out/bench-mixed-128k-chunk256-$tree.json"
+        else
+            run "decode_8b_128k_$tree" 280 "${e[@]}" python3 -m longreach bench decode --lengths 128k \
+                --attention infinitehip@pruned --attention-config '{"infinitehip@pruned": {"dense_below": null}}' \
+                --dense-lengths 128k --decode-tokens 64 --out "$out/bench-decode-128k-8b-$tree.json"
+        fi
     done ;;
 profile8b)
     run profile_8b_128k 400 python3 -m longreach bench decode --lengths 128k --attention infinitehip@pruned \
