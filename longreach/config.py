@@ -82,7 +82,8 @@ class EngineConfig:
                                         "bytes a decode step reads); default: the run dtype")
     block_size: int = _f(16, "tokens per KV-cache page")
     gpu_memory_utilization: float = _f(0.90, "share of GPU memory for weights, activations and the KV cache")
-    kv_cache_memory_gb: float | None = _f(None, "KV cache size in GiB; default: what gpu_memory_utilization leaves "
+    kv_cache_memory_gb: float | None = _f(None, "KV cache size in GiB (per rank with "
+                                                "--tensor-parallel-size); default: what gpu_memory_utilization leaves "
                                                 "on CUDA, up to 4 GiB on CPU")
     rope_scaling: str | None = _f(None, "JSON object overriding the model's RoPE scaling, as vLLM's --rope-scaling, "
                                         "e.g. '{\"rope_type\": \"yarn\", \"factor\": 4.0}' (rope_type: linear, "
@@ -92,7 +93,9 @@ class EngineConfig:
                                      "with one fp32 scale per token and KV head; dequantised on load)")
     kv_offloading_size: float | None = _f(None, "host-memory tier of the KV cache in GiB (pinned): every page lives "
                                                 "there and --kv-cache-memory-gb becomes the GPU page cache; "
-                                                "0 or absent: no offloading (sparse attention only)")
+                                                "with --tensor-parallel-size, per rank (each GPU offloads its own KV "
+                                                "heads; the total is N times this); 0 or absent: no offloading "
+                                                "(sparse attention only)")
     enforce_eager: bool = _f(False, "no CUDA graphs: decode, prefill chunks and the sparse methods' prefill selection "
                                     "run eagerly")
     chunk_graph_max_tokens: int = _f(2048, "largest prefill step (tokens) whose work around attention replays from "
@@ -106,8 +109,9 @@ class EngineConfig:
                                     "GPU yet)")
     tensor_parallel_size: int = _f(1, "split the model over this many processes of one host (rank r on cuda:r; "
                                       "gloo over CPU processes with --device cpu): attention heads, MLP and "
-                                      "vocabulary, each rank its share of the KV cache; dense attention only for now, "
-                                      "no KV offloading, no fp8 weights, no CUDA graphs (docs/design-tensor-parallel.md)")
+                                      "vocabulary, each rank its share of the KV cache and of the offloaded tier; "
+                                      "every attention method at granularity kv_head or head; no fp8 weights, no "
+                                      "CUDA graphs yet (docs/design-tensor-parallel.md)")
     seed: int = _f(0, "random seed for requests that give none")
 
     def __post_init__(self) -> None:
@@ -183,6 +187,7 @@ class EngineConfig:
         for name in ("attention_config", "decode_attention_config"):  # JSON text is parsed here, once
             object.__setattr__(self, name, config_dict(getattr(self, name), name))
         self._check_methods()
+        self._check_tensor_parallel_methods()
 
     def _check_methods(self) -> None:
         """The attention method's preset and overrides, and the decode method's, checked now: a typo fails before
@@ -201,24 +206,42 @@ class EngineConfig:
                 raise ValueError(f"decode_attention {self.decode_attention!r}: {e}") from None
 
     def _check_tensor_parallel(self) -> None:
-        """What this milestone of tensor parallelism runs (issue 32): the dense backend, GPU-resident KV, unquantised
-        weights. The rest is refused here, before any process starts, rather than run untested."""
+        """What tensor parallelism runs (issue 32; docs/design-tensor-parallel.md): every attention method whose
+        selection is local to a rank's heads, the offloaded KV store (each rank its own heads' pages), unquantised
+        weights. The rest is refused here, before any process starts, rather than run untested; the methods'
+        `granularity` is checked after their configs are parsed (`_check_tensor_parallel_methods`)."""
         n = self.tensor_parallel_size
         if isinstance(n, bool) or not isinstance(n, int) or n < 1:
             raise ValueError(f"tensor_parallel_size must be a positive integer, got {n!r}")
         if n == 1:
             return
         why = []
-        if self.attention != "dense" or self.decode_attention not in (None, "dense"):
-            why.append("sparse attention methods are not split over ranks yet: use --attention dense")
-        if self.offload:
-            why.append("KV offloading is not split over ranks yet: leave --kv-offloading-size out")
         if self.quantization is not None:
-            why.append("fp8 weights are not tested with tensor parallelism yet: leave --quantization out")
+            # row-parallel layers (o_proj, down_proj) split each output channel's inputs over the ranks: a rank's
+            # per-channel weight scale and per-token activation scale would be maxima over its part only, another
+            # quantisation than one process's (models/fp8.py)
+            why.append("fp8 weights are not split over ranks yet (the per-output-channel scales of the row-parallel "
+                       "o_proj and down_proj span every rank's inputs): leave --quantization out")
         if self.device.startswith("cuda:"):
             why.append(f"device {self.device!r} names one GPU: use --device cuda (rank r runs on cuda:r)")
         if why:
             raise ValueError(f"tensor_parallel_size={n}: " + "; ".join(why))
+
+    def _check_tensor_parallel_methods(self) -> None:
+        """With tensor parallelism a method selects per KV group or per head, both local to a rank; granularity
+        "layer" pools every KV head's scores of a layer, which no rank holds (it would need a collective per stage).
+        Resolves the method's config (imports its module). The decode method's is checked by its own EngineConfig
+        (`_check_methods`: compose.decode_config)."""
+        if self.tensor_parallel_size == 1:
+            return
+        from .attention.registry import get_backend_class
+
+        granularity = getattr(get_backend_class(self.attention).resolve_config(self), "granularity", None)
+        if granularity == "layer":
+            raise ValueError(
+                f"tensor_parallel_size={self.tensor_parallel_size}: attention {self.attention} with granularity "
+                f"\"layer\" pools the scores of every KV head of a layer, and each rank holds only its own KV heads; "
+                f"use granularity \"kv_head\" (the default) or \"head\"")
 
     @property
     def offload(self) -> bool:

@@ -1,10 +1,13 @@
-"""Tensor parallelism, first milestone (issue 32): dense attention, CPU processes over gloo, fp32.
+"""Tensor parallelism (issue 32), milestones 1 and 2: CPU processes over gloo, fp32.
 
   * the shard math and the sharded loader, in one process: every rank's part reassembles into the unsharded weights
     (GQA heads split, one KV head replicated, a vocabulary that does not divide);
   * TP=2 == TP=1: greedy tokens equal and prompt logits within fp32 reduction-order error, with chunked prefill
     and mixed steps, for a model of 4 KV heads (2 per rank) and one of 1 KV head (replicated on both ranks);
-  * shutdown: no worker process left after `close`; a killed worker makes rank 0 raise (naming it), not hang.
+  * shutdown: no worker process left after `close`; a killed worker makes rank 0 raise (naming it), not hang;
+  * every sparse method per rank (granularity kv_head or head; "layer" refused), infinitehip with the offloaded KV
+    store, MInference with per-head patterns (each rank its global heads') composed with a decode method: greedy
+    tokens equal TP=1's, with budgets that prune.
 
 Each TP=2 engine spawns one worker (a few seconds on a 2-core CPU): the engines are shared per module.
 """
@@ -29,7 +32,8 @@ from conftest import make_tiny_hf_model
 GREEDY = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
 ENGINE = dict(device="cpu", dtype="float32", kv_cache_memory_gb=0.01, cpu_threads=1, block_size=8,
               max_num_batched_tokens=16, max_num_seqs=3)  # 16-token steps: prompts prefill in several chunks
-SHAPES = {"kv4": dict(num_attention_heads=8, num_key_value_heads=4, hidden_size=128),  # 2 KV heads (4 query heads) per rank
+SHAPES = {"kv4": dict(num_attention_heads=8, num_key_value_heads=4, hidden_size=128,  # 2 KV heads, 4 query heads
+                      max_position_embeddings=512),  # per rank; prompts of a few hundred tokens
           "kv1": dict(num_attention_heads=4, num_key_value_heads=1)}  # the one KV head on both ranks
 
 
@@ -67,15 +71,25 @@ def test_sizes_that_cannot_split_are_refused_with_the_allowed_ones():
 
 
 @pytest.mark.parametrize("what, kwargs, message", [
-    ("sparse", dict(attention="streaming"), "sparse attention"),
-    ("offload", dict(kv_offloading_size=1.0), "KV offloading"),
     ("fp8", dict(quantization="fp8"), "fp8 weights"),
+    ("layer", dict(attention="infinitehip", attention_config={"granularity": "layer"}),
+     'attention infinitehip with granularity "layer" .* use granularity "kv_head" \\(the default\\) or "head"'),
+    ("decode layer", dict(attention="minference", decode_attention="quest", decode_attention_config={
+        "granularity": "layer"}), "decode_attention 'quest'.*granularity \"layer\""),
     ("one gpu", dict(device="cuda:1"), "rank r runs on cuda:r"),
     ("size", dict(tensor_parallel_size=0), "positive integer"),
 ])
 def test_config_refuses_what_this_milestone_does_not_split(what, kwargs, message):
     with pytest.raises(ValueError, match=message):
         EngineConfig(**{"tensor_parallel_size": 2, **kwargs})
+    if what != "one gpu" and what != "size":
+        EngineConfig(**kwargs)  # one process runs it
+
+
+def test_config_takes_sparse_methods_and_offloading():
+    EngineConfig(tensor_parallel_size=2, attention="infinitehip", kv_offloading_size=1.0)
+    EngineConfig(tensor_parallel_size=2, attention="hip", attention_config={"granularity": "head"})
+    EngineConfig(tensor_parallel_size=2, attention="minference", decode_attention="infinitehip:3k-fast")
 
 
 def _reassemble(parts: list[torch.Tensor], full: torch.Tensor, name: str, shards: list[ModelShard]) -> torch.Tensor:
@@ -192,6 +206,117 @@ def test_tp2_gemma3_equals_tp1(tmp_path):
         assert [o.token_ids for o in two.generate(prompts, GREEDY, use_tqdm=False)] == want
         tokens = prompts[2]["prompt_token_ids"]
         a, b = one.engine.prompt_logits(tokens), two.engine.prompt_logits(tokens)
+        assert (a - b).abs().max().item() <= 1e-5 * a.abs().max().item()
+    finally:
+        two.close()
+
+
+# ---- sparse methods and the offloaded store, per rank ----------------------------------------------------------------
+# small budgets that prune prompts of a few hundred tokens (tests/test_sparse.py's SMALL; dense_below 0: no dense
+# fallback for short contexts), prefilled in 64-token chunks, decoded across the methods' mask refreshes
+SPARSE = {
+    "infinitehip": ("infinitehip", {"n_sink": 8, "n_window": 16, "block_q": 8, "chunk_sizes": [32, 8, 2],
+                                    "budgets": [128, 32, 8], "early_layers": 1, "early_last_budget": 16,
+                                    "refresh": [4, 2, 1], "dense_below": 0}, None),
+    "hip": ("hip", {"n_sink": 8, "n_window": 16, "block_q": 8, "budget": 16, "dense_layers": [0], "dense_below": 0,
+                    "refresh": 2, "granularity": "head"}, None),  # per query head: 4 groups per rank
+    "quest": ("quest", {"n_sink": 8, "n_window": 16, "block_q": 8, "page_size": 4, "budget": 16, "dense_below": 0},
+              None),
+    "streaming": ("streaming", {"n_sink": 8, "n_window": 24, "block_q": 8, "dense_below": 0}, None),
+    "psa": ("psa", {"n_sink": 8, "n_window": 16, "microbatch": 2, "epsilon": 0.5, "count_reads": True}, None),
+    "cascading": ("cascading", {"n_sink": 4, "num_subcaches": 3, "subcache_size": 16, "stride": 16, "block_q": 8,
+                                "block_k": 4}, None),
+}
+# the KV cache offloaded, each rank its own heads' pages. The sizes are per rank: TP=2 gets half of TP=1's host tier
+# (the same pages, of half the heads) and a GPU tier of the same 12 one-layer page slots (of 2 KV heads against 4:
+# 4096 or 2048 bytes, plus 32 of page table each), so slots churn
+OFFLOAD = {1: dict(kv_offloading_size=0.004, kv_cache_memory_gb=12 * (4096 + 32) / 2**30),
+           2: dict(kv_offloading_size=0.002, kv_cache_memory_gb=12 * (2048 + 32) / 2**30)}
+SPARSE["infinitehip+offload"] = ("infinitehip", SPARSE["infinitehip"][1], OFFLOAD)
+SPARSE_ENGINE = dict(ENGINE, max_num_batched_tokens=64)
+SPARSE_GREEDY = SamplingParams(temperature=0, max_tokens=10, ignore_eos=True)
+
+
+def _long_prompts(seed=3):
+    g = torch.Generator().manual_seed(seed)
+    return [{"prompt_token_ids": torch.randint(3, 250, (n,), generator=g).tolist()} for n in (300, 170)]
+
+
+def _tp_pair(path, per_size=None, **kw):
+    """(TP=1, TP=2) engines of `kw`; `per_size`: {1: kwargs, 2: kwargs} of each size."""
+    per_size = per_size or {1: {}, 2: {}}
+    return (LLM(path, **{**SPARSE_ENGINE, **kw, **per_size[1]}),
+            LLM(path, tensor_parallel_size=2, **{**SPARSE_ENGINE, **kw, **per_size[2]}))
+
+
+@pytest.fixture(scope="module")
+def dense_kv4(engines):
+    one = engines["kv4"][0]
+    tokens = _long_prompts()[0]["prompt_token_ids"]
+    return one.engine.prompt_logits(tokens)
+
+
+@pytest.mark.parametrize("case", list(SPARSE))
+def test_tp2_sparse_greedy_tokens_equal_tp1(paths, dense_kv4, case, monkeypatch):
+    """Each method's selection runs per KV group or per head, local to a rank's heads; its per-sequence state
+    (mask caches, box stores, rings) follows rank 0's plans. Greedy tokens equal TP=1's, and TP=1 really prunes
+    (its prompt logits differ from dense attention's; PSA, dense in prefill: its decode reads fewer keys than the
+    context holds)."""
+    method, cfg, extra = SPARSE[case]
+    # the offloaded store's copies through their PyTorch references, not Triton's interpreter (conftest's default;
+    # tests/test_offload.py runs the kernels): 10x faster here, and the worker inherits it at spawn
+    monkeypatch.setenv("TRITON_INTERPRET", "0")
+    one, two = _tp_pair(paths["kv4"], extra, attention=method, attention_config=cfg)
+    try:
+        prompts = _long_prompts()
+        want = [o.token_ids for o in one.generate(prompts, SPARSE_GREEDY, use_tqdm=False)]
+        got = [o.token_ids for o in two.generate(prompts, SPARSE_GREEDY, use_tqdm=False)]
+        assert got == want
+        assert two.engine.blocks.num_free_blocks == two.engine.blocks.num_blocks
+        if extra:  # offloaded, the same tiers as one process (per rank: its heads' pages); GPU slots churned
+            a, b = one.engine.kv_cache_stats(), two.engine.kv_cache_stats()
+            assert a["host_pages_total"] == b["host_pages_total"] and a["gpu_pages_total"] == b["gpu_pages_total"]
+            assert a["pages_evicted"] > 0 and b["pages_evicted"] > 0
+        elif method == "psa":
+            reads = one.engine.backend.decode_reads()
+            assert 0 < reads["keys"] < 0.8 * reads["context_keys"]
+        else:
+            sparse = one.engine.prompt_logits(prompts[0]["prompt_token_ids"])
+            assert (sparse - dense_kv4).abs().max().item() > 1e-3
+    finally:
+        two.close()
+
+
+def test_tp2_minference_takes_each_ranks_patterns_and_composes_with_a_decode_method(paths, dense_kv4, tmp_path):
+    """MInference's pattern file lists every query head of the model; rank r keeps those of its own global heads
+    (4 per rank here), not the file's first 4. Different patterns per head (a planted file) and a composed decode
+    (quest): TP=2's greedy tokens equal TP=1's, and each rank's table is its slice of the file."""
+    import json
+
+    kinds = [("a_shape", 8, 32), ("vertical_slash", 16, 32), ("block_sparse", 3), ("a_shape", 16, 16)]
+    layers = [{"choice": [kinds[(h + layer) % 4] if h < 4 else kinds[(h * 3 + layer) % 4] for h in range(8)]}
+              for layer in range(3)]
+    p = tmp_path / "patterns.json"
+    p.write_text(json.dumps({"format": "longreach-minference-patterns/1", "granularity": "head", "block": 16,
+                             "layers": layers}))
+    cfg = {"patterns": str(p), "block": 16, "dense_below": 0}
+    quest = SPARSE["quest"][1]
+    one, two = _tp_pair(paths["kv4"], attention="minference", attention_config=cfg, decode_attention="quest",
+                        decode_attention_config=quest)
+    try:
+        assert one.engine.backend.prefill.method.layer_patterns(1) == [tuple(c) for c in layers[1]["choice"]]
+        assert two.engine.backend.prefill.method.layer_patterns(1) == [tuple(c) for c in layers[1]["choice"][:4]]
+        from longreach.attention.minference.method import MInference
+
+        rank1 = ModelShard.of(two.engine.model_config, 1, 2).local_config(two.engine.model_config)
+        m1 = MInference(two.engine.backend.prefill.config, 4, 2, 3, rank1)
+        assert m1.layer_patterns(1) == [tuple(c) for c in layers[1]["choice"][4:]]
+        prompts = _long_prompts()
+        want = [o.token_ids for o in one.generate(prompts, SPARSE_GREEDY, use_tqdm=False)]
+        assert [o.token_ids for o in two.generate(prompts, SPARSE_GREEDY, use_tqdm=False)] == want
+        sparse = one.engine.prompt_logits(prompts[0]["prompt_token_ids"])
+        assert (sparse - dense_kv4).abs().max().item() > 1e-3
+        a, b = sparse, two.engine.prompt_logits(prompts[0]["prompt_token_ids"])
         assert (a - b).abs().max().item() <= 1e-5 * a.abs().max().item()
     finally:
         two.close()

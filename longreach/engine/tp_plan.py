@@ -82,21 +82,30 @@ class PlannedSeq:
 
 
 class MirroredBlocks:
-    """A worker's copy of rank 0's block tables: what `ModelRunner` reads of a `BlockManager`."""
+    """A worker's copy of rank 0's block tables: what `ModelRunner` reads of a `BlockManager`.
 
-    def __init__(self, num_blocks: int, block_size: int):
+    `on_free(pages)` (the offloaded store's `free_pages`, as on rank 0's BlockManager) drops the GPU slots of pages
+    whose owner changed: those of freed sequences, and every page a plan hands out (a table's new tail). A page rank 0
+    hands out came off its free list, so rank 0's store holds no slot for it; the worker may not have heard of the
+    free (a sequence freed and re-admitted between two plans is not in `freed`), so it drops the slot then, before
+    the step writes the page."""
+
+    def __init__(self, num_blocks: int, block_size: int, on_free=None):
         self.num_blocks, self.block_size = num_blocks, block_size
         self._tables: dict[int, list[int]] = {}
+        self.on_free = on_free
 
     def table(self, seq_id: int) -> list[int]:
         return self._tables.setdefault(seq_id, [])
 
     def apply(self, plan: StepPlan, backend) -> ScheduledBatch:
-        """Take `plan`'s table changes and frees (dropping the backend's state of freed and restarted sequences);
-        returns the step's batch of stand-in sequences."""
+        """Take `plan`'s table changes and frees (dropping the backend's state of freed and restarted sequences, and
+        the store's slots of pages that changed hands); returns the step's batch of stand-in sequences."""
         for sid in plan.freed:
-            self._tables.pop(sid, None)
+            pages = self._tables.pop(sid, [])
             backend.free_sequence(sid)
+            if pages and self.on_free is not None:
+                self.on_free(pages)
         seqs = []
         for p in plan.seqs:
             if p.num_computed == 0:
@@ -104,5 +113,7 @@ class MirroredBlocks:
             table = self.table(p.seq_id)
             del table[p.table_start:]
             table.extend(p.table_tail)
+            if p.table_tail and self.on_free is not None:
+                self.on_free(p.table_tail)
             seqs.append(PlannedSeq(p.seq_id, p.num_computed, p.num_tokens, p.tokens))
         return ScheduledBatch(plan.is_prefill, seqs, [len(p.tokens) for p in plan.seqs], plan.num_decodes)

@@ -148,7 +148,8 @@ def serve_plans(engine) -> None:
     from .model_runner import ModelRunner
     from .tp_plan import MirroredBlocks
 
-    blocks = MirroredBlocks(engine.blocks.num_blocks, engine.blocks.block_size)
+    # the offloaded store drops the slots of freed pages (kvcache/build.py sets the same hook on rank 0's manager)
+    blocks = MirroredBlocks(engine.blocks.num_blocks, engine.blocks.block_size, engine.blocks.on_free)
     runner = ModelRunner(engine.model, engine.config, engine.kv_cache, blocks, engine.backend, engine.device)
     while True:
         plan = engine.tp.broadcast_object()

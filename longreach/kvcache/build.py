@@ -36,7 +36,7 @@ def build_kv_cache(cfg, mc, kv_dtype: torch.dtype, device: torch.device, needs: 
     sequence."""
     if cfg.offload:
         return build_offloaded_cache(cfg, mc, kv_dtype, device, needs.dense_layers, free_gpu_bytes,
-                                     needs.page_state_bytes)
+                                     needs.page_state_bytes, agree)
     layout = needs.layout
     num_blocks = _num_resident_blocks(cfg, mc, kv_dtype, device, needs, free_gpu_bytes, agree)
     blocks = BlockManager(num_blocks, cfg.block_size, slots_for=layout and layout.slots_for)
@@ -97,12 +97,15 @@ def host_memory_available() -> int | None:
 
 
 def build_offloaded_cache(cfg, mc, kv_dtype: torch.dtype, device: torch.device, dense_layers,
-                          free_gpu_bytes, page_state_bytes: int = 0) -> tuple[BlockManager, OffloadedKVCache]:
+                          free_gpu_bytes, page_state_bytes: int = 0,
+                          agree: Callable[[int], int] = lambda n: n) -> tuple[BlockManager, OffloadedKVCache]:
     """The block manager and the two-tier store for EngineConfig `cfg` and ModelConfig `mc`:
     `kv_offloading_size` GiB of pinned host pages hold every token, a GPU pool of `kv_cache_memory_gb` (default:
     `free_gpu_bytes()` less the staging area and the backend's GPU state per host page, `page_state_bytes`: psa's
-    block metadata) caches the hot pages. Raises ValueError with what to change when a tier does not fit; logs both
-    tiers in GiB and tokens."""
+    block metadata) caches the hot pages. With tensor parallelism both sizes are per rank (each rank offloads its own
+    KV heads) and `agree(pages)` makes the host page count every rank's smallest (rank 0's block tables index every
+    rank's host tier; each rank's GPU page cache is its own, sized alone). Raises ValueError with what to change
+    when a tier does not fit; logs both tiers in GiB and tokens."""
     bs, L, H, D = cfg.block_size, mc.num_layers, mc.num_kv_heads, mc.head_dim
     if cfg.attention == "dense" and cfg.decode_attention is None:
         logger.warning("dense attention with KV offloading reads every page of every layer from host memory at "
@@ -113,7 +116,7 @@ def build_offloaded_cache(cfg, mc, kv_dtype: torch.dtype, device: torch.device, 
                        "host memory at each decode step; --attention-config '{\"dense_layers\": []}' avoids it",
                        list(dense_layers))
     per_page = OffloadedKVCache.bytes_per_page(L, bs, H, D, kv_dtype)
-    host_pages = int(cfg.kv_offloading_size * GiB // per_page)
+    host_pages = agree(int(cfg.kv_offloading_size * GiB // per_page))
     longest = -(-cfg.max_model_len // bs)
     if host_pages < longest:
         raise ValueError(

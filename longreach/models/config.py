@@ -60,6 +60,20 @@ class ModelConfig:
     bos_token_id: int | None = None
     eos_token_ids: tuple[int, ...] = ()
     name: str = ""
+    # a tensor-parallel rank's view of the model (models/shard.py: ModelShard.local_config): the whole model's
+    # (query heads, KV heads) and the global indices of this config's first query head and first KV head. None and
+    # (0, 0): the whole model. Backends whose per-head data is indexed by global head (MInference's pattern files)
+    # read it through `global_heads`
+    whole_heads: tuple[int, int] | None = None
+    first_heads: tuple[int, int] = (0, 0)
+
+    def global_heads(self, granularity: str) -> tuple[int, range]:
+        """(the whole model's count of `granularity` "head" or "kv_head", the global indices of this config's own)."""
+        kv = granularity == "kv_head"
+        local = self.num_kv_heads if kv else self.num_heads
+        total = (self.whole_heads or (self.num_heads, self.num_kv_heads))[kv]
+        first = self.first_heads[kv]
+        return total, range(first, first + local)
 
     def __post_init__(self) -> None:
         if self.num_heads % self.num_kv_heads:

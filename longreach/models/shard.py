@@ -68,7 +68,9 @@ class ModelShard:
 
     def local_config(self, cfg: ModelConfig) -> ModelConfig:
         """`cfg` as this rank's attention backend and KV cache see it: its query and KV heads only."""
-        return dataclasses.replace(cfg, num_heads=len(self.q_heads), num_kv_heads=len(self.kv_heads))
+        return dataclasses.replace(cfg, num_heads=len(self.q_heads), num_kv_heads=len(self.kv_heads),
+                                   whole_heads=(cfg.num_heads, cfg.num_kv_heads),
+                                   first_heads=(self.q_heads.start, self.kv_heads.start))
 
     def _head_rows(self, heads: range) -> slice:
         return slice(heads.start * self.head_dim, heads.stop * self.head_dim)

@@ -32,7 +32,7 @@ class MInferenceBackend(AttentionBackend):
         super().__init__(model_config, engine_config, device)
         self.config = self.resolve_config(engine_config, by_alias=True)
         self.method = MInference(self.config, model_config.num_heads, model_config.num_kv_heads,
-                                 model_config.num_layers)
+                                 model_config.num_layers, model_config)  # a rank: its heads' patterns
         dense_config = dataclasses.replace(engine_config, attention="dense", preset=None, attention_config=None)
         self.fallback = DenseFallback(model_config, dense_config, device, self.config.dense_layers,
                                       lambda layer, decoding: self.config.dense_below)
@@ -69,7 +69,7 @@ class MInferenceBackend(AttentionBackend):
             return cls.layer_window_problems(model_config)
         try:
             cfg = cls.resolve_config(engine_config, by_alias=True)
-            MInference(cfg, model_config.num_heads, model_config.num_kv_heads, model_config.num_layers)
+            MInference(cfg, model_config.num_heads, model_config.num_kv_heads, model_config.num_layers, model_config)
         except ValueError as e:
             return [str(e)]
         return missing_layers(cfg.dense_layers, model_config.num_layers)

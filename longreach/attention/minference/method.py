@@ -63,17 +63,26 @@ class MInference:
     presets = PRESETS
     default_preset = DEFAULT_PRESET
 
-    def __init__(self, cfg: MInferenceConfig, num_heads: int, num_kv_heads: int, num_layers: int | None = None):
+    def __init__(self, cfg: MInferenceConfig, num_heads: int, num_kv_heads: int, num_layers: int | None = None,
+                 model_config=None):
+        """`model_config`: a tensor-parallel rank's ModelConfig (models/shard.py: local_config), whose heads are a
+        range of the model's: the pattern file lists every head (or KV head) of the model, and this rank keeps the
+        patterns of its own global heads. None: num_heads and num_kv_heads are the whole model's."""
         self.cfg = cfg
         self.num_heads, self.num_kv_heads = num_heads, num_kv_heads
         self.table: list[list[tuple]] | None = None
         gran = cfg.granularity or "head"
         if cfg.patterns is not None:
-            file_gran, self.table = load_patterns(cfg.patterns, num_layers, num_heads, num_kv_heads, cfg.block)
+            whole = model_config.whole_heads if model_config is not None else None
+            file_gran, self.table = load_patterns(cfg.patterns, num_layers, *(whole or (num_heads, num_kv_heads)),
+                                                  cfg.block)
             if cfg.granularity not in (None, file_gran):
                 raise ValueError(f"granularity {cfg.granularity!r} differs from the patterns file's ({file_gran!r}); "
                                  "leave it unset or recalibrate")
             gran = file_gran
+            if whole is not None:  # this rank's heads of each layer, by global index
+                own = model_config.global_heads(gran)[1]
+                self.table = [layer[own.start:own.stop] for layer in self.table]
         self.granularity = gran
         self.groups = num_heads if gran == "head" else num_kv_heads
 
