@@ -85,8 +85,8 @@ def ring_plan(cfg, mc, kv_dtype, budget: float) -> tuple[int, int, int]:
 def _log_ring(cache: WindowedKVCache, mc, tokens: int) -> None:
     glob, sliding = layer_split(mc)
     logger.info("KV cache: %d global layers keep every page (%d tokens); %d sliding-window layers keep a ring of "
-                "their last %d tokens per sequence, %d sequence slots (%.2f GiB, fixed)", len(glob), tokens,
-                len(sliding), cache.window, cache.num_slots, cache.ring.nbytes / GiB)
+                "their last %d tokens per sequence, %d sequence slots and a scratch one (%.1f MiB, fixed)", len(glob),
+                tokens, len(sliding), cache.window, cache.num_slots, cache.ring.nbytes / 2**20)
 
 
 def _num_resident_blocks(cfg, mc, kv_dtype, device, needs: KVNeeds, free_gpu_bytes, agree=lambda n: n
@@ -206,6 +206,6 @@ def build_offloaded_cache(cfg, mc, kv_dtype: torch.dtype, device: torch.device, 
     logger.info("KV cache, host tier: %d pages x %d tokens = %d tokens (%.2f GiB%s, %s)", host_pages, bs,
                 host_pages * bs, store.host_nbytes / GiB, " pinned" if device.type == "cuda" else "", kv)
     logger.info("KV cache, GPU tier: %d slots of one layer's page = %d tokens per layer on average (%.2f GiB, "
-                "shared by all %d layers); prefill staging %.2f GiB (%d pages)", slots, slots * bs // L,
+                "shared by the %d layers it holds); prefill staging %.2f GiB (%d pages)", slots, slots * bs // L,
                 (store.inner if ring_slots else store).nbytes / GiB, L, store.staging_nbytes / GiB, staging)
     return blocks, store
