@@ -72,6 +72,11 @@ class AttentionMetadata:
     # the index each layer attended (`PageReads`) and the runner hands it to the store after the layer; None: no
     # store asks (prefill, a GPU-resident cache)
     page_reads: list[PageReads] | None = None
+    # a model whose sliding-window layers keep a ring (kvcache/window.py): each sequence's ring slot (B,) int64 and
+    # the ring row of each new token (T,) int64 (`slot * window + position % window`; the scratch slot's rows for a
+    # prefill chunk's tokens that no later query sees, and for padded graph rows); None: no ring
+    window_slots: torch.Tensor | None = None
+    window_mapping: torch.Tensor | None = None
     # what a backend derives from this metadata once and reuses in every layer of the step (e.g. attention/dense.py:
     # the pages of each cached prefix, the causal masks), keyed by the backend's own names. Not an __init__ argument:
     # `dataclasses.replace` (a staged prefill's metadata, kvcache/offload.py) starts an empty one

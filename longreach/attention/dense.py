@@ -15,10 +15,10 @@ of them in one launch; measured slower than the SDPA path (docs/design-mixed-gra
 Decode: the Triton paged flash-decoding kernel on CUDA (CUDA-graph capturable), its PyTorch reference on CPU.
 
 Sliding-window layers (Gemma 3's local layers, `ModelConfig.window_of`): a query at position p sees the keys at
-positions p - window < k <= p (the window counts the current token, as transformers' mask does). Prefill gathers only
-the keys a chunk's window can reach and runs SDPA under a banded mask; decode gathers each sequence's last `window`
-keys by slot (`window_decode`: fixed shapes, so it is CUDA-graph capturable too) and attends in fp32. Every page is
-kept: nothing outside the window is freed yet.
+positions p - window < k <= p (the window counts the current token, as transformers' mask does). Their keys sit in a
+ring of `window` rows per sequence (kvcache/window.py), not in pages. Prefill reads the window before a chunk from the
+ring (the chunk's own keys directly: the runner stores them after) and runs SDPA under a banded mask; decode is the
+paged decode kernel over the sequence's ring (fixed shapes: CUDA-graph capturable).
 
 `DenseFallback` is the sparse methods' shared rule for when they attend densely instead (always-dense layers, short
 contexts) and the dense backend that then runs.
@@ -35,9 +35,7 @@ from torch.nn import functional as F
 from ..kernels import use_triton
 from ..kernels.combine import sm_count, split_count
 from ..kernels.fp8 import as_bytes, values
-from ..kernels.kv_layout import as_tensor
 from ..kernels.paged_decode import default_num_splits, paged_decode, paged_decode_reference
-from ..kvcache.paged import gather_tokens
 from .backend import AttentionBackend, AttentionMetadata, Capabilities, GraphSupport
 from .executor import block_sparse_attention
 from .index import QueryBlocks, SparseIndex
@@ -216,22 +214,36 @@ def paged_prefix_attention(q, k_cache, v_cache, block_tables, index: SparseIndex
     return ref if out is None else out.copy_(ref)
 
 
-def window_decode(q, k_cache, v_cache, block_tables, seq_lens, scale: float, window: int) -> torch.Tensor:
-    """One query per sequence (q (B, H_q, D), at position seq_len - 1) over its last `window` keys, gathered from the
-    paged cache by slot (B x window rows, fixed shapes: graph-capturable), in fp32 -> (B, H_q, D)."""
-    kc, vc = as_tensor(k_cache, q.dtype), as_tensor(v_cache, q.dtype)
-    B, Hq, D = q.shape
-    _, page, Hkv, _ = kc.shape
-    pos = seq_lens.long()[:, None] - window + torch.arange(window, device=q.device)[None, :]  # (B, W)
-    valid = pos >= 0
-    pos = pos.clamp(min=0)
-    slots = block_tables.long().gather(1, pos // page) * page + pos % page
-    k = kc.reshape(-1, Hkv, D)[slots].float()  # (B, W, H_kv, D)
-    v = vc.reshape(-1, Hkv, D)[slots].float()
-    s = torch.einsum("bhgd,bwhd->bhgw", q.float().view(B, Hkv, Hq // Hkv, D), k) * scale
-    s = s.masked_fill(~valid[:, None, None, :], float("-inf"))
-    out = torch.einsum("bhgw,bwhd->bhgd", torch.softmax(s, dim=-1), v)
-    return out.reshape(B, Hq, D).to(q.dtype)
+def ring_rows(cache, rows: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """Rows (n,) of a ring layer's K or V (kvcache/window.py: row `slot * window + position % window` of the cache
+    flattened over its pages) as one (n, H_kv, D) tensor in `dtype` (fp8 rows dequantised)."""
+    flat = as_bytes(cache).flatten(0, 1)  # (pages * page, H_kv, row bytes)
+    return values(flat.index_select(0, rows).view(cache.dtype), torch.float32).to(dtype)
+
+
+@dataclass
+class WindowPlan:
+    """A prefill step's sliding-window work, the same in every sliding layer (built at the first, kept on the step's
+    `step_cache`): per sequence its rows of q, the position of its first key and the ring rows of the window before
+    the chunk (positions first .. ctx - 1), None for a chunk without a prefix."""
+
+    chunks: list[tuple[slice, int, torch.Tensor | None]]
+
+    KEY = "dense.window"
+
+    @classmethod
+    def build(cls, meta: AttentionMetadata, window: int, device) -> "WindowPlan":
+        chunks, start = [], 0
+        for i, (n, ctx) in enumerate(zip(meta.query_lens, meta.context_lens)):
+            rows = slice(start, start + n)
+            start += n
+            if ctx == 0:
+                chunks.append((rows, 0, None))
+                continue
+            first = max(0, ctx - window + 1)
+            ring = meta.window_slots[i] * window + torch.arange(first, ctx, device=device) % window
+            chunks.append((rows, first, ring))
+        return cls(chunks)
 
 
 class DenseBackend(AttentionBackend):
@@ -246,24 +258,37 @@ class DenseBackend(AttentionBackend):
                 return self._window_prefill(q, k, v, k_cache, v_cache, meta, window)
             return self._prefill(q, k, v, k_cache, v_cache, meta)
         if window is not None:
-            return window_decode(q, k_cache, v_cache, meta.block_tables, meta.seq_lens, self.scale, window)
+            return self._window_decode(q, k_cache, v_cache, meta, window)
         return self._decode(q, k_cache, v_cache, meta)
 
     def _window_prefill(self, q, k, v, k_cache, v_cache, meta: AttentionMetadata, window: int):
-        """A sliding-window layer's prefill: each chunk over only the keys its window reaches (from position
-        ctx - window + 1), gathered from the paged cache where the chunk has a prefix."""
+        """A sliding-window layer's prefill over its ring (kvcache/window.py; the chunk is not in it yet: the runner
+        stores it after): each chunk over the window before it, read from the ring, and its own keys."""
+        plan = meta.step_cache.get(WindowPlan.KEY)
+        if plan is None:  # the step's first sliding layer
+            plan = meta.step_cache[WindowPlan.KEY] = WindowPlan.build(meta, window, q.device)
         out = torch.empty_like(q)
-        start = 0
-        for i, (n, ctx) in enumerate(zip(meta.query_lens, meta.context_lens)):
-            rows = slice(start, start + n)
-            start += n
-            if ctx == 0:
+        for rows, first, ring in plan.chunks:
+            if ring is None:
                 out[rows] = window_attention(q[rows], k[rows], v[rows], self.scale, window)
             else:
-                first = max(0, ctx - window + 1)
-                ki = gather_tokens(k_cache, meta.block_tables[i], ctx + n, first).to(q.dtype)
-                vi = gather_tokens(v_cache, meta.block_tables[i], ctx + n, first).to(q.dtype)
+                ki = torch.cat([ring_rows(k_cache, ring, q.dtype), k[rows]])
+                vi = torch.cat([ring_rows(v_cache, ring, q.dtype), v[rows]])
                 out[rows] = window_attention(q[rows], ki, vi, self.scale, window, first)
+        return out
+
+    def _window_decode(self, q, k_cache, v_cache, meta: AttentionMetadata, window: int):
+        """A sliding-window layer's decode: the paged decode over the sequence's ring (its `window // page` pages from
+        `slot * window // page`, its last min(seq_len, window) tokens; built on the device: graph-capturable). The
+        ring's rows hold their keys rotated at their true positions, so their order does not matter."""
+        per = window // k_cache.shape[1]
+        tables = (meta.window_slots[:, None] * per + torch.arange(per, device=q.device)).to(torch.int32)
+        lens = meta.seq_lens.clamp(max=window)
+        if use_triton(q):
+            splits = default_num_splits(q.shape[0], self.model_config.num_kv_heads, window, num_sms=self._num_sms)
+            out, _ = paged_decode(q, k_cache, v_cache, tables, lens, self.scale, num_splits=splits)
+        else:
+            out, _ = paged_decode_reference(q, k_cache, v_cache, tables, lens, self.scale)
         return out
 
     def _prefill(self, q, k, v, k_cache, v_cache, meta: AttentionMetadata):

@@ -24,7 +24,7 @@ from ..config import EngineConfig
 from ..distributed.group import TPGroup
 from ..kvcache.block_manager import BlockManager
 from ..kvcache.build import GiB, build_kv_cache
-from ..kvcache.paged import PagedKVCache
+from ..kvcache.window import resident_cache
 from ..models.loader import load_model
 from ..sampling_params import SamplingParams
 from . import cpu_runtime
@@ -189,9 +189,10 @@ class LLMEngine:
         n = min(cfg.max_num_batched_tokens, cfg.max_model_len)
         layout = self.backend.kv_layout
         slots = n if layout is None else layout.slots_for(n)
-        blocks = BlockManager(-(-slots // cfg.block_size), cfg.block_size, slots_for=layout and layout.slots_for)
-        cache = PagedKVCache(mc.num_layers, blocks.num_blocks + 1, cfg.block_size, mc.num_kv_heads, mc.head_dim,
-                             self.kv_dtype, self.device)
+        ring = 1 if mc.has_layer_windows else None  # sliding-window layers: a ring of one slot (kvcache/window.py)
+        blocks = BlockManager(-(-slots // cfg.block_size), cfg.block_size, slots_for=layout and layout.slots_for,
+                              num_slots=ring)
+        cache = resident_cache(mc, blocks.num_blocks, cfg.block_size, self.kv_dtype, self.device, ring or 0)
         runner = ModelRunner(self.model, cfg, cache, blocks, self.backend, self.device)
         probe = Sequence(-1, "profile", 0, [0] * n, SamplingParams(max_tokens=1), frozenset(), 1)
         blocks.ensure(probe.seq_id, n)

@@ -44,7 +44,7 @@ class StepContext:
         self.parts = parts
 
     def attention(self, layer, q, k, v):
-        if self.staged is not None:
+        if self.staged is not None and layer not in self.kv_cache.window_layers:
             return self.staged.attention(layer, q, k, v, self.backend)
         if self.parts is None:
             return self._attend(layer, q, k, v, self.meta)
@@ -53,6 +53,8 @@ class StepContext:
                           for (a, meta), b in zip(self.parts, bounds)])
 
     def _attend(self, layer, q, k, v, meta: AttentionMetadata):
+        if layer in self.kv_cache.window_layers:
+            return self._attend_window(layer, q, k, v, meta)
         self.kv_cache.store(layer, k, v, meta.slot_mapping)
         k_cache, v_cache = self.kv_cache.layer(layer)
         out = self.backend.forward(layer, q, k, v, k_cache, v_cache, meta)
@@ -64,6 +66,19 @@ class StepContext:
         return out
 
 
+    def _attend_window(self, layer, q, k, v, meta: AttentionMetadata):
+        """A sliding-window layer whose keys sit in a ring of `window` rows per sequence (kvcache/window.py): decode
+        stores the new token and then attends over the ring; a prefill chunk attends first (the window before it from
+        the ring, its own keys directly) and is stored after, so that the ring never has to hold a chunk."""
+        k_cache, v_cache = self.kv_cache.layer(layer)
+        if not meta.is_prefill:
+            self.kv_cache.store(layer, k, v, meta.window_mapping)
+            return self.backend.forward(layer, q, k, v, k_cache, v_cache, meta)
+        out = self.backend.forward(layer, q, k, v, k_cache, v_cache, meta)
+        self.kv_cache.store(layer, k, v, meta.window_mapping)
+        return out
+
+
 class ModelRunner:
     def __init__(self, model: LlamaForCausalLM, config: EngineConfig, kv_cache: KVCache,
                  blocks: BlockManager, backend: AttentionBackend, device: torch.device):
@@ -71,6 +86,8 @@ class ModelRunner:
         self.device = device
         self.block_size = blocks.block_size
         self.scratch_page = blocks.num_blocks  # the cache has one page more than the block manager hands out
+        self.window = kv_cache.window  # sliding-window layers in a ring of this many rows per sequence, or None
+        self.scratch_slot = kv_cache.num_slots if self.window else 0  # the ring's scratch slot (its last)
         self._graphs: dict[tuple, typing.Callable[[], torch.Tensor]] = {}  # (rows, backend variant) -> step
         self._graph_sizes: list[int] = []
         self.last_kv_counts: dict | None = None  # the last decode step's page counts, where the store keeps them
@@ -92,6 +109,12 @@ class ModelRunner:
             pos.append(t)
             local = t if layout is None else layout.slot_index(c, n)
             slots.append(np.asarray(table, dtype=np.int64)[local // bs] * bs + local % bs)
+        window = self.window
+        if window:  # the ring rows of the new tokens: a chunk's last `window` ones, the others to the scratch slot
+            wslots = [self.blocks.slot(s.seq_id) for s in batch.seqs]
+            wmap = np.concatenate([np.where(np.arange(c, c + n) >= c + n - window, w, self.scratch_slot) * window
+                                   + np.arange(c, c + n) % window
+                                   for w, c, n in zip(wslots, ctx_lens, batch.num_tokens)])
         seq_lens = [c + n for c, n in zip(ctx_lens, batch.num_tokens)]
         width = max(len(t) for t in tables)
         bt = np.zeros((len(tables), width), dtype=np.int32)
@@ -113,6 +136,9 @@ class ModelRunner:
             prompt_lens=[s.num_tokens for s in batch.seqs],
             page_reads=[] if not batch.is_prefill and self.kv_cache.wants_reads else None,
         )
+        if window:
+            meta.window_slots = torch.tensor(wslots, dtype=torch.long).to(dev, non_blocking=True)
+            meta.window_mapping = torch.from_numpy(wmap.astype(np.int64)).to(dev, non_blocking=True)
         input_ids = torch.tensor(ids, dtype=torch.long).to(dev, non_blocking=True)
         positions = torch.from_numpy(np.concatenate(pos)).to(dev, non_blocking=True)
         return input_ids, positions, meta, qsl
@@ -307,6 +333,9 @@ class ModelRunner:
         self._g_lens = torch.ones(max_bs, dtype=torch.int32, device=dev)
         self._g_tables = torch.full((max_bs, max_pages), self.scratch_page, dtype=torch.int32, device=dev)
         self._g_qsl = torch.arange(max_bs + 1, dtype=torch.int32, device=dev)
+        if self.window:  # the ring's slots and rows of the rows (the scratch slot for padded ones)
+            self._g_wslots = torch.full((max_bs,), self.scratch_slot, dtype=torch.long, device=dev)
+            self._g_wmap = torch.full((max_bs,), self.scratch_slot * self.window, dtype=torch.long, device=dev)
         self._emulate = emulate
         self._pool = None if emulate else torch.cuda.graph_pool_handle()
         self._graph_sizes = sizes
@@ -334,6 +363,10 @@ class ModelRunner:
         meta = AttentionMetadata(False, [-1] * n, [1] * n, [0] * n, self._g_qsl[: n + 1], self._g_lens[:n],
                                  self._g_tables[:n], self._g_slots[:n], self.config.max_model_len, 1,
                                  page_reads=[] if self.kv_cache.wants_reads else None)
+        if self.window:
+            self._g_wslots[:n].fill_(self.scratch_slot)
+            self._g_wmap[:n].fill_(self.scratch_slot * self.window)
+            meta.window_slots, meta.window_mapping = self._g_wslots[:n], self._g_wmap[:n]
         ctx = StepContext(self.kv_cache, self.backend, meta, None)
         run = lambda: self.model.logits(self.model(self._g_ids[:n], self._g_pos[:n], ctx))  # noqa: E731
         if self._emulate:
@@ -388,6 +421,13 @@ class ModelRunner:
         self._g_slots[:size].copy_(torch.from_numpy(slots), non_blocking=True)
         self._g_lens[:size].copy_(torch.from_numpy(lens), non_blocking=True)
         self._g_tables[:size, :width].copy_(torch.from_numpy(bt).to(dev, non_blocking=True))
+        if self.window:
+            wslots = np.full(size, self.scratch_slot, dtype=np.int64)
+            wslots[:n] = [self.blocks.slot(s.seq_id) for s in seqs]
+            wmap = wslots * self.window
+            wmap[:n] += np.asarray(pos, dtype=np.int64) % self.window
+            self._g_wslots[:size].copy_(torch.from_numpy(wslots), non_blocking=True)
+            self._g_wmap[:size].copy_(torch.from_numpy(wmap), non_blocking=True)
         if load is not None:
             load(size)
         logits = self._graphs[(size, key)]()[:n]

@@ -26,6 +26,7 @@ class SeqPlan:
     tokens: list[int]  # the tokens fed this step, from num_computed on
     table_start: int  # the block-table entries below this index are the ones already sent
     table_tail: list[int]  # the entries from table_start on
+    slot: int = -1  # its sequence slot (the ring of a model's sliding-window layers: kvcache/window.py), or -1
 
 
 @dataclass
@@ -56,7 +57,8 @@ class PlanSender:
             if start < len(table) or len(table) != len(known):
                 self.sent[seq.seq_id] = list(table)
             c = seq.num_computed
-            seqs.append(SeqPlan(seq.seq_id, c, seq.num_tokens, seq.token_slice(c, c + n), start, table[start:]))
+            slot = self.blocks.slot(seq.seq_id) if self.blocks.num_slots is not None else -1
+            seqs.append(SeqPlan(seq.seq_id, c, seq.num_tokens, seq.token_slice(c, c + n), start, table[start:], slot))
         return StepPlan(batch.is_prefill, batch.num_decodes, all_logits, seqs, freed)
 
     def send(self, batch: ScheduledBatch, all_logits: bool) -> None:
@@ -94,15 +96,20 @@ class MirroredBlocks:
         self.num_blocks, self.block_size = num_blocks, block_size
         self._tables: dict[int, list[int]] = {}
         self.on_free = on_free
+        self._slots: dict[int, int] = {}
 
     def table(self, seq_id: int) -> list[int]:
         return self._tables.setdefault(seq_id, [])
+
+    def slot(self, seq_id: int) -> int:
+        return self._slots[seq_id]
 
     def apply(self, plan: StepPlan, backend) -> ScheduledBatch:
         """Take `plan`'s table changes and frees (dropping the backend's state of freed and restarted sequences, and
         the store's slots of pages that changed hands); returns the step's batch of stand-in sequences."""
         for sid in plan.freed:
             pages = self._tables.pop(sid, [])
+            self._slots.pop(sid, None)
             backend.free_sequence(sid)
             if pages and self.on_free is not None:
                 self.on_free(pages)
@@ -115,5 +122,6 @@ class MirroredBlocks:
             table.extend(p.table_tail)
             if p.table_tail and self.on_free is not None:
                 self.on_free(p.table_tail)
+            self._slots[p.seq_id] = p.slot
             seqs.append(PlannedSeq(p.seq_id, p.num_computed, p.num_tokens, p.tokens))
         return ScheduledBatch(plan.is_prefill, seqs, [len(p.tokens) for p in plan.seqs], plan.num_decodes)

@@ -11,7 +11,9 @@ A step's life as the engine drives it:
     (hit, missed, evicted, installed) or None;
   * between steps: `release_transient()` when no prefill is pending (the offloaded store frees its staging area);
   * `max_prefill_pages`: the most pages one prefill step may cover (the staging area's size), None for no limit;
-  * `occupancy(blocks)`: the counters `LLMEngine.kv_cache_stats` and the server's metrics report.
+  * `occupancy(blocks)`: the counters `LLMEngine.kv_cache_stats` and the server's metrics report;
+  * `window_layers`, `window`: a model's sliding-window layers whose keys sit in a ring of `window` tokens per
+    sequence (window.py), empty for the plain stores.
 """
 from __future__ import annotations
 
@@ -57,6 +59,10 @@ class KVNeeds:
 class KVCache(Protocol):
     max_prefill_pages: int | None
     wants_reads: bool  # does it learn from what decode attention read (`record_reads`)?
+    # sliding-window layers kept in a ring (window.py; the step's `window_mapping` places their tokens, and a prefill
+    # chunk stores them after attending), and that window; empty and None for every other store
+    window_layers: frozenset
+    window: int | None
 
     def layer(self, layer: int) -> tuple: ...
 

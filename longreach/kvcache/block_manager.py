@@ -4,6 +4,9 @@ A sequence's block table is the ordered list of its pages: token t lives in page
 `t % block_size`. Pages are handed out from a free list and returned when a sequence finishes or is preempted.
 With `slots_for` (a bounded cache's layout, attention/backend.py: KVLayout) a sequence of n tokens gets the pages of
 `slots_for(n)` slots instead of n, and the layout says where its tokens live.
+With `num_slots` (a model with sliding-window layers: kvcache/window.py) a sequence also gets one of `num_slots`
+sequence slots (its ring of window keys) with its first pages, and gives it back with them: a sequence finding no
+free slot is refused as one finding no pages.
 """
 from __future__ import annotations
 
@@ -13,7 +16,7 @@ from typing import Callable
 
 class BlockManager:
     def __init__(self, num_blocks: int, block_size: int, on_free: Callable[[list[int]], None] | None = None,
-                 slots_for: Callable[[int], int] | None = None):
+                 slots_for: Callable[[int], int] | None = None, num_slots: int | None = None):
         if num_blocks < 1:
             raise ValueError(f"the KV cache needs at least one page, got {num_blocks}")
         self.num_blocks = num_blocks
@@ -22,6 +25,9 @@ class BlockManager:
         self._tables: dict[int, list[int]] = {}
         self.on_free = on_free  # called with the pages a sequence returns (the offloaded store drops their slots)
         self.slots_for = slots_for  # tokens -> slots a sequence uses (None: one slot per token)
+        self.num_slots = num_slots  # sequence slots (None: none kept)
+        self._free_slots: deque[int] = deque(range(num_slots or 0))
+        self._slot: dict[int, int] = {}
 
     @property
     def num_free_blocks(self) -> int:
@@ -35,6 +41,10 @@ class BlockManager:
         """The live block table of `seq_id` (empty if it owns no pages). Mutated in place by ensure/free."""
         return self._tables.setdefault(seq_id, [])
 
+    def slot(self, seq_id: int) -> int:
+        """The sequence slot `seq_id` holds (with `num_slots`; from its first `ensure` to its `free`)."""
+        return self._slot[seq_id]
+
     def owns(self, seq_id: int) -> bool:
         """Does `seq_id` hold a block table (possibly empty) now? False once `free` returned its pages."""
         return seq_id in self._tables
@@ -47,6 +57,10 @@ class BlockManager:
         need = self.extra_blocks_needed(seq_id, num_tokens)
         if need > len(self._free):
             return False
+        if self.num_slots is not None and seq_id not in self._slot:
+            if not self._free_slots:
+                return False
+            self._slot[seq_id] = self._free_slots.popleft()
         table = self.table(seq_id)
         for _ in range(need):
             table.append(self._free.popleft())
@@ -56,6 +70,8 @@ class BlockManager:
         """Return all pages of `seq_id` to the free list (no-op if it owns none)."""
         pages = self._tables.pop(seq_id, [])
         self._free.extend(pages)
+        if seq_id in self._slot:
+            self._free_slots.append(self._slot.pop(seq_id))
         if pages and self.on_free is not None:
             self.on_free(pages)
 
@@ -73,3 +89,7 @@ class BlockManager:
         if seen | free != set(range(self.num_blocks)):
             lost = set(range(self.num_blocks)) - seen - free
             raise AssertionError(f"pages neither owned nor free (leaked): {sorted(lost)[:8]}")
+        if self.num_slots is not None:
+            held = list(self._slot.values())
+            if sorted(held + list(self._free_slots)) != list(range(self.num_slots)):
+                raise AssertionError("sequence slots lost or held twice")

@@ -3,6 +3,11 @@ cache (offload.py: `build_offloaded_cache` below), from the engine config, the m
 backend needs.
 
 What the backend needs (`KVNeeds`, kvcache/base.py) it declares through `AttentionBackend.kv_needs`.
+
+A model with sliding-window layers (Gemma 3) keeps pages for its global layers only and a fixed ring for the sliding
+ones (window.py): a page costs the G global layers' bytes, and the ring (`max_num_seqs + 1` slots of `window` tokens
+in every sliding layer) comes off the budget first, so the same budget holds about L / G times the tokens of an
+all-global cache (docs/gemma3.md).
 """
 from __future__ import annotations
 
@@ -15,6 +20,7 @@ from .base import KVCache, KVNeeds
 from .block_manager import BlockManager
 from .offload import OffloadedKVCache
 from .paged import PagedKVCache
+from .window import WindowedKVCache, layer_split, make_ring, resident_cache, ring_bytes_per_slot
 
 logger = logging.getLogger("longreach")
 
@@ -38,10 +44,13 @@ def build_kv_cache(cfg, mc, kv_dtype: torch.dtype, device: torch.device, needs: 
         return build_offloaded_cache(cfg, mc, kv_dtype, device, needs.dense_layers, free_gpu_bytes,
                                      needs.page_state_bytes, agree)
     layout = needs.layout
-    num_blocks = _num_resident_blocks(cfg, mc, kv_dtype, device, needs, free_gpu_bytes, agree)
-    blocks = BlockManager(num_blocks, cfg.block_size, slots_for=layout and layout.slots_for)
+    num_blocks, ring_slots = _num_resident_blocks(cfg, mc, kv_dtype, device, needs, free_gpu_bytes, agree)
+    blocks = BlockManager(num_blocks, cfg.block_size, slots_for=layout and layout.slots_for,
+                          num_slots=ring_slots or None)
     # One extra page: the scratch page that padded CUDA-graph rows write to.
-    cache = PagedKVCache(mc.num_layers, num_blocks + 1, cfg.block_size, mc.num_kv_heads, mc.head_dim, kv_dtype, device)
+    cache = resident_cache(mc, num_blocks, cfg.block_size, kv_dtype, device, ring_slots)
+    if ring_slots:
+        _log_ring(cache, mc, num_blocks * cfg.block_size)
     logger.info("KV cache: %d pages x %d tokens = %d tokens (%.2f GiB, %s)", num_blocks, cfg.block_size,
                 num_blocks * cfg.block_size, cache.nbytes / GiB, dtype_name(kv_dtype))
     if layout is not None:
@@ -52,8 +61,42 @@ def build_kv_cache(cfg, mc, kv_dtype: torch.dtype, device: torch.device, needs: 
     return blocks, cache
 
 
-def _num_resident_blocks(cfg, mc, kv_dtype, device, needs: KVNeeds, free_gpu_bytes, agree=lambda n: n) -> int:
-    per_block = PagedKVCache.bytes_per_block(mc.num_layers, cfg.block_size, mc.num_kv_heads, mc.head_dim, kv_dtype)
+def ring_plan(cfg, mc, kv_dtype, budget: float) -> tuple[int, int, int]:
+    """(global layers, ring slots, ring bytes) of ModelConfig `mc` under a KV budget of `budget` bytes: every layer
+    global and no ring for a model without sliding layers; else a slot per `max_num_seqs` (and the scratch one), fewer
+    where the ring would take more than half the budget (at least one). Raises ValueError for a model whose every
+    layer is sliding."""
+    if not mc.has_layer_windows:
+        return mc.num_layers, 0, 0
+    glob, sliding = layer_split(mc)
+    if not glob:
+        raise ValueError("every layer of the model attends within a sliding window: a cache of its windows alone is "
+                         "not built (docs/gemma3.md)")
+    per_slot = ring_bytes_per_slot(len(sliding), mc.sliding_window, mc.num_kv_heads, mc.head_dim, kv_dtype)
+    slots = cfg.max_num_seqs
+    if (slots + 1) * per_slot > budget / 2:
+        slots = max(1, int(budget / 2 // per_slot) - 1)
+        logger.warning("the sliding-window layers' ring for max_num_seqs=%d sequences would take %.2f GiB, more than "
+                       "half the KV budget (%.2f GiB): %d sequences can run at once (lower --max-num-seqs or raise "
+                       "the budget)", cfg.max_num_seqs, (cfg.max_num_seqs + 1) * per_slot / GiB, budget / GiB, slots)
+    return len(glob), slots, (slots + 1) * per_slot
+
+
+def _log_ring(cache: WindowedKVCache, mc, tokens: int) -> None:
+    glob, sliding = layer_split(mc)
+    logger.info("KV cache: %d global layers keep every page (%d tokens); %d sliding-window layers keep a ring of "
+                "their last %d tokens per sequence, %d sequence slots and a scratch one (%.1f MiB, fixed)", len(glob),
+                tokens, len(sliding), cache.window, cache.num_slots, cache.ring.nbytes / 2**20)
+
+
+def _num_resident_blocks(cfg, mc, kv_dtype, device, needs: KVNeeds, free_gpu_bytes, agree=lambda n: n
+                         ) -> tuple[int, int]:
+    """(pages, ring slots: 0 for a model without sliding layers)."""
+    cpu_default = cfg.kv_cache_memory_gb is None and device.type != "cuda"
+    budget = cfg.kv_cache_memory_gb * GiB if cfg.kv_cache_memory_gb is not None else \
+        (free_gpu_bytes() if device.type == "cuda" else CPU_KV_DEFAULT_GB * GiB)
+    num_global, ring_slots, ring_bytes = ring_plan(cfg, mc, kv_dtype, budget)
+    per_block = PagedKVCache.bytes_per_block(num_global, cfg.block_size, mc.num_kv_heads, mc.head_dim, kv_dtype)
     layout = needs.layout  # a bounded cache: a sequence needs at most layout.max_slots slots
     need = cfg.max_model_len if layout is None else layout.slots_for(cfg.max_model_len)
     if layout is not None:
@@ -61,23 +104,23 @@ def _num_resident_blocks(cfg, mc, kv_dtype, device, needs: KVNeeds, free_gpu_byt
     pages_per_seq = -(-need // cfg.block_size)
     if cfg.kv_cache_memory_gb is None and device.type == "cuda":
         per_block += needs.page_state_bytes  # sized from free memory: leave room for per-page backend state
-    if cfg.kv_cache_memory_gb is not None:
-        budget = cfg.kv_cache_memory_gb * GiB
-    elif device.type == "cuda":
-        budget = free_gpu_bytes()
+    if cpu_default:
+        budget = min(budget - ring_bytes, per_block * pages_per_seq * cfg.max_num_seqs)
     else:
-        budget = min(CPU_KV_DEFAULT_GB * GiB, per_block * pages_per_seq * cfg.max_num_seqs)
-    num_blocks = int(budget // per_block)
+        budget -= ring_bytes
+    num_blocks = int(max(budget, 0) // per_block)
     if layout is not None:  # more pages than max_num_seqs bounded sequences can use would sit idle
         num_blocks = min(num_blocks, pages_per_seq * cfg.max_num_seqs)
     num_blocks = agree(num_blocks)
+    if ring_slots:  # every tensor-parallel rank's ring has rank 0's slots
+        ring_slots = agree(ring_slots)
     if num_blocks * cfg.block_size < need:
         what = f"max_model_len={cfg.max_model_len}" if layout is None else \
             f"the {need} slots one {cfg.attention} sequence needs (its cache plus one prefill chunk)"
         raise ValueError(
             f"the KV cache fits {num_blocks * cfg.block_size} tokens ({budget / GiB:.2f} GiB), fewer than "
             f"{what}; raise kv_cache_memory_gb / gpu_memory_utilization or lower max_model_len")
-    return num_blocks
+    return num_blocks, ring_slots
 
 
 # ---- the offloaded store ------------------------------------------------------------------------------------------
@@ -106,7 +149,14 @@ def build_offloaded_cache(cfg, mc, kv_dtype: torch.dtype, device: torch.device, 
     KV heads) and `agree(pages)` makes the host page count every rank's smallest (rank 0's block tables index every
     rank's host tier; each rank's GPU page cache is its own, sized alone). Raises ValueError with what to change
     when a tier does not fit; logs both tiers in GiB and tokens."""
-    bs, L, H, D = cfg.block_size, mc.num_layers, mc.num_kv_heads, mc.head_dim
+    bs, H, D = cfg.block_size, mc.num_kv_heads, mc.head_dim
+    # a model with sliding layers: the host tier and the GPU pool hold its global layers only, the ring stays on the
+    # device (sized before the pool, from the pool's budget)
+    gpu_budget = cfg.kv_cache_memory_gb * GiB if cfg.kv_cache_memory_gb is not None else \
+        (free_gpu_bytes() if device.type == "cuda" else CPU_POOL_DEFAULT_GB * GiB)
+    L, ring_slots, ring_bytes = ring_plan(cfg, mc, kv_dtype, gpu_budget)
+    if ring_slots:  # every tensor-parallel rank's ring has rank 0's slots
+        ring_slots = agree(ring_slots)
     if cfg.attention == "dense" and cfg.decode_attention is None:
         logger.warning("dense attention with KV offloading reads every page of every layer from host memory at "
                        "each decode step (PCIe-bound, slow); the sparse methods (infinitehip, hip, streaming) read "
@@ -127,11 +177,11 @@ def build_offloaded_cache(cfg, mc, kv_dtype: torch.dtype, device: torch.device, 
     per_slot = OffloadedKVCache.bytes_per_slot(bs, H, D, kv_dtype)
     staging_bytes = staging * per_slot
     if cfg.kv_cache_memory_gb is not None:
-        budget = cfg.kv_cache_memory_gb * GiB
+        budget = gpu_budget - ring_bytes
     elif device.type == "cuda":
-        budget = free_gpu_bytes() - staging_bytes - host_pages * page_state_bytes
+        budget = gpu_budget - ring_bytes - staging_bytes - host_pages * page_state_bytes
     else:
-        budget = min(CPU_POOL_DEFAULT_GB * GiB, host_pages * per_page)
+        budget = min(gpu_budget - ring_bytes, host_pages * per_page)
     slots = int(budget // (per_slot + 32))  # + the page table's share per slot (int32 entry, owner, stamp)
     if slots < 1:
         raise ValueError(f"the GPU page cache gets {budget / GiB:.2f} GiB, less than one page; raise "
@@ -141,20 +191,26 @@ def build_offloaded_cache(cfg, mc, kv_dtype: torch.dtype, device: torch.device, 
         raise ValueError(f"kv_offloading_size={cfg.kv_offloading_size} GiB does not fit the host: "
                          f"{available / GiB:.1f} GiB of memory is available; lower --kv-offloading-size (it needs "
                          f"{longest * per_page / GiB:.2f} GiB for max_model_len={cfg.max_model_len})")
-    blocks = BlockManager(host_pages, bs)
+    blocks = BlockManager(host_pages, bs, num_slots=ring_slots or None)
     try:
         store = OffloadedKVCache(L, host_pages + 1, slots, bs, H, D, kv_dtype, device, staging_pages=staging)
         store.staging()  # allocated now, so that a GPU too small for it fails here and not mid-prefill
+        if ring_slots:
+            glob, sliding = layer_split(mc)
+            store = WindowedKVCache(store, make_ring(mc, ring_slots, bs, kv_dtype, device), glob, sliding,
+                                    mc.sliding_window, ring_slots)
     except (RuntimeError, MemoryError) as e:  # pinning or GPU allocation refused
         raise ValueError(f"could not allocate the KV tiers ({host_pages * per_page / GiB:.2f} GiB of host "
                          f"memory, {slots * per_slot / GiB:.2f} + {staging_bytes / GiB:.2f} GiB on the "
                          f"{device.type.upper()}): {str(e).splitlines()[0]}; lower --kv-offloading-size, "
                          "--kv-cache-memory-gb or --max-model-len") from None
     blocks.on_free = store.free_pages
+    if ring_slots:
+        _log_ring(store, mc, host_pages * bs)
     kv = str(kv_dtype).replace("torch.", "")
     logger.info("KV cache, host tier: %d pages x %d tokens = %d tokens (%.2f GiB%s, %s)", host_pages, bs,
                 host_pages * bs, store.host_nbytes / GiB, " pinned" if device.type == "cuda" else "", kv)
     logger.info("KV cache, GPU tier: %d slots of one layer's page = %d tokens per layer on average (%.2f GiB, "
-                "shared by all %d layers); prefill staging %.2f GiB (%d pages)", slots, slots * bs // L,
-                store.nbytes / GiB, L, store.staging_nbytes / GiB, staging)
+                "shared by the %d layers it holds); prefill staging %.2f GiB (%d pages)", slots, slots * bs // L,
+                (store.inner if ring_slots else store).nbytes / GiB, L, store.staging_nbytes / GiB, staging)
     return blocks, store

@@ -69,6 +69,7 @@ def pinned_empty(shape: tuple, dtype: torch.dtype, owner: object) -> torch.Tenso
 
 class OffloadedKVCache:
     wants_reads = True  # it installs on the GPU the pages decode attention read (`record_reads`, `end_step`)
+    window, window_layers = None, frozenset()  # no ring of sliding-window layers here (kvcache/window.py wraps one)
 
     def __init__(self, num_layers: int, num_pages: int, num_slots: int, block_size: int, num_kv_heads: int,
                  head_dim: int, dtype: torch.dtype, device: torch.device, staging_pages: int = 0):
@@ -364,12 +365,15 @@ class StagedPrefill:
                                         page_reads=None)
         self.buf = store.staging()
 
-    def attention(self, layer: int, q, k, v, backend):
+    def attention(self, layer: int, q, k, v, backend, cache_layer: int | None = None):
+        """Model layer `layer`'s attention on the staging area; `cache_layer`: its layer in the store where that
+        differs (the store of a model with sliding layers holds its global layers only: kvcache/window.py)."""
         st, buf = self.store, self.buf
+        layer_in_store = layer if cache_layer is None else cache_layer
         if self.src.numel():
-            st.gather_pages(layer, self.src, self.dst, buf)
+            st.gather_pages(layer_in_store, self.src, self.dst, buf)
         rows = as_bytes(buf).view(2, -1, *buf.shape[3:])  # (2, pages * block_size, H_kv, row)
         rows[0].index_copy_(0, self.slots, as_bytes(encode(k, buf.dtype)))
         rows[1].index_copy_(0, self.slots, as_bytes(encode(v, buf.dtype)))
-        st.store(layer, k, v, self.meta_in.slot_mapping)
+        st.store(layer_in_store, k, v, self.meta_in.slot_mapping)
         return backend.forward(layer, q, k, v, buf[0], buf[1], self.meta)

@@ -21,6 +21,7 @@ from .fp8 import as_bytes, encode, row_bytes, row_elems
 class PagedKVCache:
     max_prefill_pages = None  # a prefill step reads its pages where they are: no limit
     wants_reads = False  # every page is on the GPU: what attention reads changes nothing here
+    window, window_layers = None, frozenset()  # no ring of sliding-window layers here (kvcache/window.py wraps one)
 
     def __init__(self, num_layers: int, num_blocks: int, block_size: int, num_kv_heads: int, head_dim: int,
                  dtype: torch.dtype, device: torch.device):
