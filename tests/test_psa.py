@@ -311,7 +311,7 @@ def test_config_presets_and_validation_errors():
                                                   attention_config='{"microbatch": 8}')).microbatch == 8
 
     class MC:
-        num_layers = 3
+        num_layers, has_layer_windows = 3, False
     reasons = PSABackend.unsupported_reasons(MC, EngineConfig(attention="psa", block_size=2, attention_config=
                                                               '{"block_size": 4, "dense_layers": [5]}'))
     assert any("set --block-size 4" in r for r in reasons)
