@@ -132,7 +132,7 @@ class LLMEngine:
         # the whole context is on the GPU (an offloaded prefill attends on its staging area: steps of their own)
         mixed = self.backend.capabilities.mixed_batches and self.kv_cache.max_prefill_pages is None
         self.scheduler = Scheduler(self.blocks, config.max_num_seqs, config.max_num_batched_tokens,
-                                   on_release=lambda seq: self.backend.free_sequence(seq.seq_id),
+                                   on_release=self._release_sequence,
                                    max_prefill_pages=self.kv_cache.max_prefill_pages,
                                    chunk_align=layout.stride if layout else 1, mixed=mixed,
                                    long_prefill_token_threshold=config.long_prefill_token_threshold,
@@ -151,6 +151,11 @@ class LLMEngine:
         self.last_step: StepStats | None = None
         self.scorer = PromptScorer(self.config, self.scheduler, self.blocks, self.runner, self.backend, self.device,
                                    lambda: next(self._seq_ids))
+
+    def _release_sequence(self, seq: Sequence) -> None:
+        """The scheduler freed a sequence's pages (it finished or was preempted): drop what was kept for it."""
+        self.backend.free_sequence(seq.seq_id)
+        self.runner.free_sequence(seq.seq_id)
 
     def _override_rope(self, override: dict) -> None:
         """--rope-scaling: replace the checkpoint's RoPE scaling (model config and the rotary module)."""

@@ -21,6 +21,7 @@ from ..config import EngineConfig
 from ..kvcache.block_manager import BlockManager
 from ..kvcache.base import KVCache
 from ..models.llama import LlamaForCausalLM
+from .block_tables import DeviceBlockTables
 from .chunk_graphs import ChunkGraphs
 from .scheduler import ScheduledBatch
 
@@ -92,9 +93,15 @@ class ModelRunner:
         self._graph_sizes: list[int] = []
         self.last_kv_counts: dict | None = None  # the last decode step's page counts, where the store keeps them
         self.chunk_graphs: ChunkGraphs | None = None  # prefill steps' graphs (capture_chunk_graphs)
+        self.device_tables: DeviceBlockTables | None = None  # graph decode's device block tables (capture_graphs)
         # called with (batch, all_logits) before each step's forward pass: rank 0 of a tensor-parallel engine sends
         # the step's plan to the other ranks (engine/tp_plan.py)
         self.before_step: typing.Callable[[ScheduledBatch, bool], None] | None = None
+
+    def free_sequence(self, seq_id: int) -> None:
+        """The sequence gave its pages back (finished or preempted): its device block-table row is free."""
+        if self.device_tables is not None:
+            self.device_tables.release(seq_id)
 
     # ---- batch tensors -------------------------------------------------------------------------------------------
     def _metadata(self, batch: ScheduledBatch):
@@ -327,11 +334,22 @@ class ModelRunner:
         sizes = sorted({s for s in (1, 2, 4, 8, *range(16, max_bs + 16, 16)) if s <= max_bs} | {max_bs})
         dev, bs = self.device, self.block_size
         max_pages = -(-self.config.max_model_len // bs)
-        self._g_ids = torch.zeros(max_bs, dtype=torch.long, device=dev)
-        self._g_pos = torch.zeros(max_bs, dtype=torch.long, device=dev)
-        self._g_slots = torch.full((max_bs,), self.scratch_page * bs, dtype=torch.long, device=dev)
-        self._g_lens = torch.ones(max_bs, dtype=torch.int32, device=dev)
+        # a step's per-row inputs in one buffer, so that one host-to-device copy feeds them all (`_replay`): token ids,
+        # positions, KV slots (int64 rows 0-2) and, as int32 halves of row 3, sequence lengths and block-table slots
+        self._g_in = torch.zeros(4, max_bs, dtype=torch.long, device=dev)
+        self._g_ids, self._g_pos, self._g_slots = self._g_in[0], self._g_in[1], self._g_in[2]
+        self._g_lens, self._g_rows = self._g_in[3].view(torch.int32)[:max_bs], self._g_in[3].view(torch.int32)[max_bs:]
         self._g_tables = torch.full((max_bs, max_pages), self.scratch_page, dtype=torch.int32, device=dev)
+        self.device_tables = DeviceBlockTables(max_bs, max_pages, self.scratch_page, dev)
+        # the host side of `_g_in` (pinned on CUDA: the copy runs asynchronously) and what its rows hold past a step's
+        # rows (padding: token 0 at position 0, the scratch page's first slot, length 1, the scratch table row)
+        self._g_host = torch.zeros(4, max_bs, dtype=torch.long, pin_memory=dev.type == "cuda")
+        self._g_host_np = self._g_host.numpy()
+        self._g_pad = np.zeros((4, max_bs), dtype=np.int64)
+        self._g_pad[2] = self.scratch_page * bs
+        self._g_pad[3].view(np.int32)[:max_bs] = 1
+        self._g_pad[3].view(np.int32)[max_bs:] = self.device_tables.scratch_row
+        self._g_copied = torch.cuda.Event() if dev.type == "cuda" else None  # the last copy out of `_g_host`
         self._g_qsl = torch.arange(max_bs + 1, dtype=torch.int32, device=dev)
         if self.window:  # the ring's slots and rows of the rows (the scratch slot for padded ones)
             self._g_wslots = torch.full((max_bs,), self.scratch_slot, dtype=torch.long, device=dev)
@@ -407,20 +425,23 @@ class ModelRunner:
         if (size, key) not in self._graphs:
             self._capture(size, key)
         tables = [self.blocks.table(s.seq_id) for s in seqs]
-        width = max(len(t) for t in tables)
-        bt = np.full((size, width), self.scratch_page, dtype=np.int32)
-        for i, t in enumerate(tables):
-            bt[i, : len(t)] = t
-        slots = np.full(size, self.scratch_page * bs, dtype=np.int64)
-        slots[:n] = [t[p // bs] * bs + p % bs for t, p in zip(tables, pos)]
-        lens = np.ones(size, dtype=np.int32)
-        lens[:n] = [p + 1 for p in pos]
-        dev = self.device
-        self._g_ids[:n].copy_(torch.tensor(ids, dtype=torch.long), non_blocking=True)
-        self._g_pos[:n].copy_(torch.tensor(pos, dtype=torch.long), non_blocking=True)
-        self._g_slots[:size].copy_(torch.from_numpy(slots), non_blocking=True)
-        self._g_lens[:size].copy_(torch.from_numpy(lens), non_blocking=True)
-        self._g_tables[:size, :width].copy_(torch.from_numpy(bt).to(dev, non_blocking=True))
+        rows = self.device_tables.slots([s.seq_id for s in seqs], tables)  # writes only pages added since
+        if self._g_copied is not None:
+            self._g_copied.synchronize()  # the last copy has read the pinned buffer (long done: its tokens synced)
+        host = self._g_host_np
+        np.copyto(host, self._g_pad)
+        host[0, :n] = ids
+        host[1, :n] = pos
+        host[2, :n] = [t[p // bs] * bs + p % bs for t, p in zip(tables, pos)]
+        half = host[3].view(np.int32)
+        half[:n] = [p + 1 for p in pos]
+        half[len(half) // 2:][:n] = rows
+        self._g_in.copy_(self._g_host, non_blocking=True)
+        if self._g_copied is not None:
+            self._g_copied.record()
+        # the rows' tables, longest first, padding rows the scratch row: one device gather
+        torch.index_select(self.device_tables.rows, 0, self._g_rows[:size], out=self._g_tables[:size])
+        # the ring's slots and rows (Gemma 3's sliding layers): two small copies of their own
         if self.window:
             wslots = np.full(size, self.scratch_slot, dtype=np.int64)
             wslots[:n] = [self.blocks.slot(s.seq_id) for s in seqs]

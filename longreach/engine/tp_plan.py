@@ -118,7 +118,8 @@ class MirroredBlocks:
             if p.num_computed == 0:
                 backend.free_sequence(p.seq_id)
             table = self.table(p.seq_id)
-            del table[p.table_start:]
+            if p.table_start < len(table):  # a new list, not one cut in place: a live table only grows by appending
+                table = self._tables[p.seq_id] = table[:p.table_start]  # (engine/block_tables.py relies on it)
             table.extend(p.table_tail)
             if p.table_tail and self.on_free is not None:
                 self.on_free(p.table_tail)

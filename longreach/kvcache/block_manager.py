@@ -38,7 +38,8 @@ class BlockManager:
         return -(-slots // self.block_size)
 
     def table(self, seq_id: int) -> list[int]:
-        """The live block table of `seq_id` (empty if it owns no pages). Mutated in place by ensure/free."""
+        """The live block table of `seq_id` (empty if it owns no pages). It only grows, by appending (`ensure`);
+        `free` drops it, and the sequence's next table is a new list (engine/block_tables.py relies on both)."""
         return self._tables.setdefault(seq_id, [])
 
     def slot(self, seq_id: int) -> int:

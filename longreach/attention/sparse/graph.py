@@ -52,7 +52,10 @@ class GraphDecoder:
         self.num_layers = fallback.num_layers
         self.variant: tuple | None = None  # the variant forward() runs as (`running`), None: an eager step
         self.slots: dict[int, int] = {}  # seq_id -> row of the stage caches
-        self.cached: set[tuple[int, int]] = set()  # (seq_id, layer) whose stage cache is filled
+        # seq_id -> the longest context a graph step selected for it in some layer: its stage caches are filled in
+        # the sparse layers whose decode limit is below that length
+        self.cached: dict[int, int] = {}
+        self._limit_cache: tuple | None = None  # `_limits`
         self._g: dict | None = None  # static buffers (slots, refresh levels, stage caches), made on first use
         self._free_slots: list[int] = []
         # tensors every layer of one forward shares, made by the first layer that needs them (`_step_memo`)
@@ -92,7 +95,7 @@ class GraphDecoder:
     def free(self, seq_id: int) -> None:
         if seq_id in self.slots:
             self._free_slots.append(self.slots.pop(seq_id))
-        self.cached = {key for key in self.cached if key[0] != seq_id}
+        self.cached.pop(seq_id, None)
 
     def _buffers(self) -> dict:
         """The static buffers, made once (outside any capture, so the constants among them hold their values in
@@ -129,6 +132,16 @@ class GraphDecoder:
             }
             self._free_slots = list(range(slots))[::-1]
         return self._g
+
+    def _limits(self) -> tuple[tuple[int, ...], np.ndarray, np.ndarray]:
+        """The decode limits `step` plans with, made at its first call (the backend's limits are fixed once it is
+        built): the distinct limits, ascending; the sparse layers; and each sparse layer's limit."""
+        if self._limit_cache is None:
+            fb = self.fallback
+            sparse = fb.sparse_layers()
+            self._limit_cache = (tuple(fb.limits(True)), np.array(sparse, dtype=np.int64),
+                                 np.array([fb.limit(layer, True) for layer in sparse], dtype=np.int64))
+        return self._limit_cache
 
     def _index_width(self, layer: int, width: int) -> int:
         """Width of `layer`'s attention index in a captured step whose last stage is `width` wide: a row no longer
@@ -171,28 +184,26 @@ class GraphDecoder:
         """Host side of one graph-decoded step, the rows ordered longest first; `steps`: each sequence's decode step
         number. Returns (variant key, load(rows))."""
         g = self._buffers()
-        m, L, N, fb = self.method, self.num_layers, self._num_stages(), self.fallback
+        m, L, N = self.method, self.num_layers, self._num_stages()
+        limits, sparse, lim = self._limits()
         longest = max(seq_lens)
         bucket = min(1 << (longest - 1).bit_length(), max(longest, self.max_model_len))
-        dense = tuple(longest <= lim for lim in fb.limits(True))
-        sparse_layers = [layer for layer in fb.sparse_layers() if longest > fb.limit(layer, True)]
+        dense = tuple(longest <= x for x in limits)
         first = np.full((L, len(seq_ids)), N, dtype=np.int64)
         slots = []
         for row, (seq_id, length, step) in enumerate(zip(seq_ids, seq_lens, steps)):
             if seq_id not in self.slots:
                 self.slots[seq_id] = self._free_slots.pop()
             slots.append(self.slots[seq_id])
-            for layer in sparse_layers:
-                if length <= fb.limit(layer, True):  # reads every key block: its stages are not needed (stay N)
-                    continue
-                if (seq_id, layer) not in self.cached:  # the cache starts once the sequence is past the limit
-                    first[layer, row] = 0
-                    self.cached.add((seq_id, layer))
-                else:
-                    first[layer, row] = m.refresh_from(step)
-        level = int(first[sparse_layers].min()) if sparse_layers else N
-        shortest_limit = min(fb.limit(layer, True) for layer in sparse_layers) if sparse_layers else None
-        need = 0 if shortest_limit is None else sum(length > shortest_limit for length in seq_lens)
+            seen = self.cached.get(seq_id, 0)
+            past = lim < length  # the sparse layers this row selects in (no longer than the limit: every key block)
+            if past.any():
+                first[sparse[past], row] = m.refresh_from(step)
+                first[sparse[past & (lim >= seen)], row] = 0  # the cache starts once the sequence is past the limit
+                self.cached[seq_id] = length
+        level = int(first[sparse].min()) if len(sparse) else N
+        # rows past the shortest limit run the stages (a short row among long ones reads every key block)
+        need = sum(length > int(lim.min()) for length in seq_lens) if len(sparse) else 0
         if need and any(a < b for a, b in zip(seq_lens, seq_lens[1:])):
             raise ValueError("graph decode needs the batch ordered longest first (engine/model_runner.py)")
         select = 0 if need == 0 else 1 << (need - 1).bit_length()
