@@ -68,7 +68,7 @@ def test_unknown_random_shape_is_a_clear_error(capsys):
     from longreach.cli import main
 
     with pytest.raises(ValueError, match=r"unknown random model shape 'llama-9b'; available: random:llama-3.1-8b, "
-                                         r"random:tiny"):
+                                         r"random:gemma-3-12b, random:tiny"):
         LLM("random:llama-9b", device="cpu")
     assert main(["bench", "decode", "--model", "random:nope", "--device", "cpu"]) == 2
     assert "unknown random model shape 'nope'" in capsys.readouterr().err
