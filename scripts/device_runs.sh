@@ -54,6 +54,8 @@
 #                                           # tar -x -C .carry/old` and carry .carry/old (1.5 MB)
 #   OLD=.carry/old OLD_COMMIT=C bash scripts/device_runs.sh ab8b  # 8B shape, bf16: bench decode at 128K, infinitehip pruned vs
 #                                           # dense, in the earlier tree and in this one (issue 31's small kernels)
+#   bash scripts/device_runs.sh gemma3      # no model: tests/gpu/test_gemma3.py (a random Gemma 3 on CUDA: the ring,
+#                                           # the banded prefill, graphs, infinitehip on the global layer; issue 33)
 #   bash scripts/device_runs.sh profile8b   # 8B shape, bf16: bench decode at 128K, infinitehip pruned vs dense, the
 #                                           # last 4 steps profiled (where the sparse step's fixed cost goes; issue 31)
 # A group's first command compiles kernels (~30-60 s); bench decode runs an untimed warm-up prompt first.
@@ -126,6 +128,8 @@ abmixed|ab8b)  # the same command in the tree at $OLD, then in this one
                 --dense-lengths 128k --decode-tokens 64 --out "$out/bench-decode-128k-8b-$tree.json"
         fi
     done ;;
+gemma3)
+    gpu_tests gpu_check_gemma3 240 tests/gpu/test_gemma3.py ;;
 profile8b)
     run profile_8b_128k 400 python3 -m longreach bench decode --lengths 128k --attention infinitehip@pruned \
         --attention-config '{"infinitehip@pruned": {"dense_below": null}}' --dense-lengths 128k --decode-tokens 64 \
@@ -135,7 +139,7 @@ paced)
         --attention dense infinitehip --long-prefill-token-threshold 256 --profile-steps 4 \
         --out "$out/bench-mixed-128k-chunk256.json" ;;
 kernels)
-    gpu_tests gpu_check_kernels 330 tests/gpu -k "not box"  # no model: the engine tests skip
+    gpu_tests gpu_check_kernels 330 tests/gpu -k "not box and not gemma3"  # no model: the engine tests skip
     # minference (each pure pattern) and infinitehip prefill vs cuDNN, one 8B-shaped layer
     run bench_attention 230 python3 -m longreach bench attention --contexts 128K 512K 1M --no-flex --repeats 3 \
         --out "$out/bench-attention.json"
