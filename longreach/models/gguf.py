@@ -279,7 +279,7 @@ def _unpermute(w: torch.Tensor, n_heads: int) -> torch.Tensor:
 
 
 def _build_bpe_tokenizer(tokens, types, merges, pre, *, bos_id, eos_id, add_bos, chat_template) -> Tokenizer:
-    from tokenizers import AddedToken, Regex, decoders, models, pre_tokenizers, processors
+    from tokenizers import Regex, decoders, models, pre_tokenizers
     from tokenizers import Tokenizer as HFTokenizer
 
     regex, individual_digits = pre
@@ -293,15 +293,23 @@ def _build_bpe_tokenizer(tokens, types, merges, pre, *, bos_id, eos_id, add_bos,
     steps.append(pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=regex is None))
     tk.pre_tokenizer = pre_tokenizers.Sequence(steps) if len(steps) > 1 else steps[0]
     tk.decoder = decoders.ByteLevel()
-    # Control (3) and user-defined (4) tokens are matched verbatim in text, like llama.cpp and transformers do.
+    return _finish_tokenizer(tk, tokens, types, bos_id=bos_id, eos_id=eos_id, add_bos=add_bos,
+                             chat_template=chat_template)
+
+
+def _finish_tokenizer(tk, tokens, types, *, bos_id, eos_id, add_bos, chat_template) -> Tokenizer:
+    """What every GGUF tokenizer shares once its model, normaliser and decoder are set: control (type 3) and
+    user-defined (type 4) tokens matched verbatim in text, like llama.cpp and transformers do; BOS prepended when the
+    file asks for it; the wrapper with the chat template and the BOS/EOS strings."""
+    from tokenizers import AddedToken, processors
+
     tk.add_special_tokens([AddedToken(t, special=True, normalized=False) for t, ty in zip(tokens, types) if ty == 3])
     tk.add_tokens([AddedToken(t, special=False, normalized=False) for t, ty in zip(tokens, types) if ty == 4])
     bos = tokens[bos_id] if bos_id is not None else None
     eos = tokens[eos_id] if eos_id is not None else None
     if add_bos and bos is not None:
         tk.post_processor = processors.TemplateProcessing(
-            single=f"{bos} $A", pair=f"{bos} $A {bos} $B", special_tokens=[(bos, bos_id)]
-        )
+            single=f"{bos} $A", pair=f"{bos} $A {bos} $B", special_tokens=[(bos, bos_id)])
     return Tokenizer(tk, chat_template=chat_template, bos_token=bos, eos_token=eos)
 
 
@@ -329,7 +337,7 @@ def _build_gemma_tokenizer(tokens, types, *, bos_id, eos_id, unk_id, add_bos, ch
     token's place in the vocabulary (Gemma's scores do not follow its merge order; its order does), longer left part
     first; control and byte tokens are never merged into. Tokens of only spaces are stored with real spaces and spelt with U+2581 here, as the normaliser writes
     them. Control tokens (type 3) match as special tokens, user-defined ones (type 4) verbatim."""
-    from tokenizers import AddedToken, decoders, models, normalizers, processors
+    from tokenizers import decoders, models, normalizers
     from tokenizers import Tokenizer as HFTokenizer
 
     spelt = ["\u2581" * len(t) if " " in t and not t.strip() else t for t in tokens]
@@ -344,14 +352,8 @@ def _build_gemma_tokenizer(tokens, types, *, bos_id, eos_id, unk_id, add_bos, ch
     tk = HFTokenizer(models.BPE(vocab=vocab, merges=merges, unk_token=unk, fuse_unk=True, byte_fallback=True))
     tk.normalizer = normalizers.Replace(" ", "\u2581")
     tk.decoder = decoders.Sequence([decoders.Replace("\u2581", " "), decoders.ByteFallback(), decoders.Fuse()])
-    tk.add_special_tokens([AddedToken(t, special=True, normalized=False) for t, ty in zip(spelt, types) if ty == 3])
-    tk.add_tokens([AddedToken(t, special=False, normalized=False) for t, ty in zip(spelt, types) if ty == 4])
-    bos = spelt[bos_id] if bos_id is not None else None
-    eos = spelt[eos_id] if eos_id is not None else None
-    if add_bos and bos is not None:
-        tk.post_processor = processors.TemplateProcessing(
-            single=f"{bos} $A", pair=f"{bos} $A {bos} $B", special_tokens=[(bos, bos_id)])
-    return Tokenizer(tk, chat_template=chat_template, bos_token=bos, eos_token=eos)
+    return _finish_tokenizer(tk, spelt, types, bos_id=bos_id, eos_id=eos_id, add_bos=add_bos,
+                             chat_template=chat_template)
 
 
 def find_gguf_in_dir(path: str) -> str | None:
