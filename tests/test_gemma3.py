@@ -18,9 +18,10 @@ WINDOW = 8
 LAYER_TYPES = ["sliding_attention", "sliding_attention", "full_attention", "sliding_attention"]
 
 
-def _tiny_gemma3(path, **overrides):
-    """A random 4-layer Gemma 3 (window 8, layers 0, 1, 3 sliding, head_dim 32, GQA 4:2) saved as an HF directory.
-    Norm weights are drawn around 0 (Gemma's 1 + w), so a lost offset shows."""
+def _tiny_gemma3(path, weight_std: float = 0.15, **overrides):
+    """A random 4-layer Gemma 3 (window 8, layers 0, 1, 3 sliding, head_dim 32, GQA 4:2; `overrides` change the
+    config) saved as an HF directory. Norm weights are drawn around 0 (Gemma's 1 + w), so a lost offset shows; the
+    others with `weight_std`."""
     from transformers import Gemma3ForCausalLM, Gemma3TextConfig
 
     torch.manual_seed(0)
@@ -33,7 +34,7 @@ def _tiny_gemma3(path, **overrides):
     hf = Gemma3ForCausalLM(Gemma3TextConfig(**cfg)).float().eval()
     with torch.no_grad():
         for name, p in hf.named_parameters():
-            p.normal_(0, 0.5 if "norm" in name else 0.15)
+            p.normal_(0, 0.5 if "norm" in name else weight_std)
     hf.save_pretrained(str(path))
     return str(path), hf
 

@@ -15,22 +15,11 @@ WINDOW = 64
 
 
 def _tiny_gemma3(path):
-    from transformers import Gemma3ForCausalLM, Gemma3TextConfig
+    from test_gemma3 import _tiny_gemma3 as tiny  # tests/test_gemma3.py's, at a size the kernels take
 
-    torch.manual_seed(0)
-    cfg = Gemma3TextConfig(
-        vocab_size=512, hidden_size=256, intermediate_size=512, num_hidden_layers=6, num_attention_heads=4,
-        num_key_value_heads=2, head_dim=64, sliding_window=WINDOW,
-        layer_types=["sliding_attention"] * 5 + ["full_attention"], max_position_embeddings=4096,
-        query_pre_attn_scalar=64, bos_token_id=2, eos_token_id=1,
-        rope_parameters={"full_attention": {"rope_type": "linear", "factor": 2.0, "rope_theta": 1e6},
-                         "sliding_attention": {"rope_type": "default", "rope_theta": 1e4}})
-    hf = Gemma3ForCausalLM(cfg).float().eval()
-    with torch.no_grad():
-        for name, p in hf.named_parameters():
-            p.normal_(0, 0.5 if "norm" in name else 0.08)
-    hf.save_pretrained(str(path))
-    return str(path), hf
+    return tiny(path, weight_std=0.08, vocab_size=512, hidden_size=256, intermediate_size=512, num_hidden_layers=6,
+                head_dim=64, sliding_window=WINDOW, layer_types=["sliding_attention"] * 5 + ["full_attention"],
+                max_position_embeddings=4096, query_pre_attn_scalar=64)
 
 
 def _prompts(n_tokens=(700, 300, 90)):
