@@ -93,3 +93,15 @@ def smollm2_gguf_path():
     from longreach.models.loader import resolve_model_path
 
     return resolve_model_path("smollm2")
+
+
+def greedy_vs_transformers(llm, hf, ids: list[int], n: int = 16) -> tuple[list[int], list[int]]:
+    """(transformers' greedy continuation of `ids`, `llm`'s with ignore_eos), `n` new tokens each (transformers' may
+    stop early at an end-of-text token)."""
+    from longreach import SamplingParams
+
+    with torch.no_grad():
+        want = hf.generate(torch.tensor([ids]), max_new_tokens=n, do_sample=False)[0, len(ids):].tolist()
+    got = llm.generate([{"prompt_token_ids": ids}], SamplingParams(temperature=0, max_tokens=n, ignore_eos=True),
+                       use_tqdm=False)[0].token_ids
+    return want, got

@@ -12,6 +12,8 @@ from longreach.config import EngineConfig
 from longreach.engine.llm_engine import LLMEngine
 from longreach.models.config import ModelConfig
 
+from conftest import greedy_vs_transformers
+
 pytestmark = pytest.mark.usefixtures("one_thread")
 
 WINDOW = 8
@@ -188,10 +190,7 @@ def test_gemma3_270m_gguf_matches_transformers_gguf_loader():
     mine = llm.engine.prompt_logits(ids)
     assert ref.std() > 0.5
     assert (mine - ref).abs().max().item() <= 2e-3
-    with torch.no_grad():
-        want = hf.generate(torch.tensor([ids]), max_new_tokens=16, do_sample=False)[0, len(ids):].tolist()
-    got = llm.generate([{"prompt_token_ids": ids}], SamplingParams(temperature=0, max_tokens=16, ignore_eos=True),
-                       use_tqdm=False)[0].token_ids
+    want, got = greedy_vs_transformers(llm, hf, ids)
     assert got == want
 
 

@@ -5,7 +5,7 @@ import torch
 from longreach.config import EngineConfig
 from longreach.engine.llm_engine import LLMEngine
 
-from conftest import make_tiny_hf_model
+from conftest import greedy_vs_transformers, make_tiny_hf_model
 
 CASES = {
     "llama": dict(arch="llama"),
@@ -79,7 +79,7 @@ def test_qwen_coder_05b_gguf_matches_transformers_gguf_loader():
 
     from transformers import AutoModelForCausalLM
 
-    from longreach import LLM, SamplingParams
+    from longreach import LLM
     from longreach.models.loader import resolve_model_path
 
     path = resolve_model_path("qwen2.5-coder-0.5b")
@@ -92,8 +92,5 @@ def test_qwen_coder_05b_gguf_matches_transformers_gguf_loader():
     mine = llm.engine.prompt_logits(ids)
     assert ref.std() > 0.5
     assert (mine - ref).abs().max().item() <= 2e-3
-    with torch.no_grad():
-        want = hf.generate(torch.tensor([ids]), max_new_tokens=16, do_sample=False)[0, len(ids):].tolist()
-    got = llm.generate([{"prompt_token_ids": ids}], SamplingParams(temperature=0, max_tokens=16, ignore_eos=True),
-                        use_tqdm=False)[0].token_ids
+    want, got = greedy_vs_transformers(llm, hf, ids)
     assert got[:len(want)] == want
