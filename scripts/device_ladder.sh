@@ -343,6 +343,10 @@ suite_qwen_wall512b() {  # what run 10 left (P=4 KV_GB=14): multikey's oracle ru
             --attention "$DEFAULT"
     done
 }
+suite_qwen_mk512() {  # multikey's oracle rung at 512K alone (run 11: the machine of qwen_wall512b went back mid-run)
+    job "ruler__niah_multikey_1__oracle__512k" ruler --tasks niah_multikey_1 --lengths 512k --samples 10 \
+        --attention infinitehip:oracle
+}
 suite_qwen15_final() {  # the 1.5B past the window in one lease (BG=1, P=3 KV_GB=31): 512K with 10 prompts, 1M with 5
     pk 512k --seeds 2
     rl niah_single_2 512k 10

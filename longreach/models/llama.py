@@ -38,6 +38,12 @@ from .config import ModelConfig
 from .shard import ModelShard
 
 
+
+def _rounded(value: float, dtype: torch.dtype) -> float:
+    """`value` rounded to `dtype` (bf16, fp16, fp32), as a host float: multiplying a tensor of that dtype by it gives
+    what multiplying by a one-element tensor of that dtype gives."""
+    return torch.tensor(value, dtype=dtype).item()
+
 class ForwardContext(Protocol):
     """What the model needs from the engine for one forward pass (see engine/model_runner.py)."""
 
@@ -206,8 +212,9 @@ class LlamaForCausalLM(nn.Module):
         `max_position` (host int): read only by dynamic NTK RoPE (rope/scaling.py), so None gives the same cos/sin
         for every other RoPE type."""
         x = self._embed_tokens(input_ids)
-        if self.config.scale_embeddings:  # Gemma: the factor in the model dtype, as transformers does
-            x = x * torch.tensor(self.config.hidden_size ** 0.5, dtype=x.dtype, device=x.device)
+        if self.config.scale_embeddings:  # Gemma: the factor rounded to the model dtype, as transformers does; a
+            # host float, exact in that dtype (a host tensor copied here would break CUDA graph capture)
+            x = x * _rounded(self.config.hidden_size ** 0.5, x.dtype)
         cos, sin = self.rotary(positions, x.dtype, max_position)
         if self.rotary_local is not None:
             cos_l, sin_l = self.rotary_local(positions, x.dtype, max_position)

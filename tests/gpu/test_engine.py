@@ -265,8 +265,11 @@ def test_prefill_selection_graphs(gpu_model, detail):
     for graphs in (False, True):
         gc.collect()
         torch.cuda.empty_cache()
+        # dense_below 0: the default attends exactly inside the model's trained context (32K for Qwen2.5-Coder),
+        # which would leave this 24K prompt nothing to select
         eng = LLMEngine(EngineConfig(model=gpu_model, attention="infinitehip", max_model_len=32768,
-                                     kv_cache_memory_gb=4, max_num_batched_tokens=2048))
+                                     kv_cache_memory_gb=4, max_num_batched_tokens=2048,
+                                     attention_config={"dense_below": 0}))
         pg = eng.backend.prefill_graphs
         assert pg.enabled, "prefill graphs should be on for infinitehip on a GPU"
         pg.enabled = graphs
@@ -304,37 +307,23 @@ def test_dense_paged_prefill_equals_sdpa(gpu_model, detail):
     round differently (another summation order, split-K merges, cuDNN vs Triton), so "equal" is judged against what
     bf16 allows: the same prompt in fp32 (sdpa) is the reference, and the paged run's max |logit error| against it
     must be at most twice the sdpa run's own plus 0.05 (tests/test_dense_paged_prefill.py checks the paths agree to
-    1e-4 in fp32 on a CPU); the greedy 16 tokens after the prompt are equal where sdpa's equal fp32's. Reported: the logit errors, and each
-    path's prefill wall time (the prompt's second prefill, after one that compiled the kernels; one run, not a
-    benchmark)."""
-    import time
+    1e-4 in fp32 on a CPU); the greedy 16 tokens after the prompt are equal where sdpa's equal fp32's. Reported:
+    the logit errors, and each path's prefill wall time (one run, not a benchmark)."""
+    import longreach.attention.dense as dense_mod
 
-    from longreach.config import EngineConfig
-    from longreach.engine.llm_engine import LLMEngine
-    from longreach.sampling_params import SamplingParams
+    launches = [0]
+    paged_kernel = dense_mod.paged_prefix_attention
 
+    def counted(*args, **kwargs):
+        launches[0] += 1
+        return paged_kernel(*args, **kwargs)
+
+    dense_mod.paged_prefix_attention = counted  # to tell which path ran: the paged one launches this per layer
     runs = {}
-    for name, kw in (("fp32", dict(dtype="float32")), ("sdpa", {}), ("paged", dict(dense_prefill="paged"))):
-        gc.collect()
-        torch.cuda.empty_cache()
-        eng = LLMEngine(EngineConfig(model=gpu_model, attention="dense", max_model_len=32768, kv_cache_memory_gb=4,
-                                     max_num_batched_tokens=2048, **kw))
-        ids = eng.tokenizer.encode(essay_text() * 8)[:20000]
-        logits = eng.prompt_logits(ids)[2048:].float()  # the rows of the chunks with a prefix
-        eng.add_request("g", ids, SamplingParams(temperature=0, max_tokens=16, ignore_eos=True))
-        torch.cuda.synchronize()
-        t0, prefill_s, out = time.perf_counter(), 0.0, None
-        while eng.has_unfinished_requests():
-            for o in eng.step():
-                out = o.outputs[0].token_ids
-            torch.cuda.synchronize()
-            if eng.last_step is not None and eng.last_step.is_prefill:
-                prefill_s = time.perf_counter() - t0
-        prefix = eng.backend._prefix  # the paged path's per-step plan: set only when it ran, a kernel plan on CUDA
-        if (name == "paged") != (prefix is not None and prefix[1][1] is not None):
-            raise AssertionError(f"{name}: the paged prefill {'did not run' if name == 'paged' else 'ran'}")
-        runs[name] = (logits, out, prefill_s)
-        del eng
+    try:
+        _paged_vs_sdpa_runs(gpu_model, runs, launches)
+    finally:
+        dense_mod.paged_prefix_attention = paged_kernel
     (ref, ref_tokens, _), (sdpa, sdpa_tokens, sdpa_s), (paged, paged_tokens, paged_s) = \
         runs["fp32"], runs["sdpa"], runs["paged"]
     err_sdpa = (sdpa - ref).abs().max().item()
@@ -351,3 +340,36 @@ def test_dense_paged_prefill_equals_sdpa(gpu_model, detail):
     if err_paged > 2 * err_sdpa + 0.05 or not tokens_ok:
         raise AssertionError(f"the paged prefill differs from sdpa beyond bf16 noise: error vs fp32 {err_paged:.4f} "
                              f"against sdpa's {err_sdpa:.4f}, tokens equal {paged_tokens == sdpa_tokens}")
+
+
+def _paged_vs_sdpa_runs(gpu_model, runs, launches) -> None:
+    """test_dense_paged_prefill_equals_sdpa's three runs (fp32, sdpa, paged) into `runs`: prompt logits, greedy
+    tokens, prefill wall time."""
+    import time
+
+    from longreach.config import EngineConfig
+    from longreach.engine.llm_engine import LLMEngine
+    from longreach.sampling_params import SamplingParams
+
+    for name, kw in (("fp32", dict(dtype="float32")), ("sdpa", {}), ("paged", dict(dense_prefill="paged"))):
+        launches[0] = 0
+        gc.collect()
+        torch.cuda.empty_cache()
+        eng = LLMEngine(EngineConfig(model=gpu_model, attention="dense", max_model_len=32768, kv_cache_memory_gb=4,
+                                     max_num_batched_tokens=2048, **kw))
+        ids = eng.tokenizer.encode(essay_text() * 8)[:20000]
+        logits = eng.prompt_logits(ids)[2048:].float()  # the rows of the chunks with a prefix
+        eng.add_request("g", ids, SamplingParams(temperature=0, max_tokens=16, ignore_eos=True))
+        torch.cuda.synchronize()
+        t0, prefill_s, out = time.perf_counter(), 0.0, None
+        while eng.has_unfinished_requests():
+            for o in eng.step():
+                out = o.outputs[0].token_ids
+            torch.cuda.synchronize()
+            if eng.last_step is not None and eng.last_step.is_prefill:
+                prefill_s = time.perf_counter() - t0
+        if (name == "paged") != (launches[0] > 0):
+            raise AssertionError(f"{name}: the paged prefill {'did not run' if name == 'paged' else 'ran'} "
+                                 f"({launches[0]} launches)")
+        runs[name] = (logits, out, prefill_s)
+        del eng
