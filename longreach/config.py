@@ -105,13 +105,13 @@ class EngineConfig:
     dense_prefill: str = _f("sdpa", "how dense attention (--attention dense, and the sparse methods' dense layers and "
                                     "short contexts) reads a prefill chunk's cached prefix: sdpa (gathered out of the "
                                     "paged cache, expanded over the GQA group, PyTorch SDPA) or paged (read in place "
-                                    "by the block-sparse kernel, every causal key block selected; not measured on a "
-                                    "GPU yet)")
+                                    "by the block-sparse kernel, every causal key block selected; slower than sdpa on "
+                                    "an H200: docs/serving.md)")
     tensor_parallel_size: int = _f(1, "split the model over this many processes of one host (rank r on cuda:r; "
                                       "gloo over CPU processes with --device cpu): attention heads, MLP and "
                                       "vocabulary, each rank its share of the KV cache and of the offloaded tier; "
-                                      "every attention method at granularity kv_head or head; no fp8 weights, no "
-                                      "CUDA graphs yet (docs/design-tensor-parallel.md)")
+                                      "every attention method at granularity kv_head or head; fp8 weights with "
+                                      "one process's scales; no CUDA graphs yet (docs/design-tensor-parallel.md)")
     seed: int = _f(0, "random seed for requests that give none")
 
     def __post_init__(self) -> None:
@@ -207,25 +207,17 @@ class EngineConfig:
 
     def _check_tensor_parallel(self) -> None:
         """What tensor parallelism runs (issue 32; docs/design-tensor-parallel.md): every attention method whose
-        selection is local to a rank's heads, the offloaded KV store (each rank its own heads' pages), unquantised
-        weights. The rest is refused here, before any process starts, rather than run untested; the methods'
+        selection is local to a rank's heads, the offloaded KV store (each rank its own heads' pages), fp8 weights
+        (models/fp8.py: the row-parallel layers' scales over every rank). The rest is refused here, before any process starts, rather than run untested; the methods'
         `granularity` is checked after their configs are parsed (`_check_tensor_parallel_methods`)."""
         n = self.tensor_parallel_size
         if isinstance(n, bool) or not isinstance(n, int) or n < 1:
             raise ValueError(f"tensor_parallel_size must be a positive integer, got {n!r}")
         if n == 1:
             return
-        why = []
-        if self.quantization is not None:
-            # row-parallel layers (o_proj, down_proj) split each output channel's inputs over the ranks: a rank's
-            # per-channel weight scale and per-token activation scale would be maxima over its part only, another
-            # quantisation than one process's (models/fp8.py)
-            why.append("fp8 weights are not split over ranks yet (the per-output-channel scales of the row-parallel "
-                       "o_proj and down_proj span every rank's inputs): leave --quantization out")
         if self.device.startswith("cuda:"):
-            why.append(f"device {self.device!r} names one GPU: use --device cuda (rank r runs on cuda:r)")
-        if why:
-            raise ValueError(f"tensor_parallel_size={n}: " + "; ".join(why))
+            raise ValueError(f"tensor_parallel_size={n}: device {self.device!r} names one GPU: use --device cuda "
+                             f"(rank r runs on cuda:r)")
 
     def _check_tensor_parallel_methods(self) -> None:
         """With tensor parallelism a method selects per KV group or per head, both local to a rank; granularity

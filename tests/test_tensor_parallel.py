@@ -71,7 +71,6 @@ def test_sizes_that_cannot_split_are_refused_with_the_allowed_ones():
 
 
 @pytest.mark.parametrize("what, kwargs, message", [
-    ("fp8", dict(quantization="fp8"), "fp8 weights"),
     ("layer", dict(attention="infinitehip", attention_config={"granularity": "layer"}),
      'attention infinitehip with granularity "layer" .* use granularity "kv_head" \\(the default\\) or "head"'),
     ("decode layer", dict(attention="minference", decode_attention="quest", decode_attention_config={
@@ -254,6 +253,41 @@ def dense_kv4(engines):
     one = engines["kv4"][0]
     tokens = _long_prompts()[0]["prompt_token_ids"]
     return one.engine.prompt_logits(tokens)
+
+
+def test_tp2_fp8_weights_equal_tp1(paths):
+    """--quantization fp8 under TP=2: the row-parallel layers' weight scales and their inputs' per-token scales (the
+    W8A8 path of calls of more than 16 rows) are maxima over the ranks (models/fp8.py), so each rank holds its slice
+    of TP=1's quantised values. What is left is fp32's reduction order, which e4m3's coarse rounding can amplify: a
+    value near a rounding boundary rounds the other way, and its error reaches every later row through attention.
+    So: with 16-token steps (prefill and decode W8A16: no activation is quantised) the prompt logits are within 1e-5
+    of their scale of TP=1's; with 64-token steps (prefill W8A8) the first rows are (here the first 62 of 300; a rank-
+    local activation scale, vLLM's, differs from row 0 on: 3.5 where this is 0.6, against fp8's own 7.0 from the
+    unquantised model), the whole prompt stays within a quarter of fp8's own error, and greedy tokens are equal."""
+    from longreach.models.fp8 import Fp8Linear
+
+    tokens = _long_prompts()[0]["prompt_token_ids"]
+    full = LLM(paths["kv4"], **SPARSE_ENGINE).engine.prompt_logits(tokens)
+    for steps in (16, 64):
+        one, two = _tp_pair(paths["kv4"], quantization="fp8", max_num_batched_tokens=steps)
+        try:
+            attn = two.engine.model.layers[0].self_attn
+            assert isinstance(attn.o_proj, Fp8Linear) and attn.o_proj.tp is two.engine.tp  # all-reducing scales
+            assert two.engine.model.layers[0].mlp.gate_up_proj.tp is None  # column-parallel: one process's scales
+            want, got = one.engine.prompt_logits(tokens), two.engine.prompt_logits(tokens)
+            bound, own = 1e-5 * want.abs().max().item(), (want - full).abs().max().item()
+            assert own > 1.0  # fp8 ran
+            diff = (got - want).abs()
+            if steps == 16:
+                assert diff.max().item() <= bound
+                continue
+            assert diff[:32].max().item() <= bound
+            assert diff.max().item() <= 0.25 * own
+            prompts = _long_prompts()
+            assert [o.token_ids for o in two.generate(prompts, SPARSE_GREEDY, use_tqdm=False)] == \
+                [o.token_ids for o in one.generate(prompts, SPARSE_GREEDY, use_tqdm=False)]
+        finally:
+            two.close()
 
 
 @pytest.mark.parametrize("case", list(SPARSE))

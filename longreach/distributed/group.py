@@ -76,6 +76,17 @@ class TPGroup:
             self.compute.allreduce([x]).wait()
         return x
 
+    def all_reduce_max(self, x: torch.Tensor) -> torch.Tensor:
+        """The elementwise maximum of `x` over the ranks, in place (fp8 weights: a row-parallel layer's scales span
+        every rank's inputs); x itself with one rank."""
+        if self.world_size > 1:
+            import torch.distributed as dist
+
+            opts = dist.AllreduceOptions()
+            opts.reduceOp = dist.ReduceOp.MAX
+            self.compute.allreduce([x], opts).wait()
+        return x
+
     def gather_last_dim(self, x: torch.Tensor) -> torch.Tensor | None:
         """Concatenate every rank's `x` (..., n) along the last dim on rank 0 -> (..., world_size * n); None on the
         other ranks (the vocab-parallel LM head: only rank 0 samples)."""

@@ -173,14 +173,15 @@ class LLMEngine:
         sized, so that the memory they free goes to it."""
         from ..models.fp8 import quantize_model_fp8, scaled_mm_supported
 
-        before, after = quantize_model_fp8(self.model)
+        before, after = quantize_model_fp8(self.model, self.tp)  # every rank: the row-parallel scales all-reduce
         if self.device.type == "cuda":
             torch.cuda.empty_cache()
         how = ("the fp8 GEMV kernel for calls of at most 16 rows (decode), torch._scaled_mm above"
                if scaled_mm_supported(self.device) else
                "the fp32 references (no fp8 tensor cores here: slower than unquantised)")
-        logger.info("fp8 weights: the decoder's linear layers %.2f GB -> %.2f GB, through %s", before / 1e9,
-                    after / 1e9, how)
+        whose = f" (rank {self.tp.rank}'s share)" if self.tp.world_size > 1 else ""
+        logger.info("fp8 weights: the decoder's linear layers %.2f GB -> %.2f GB%s, through %s", before / 1e9,
+                    after / 1e9, whose, how)
 
     # ---- KV (sized and built in kvcache/build.py) ---------------------------------------------------------------
     def kv_cache_stats(self) -> dict:

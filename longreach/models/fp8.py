@@ -27,6 +27,13 @@ a smaller one: a position's logits from a prefill differ slightly from those of 
 runs the scheme of the eager step it replays (graphs are captured at 1, 2, 4, 8 rows and multiples of 16: a batch of
 at most 16 sequences is replayed at at most 16 rows). The embeddings, the norms and the LM head stay in the model's
 dtype (the head's logits are what sampling reads).
+Under tensor parallelism (models/shard.py) the column-parallel layers (qkv_proj, gate_up_proj) hold whole rows of
+the weight and see whole activation rows, so their scales are one process's. The row-parallel ones (o_proj,
+down_proj) hold a slice of every row's K: their weight scales are maxima over the ranks (one all-reduce per layer at
+load) and, in W8A8 calls, so are their inputs' per-token scales (an all-reduce of M floats per call), so each rank
+multiplies its slice of one process's quantised values and the sum over the ranks differs from one process's only
+by the order of its fp32 sums (tests/test_tensor_parallel.py). vLLM quantises a row-parallel layer's inputs per rank
+instead (no collective); we keep TP=N's tokens equal to TP=1's.
 What was measured: the CPU tests (tests/test_fp8.py) bound the error against the unquantised layer and the model's
 logits and check the GEMV kernel in Triton's interpreter; the GPU kernels' agreement with the references and any
 speed figure from tests/gpu/test_fp8.py and scripts/fp8_gemv_sweep.py (kernel times, above); `bench decode
@@ -37,6 +44,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from ..distributed.group import TPGroup
 from ..kernels import triton_available
 from ..kernels.fp8_gemv import MAX_ROWS, fp8_gemv, fp8_gemv_reference
 
@@ -44,17 +52,25 @@ E4M3_MAX = 448.0
 EPS = 1e-12
 GEMV_ROWS = MAX_ROWS  # calls of at most this many rows: weight-only (W8A16); more: W8A8 (module docstring)
 PROJECTIONS = ("qkv_proj", "o_proj", "gate_up_proj", "down_proj")  # models/llama.py's linear layers per block
+ROW_PARALLEL = ("o_proj", "down_proj")  # under tensor parallelism each rank holds a slice of their inputs (shard.py)
 
 
-def quantize_rows(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """(..., K) -> (e4m3 values, fp32 scale (..., 1)) with one scale per row: x ~ values * scale."""
-    scale = x.abs().amax(dim=-1, keepdim=True).float().clamp(min=EPS) / E4M3_MAX
+def quantize_rows(x: torch.Tensor, tp: TPGroup | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """(..., K) -> (e4m3 values, fp32 scale (..., 1)) with one scale per row: x ~ values * scale. `tp`: x is this
+    rank's slice of rows that span every rank's K (a row-parallel layer's weights or inputs): the scale is the
+    maximum over the ranks, so each rank's values are its slice of what one process quantises."""
+    amax = x.abs().amax(dim=-1, keepdim=True).float()
+    if tp is not None:
+        tp.all_reduce_max(amax)
+    scale = amax.clamp(min=EPS) / E4M3_MAX
     return (x.float() / scale).clamp(-E4M3_MAX, E4M3_MAX).to(torch.float8_e4m3fn), scale
 
 
-def reference_fp8_linear(x: torch.Tensor, qw: torch.Tensor, sw: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
-    """The W8A8 product in fp32 from the quantised values (any device): `torch._scaled_mm`'s reference."""
-    qx, sx = quantize_rows(x)
+def reference_fp8_linear(x: torch.Tensor, qw: torch.Tensor, sw: torch.Tensor, bias: torch.Tensor | None,
+                         tp: TPGroup | None = None) -> torch.Tensor:
+    """The W8A8 product in fp32 from the quantised values (any device): `torch._scaled_mm`'s reference. `tp`: a
+    row-parallel layer's group (`quantize_rows`)."""
+    qx, sx = quantize_rows(x, tp)
     y = (qx.float() * sx) @ (qw.float() * sw).t()
     if bias is not None:
         y = y + bias.float()
@@ -68,8 +84,13 @@ def scaled_mm_supported(device: torch.device) -> bool:
 class Fp8Linear(nn.Module):
     """A linear layer with e4m3 weights and one fp32 scale per output channel (module docstring)."""
 
-    def __init__(self, qweight: torch.Tensor, scale: torch.Tensor, bias: torch.Tensor | None):
+    def __init__(self, qweight: torch.Tensor, scale: torch.Tensor, bias: torch.Tensor | None,
+                 tp: TPGroup | None = None):
+        """`tp`: the group of a row-parallel layer split over several ranks (o_proj, down_proj under tensor
+        parallelism), whose inputs' per-token scales are then maxima over the ranks (one small all-reduce per call
+        of more than GEMV_ROWS rows); None for every other layer."""
         super().__init__()
+        self.tp = tp
         self.out_features, self.in_features = qweight.shape
         self.register_buffer("qweight", qweight)  # (N, K) e4m3, row-major: its .t() is the column-major B of the GEMM
         self.register_buffer("scale", scale)  # (N, 1) fp32
@@ -79,10 +100,10 @@ class Fp8Linear(nn.Module):
         self._gemv = fp8_gpu and triton_available()  # W8A16: kernels/fp8_gemv.py (Triton's fp8 needs sm >= 8.9 too)
 
     @classmethod
-    def from_linear(cls, lin: nn.Linear) -> "Fp8Linear":
-        qw, s = quantize_rows(lin.weight.data)
+    def from_linear(cls, lin: nn.Linear, tp: TPGroup | None = None) -> "Fp8Linear":
+        qw, s = quantize_rows(lin.weight.data, tp)
         bias = None if lin.bias is None else lin.bias.data.clone()
-        return cls(qw.contiguous(), s, bias)
+        return cls(qw.contiguous(), s, bias, tp)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         shape = x.shape
@@ -96,7 +117,7 @@ class Fp8Linear(nn.Module):
         elif self._gpu:
             y = self._scaled_mm(x2)
         else:
-            y = reference_fp8_linear(x2, self.qweight, self.scale, self.bias)
+            y = reference_fp8_linear(x2, self.qweight, self.scale, self.bias, self.tp)
         return y.reshape(*shape[:-1], self.out_features)
 
     def _scaled_mm(self, x2: torch.Tensor) -> torch.Tensor:
@@ -105,7 +126,7 @@ class Fp8Linear(nn.Module):
         pad = -m % 16  # the fp8 GEMM wants every dimension a multiple of 16: pad the rows
         if pad:
             x2 = torch.nn.functional.pad(x2, (0, 0, 0, pad))
-        qx, sx = quantize_rows(x2)
+        qx, sx = quantize_rows(x2, self.tp)
         y = torch._scaled_mm(qx, self.qweight.t(), scale_a=sx, scale_b=self.scale.reshape(1, -1), out_dtype=x2.dtype)
         y = y[:m]
         if self.bias is not None:  # added here: not every fp8 GEMM path takes a bias with row-wise scales
@@ -113,16 +134,19 @@ class Fp8Linear(nn.Module):
         return y
 
 
-def quantize_model_fp8(model: nn.Module) -> tuple[int, int]:
+def quantize_model_fp8(model: nn.Module, tp: TPGroup | None = None) -> tuple[int, int]:
     """Replace every decoder block's projections (PROJECTIONS) with Fp8Linear, in place. Returns (bytes before, bytes
-    after) of the replaced weights."""
+    after) of this process's replaced weights. `tp`: the model's tensor-parallel group: its row-parallel layers
+    (ROW_PARALLEL) take their scales over every rank's inputs, so that each rank holds its slice of one process's
+    quantised weights and quantises its inputs as one process would (every rank must call this: it all-reduces)."""
+    split = tp is not None and tp.world_size > 1
     before = after = 0
     for block in model.modules():
         for name in PROJECTIONS:
             lin = getattr(block, name, None)
             if isinstance(lin, nn.Linear):
                 before += lin.weight.numel() * lin.weight.element_size()
-                q = Fp8Linear.from_linear(lin)
+                q = Fp8Linear.from_linear(lin, tp if split and name in ROW_PARALLEL else None)
                 after += q.qweight.numel() + q.scale.numel() * 4
                 setattr(block, name, q)
     if before == 0:
