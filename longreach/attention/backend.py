@@ -148,8 +148,9 @@ class AttentionBackend(ABC):
     capabilities: Capabilities = Capabilities()  # what it can do (a class's declaration; an instance may refine it)
     kv_layout: KVLayout | None = None  # a bounded cache's slot layout; None: token t in slot t (see the docstring)
     preset_notes: ClassVar[dict[str, str]] = {}  # preset -> one line on what it is for (`longreach backends`)
-    # attends each sliding-window layer (ModelConfig.window_of, Gemma 3) within its window (the sparse methods: through
-    # their dense fallback); the others refuse such models (unsupported_reasons)
+    # attends each sliding-window layer (ModelConfig.window_of, Gemma 3) within its window (the sparse methods and
+    # cascading: through their dense fallback); every built-in backend does, a user's (registry.register_backend)
+    # that does not declare it refuses such models (unsupported_reasons)
     honours_layer_windows: ClassVar[bool] = False
 
     def __init__(self, model_config: "ModelConfig", engine_config: EngineSettings, device: torch.device):
@@ -197,7 +198,7 @@ class AttentionBackend(ABC):
             return [f"{model_config.architecture} has sliding-window layers (window {model_config.sliding_window}), "
                     f"which {cls.name} does not honour: run it with dense attention (the default) or a method that "
                     f"attends them densely and selects in the global layers (infinitehip, hip, quest, streaming, psa, "
-                    f"minference)"]
+                    f"minference, cascading)"]
         return []
 
     @classmethod

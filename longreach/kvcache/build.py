@@ -7,7 +7,8 @@ What the backend needs (`KVNeeds`, kvcache/base.py) it declares through `Attenti
 A model with sliding-window layers (Gemma 3) keeps pages for its global layers only and a fixed ring for the sliding
 ones (window.py): a page costs the G global layers' bytes, and the ring (`max_num_seqs + 1` slots of `window` tokens
 in every sliding layer) comes off the budget first, so the same budget holds about L / G times the tokens of an
-all-global cache (docs/gemma3.md).
+all-global cache (docs/gemma3.md). A bounded cache (cascading's layout) composes with it unchanged: its pages are
+the global layers' (with its side state of the global layers), at most `slots_for(max_model_len)` per sequence.
 """
 from __future__ import annotations
 
@@ -50,14 +51,15 @@ def build_kv_cache(cfg, mc, kv_dtype: torch.dtype, device: torch.device, needs: 
     # One extra page: the scratch page that padded CUDA-graph rows write to.
     cache = resident_cache(mc, num_blocks, cfg.block_size, kv_dtype, device, ring_slots)
     if ring_slots:
-        _log_ring(cache, mc, num_blocks * cfg.block_size)
+        _log_ring(cache, mc, num_blocks * cfg.block_size, None if layout is None else cfg.attention)
     logger.info("KV cache: %d pages x %d tokens = %d tokens (%.2f GiB, %s)", num_blocks, cfg.block_size,
                 num_blocks * cfg.block_size, cache.nbytes / GiB, dtype_name(kv_dtype))
     if layout is not None:
         per_seq = blocks.blocks_for(cfg.max_model_len)
+        at_once = min(num_blocks // per_seq, ring_slots or num_blocks)  # a sequence needs a ring slot too
         logger.info("KV cache: %s keeps every sequence in at most %d pages (%d slots: its bounded cache plus one "
                     "prefill chunk), whatever its length; %d pages serve %d such sequences at once",
-                    cfg.attention, per_seq, layout.max_slots, num_blocks, num_blocks // per_seq)
+                    cfg.attention, per_seq, layout.max_slots, num_blocks, at_once)
     return blocks, cache
 
 
@@ -82,11 +84,15 @@ def ring_plan(cfg, mc, kv_dtype, budget: float) -> tuple[int, int, int]:
     return len(glob), slots, (slots + 1) * per_slot
 
 
-def _log_ring(cache: WindowedKVCache, mc, tokens: int) -> None:
+def _log_ring(cache: WindowedKVCache, mc, tokens: int, bounded: str | None = None) -> None:
+    """The two stores of a model with sliding layers. `tokens`: the pages' slots; `bounded`: the method whose bounded
+    cache they hold (each sequence's cascade: slots, not every token of the context), None: every token."""
     glob, sliding = layer_split(mc)
-    logger.info("KV cache: %d global layers keep every page (%d tokens); %d sliding-window layers keep a ring of "
-                "their last %d tokens per sequence, %d sequence slots and a scratch one (%.1f MiB, fixed)", len(glob),
-                tokens, len(sliding), cache.window, cache.num_slots, cache.ring.nbytes / 2**20)
+    pages = f"every page ({tokens} tokens)" if bounded is None else \
+        f"the pages of {bounded}'s bounded cache per sequence ({tokens} slots)"
+    logger.info("KV cache: %d global layers keep %s; %d sliding-window layers keep a ring of their last %d tokens "
+                "per sequence, %d sequence slots and a scratch one (%.1f MiB, fixed)", len(glob), pages,
+                len(sliding), cache.window, cache.num_slots, cache.ring.nbytes / 2**20)
 
 
 def _num_resident_blocks(cfg, mc, kv_dtype, device, needs: KVNeeds, free_gpu_bytes, agree=lambda n: n
@@ -109,8 +115,8 @@ def _num_resident_blocks(cfg, mc, kv_dtype, device, needs: KVNeeds, free_gpu_byt
     else:
         budget -= ring_bytes
     num_blocks = int(max(budget, 0) // per_block)
-    if layout is not None:  # more pages than max_num_seqs bounded sequences can use would sit idle
-        num_blocks = min(num_blocks, pages_per_seq * cfg.max_num_seqs)
+    if layout is not None:  # more pages than max_num_seqs (or ring slots') bounded sequences can use would sit idle
+        num_blocks = min(num_blocks, pages_per_seq * (ring_slots or cfg.max_num_seqs))
     num_blocks = agree(num_blocks)
     if ring_slots:  # every tensor-parallel rank's ring has rank 0's slots
         ring_slots = agree(ring_slots)

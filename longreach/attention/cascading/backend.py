@@ -26,6 +26,13 @@ How it fits the engine (docs/sparse.md, "Cascading KV cache", has the whole desi
     ends prefill chunks on their boundaries (`CascadeLayout.stride`) and a chunk holding several strides runs them
     one after the other in each layer, so the result does not depend on how steps cut a prompt. Decode tokens are
     strides of one.
+  * A model with sliding-window layers (Gemma 3): the cascade is the global layers' cache only. The KV store is then
+    kvcache/window.py's `WindowedKVCache`, whose global store holds the cascade's slots (the same `CascadeLayout`,
+    pages per sequence) and whose ring keeps each sliding layer's last `window` tokens per sequence slot; the block
+    manager hands a sequence both (its pages and a ring slot). The sliding layers attend densely within their window
+    through the dense fallback (attention/dense.py: `DenseFallback`), as under every other method; nothing of the
+    cascade (plan, importance, positions) runs in them, and its importance and positions are kept per global layer.
+    docs/gemma3.md ("Cascading on the global layers") has the design.
 
 Not supported (refused with a reason): KV offloading, fp8 KV, composing with another method (--decode-attention),
 dynamic-NTK RoPE, CUDA-graph decode (decode runs eagerly: the insertion plan is host work every step).
@@ -43,6 +50,7 @@ from ...kernels import use_triton
 from ...kernels.combine import sm_count, split_count
 from ...rope.strategies import RopeArgs, rotation
 from ..backend import AttentionBackend, AttentionMetadata, Capabilities
+from ..dense import DenseFallback
 from ..presets import resolve
 from .attend import causal_attention_lse, gather_virtual, unrotation
 from .config import DEFAULT_PRESET, PRESET_NOTES, PRESETS, CascadeLayout, CascadingConfig
@@ -59,6 +67,7 @@ class CascadingBackend(AttentionBackend):
     # no graphs (the insertion plan is host work every step); its own bounded cache: cannot be composed
     capabilities = Capabilities(bounded_cache=True)
     preset_notes = PRESET_NOTES
+    honours_layer_windows = True  # sliding-window layers go to the dense fallback (the module docstring)
 
     def __init__(self, model_config, engine_config, device):
         super().__init__(model_config, engine_config, device)
@@ -67,16 +76,20 @@ class CascadingBackend(AttentionBackend):
         self.config = self.resolve_config(engine_config)
         c = self.config
         self.sizes = [c.subcache_size] * c.num_subcaches
-        L, H = model_config.num_layers, model_config.num_kv_heads
+        # the sliding-window layers (Gemma 3's local ones) attend densely within their window, over their ring; the
+        # cascade and its side state are the other (global) layers', indexed by their rank among them
+        self.fallback = DenseFallback(model_config, engine_config, device, ())
+        self._cascade_layer = {layer: i for i, layer in enumerate(self.fallback.sparse_layers())}
+        G, H = len(self._cascade_layer), model_config.num_kv_heads
         self.stride = min(c.stride, engine_config.max_num_batched_tokens)  # a stride fits one step
         self.kv_layout = CascadeLayout(c.n_sink, c.capacity, engine_config.max_num_batched_tokens, self.stride,
-                                       L * H * 8)
+                                       G * H * 8)
         self.inv_freq = rope_inv_freq(model_config.rope, model_config.head_dim)[0].to(device)
         self.rope = RopeArgs("cache", self.inv_freq, 0)
         self._rings: dict[int, CascadeRings] = {}
         self._tables: dict[int, np.ndarray] = {}  # last block table seen per sequence (check_integrity)
-        self._score: torch.Tensor | None = None  # (L, num_slots, H_kv) fp32 importance
-        self._tokpos: torch.Tensor | None = None  # (L, num_slots, H_kv) int32 true position of the token in a slot
+        self._score: torch.Tensor | None = None  # (G, num_slots, H_kv) fp32 importance, G: the global layers
+        self._tokpos: torch.Tensor | None = None  # (G, num_slots, H_kv) int32 true position of the token in a slot
         self._subs: list[SubStride] = []
         self._rope_tables: tuple = ()  # the step's RoPE tables (begin_step)
         self._pos32: torch.Tensor | None = None  # (T, 1) the step's true positions, int32
@@ -128,16 +141,21 @@ class CascadingBackend(AttentionBackend):
 
     # ---- per-layer execution -------------------------------------------------------------------------------------
     def _side_state(self, num_slots: int) -> None:
-        L, H = self.model_config.num_layers, self.model_config.num_kv_heads
+        G, H = len(self._cascade_layer), self.model_config.num_kv_heads
         if self._score is None or self._score.shape[1] != num_slots:
-            self._score = torch.zeros(L, num_slots, H, dtype=torch.float32, device=self.device)
-            self._tokpos = torch.full((L, num_slots, H), -1, dtype=torch.int32, device=self.device)
+            self._score = torch.zeros(G, num_slots, H, dtype=torch.float32, device=self.device)
+            self._tokpos = torch.full((G, num_slots, H), -1, dtype=torch.int32, device=self.device)
 
     def forward(self, layer, q, k, v, k_cache, v_cache, meta: AttentionMetadata):
+        """A global layer: the step's strides over its cascade (`k_cache`/`v_cache`: the global store's pages). A
+        sliding-window layer: dense within its window (the caches are then its ring, kvcache/window.py)."""
+        if layer in self.fallback.layers:
+            return self.fallback.forward(layer, q, k, v, k_cache, v_cache, meta)
         H, row = k_cache.shape[2], k_cache.shape[3]
         self._side_state(k_cache.shape[0] * k_cache.shape[1])
         kf, vf = k_cache.view(-1, H, row), v_cache.view(-1, H, row)  # (num_slots, H_kv, D): flat slots
-        score, tokpos = self._score[layer], self._tokpos[layer]
+        g = self._cascade_layer[layer]
+        score, tokpos = self._score[g], self._tokpos[g]
         # the step's keys were stored rotated at their true positions: store them un-rotated instead (with their
         # positions); the queries move to their virtual positions
         rope = cascade_rope_triton if self.step_kernels(q) else cascade_rope_reference
@@ -251,7 +269,7 @@ class CascadingBackend(AttentionBackend):
                 "fill": list(r.fill), **dict(r.stats)}
 
     def check_integrity(self, seq_id: int | None = None) -> None:
-        """Every sequence's (or one's) ring structure, and in every layer and KV head: the sink holds tokens
+        """Every sequence's (or one's) ring structure, and in every global layer and KV head: the sink holds tokens
         0..n_sink-1 in order, the cached tokens are strictly in order of position (so none twice), all seen, past
         the sink. Raises AssertionError. Call between steps."""
         bs = self.engine_config.block_size
