@@ -49,13 +49,13 @@ def paths(checkpoints):
     return {name: path for name, (path, _) in checkpoints.items()}
 
 
-def _load(path: str, rank: int = 0, size: int = 1):
+def _load(path: str, rank: int = 0, size: int = 1, lazy: bool = False):
     import json
 
     with open(os.path.join(path, "config.json")) as f:
         cfg = ModelConfig.from_hf(json.load(f))
     tp = TPGroup(rank, size)  # no process group: loading runs no collective
-    return build_model(cfg, _safetensors_weights(path, torch.float32), torch.float32, torch.device("cpu"), tp)
+    return build_model(cfg, _safetensors_weights(path, torch.float32, lazy), torch.float32, torch.device("cpu"), tp)
 
 
 # ---- shard math and loading, one process ----------------------------------------------------------------------------
@@ -122,9 +122,26 @@ def _reassemble(parts: list[torch.Tensor], full: torch.Tensor, name: str, shards
 
 
 @pytest.mark.parametrize("shape, size", [("kv4", 2), ("kv4", 4), ("kv1", 2), ("kv1", 4)])
-def test_sharded_loader_reassembles_the_unsharded_weights(paths, shape, size):
+def test_sharded_loader_reassembles_the_unsharded_weights(paths, shape, size, monkeypatch):
+    """Each rank reads the checkpoint lazily (the loader's way under TP: safetensors slices), only its part: the
+    elements a rank reads are about 1/size of the checkpoint's (what it replicates, the norms and the KV heads of a
+    1-KV-head model, on top)."""
+    from longreach.models.shard import LazyTensor
+
     full = dict(_load(paths[shape]).named_parameters())
-    ranks = [_load(paths[shape], r, size) for r in range(size)]
+    read, total, getitem = [0], sum(v.numel() for v in full.values()), LazyTensor.__getitem__
+
+    def counted(self, index):
+        out = getitem(self, index)
+        read[0] += out.numel()
+        return out
+
+    monkeypatch.setattr(LazyTensor, "__getitem__", counted)
+    ranks = []
+    for r in range(size):
+        read[0] = 0
+        ranks.append(_load(paths[shape], r, size, lazy=True))
+        assert read[0] <= (1.0 / size + 0.1) * total, (r, read[0], total)
     shards = [m.shard for m in ranks]
     assert shards[0].vocab_rows == -(-250 // size)
     for name, value in full.items():

@@ -15,6 +15,7 @@ from .config import ModelConfig
 from .gguf import GGUFFile, find_gguf_in_dir
 from .hub import ALIASES, DownloadError, resolve_alias
 from .llama import LlamaForCausalLM
+from .shard import LazyTensor
 from .tokenizer import Tokenizer
 
 logger = logging.getLogger("longreach")
@@ -41,7 +42,9 @@ def resolve_model_path(model: str) -> str:
     )
 
 
-def _safetensors_weights(path: str, dtype: torch.dtype) -> Iterator[tuple[str, torch.Tensor]]:
+def _safetensors_weights(path: str, dtype: torch.dtype, lazy: bool = False) -> Iterator[tuple[str, torch.Tensor]]:
+    """(name, tensor) of every tensor of the checkpoint, converted to `dtype`. `lazy` (a tensor-parallel rank): a
+    `LazyTensor` each, read only in the part the rank takes (models/shard.py); the file stays open until the next."""
     from safetensors import safe_open
 
     index = os.path.join(path, "model.safetensors.index.json")
@@ -55,7 +58,7 @@ def _safetensors_weights(path: str, dtype: torch.dtype) -> Iterator[tuple[str, t
     for name in files:
         with safe_open(os.path.join(path, name), framework="pt") as f:
             for key in f.keys():
-                yield key, f.get_tensor(key).to(dtype)
+                yield key, LazyTensor(f.get_slice(key), dtype) if lazy else f.get_tensor(key).to(dtype)
 
 
 @dataclass
@@ -98,7 +101,7 @@ def load_model(model: str, dtype: torch.dtype, device: torch.device, tp: TPGroup
         with open(os.path.join(path, "config.json")) as f:
             cfg = ModelConfig.from_hf(json.load(f), name=os.path.basename(os.path.normpath(path)))
         tokenizer = Tokenizer.from_dir(path) if os.path.isfile(os.path.join(path, "tokenizer.json")) else None
-        weights = _safetensors_weights(path, dtype)
+        weights = _safetensors_weights(path, dtype, lazy=tp is not None and tp.world_size > 1)
     net = build_model(cfg, weights, dtype, device, tp)
     if tokenizer is None:
         logger.warning("%s carries no tokenizer: only token-id prompts can be used", path)
@@ -111,8 +114,8 @@ def load_model(model: str, dtype: torch.dtype, device: torch.device, tp: TPGroup
 
 def build_model(cfg: ModelConfig, weights, dtype: torch.dtype, device: torch.device,
                 tp: TPGroup | None = None) -> LlamaForCausalLM:
-    """Allocate without initialising (meta device), then fill every parameter from `weights` (cut to `tp`'s rank:
-    each tensor is sliced before it moves to `device`)."""
+    """Allocate without initialising (meta device), then fill every parameter from `weights` (cut to `tp`'s rank: a
+    lazy safetensors tensor is sliced before it is read and moved to `device`; any other is moved whole, then cut)."""
     with torch.device("meta"):
         net = LlamaForCausalLM(cfg, tp)
     net = net.to(dtype).to_empty(device=device)  # allocate in `dtype`: no fp32 copy to convert

@@ -10,8 +10,10 @@ Megatron's split (docs/design-tensor-parallel.md, "What is split"):
     rows past V zero (so every rank's shard has the same shape for the gather);
   * norms and RoPE: replicated.
 
-`ModelShard.cut` takes one full checkpoint tensor (HF name, after the GGUF K-quants are dequantised) and returns this
-rank's part: a rank holds one full tensor at a time while loading, never the full model.
+`ModelShard.cut` takes one checkpoint tensor (HF name, after the GGUF K-quants are dequantised) and returns this
+rank's part: a rank holds one full tensor at a time while loading, never the full model. A safetensors checkpoint
+is read lazily under tensor parallelism (`LazyTensor`): only the rank's rows or columns come off the disk, so N ranks
+read the split weights once in all, not N times.
 """
 from __future__ import annotations
 
@@ -39,6 +41,31 @@ def check_tensor_parallel(cfg: ModelConfig, size: int) -> None:
             f"{cfg.num_kv_heads} KV heads, MLP width {cfg.intermediate_size}): the size must divide the query heads "
             f"and the MLP width, and divide the KV heads or be a multiple of them; allowed: "
             f"{', '.join(map(str, allowed_sizes(cfg)))}")
+
+
+class LazyTensor:
+    """A checkpoint tensor not read yet (a safetensors `get_slice` handle): `shape`, and indexing by slices (`t[a:b]`,
+    `t[:, a:b]`) reads that part only, converted to `dtype` and moved to `device` (`to(device)` sets it, as a tensor's
+    would move it); `whole()` reads it all. Valid while its file is open (models/loader.py yields one at a time and
+    reads the next only after it was used)."""
+
+    def __init__(self, handle, dtype: torch.dtype, device: torch.device | str = "cpu"):
+        self._handle, self.dtype, self.device = handle, dtype, torch.device(device)
+        self.shape = torch.Size(handle.get_shape())
+
+    def to(self, device: torch.device | str) -> "LazyTensor":
+        return LazyTensor(self._handle, self.dtype, device)
+
+    def __getitem__(self, index) -> torch.Tensor:
+        return self._handle[index].to(device=self.device, dtype=self.dtype)
+
+    def whole(self) -> torch.Tensor:
+        return self[tuple(slice(None) for _ in self.shape)]
+
+
+def materialize(tensor) -> torch.Tensor:
+    """`tensor` itself, or all of a LazyTensor read."""
+    return tensor.whole() if isinstance(tensor, LazyTensor) else tensor
 
 
 @dataclass(frozen=True)
@@ -77,16 +104,18 @@ class ModelShard:
 
     def cut(self, module: str, slot: int | None, tensor: torch.Tensor, is_bias: bool) -> torch.Tensor:
         """This rank's part of the full checkpoint tensor for `module` ("self_attn.qkv_proj", "mlp.down_proj",
-        "embed_tokens", ...; `slot`: q/k/v 0/1/2, gate/up 0/1). A view where it can be one."""
+        "embed_tokens", ...; `slot`: q/k/v 0/1/2, gate/up 0/1). A view where it can be one; from a LazyTensor, only
+        the part is read (a replicated tensor whole)."""
         if self.whole:
-            return tensor
+            return materialize(tensor)
         if module == "self_attn.qkv_proj":  # column-parallel by heads
             return tensor[self._head_rows(self.q_heads if slot == 0 else self.kv_heads)]
         if module == "mlp.gate_up_proj":  # column-parallel, gate and up alike
             return tensor[self.inter.start:self.inter.stop]
         if module in ("self_attn.o_proj", "mlp.down_proj"):  # row-parallel: input columns; the bias added once
             if is_bias:
-                return tensor if self.rank == 0 else torch.zeros_like(tensor)
+                return materialize(tensor) if self.rank == 0 else torch.zeros(tensor.shape, dtype=tensor.dtype,
+                                                                             device=tensor.device)
             cols = self._head_rows(self.q_heads) if module == "self_attn.o_proj" else slice(self.inter.start,
                                                                                            self.inter.stop)
             return tensor[:, cols]
@@ -95,4 +124,4 @@ class ModelShard:
             if part.shape[0] < self.vocab_rows:
                 part = torch.cat([part, part.new_zeros(self.vocab_rows - part.shape[0], *part.shape[1:])])
             return part
-        return tensor  # norms: replicated
+        return materialize(tensor)  # norms: replicated
