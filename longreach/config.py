@@ -107,11 +107,14 @@ class EngineConfig:
                                     "paged cache, expanded over the GQA group, PyTorch SDPA) or paged (read in place "
                                     "by the block-sparse kernel, every causal key block selected; slower than sdpa on "
                                     "an H200: docs/serving.md)")
-    tensor_parallel_size: int = _f(1, "split the model over this many processes of one host (rank r on cuda:r; "
-                                      "gloo over CPU processes with --device cpu): attention heads, MLP and "
+    tensor_parallel_size: int = _f(1, "split the model over this many processes: attention heads, MLP and "
                                       "vocabulary, each rank its share of the KV cache and of the offloaded tier; "
-                                      "every attention method at granularity kv_head or head; fp8 weights with "
-                                      "one process's scales; no CUDA graphs yet (docs/design-tensor-parallel.md)")
+                                      "every attention method at granularity kv_head or head; fp8 weights with one "
+                                      "process's scales; generate, serve and the LLM API. This process starts the "
+                                      "others on one host (rank r on cuda:r; gloo over CPU processes with --device "
+                                      "cpu), or, under torchrun, it must equal WORLD_SIZE (rank r on "
+                                      "cuda:LOCAL_RANK; --nnodes for several hosts). No CUDA graphs yet; tested on "
+                                      "CPU processes only (docs/design-tensor-parallel.md)")
     seed: int = _f(0, "random seed for requests that give none")
 
     def __post_init__(self) -> None:

@@ -44,6 +44,25 @@ def make_tiny_hf_model(path, arch: str = "llama", seed: int = 0, shard: bool = F
     return str(path), model
 
 
+def add_word_tokenizer(path, vocab_size: int) -> None:
+    """Give the checkpoint at `path` a tokenizer of one word per id ("<unk>", "<s>", "</s>", then "w3", "w4", ...;
+    split on whitespace and punctuation, words joined by spaces when decoding: text and token ids map one to one)
+    and a plain chat template ("role: content" lines, then "assistant:")."""
+    import json
+
+    import tokenizers
+
+    words = ["<unk>", "<s>", "</s>"] + [f"w{i}" for i in range(3, vocab_size)]
+    tok = tokenizers.Tokenizer(tokenizers.models.WordLevel({w: i for i, w in enumerate(words)}, unk_token="<unk>"))
+    tok.pre_tokenizer = tokenizers.pre_tokenizers.Whitespace()
+    tok.add_special_tokens(words[:3])
+    tok.save(os.path.join(path, "tokenizer.json"))
+    template = ("{% for m in messages %}{{ m['role'] }}: {{ m['content'] }}\n{% endfor %}"
+                "{% if add_generation_prompt %}assistant:{% endif %}")
+    with open(os.path.join(path, "tokenizer_config.json"), "w") as f:
+        json.dump({"bos_token": "<s>", "eos_token": "</s>", "chat_template": template}, f)
+
+
 def run_with_joins(engine, prompts, params, joins: dict[int, int], max_steps: int) -> list[list[int]]:
     """Step `engine` directly, adding prompts[joins[step]] as request str(i) at each step listed in `joins` (so
     sequences join while others decode), until every joined request finished or `max_steps` ran. Returns the token

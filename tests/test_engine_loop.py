@@ -43,6 +43,9 @@ class FakeEngine:
     def has_unfinished_requests(self) -> bool:
         return bool(self.requests)
 
+    def check_workers(self) -> None:  # one process: no tensor-parallel workers to lose
+        pass
+
     def num_unfinished_sequences(self) -> int:
         return sum(self.requests.values())
 

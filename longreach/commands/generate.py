@@ -55,6 +55,11 @@ def _peak_memory(device) -> str:
 
 
 def main(args) -> int:
+    config = engine_config_from_args(args)
+    from ..engine.llm_engine import LLMEngine
+    from ..engine.tp_workers import serve_if_worker
+
+    serve_if_worker(config, LLMEngine)  # under torchrun, ranks > 0 run rank 0's steps and end here
     prompt = _read_prompt(args)
     if not prompt.strip():
         raise ValueError("the prompt is empty")
@@ -62,7 +67,6 @@ def main(args) -> int:
         temperature=args.temperature, top_p=args.top_p, top_k=args.top_k, min_p=args.min_p, seed=args.seed,  # --seed (engine group) seeds the request too
         max_tokens=args.max_tokens, stop=tuple(args.stop), stop_token_ids=tuple(args.stop_token_ids),
         ignore_eos=args.ignore_eos)
-    config = engine_config_from_args(args)
     from ..engine.llm import LLM
 
     t0 = time.perf_counter()

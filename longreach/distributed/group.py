@@ -10,7 +10,10 @@ two TP=2 engines at once). Two groups per engine:
     (`COLLECTIVE_TIMEOUT_S`): a rank that stops answering mid-step makes the others raise, not hang;
   * `plans`: rank 0's step plans (gloo, on the CPU, so a plan never waits behind GPU work). Workers wait on it while
     the engine idles, for as long as it idles: its timeout is long, and a dead rank 0 is noticed by the closed
-    connection (gloo raises at once) or by the worker's parent watch (distributed/worker.py).
+    connection (gloo raises at once) or by the worker's parent watch (engine/tp_workers.py).
+
+The store is hosted by rank 0 on 127.0.0.1 when rank 0 spawned the others; under torchrun the ranks meet at its
+MASTER_ADDR:MASTER_PORT, on the store its agent hosts there (every rank a client, our keys under a prefix).
 """
 from __future__ import annotations
 
@@ -40,19 +43,24 @@ class TPGroup:
     compute: Any = None  # torch.distributed.ProcessGroup (None for world size 1)
     plans: Any = None  # the gloo group of the step plans
     store: Any = None  # the TCP store the groups rendezvoused on (rank 0 hosts it: kept alive with the group)
+    local_rank: int | None = None  # the rank's GPU index on its host (torchrun's LOCAL_RANK); None: its rank
 
     @classmethod
     def single(cls) -> "TPGroup":
         return cls(0, 1)
 
     @classmethod
-    def connect(cls, rank: int, world_size: int, port: int, device: torch.device) -> "TPGroup":
-        """Join the group of `world_size` ranks meeting on 127.0.0.1:`port` (rank 0 hosts the store). Blocks until
-        every rank has joined (or the store's timeout passes)."""
+    def connect(cls, rank: int, world_size: int, port: int, device: torch.device, host: str = "127.0.0.1",
+                agent_store: bool = False, local_rank: int | None = None) -> "TPGroup":
+        """Join the group of `world_size` ranks meeting on `host`:`port`. Rank 0 hosts the store, unless
+        `agent_store`: torchrun's agent hosts one there already (TORCHELASTIC_USE_AGENT_STORE), and every rank is its
+        client, under a prefix of ours. Blocks until every rank has joined (or the store's timeout passes)."""
         import torch.distributed as dist
 
         timeout = datetime.timedelta(seconds=COLLECTIVE_TIMEOUT_S)
-        store = dist.TCPStore("127.0.0.1", port, world_size, rank == 0, timeout=timeout)
+        store = dist.TCPStore(host, port, world_size, rank == 0 and not agent_store, timeout=timeout)
+        if agent_store:
+            store = dist.PrefixStore("longreach", store)
         plans = dist.ProcessGroupGloo(dist.PrefixStore("plans", store), rank, world_size,
                                       datetime.timedelta(seconds=PLAN_TIMEOUT_S))
         if device.type == "cuda":  # untested here: no GPU in CI (docs/design-tensor-parallel.md)
@@ -61,7 +69,13 @@ class TPGroup:
             compute = dist.ProcessGroupNCCL(dist.PrefixStore("compute", store), rank, world_size, opts)
         else:
             compute = dist.ProcessGroupGloo(dist.PrefixStore("compute", store), rank, world_size, timeout)
-        return cls(rank, world_size, compute, plans, store)
+        return cls(rank, world_size, compute, plans, store, local_rank)
+
+    @property
+    def gpu_index(self) -> int:
+        """The CUDA device of this rank on its host: cuda:LOCAL_RANK under torchrun, cuda:rank when rank 0 spawned
+        the others."""
+        return self.rank if self.local_rank is None else self.local_rank
 
     @property
     def is_driver(self) -> bool:

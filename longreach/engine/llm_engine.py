@@ -5,8 +5,9 @@ one prefill or decode step and returns the requests that finished in it. Mutates
 `step` / `abort_request` changes the scheduler's queues and the sequences' state; not thread-safe.
 
 With `tensor_parallel_size` N > 1 the engine built by the user is rank 0: it starts ranks 1..N-1 (engine/tp_workers.py),
-each building an `LLMEngine` of its own part of the model, KV heads and backend; rank 0 alone schedules and samples,
-and sends each step's plan before running it (engine/tp_plan.py). `close()` ends the workers.
+each building an `LLMEngine` of its own part of the model, KV heads and backend (under torchrun the ranks exist already
+and rank 0 joins them); rank 0 alone schedules and samples, and sends each step's plan before running it
+(engine/tp_plan.py). `close()` ends the workers.
 """
 from __future__ import annotations
 
@@ -67,15 +68,19 @@ class LLMEngine:
         if tp is None and config.tensor_parallel_size > 1:
             from ..models.loader import model_config_of
             from ..models.shard import check_tensor_parallel
-            from .tp_workers import start_workers
+            from .tp_workers import join_torchrun, start_workers, torchrun_env
 
+            launch = torchrun_env(config.tensor_parallel_size)  # launched by torchrun: its ranks exist already
             check_tensor_parallel(model_config_of(config.model), config.tensor_parallel_size)  # before any spawn
-            self.workers, tp = start_workers(config, self.device, type(self))
+            if launch is None:
+                self.workers, tp = start_workers(config, self.device, type(self))
+            else:
+                self.workers, tp = join_torchrun(launch, self.device)
         self.tp = tp or TPGroup.single()
         if self.tp.world_size > 1:
             from .tp_workers import rank_device
 
-            self.device = rank_device(self.device, self.tp.rank)
+            self.device = rank_device(self.device, self.tp.gpu_index)
         try:
             self._build(config)
         except BaseException:
@@ -323,7 +328,7 @@ class LLMEngine:
             logits, sample_idx = self.runner.execute(batch)
         except Exception as e:  # noqa: BLE001 -- isolated below; re-raised when nothing survives
             if self.workers is not None:  # the ranks are out of step: fatal (a dead worker, named, if one died)
-                raise (self.workers.failure() or e) from e
+                raise (self.workers.failure(wait_s=2.0) or e) from e
             logits, sample_idx = execute_alone(self.runner, batch, e, failed, engine_runs)
         kv_counts = self.runner.last_kv_counts
         if kv_counts is not None:
@@ -376,13 +381,22 @@ class LLMEngine:
                          len(self.scheduler.waiting), kv)
         return finished
 
-    def close(self) -> None:
+    def check_workers(self) -> None:
+        """Raise `WorkerDied` if a tensor-parallel worker process has exited (the server's engine loop asks while
+        idle, so that a dead rank is reported before the next request); nothing with one process or under
+        torchrun (whose agent watches the ranks)."""
+        if self.workers is not None:
+            self.workers.check_alive()
+
+    def close(self, stop: bool = True) -> None:
         """Release what outlives the engine object: a tensor-parallel engine's worker processes (stopped, then
-        joined; terminated if they do not leave). Idempotent; the engine cannot step afterwards."""
+        joined; terminated if they do not leave). `stop` False: terminate them without sending the stop plan (another
+        thread may still be inside a step, where the workers would never read it). Idempotent; the engine cannot
+        step afterwards."""
         workers, self.workers = self.workers, None
         if workers is not None:
             plans = getattr(self, "_plans", None)
-            workers.close(plans.stop if plans is not None else None)
+            workers.close(plans.stop if plans is not None and stop else None)
             self.tp = TPGroup.single()
 
     def _fail_request(self, request_id: str, why: RequestFailure, now: float) -> RequestOutput:

@@ -9,6 +9,11 @@ Shutdown: on SIGTERM / SIGINT uvicorn stops accepting connections and waits for 
 (streams included) finish; then the engine loop stops and the process exits 0. A second signal forces the exit. If the
 engine loop dies (an error out of the engine, engine_loop.py), `/health` answers 503 with the reason, the requests in
 flight get their errors, uvicorn shuts down the same way and the process exits 1, for a supervisor to restart it.
+
+Tensor parallelism (`--tensor-parallel-size N`): this process is rank 0 (HTTP, scheduler, sampler); its engine starts
+the other ranks, or joins them under torchrun. A worker rank that dies kills the engine loop as above (`/health`: 503
+naming the rank and its exit code); the engine is closed on the way out, so the worker processes end with the server.
+`/metrics` and `/server_info` report rank 0's device and KV cache (every rank has as many KV pages).
 """
 from __future__ import annotations
 
@@ -234,6 +239,10 @@ def warm_up(engine, tokens: int | None) -> None:
         engine.step()
     logger.info("warm-up: one request of %d prompt tokens in %.1f s (kernels compiled before listening; "
                 "--warmup-tokens 0 skips it)", tokens, time.perf_counter() - t0)
+    if engine.tp.world_size > 1:  # rank 0 alone would capture them: each rank captures its own at first use
+        logger.info("warm-up: tensor parallelism: CUDA graphs are not captured up front (decode runs eagerly; each "
+                    "rank captures its prefill-selection graphs at first use)")
+        return
     t0 = time.perf_counter()
     sizes = engine.scheduler.chunk_sizes()  # a prompt alone, beside others, and paced (engine/pacing.py)
     n = engine.runner.capture_prefill_graphs(sizes)
@@ -249,18 +258,26 @@ def warm_up(engine, tokens: int | None) -> None:
 
 
 def serve(engine_config: EngineConfig, config: ServerConfig, verbose: bool = False) -> int:
-    """Load the model, then serve until SIGTERM / SIGINT; returns the exit status."""
-    import uvicorn
-
+    """Load the model, then serve until SIGTERM / SIGINT; returns the exit status. The engine is closed on the way
+    out (tensor parallelism: its worker processes end)."""
     from ..engine.llm_engine import LLMEngine
 
-    if engine_config.tensor_parallel_size > 1:
-        raise ValueError("the server does not run tensor parallelism yet (issue 32; docs/design-tensor-parallel.md): "
-                         "leave --tensor-parallel-size out, or use `longreach generate` / the LLM API")
     t0 = time.perf_counter()
-    engine = LLMEngine(engine_config)
+    engine = LLMEngine(engine_config)  # with --tensor-parallel-size N: rank 0, the other ranks started (or joined)
+    state = None
+    try:
+        state = make_state(engine, config)
+        return _serve(engine, state, config, verbose, t0)
+    finally:
+        # the workers end with the server, whatever ended it: the stop plan when the engine thread is done (a
+        # thread still inside a step, past stop()'s join, would never read it), terminated otherwise
+        engine.close(stop=state is None or state.loop.finished)
+
+
+def _serve(engine, state: ServerState, config: ServerConfig, verbose: bool, t0: float) -> int:
+    import uvicorn
+
     warm_up(engine, config.warmup_tokens)
-    state = make_state(engine, config)
     kv = kv_cache_stats(engine)
     logger.info("KV cache size: %d tokens", kv["gpu_pages_total"] * engine.config.block_size if not kv["offload"]
                 else kv["host_pages_total"] * engine.config.block_size)

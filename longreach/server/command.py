@@ -25,6 +25,10 @@ def main(args) -> int:
         args.model = args.model_arg
     server_config = server_config_from_args(args)
     engine_config = engine_config_from_args(args)
+    from ..engine.llm_engine import LLMEngine
+    from ..engine.tp_workers import serve_if_worker
+
+    serve_if_worker(engine_config, LLMEngine)  # under torchrun, ranks > 0 run rank 0's steps and end here; rank 0 serves HTTP
     from .app import serve
 
     return serve(engine_config, server_config, verbose=args.verbose)

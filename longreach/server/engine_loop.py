@@ -13,7 +13,9 @@ requests go on while a long prompt is scored (scoring_jobs.py has the rules that
 Failures: a request the engine fails alone (`RequestOutput.error`: NaN logits, its forward or sampling raising) gets
 a 500 `engine_error` and the others go on. An exception out of `engine.step()` means the engine itself is broken: the
 loop dies, every request in flight gets its error, new ones get 503, `/health` answers 503 with the reason, and
-`on_dead` (set by app.serve) makes uvicorn drain and the process exit 1, so a supervisor restarts it.
+`on_dead` (set by app.serve) makes uvicorn drain and the process exit 1, so a supervisor restarts it. A tensor-parallel
+worker rank that dies is such an error (`WorkerDied`, naming the rank and its exit code): out of the step that needed
+it, or, while the loop idles, from the check it makes on each wake-up (at least every second).
 
 Admission control: a request is *waiting* from its acceptance until one of its sequences runs. `submit` refuses
 (503 + Retry-After) once more than `max_queued` requests would wait beyond the running batch's free places
@@ -148,6 +150,11 @@ class EngineLoop:
     def alive(self) -> bool:
         return self._thread.is_alive() and not self._stopping
 
+    @property
+    def finished(self) -> bool:
+        """The engine thread has ended (or never started): nothing touches the engine any more."""
+        return not self._thread.is_alive()
+
     def submit(self, sub: Submission, prompts: list[PreparedPrompt]) -> None:
         """Queue one engine request per prompt; APIError 503 when the waiting queue is full or the server stops."""
         with self._cv:
@@ -189,6 +196,7 @@ class EngineLoop:
                     stopping = self._stopping
                 if stopping:
                     break
+                self.engine.check_workers()  # a dead tensor-parallel rank kills the loop even while it idles
                 for op, rid, live in inbox:
                     self._deferred.append((rid, live)) if op == "add" else self._abort(rid)
                 self._admit()
