@@ -10,6 +10,9 @@
 #   LIST=1 SUITE=qwen_rest bash scripts/device_ladder.sh    # print a suite's jobs and run nothing
 #   BG=1 SUITE=qwen_final bash scripts/device_ladder.sh 1500   # run under setsid, past the call's 600 s limit, then
 #   COLLECT=1 bash scripts/device_ladder.sh      # in each later call: wait up to WAIT_S (560) s for it, pack, print
+#   The machine goes back after ~30 s without a call, taking the background run with it: issue the start and its
+#   collect calls together, one batch of back-to-back calls (twice on 2026-11-27 a pause to read a call's output
+#   between them lost the run; COLLECT on a fresh machine now says so and exits at once).
 #
 # Jobs run in priority order; each writes /tmp/ladder/NAME.json, and a job whose JSON exists is skipped, so calls on
 # a warm machine resume where the last one stopped (a job killed at the deadline runs again from scratch). Every
@@ -388,6 +391,11 @@ if [ -n "${BG:-}" ]; then  # a run longer than one call: under setsid it outlive
     echo "started under setsid for $budget s: /tmp/ladder-bg/driver.log; collect with COLLECT=1"; exit 0
 fi
 if [ -n "${COLLECT:-}" ]; then  # wait for the background run (at most WAIT_S), then pack what exists into $OUT
+    if [ ! -e /tmp/ladder-bg/driver.log ]; then  # a fresh machine: the one that ran it went back (30 s idle)
+        echo "no background run on this machine (it is a fresh one: the machine of the BG=1 call went back); nothing"
+        echo "to collect: start it again, and issue the collect calls in the same batch of calls as the start"
+        exit 1
+    fi
     for _ in $(seq "${WAIT_S:-560}"); do [ -e /tmp/ladder-bg/ladder.tgz ] && break; sleep 1; done
     mkdir -p "$out"; grep '^==' /tmp/ladder-bg/driver.log | tail -40
     [ -e /tmp/ladder-bg/ladder.tgz ] && echo "the background run is done" || echo "still running"
