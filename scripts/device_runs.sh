@@ -56,6 +56,9 @@
 #                                           # dense, in the earlier tree and in this one (issue 31's small kernels)
 #   bash scripts/device_runs.sh gemma3      # no model: tests/gpu/test_gemma3.py (a random Gemma 3 on CUDA: the ring,
 #                                           # the banded prefill, graphs, infinitehip on the global layer; issue 33)
+#   bash scripts/device_runs.sh tp2         # needs nvidia-h100-x2 / h200-x2 and the model: tests/gpu/test_tensor_parallel.py
+#                                           # (TP=2 over NCCL vs TP=1); then bench decode, 8B shape, bf16, 128K,
+#                                           # infinitehip pruned vs dense, TP=1 then TP=2 (issue 32's scaling row)
 #   bash scripts/device_runs.sh profile8b   # 8B shape, bf16: bench decode at 128K, infinitehip pruned vs dense, the
 #                                           # last 4 steps profiled (where the sparse step's fixed cost goes; issue 31)
 # A group's first command compiles kernels (~30-60 s); bench decode runs an untimed warm-up prompt first.
@@ -130,6 +133,14 @@ abmixed|ab8b)  # the same command in the tree at $OLD, then in this one
     done ;;
 gemma3)
     gpu_tests gpu_check_gemma3 240 tests/gpu/test_gemma3.py ;;
+tp2)
+    gpu_tests gpu_check_tp2 300 tests/gpu/test_tensor_parallel.py --gpu-model "$model"
+    for n in 1 2; do  # the same command, one GPU then two (rank r on cuda:r)
+        run "decode_8b_128k_tp$n" 280 python3 -m longreach bench decode --lengths 128k \
+            --attention infinitehip@pruned --attention-config '{"infinitehip@pruned": {"dense_below": null}}' \
+            --dense-lengths 128k --decode-tokens 64 --tensor-parallel-size "$n" \
+            --out "$out/bench-decode-128k-8b-tp$n.json"
+    done ;;
 profile8b)
     run profile_8b_128k 400 python3 -m longreach bench decode --lengths 128k --attention infinitehip@pruned \
         --attention-config '{"infinitehip@pruned": {"dense_below": null}}' --dense-lengths 128k --decode-tokens 64 \
