@@ -63,6 +63,15 @@ def add_word_tokenizer(path, vocab_size: int) -> None:
         json.dump({"bos_token": "<s>", "eos_token": "</s>", "chat_template": template}, f)
 
 
+def pid_gone(pid: int) -> bool:
+    """Has process `pid` ended (and been reaped)? The tensor-parallel tests' check that no worker is left."""
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return True
+    return False
+
+
 def run_with_joins(engine, prompts, params, joins: dict[int, int], max_steps: int) -> list[list[int]]:
     """Step `engine` directly, adding prompts[joins[step]] as request str(i) at each step listed in `joins` (so
     sequences join while others decode), until every joined request finished or `max_steps` ran. Returns the token

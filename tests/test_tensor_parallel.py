@@ -27,7 +27,7 @@ from longreach.models.loader import build_model, _safetensors_weights
 from longreach.models.config import ModelConfig
 from longreach.models.shard import ModelShard, allowed_sizes
 
-from conftest import make_tiny_hf_model
+from conftest import make_tiny_hf_model, pid_gone
 
 GREEDY = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
 ENGINE = dict(device="cpu", dtype="float32", kv_cache_memory_gb=0.01, cpu_threads=1, block_size=8,
@@ -272,7 +272,7 @@ def dense_kv4(engines):
     return one.engine.prompt_logits(tokens)
 
 
-def test_tp2_fp8_weights_equal_tp1(paths):
+def test_tp2_fp8_weights_equal_tp1(paths, dense_kv4):
     """--quantization fp8 under TP=2: the row-parallel layers' weight scales and their inputs' per-token scales (the
     W8A8 path of calls of more than 16 rows) are maxima over the ranks (models/fp8.py), so each rank holds its slice
     of TP=1's quantised values. What is left is fp32's reduction order, which e4m3's coarse rounding can amplify: a
@@ -283,8 +283,7 @@ def test_tp2_fp8_weights_equal_tp1(paths):
     unquantised model), the whole prompt stays within a quarter of fp8's own error, and greedy tokens are equal."""
     from longreach.models.fp8 import Fp8Linear
 
-    tokens = _long_prompts()[0]["prompt_token_ids"]
-    full = LLM(paths["kv4"], **SPARSE_ENGINE).engine.prompt_logits(tokens)
+    tokens, full = _long_prompts()[0]["prompt_token_ids"], dense_kv4  # the unquantised model's logits
     for steps in (16, 64):
         one, two = _tp_pair(paths["kv4"], quantization="fp8", max_num_batched_tokens=steps)
         try:
@@ -374,21 +373,13 @@ def test_tp2_minference_takes_each_ranks_patterns_and_composes_with_a_decode_met
 
 
 # ---- shutdown and failure ---------------------------------------------------------------------------------------------
-def _gone(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return True
-    return False
-
-
 def test_close_leaves_no_worker_process(paths):
     llm = LLM(paths["kv1"], tensor_parallel_size=2, **ENGINE)
     procs = list(llm.engine.workers.processes)
     assert llm.generate(_prompts()[1], GREEDY, use_tqdm=False)[0].token_ids
     llm.close()
     assert [p.exitcode for p in procs] == [0] * len(procs)  # left on the stop plan, not terminated
-    assert all(_gone(p.pid) for p in procs)
+    assert all(pid_gone(p.pid) for p in procs)
     llm.close()  # idempotent
 
 
@@ -402,4 +393,4 @@ def test_a_killed_worker_makes_rank_0_raise_not_hang(paths):
         llm.generate(_prompts()[0], GREEDY, use_tqdm=False)
     assert time.perf_counter() - t0 < 10
     llm.close()
-    assert _gone(worker.pid)
+    assert pid_gone(worker.pid)

@@ -24,7 +24,7 @@ import pytest
 from longreach import SamplingParams
 from longreach.engine.llm import LLM
 
-from conftest import add_word_tokenizer, make_tiny_hf_model
+from conftest import add_word_tokenizer, make_tiny_hf_model, pid_gone
 from server_harness import RemoteServer, wait_until
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
@@ -64,14 +64,6 @@ def _children(pid: int) -> set[int]:
     return found
 
 
-def _gone(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return True
-    return False
-
-
 def _worker_pid(server: RemoteServer) -> int:
     found = re.search(r"workers pids \[(\d+)\]", server.log_text())
     assert found, server.log_text()
@@ -109,7 +101,7 @@ def test_server_tp2_chat_equals_tp1_and_stops_its_worker(model, one):
         assert "workers ended (exit codes [0])" in srv.log_text()  # on the stop plan, not terminated
     finally:
         srv.stop()
-    assert _gone(worker)
+    assert pid_gone(worker)
 
 
 def test_server_tp2_killed_worker_fails_the_stream_and_exits_1_without_orphans(model):
@@ -131,7 +123,7 @@ def test_server_tp2_killed_worker_fails_the_stream_and_exits_1_without_orphans(m
         assert "exiting with status 1" in srv.log_text()
     finally:
         srv.stop()
-    assert wait_until(lambda: all(_gone(p) for p in started), timeout=10), [p for p in started if not _gone(p)]
+    assert wait_until(lambda: all(pid_gone(p) for p in started), timeout=10), [p for p in started if not pid_gone(p)]
 
 
 def test_a_worker_dying_while_the_server_idles_makes_health_503(model):
@@ -155,7 +147,7 @@ def test_a_worker_dying_while_the_server_idles_makes_health_503(model):
         state.loop.stop()
     finally:
         engine.close()
-    assert engine.workers is None and _gone(worker.pid)
+    assert engine.workers is None and pid_gone(worker.pid)
 
 
 # ---- torchrun ---------------------------------------------------------------------------------------------------------
