@@ -211,8 +211,9 @@ class EngineConfig:
     def _check_tensor_parallel(self) -> None:
         """What tensor parallelism runs (issue 32; docs/design-tensor-parallel.md): every attention method whose
         selection is local to a rank's heads, the offloaded KV store (each rank its own heads' pages), fp8 weights
-        (models/fp8.py: the row-parallel layers' scales over every rank). The rest is refused here, before any process starts, rather than run untested; the methods'
-        `granularity` is checked after their configs are parsed (`_check_tensor_parallel_methods`)."""
+        (models/fp8.py: the row-parallel layers' scales over every rank). The rest is refused here, before any
+        process starts, rather than run untested; the methods' `granularity` is checked after their configs are
+        parsed (`_check_tensor_parallel_methods`)."""
         n = self.tensor_parallel_size
         if isinstance(n, bool) or not isinstance(n, int) or n < 1:
             raise ValueError(f"tensor_parallel_size must be a positive integer, got {n!r}")

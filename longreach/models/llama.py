@@ -25,6 +25,7 @@ the same pieces in CUDA graphs for prefill chunks, with attention still called e
 """
 from __future__ import annotations
 
+import functools
 from typing import Iterable, Protocol
 
 import torch
@@ -38,11 +39,12 @@ from .config import ModelConfig
 from .shard import ModelShard
 
 
-
+@functools.lru_cache(maxsize=None)  # read by every forward pass: made once per (value, dtype)
 def _rounded(value: float, dtype: torch.dtype) -> float:
     """`value` rounded to `dtype` (bf16, fp16, fp32), as a host float: multiplying a tensor of that dtype by it gives
     what multiplying by a one-element tensor of that dtype gives."""
     return torch.tensor(value, dtype=dtype).item()
+
 
 class ForwardContext(Protocol):
     """What the model needs from the engine for one forward pass (see engine/model_runner.py)."""
