@@ -301,7 +301,7 @@ def test_prefill_selection_graphs(gpu_model, detail):
                              f"equal {t0_ == t1}")
 
 
-def test_dense_paged_prefill_equals_sdpa(gpu_model, detail):
+def test_dense_paged_prefill_equals_sdpa(gpu_model, detail, monkeypatch):
     """--dense-prefill paged (attention/dense.py: each chunk's cached prefix read in place by the block-sparse kernel)
     against the default sdpa path, dense, bf16: a 20K-token prompt of essays in 2,048-token chunks. The two paths
     round differently (another summation order, split-K merges, cuDNN vs Triton), so "equal" is judged against what
@@ -309,7 +309,12 @@ def test_dense_paged_prefill_equals_sdpa(gpu_model, detail):
     must be at most twice the sdpa run's own plus 0.05 (tests/test_dense_paged_prefill.py checks the paths agree to
     1e-4 in fp32 on a CPU); the greedy 16 tokens after the prompt are equal where sdpa's equal fp32's. Reported:
     the logit errors, and each path's prefill wall time (one run, not a benchmark)."""
+    import time
+
     import longreach.attention.dense as dense_mod
+    from longreach.config import EngineConfig
+    from longreach.engine.llm_engine import LLMEngine
+    from longreach.sampling_params import SamplingParams
 
     launches = [0]
     paged_kernel = dense_mod.paged_prefix_attention
@@ -318,39 +323,8 @@ def test_dense_paged_prefill_equals_sdpa(gpu_model, detail):
         launches[0] += 1
         return paged_kernel(*args, **kwargs)
 
-    dense_mod.paged_prefix_attention = counted  # to tell which path ran: the paged one launches this per layer
+    monkeypatch.setattr(dense_mod, "paged_prefix_attention", counted)  # which path ran: paged launches it per layer
     runs = {}
-    try:
-        _paged_vs_sdpa_runs(gpu_model, runs, launches)
-    finally:
-        dense_mod.paged_prefix_attention = paged_kernel
-    (ref, ref_tokens, _), (sdpa, sdpa_tokens, sdpa_s), (paged, paged_tokens, paged_s) = \
-        runs["fp32"], runs["sdpa"], runs["paged"]
-    err_sdpa = (sdpa - ref).abs().max().item()
-    err_paged = (paged - ref).abs().max().item()
-    diff = (paged - sdpa).abs().max().item()
-    detail(f"max |logit error| vs fp32: sdpa {err_sdpa:.4f}, paged {err_paged:.4f} (paged vs sdpa {diff:.4f}); "
-           f"greedy 16 tokens equal {paged_tokens == sdpa_tokens} (fp32's equal to sdpa's "
-           f"{ref_tokens == sdpa_tokens}); prefill wall s sdpa {sdpa_s:.2f}, paged {paged_s:.2f}")
-    # token equality is asked only where bf16 sdpa keeps fp32's greedy path: where sdpa itself leaves it, two bf16
-    # paths may part anywhere and the logit bound is the judge (the first GPU run, Qwen2.5-Coder-0.5B at 8d5d1a8,
-    # failed on tokens alone: fp32 and sdpa parted too, and the paged run's logit error was the smaller, 0.99 vs 1.48;
-    # docs/results/gpu-tests-h200-paged-prefill.json)
-    tokens_ok = paged_tokens == sdpa_tokens or ref_tokens != sdpa_tokens
-    if err_paged > 2 * err_sdpa + 0.05 or not tokens_ok:
-        raise AssertionError(f"the paged prefill differs from sdpa beyond bf16 noise: error vs fp32 {err_paged:.4f} "
-                             f"against sdpa's {err_sdpa:.4f}, tokens equal {paged_tokens == sdpa_tokens}")
-
-
-def _paged_vs_sdpa_runs(gpu_model, runs, launches) -> None:
-    """test_dense_paged_prefill_equals_sdpa's three runs (fp32, sdpa, paged) into `runs`: prompt logits, greedy
-    tokens, prefill wall time."""
-    import time
-
-    from longreach.config import EngineConfig
-    from longreach.engine.llm_engine import LLMEngine
-    from longreach.sampling_params import SamplingParams
-
     for name, kw in (("fp32", dict(dtype="float32")), ("sdpa", {}), ("paged", dict(dense_prefill="paged"))):
         launches[0] = 0
         gc.collect()
@@ -373,3 +347,19 @@ def _paged_vs_sdpa_runs(gpu_model, runs, launches) -> None:
                                  f"({launches[0]} launches)")
         runs[name] = (logits, out, prefill_s)
         del eng
+    (ref, ref_tokens, _), (sdpa, sdpa_tokens, sdpa_s), (paged, paged_tokens, paged_s) = \
+        runs["fp32"], runs["sdpa"], runs["paged"]
+    err_sdpa = (sdpa - ref).abs().max().item()
+    err_paged = (paged - ref).abs().max().item()
+    diff = (paged - sdpa).abs().max().item()
+    detail(f"max |logit error| vs fp32: sdpa {err_sdpa:.4f}, paged {err_paged:.4f} (paged vs sdpa {diff:.4f}); "
+           f"greedy 16 tokens equal {paged_tokens == sdpa_tokens} (fp32's equal to sdpa's "
+           f"{ref_tokens == sdpa_tokens}); prefill wall s sdpa {sdpa_s:.2f}, paged {paged_s:.2f}")
+    # token equality is asked only where bf16 sdpa keeps fp32's greedy path: where sdpa itself leaves it, two bf16
+    # paths may part anywhere and the logit bound is the judge (the first GPU run, Qwen2.5-Coder-0.5B at 8d5d1a8,
+    # failed on tokens alone: fp32 and sdpa parted too, and the paged run's logit error was the smaller, 0.99 vs 1.48;
+    # docs/results/gpu-tests-h200-paged-prefill.json)
+    tokens_ok = paged_tokens == sdpa_tokens or ref_tokens != sdpa_tokens
+    if err_paged > 2 * err_sdpa + 0.05 or not tokens_ok:
+        raise AssertionError(f"the paged prefill differs from sdpa beyond bf16 noise: error vs fp32 {err_paged:.4f} "
+                             f"against sdpa's {err_sdpa:.4f}, tokens equal {paged_tokens == sdpa_tokens}")
