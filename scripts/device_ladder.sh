@@ -111,6 +111,7 @@ done
 
 # Qwen2.5-Coder (32K-trained; issue 28). Candidates for the wall at 512K-1M, all 3k-box with one change:
 S0X2='{"budgets": [65536, 8192, 2048]}'            # stage 0 keeps twice the tokens
+S0X4='{"budgets": [131072, 8192, 2048]}'           # stage 0 keeps four times the tokens (a quarter of 512K)
 BOX32='{"chunk_sizes": [32, 16, 8], "exact_below": 16}'  # stage 0 boxes of 32 tokens (tighter bounds)
 CUBOID='{"stage0_scores": "cuboid-mean"}'            # stage 0 scored from the cuboid's mean instead of min/max
 trace() {  # trace LABEL LENGTHS DEPTHS PRESET [CONFIG]: where the needle is lost, per layer and stage
@@ -355,6 +356,20 @@ suite_qwen_sel256() {  # which stage loses niah_single_3 at 256K (default 6/10, 
     # each a labelled variant of the default (its report's method name: infinitehip:3k-box@LABEL)
     local v
     for v in "s0x2 $S0X2" "box32 $BOX32" "big {\"budgets\": [65536, 16384, 4096], \"early_last_budget\": 8192}"; do
+        set -- $v
+        job "ruler__niah_single_3__infinitehip-3k-box-$1__256k" ruler --tasks niah_single_3 --lengths 256k \
+            --samples 10 --attention "$DEFAULT@$1" --attention-config "{\"$DEFAULT@$1\": ${v#* }}"
+    done
+}
+suite_qwen_s12() {  # one background lease (P=6 KV_GB=12): multikey's oracle rung at 512K (6 prompts: the oracle
+    # scores every key, ~20 min for 10 alone), then niah_single_3 at 256K for the default and four variants of it on
+    # the same 10 prompts: which stage loses it (default 6/10 in run 7, the oracle 9/10 in run 10)
+    job "ruler__niah_multikey_1__oracle__512k" ruler --tasks niah_multikey_1 --lengths 512k --samples 6 \
+        --attention infinitehip:oracle
+    job "ruler__niah_single_3__infinitehip-3k-box__256k" ruler --tasks niah_single_3 --lengths 256k --samples 10 \
+        --attention "$DEFAULT"
+    local v
+    for v in "s0x2 $S0X2" "s0x4 $S0X4" "box32 $BOX32" "big {\"budgets\": [65536, 16384, 4096], \"early_last_budget\": 8192}"; do
         set -- $v
         job "ruler__niah_single_3__infinitehip-3k-box-$1__256k" ruler --tasks niah_single_3 --lengths 256k \
             --samples 10 --attention "$DEFAULT@$1" --attention-config "{\"$DEFAULT@$1\": ${v#* }}"

@@ -7,6 +7,8 @@
 #   bash scripts/device_runs.sh decode1m    # bench decode, Llama-3.1-8B shape, fp8 + offload: 1M, infinitehip
 #   bash scripts/device_runs.sh decode128k  # the same at 128K: infinitehip and psa with a profile, dense 4K/128K
 #   bash scripts/device_runs.sh engine      # needs /tmp/m/model.gguf (scripts/device_model.sh): tests/gpu engine
+#   bash scripts/device_runs.sh engine2     # needs the model: tests/gpu's offload, Quest and paged-prefill engine tests
+#   bash scripts/device_runs.sh kerneltests # the kernels group's tests alone (no timings: fine beside a ladder)
 #   bash scripts/device_runs.sh smollm1m    # needs the model: SmolLM2 at 1M, offloaded (2 GiB pool) vs not
 #   bash scripts/device_runs.sh serve       # needs the model: scripts/device_serve_bench.sh
 #   bash scripts/device_runs.sh quality     # needs the model: passkey 16K-128K, infinitehip / minference / psa
@@ -168,6 +170,12 @@ decode128k)
     ;;
 engine)
     gpu_tests gpu_check_engine 560 tests/gpu -k engine --gpu-model "$model"
+    ;;
+engine2)  # the engine tests that the 2026-11-27 lease did not reach (offload, Quest) and the paged-prefill test
+    gpu_tests gpu_check_engine2 560 tests/gpu -k "offload_engine or quest_engine or paged_prefill" --gpu-model "$model"
+    ;;
+kerneltests)  # the kernels group's tests without its timings: correct beside other work on the GPU
+    gpu_tests gpu_check_kernels 560 tests/gpu -k "not box and not gemma3"
     ;;
 smollm1m)
     # offloaded with a 2 GiB GPU page cache, then the same without offloading (its 23 GiB of KV fit an H100)
