@@ -375,6 +375,28 @@ suite_qwen_s12() {  # one background lease (P=6 KV_GB=12): multikey's oracle run
             --samples 10 --attention "$DEFAULT@$1" --attention-config "{\"$DEFAULT@$1\": ${v#* }}"
     done
 }
+suite_qwen_s13() {  # is niah_single_3's loss at 256K the decode masks' refresh? (P=8 KV_GB=8) Run 12's misses are
+    # garbled copies of the needle's UUID, and the oracle, which recomputes its mask at every decode step, finds 9/10:
+    # every stage every step (r1), the last stage every step (r1last), on RULER seeds 42 and 43; the default and the
+    # doubled budgets (big) on seed 43 beside them
+    local v seed
+    for seed in 42 43; do
+        for v in "r1 {\"refresh\": [1, 1, 1]}" "r1last {\"refresh\": [16, 8, 1]}"; do
+            set -- $v
+            job "ruler__niah_single_3__infinitehip-3k-box-$1__256k-s$seed" ruler --tasks niah_single_3 --lengths 256k \
+                --samples 10 --seed "$seed" --attention "$DEFAULT@$1" --attention-config "{\"$DEFAULT@$1\": ${v#* }}"
+        done
+    done
+    for seed in 43 44; do
+        job "ruler__niah_single_3__infinitehip-3k-box__256k-s$seed" ruler --tasks niah_single_3 --lengths 256k \
+            --samples 10 --seed "$seed" --attention "$DEFAULT"
+    done
+    v='{"budgets": [65536, 16384, 4096], "early_last_budget": 8192}'
+    job "ruler__niah_single_3__infinitehip-3k-box-big__256k-s43" ruler --tasks niah_single_3 --lengths 256k \
+        --samples 10 --seed 43 --attention "$DEFAULT@big" --attention-config "{\"$DEFAULT@big\": $v}"
+    job "ruler__niah_single_3__infinitehip-3k-box-r1__256k-s44" ruler --tasks niah_single_3 --lengths 256k \
+        --samples 10 --seed 44 --attention "$DEFAULT@r1" --attention-config "{\"$DEFAULT@r1\": {\"refresh\": [1, 1, 1]}}"
+}
 suite_qwen15_final() {  # the 1.5B past the window in one lease (BG=1, P=3 KV_GB=31): 512K with 10 prompts, 1M with 5
     pk 512k --seeds 2
     rl niah_single_2 512k 10

@@ -133,6 +133,9 @@ def test_eval_ruler_end_to_end(smollm2, tmp_path, capsys, monkeypatch):
     cell = report["methods"]["dense"]["tasks"]["niah_single_1"]["512"]
     assert cell["n"] == 2 and 0 <= cell["score"] <= 100 and len(cell["per_sample"]) == 2
     assert len(cell["examples"]) == 2 and {"prediction", "answers"} <= set(cell["examples"][0])
+    # every prompt below 100 is kept with its prediction, and only those
+    assert [m["sample"] for m in cell["misses"]] == [i for i, v in enumerate(cell["per_sample"]) if v < 100]
+    assert all(m["prediction"] == cell["examples"][m["sample"]]["prediction"] for m in cell["misses"])
     assert report["methods"]["dense"]["average"] == cell["score"]
     assert report["prompt_tokens"]["niah_single_1"]["512"]["max"] <= 512 - 128
     assert png.stat().st_size > 1000

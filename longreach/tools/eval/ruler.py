@@ -108,7 +108,11 @@ def run(model: str, task_list: list[Task], lengths: list[int], num_samples: int,
                     "ci95": [round(100 * x, 1) for x in wilson(sum(per_sample) / 100, len(batch))],
                     "seconds": round(time.perf_counter() - t0, 2),
                     "per_sample": per_sample,
-                    "examples": [{"prediction": p, "answers": s.outputs} for p, s in zip(preds, batch)][:EXAMPLES]}
+                    "examples": [{"prediction": p, "answers": s.outputs} for p, s in zip(preds, batch)][:EXAMPLES],
+                    # every prompt that lost points, so a miss can be read (a garbled copy of the needle, or an
+                    # answer from the haystack) without running it again
+                    "misses": [{"sample": i, "prediction": p, "answers": s.outputs}
+                               for i, (p, s, v) in enumerate(zip(preds, batch, per_sample)) if v < 100]}
                 note(f"ruler: {spec.label} {task.name} at {length_label(length)}: {total:.1f} "
                      f"({len(batch)} samples, {time.perf_counter() - t0:.1f} s)")
         report["methods"][spec.label] = _with_averages(cells, lengths)
