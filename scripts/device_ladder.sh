@@ -397,6 +397,34 @@ suite_qwen_s13() {  # is niah_single_3's loss at 256K the decode masks' refresh?
     job "ruler__niah_single_3__infinitehip-3k-box-r1__256k-s44" ruler --tasks niah_single_3 --lengths 256k \
         --samples 10 --seed 44 --attention "$DEFAULT@r1" --attention-config "{\"$DEFAULT@r1\": {\"refresh\": [1, 1, 1]}}"
 }
+FRESH='{"refresh": [8, 4, 1]}'  # the last stage recomputed at every decode step (run 13: 20/20 at 128K)
+LOOK1='{"lookahead": 1}'         # each kept chunk's successor kept too during decode (no extra recomputation)
+suite_qwen_fresh() {  # the candidates against the default past the window, the default in the same run, by priority
+    # (P=8 KV_GB=8; the 1M jobs ask for 14 GiB themselves): what a default change needs (docs/quality.md, run 13)
+    local t L v
+    for L in "256k 42 10" "128k 42 10" "512k 42 10" "1M 42 2"; do
+        set -- $L
+        local len=$1 seed=$2 n=$3 kv=()
+        [ "$len" = 1M ] && kv=(--kv-cache-memory-gb 14)
+        for t in niah_single_3 niah_single_2 niah_multikey_1; do
+            job "ruler__${t}__infinitehip-3k-box__${len}-s$seed" ruler --tasks "$t" --lengths "$len" --samples "$n" \
+                --seed "$seed" --attention "$DEFAULT" "${kv[@]}"
+            for v in "fresh $FRESH" "look1 $LOOK1"; do
+                set -- $v
+                job "ruler__${t}__infinitehip-3k-box-$1__${len}-s$seed" ruler --tasks "$t" --lengths "$len" \
+                    --samples "$n" --seed "$seed" --attention "$DEFAULT@$1" \
+                    --attention-config "{\"$DEFAULT@$1\": ${v#* }}" "${kv[@]}"
+            done
+        done
+        [ "$len" = 128k ] && for v in "- -" "fresh $FRESH" "look1 $LOOK1"; do  # the essays passkey, 20 prompts
+            set -- $v
+            if [ "$1" = - ]; then pk 128k; else
+                job "passkey__paul-graham__infinitehip-3k-box-$1__128k" passkey --haystack paul-graham --lengths 128k \
+                    --attention "$DEFAULT@$1" --attention-config "{\"$DEFAULT@$1\": ${v#* }}"
+            fi
+        done
+    done
+}
 suite_qwen15_final() {  # the 1.5B past the window in one lease (BG=1, P=3 KV_GB=31): 512K with 10 prompts, 1M with 5
     pk 512k --seeds 2
     rl niah_single_2 512k 10
