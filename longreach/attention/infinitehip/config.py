@@ -25,6 +25,9 @@ class InfiniteHiPConfig(SparseConfig):
     # Qwen2.5-Coder-0.5B it equals dense on every in-window task (7 tasks x 4 lengths x 20 prompts) where the pruned
     # selection lost up to 35 points, and ties it past the window (docs/quality.md, run 8); None: the token budget
     dense_below: int | str | None = "trained"
+    # decode only: each stage's survivors plus the next `lookahead` chunks after each one (method.py), so a mask
+    # that is not refreshed this step still holds what a model copying forward reads next; 0: the paper's
+    lookahead: int = 0
 
     def __post_init__(self) -> None:
         super().__post_init__()
@@ -39,6 +42,9 @@ class InfiniteHiPConfig(SparseConfig):
                 raise ValueError(f"chunk sizes must each divide the previous one, got {self.chunk_sizes}")
         if self.early_last_budget is not None and self.early_last_budget % self.chunk_sizes[-1]:
             raise ValueError(f"early_last_budget must be a multiple of {self.chunk_sizes[-1]}")
+        if isinstance(self.lookahead, bool) or not isinstance(self.lookahead, int) or self.lookahead < 0:
+            raise ValueError(f"lookahead must be an integer >= 0 (the chunks after each survivor that a decode step "
+                             f"also keeps; 0: none), got {self.lookahead!r}")
         if any(r < 1 for r in self.refresh):
             raise ValueError(f"refresh intervals must be >= 1, got {self.refresh}")
         if self.stage0_scores not in STAGE0_SCORES:

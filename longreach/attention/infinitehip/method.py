@@ -44,6 +44,16 @@ Settled ambiguities (digest §8):
     pool paged like the KV cache (infinitehip/boxes.py): each step boxes only the chunks its new keys touch, and
     decode reads them through a box table inside the CUDA graph; a Triton kernel scores them on a GPU. Not with
     de positions.
+  * `lookahead` (longreach option, not in the paper; 0 = the paper): in decode only, each stage keeps its k / l_c
+    survivors plus the next `lookahead` chunks after each (ids c+1..c+lookahead at that stage's granularity) that
+    are candidates (inside [n_sink, the candidate end), as chunk_bounds says: never in a query's window), without
+    duplicates, ascending; the next stage's candidates are the sub-chunks of all of them. Why: a stage's output is
+    reused for refresh[i] steps, and a model copying forward (a needle read token by token) reads past the chunks
+    that held its next tokens when the mask was computed: Qwen2.5-Coder-0.5B copied niah_single_3's UUID from a
+    256K/128K prompt in 12/20 and 16/20 with refresh (16, 8, 4) against 30/30 and 20/20 with (1, 1, 1), which halves
+    decode speed, the misses garbled copies (the 2026-11-27 H200 runs, docs/quality.md). A decode step then keeps
+    up to (1 + lookahead) * k / l_c chunks per stage (`graph_stage_widths` sizes the captured step's buffers so);
+    prefill, its selection graphs, `selected_budget` and the dense limits counted from it are unchanged.
 RoPE (§1.5): the paper's strategies by default — chunk-indexed positions while pruning in layers 0-2, relative in the
 rest, rolling (StreamingLLM) positions in the attention — applied to query blocks past the model's trained length
 (`rope_from`); inside it true positions are exact and score better (rope/strategies.py).
@@ -74,6 +84,8 @@ class InfiniteHiP(SelectionMethod):
         return cfg.budgets
 
     def selected_budget(self, layer: int) -> int:
+        """The last stage's budget: what a prefill query block selects and what dense_below's None and "trained"
+        limits count. A decode step with `lookahead` selects up to (1 + lookahead) times it (module docstring)."""
         return self.stage_budgets(layer)[-1]
 
     def _select(self, layer, q, blocks, keys, state, step):
@@ -82,7 +94,8 @@ class InfiniteHiP(SelectionMethod):
         cached = state.get("stages")
         first = 0 if cached is None else self.refresh_from(step)
         prev = cached[first - 1] if first > 0 else None
-        fresh = self.run_stages(layer, q, blocks, keys, first, prev) if first < len(self.cfg.refresh) else []
+        fresh = (self.run_stages(layer, q, blocks, keys, first, prev, lookahead=self.cfg.lookahead)
+                 if first < len(self.cfg.refresh) else [])
         state["stages"] = (cached[:first] if cached is not None else []) + fresh
         return state["stages"][-1]
 
@@ -96,28 +109,39 @@ class InfiniteHiP(SelectionMethod):
         for sl in self.slices(blocks.num_blocks, per_block):
             yield self.run_stages(layer, q, blocks[sl], keys)
 
-    def stage_widths(self, layer: int, max_end: int) -> list[tuple[int, bool]]:
-        """Per stage: (candidate list width, whether scoring is needed), from host-side bounds only.
+    def stage_widths(self, layer: int, max_end: int, lookahead: int = 0) -> list[tuple[int, bool]]:
+        """Per stage: (most valid candidates, stage 0's list width; whether scoring is needed), from host-side bounds
+        only.
 
         A stage needs no scoring when even its widest candidate list fits its budget. Using bounds instead of the
         actual candidate counts keeps the stages free of device-to-host syncs (CUDA-graph capturable); when a bound
-        says "score" but the real candidates fit, top-k keeps them all anyway.
+        says "score" but the real candidates fit, top-k keeps them all anyway. With `lookahead` a stage keeps up to
+        (1 + lookahead) times its survivors, at most every candidate chunk of its size (its successors need not be
+        its candidates).
         """
         cfg = self.cfg
         budgets = self.stage_budgets(layer)
+
+        def every(l: int) -> int:  # chunks of l tokens that overlap [n_sink, candidate end)
+            return max(0, -(-(max_end - cfg.n_window) // l) - cfg.n_sink // l)
+
         out = []
         width = 0
         for i, l in enumerate(cfg.chunk_sizes):
             if i == 0:
-                hi = -(-(max_end - cfg.n_window) // l)
-                width = max(0, hi - cfg.n_sink // l)
+                width = every(l)
             else:
-                width = min(width, budgets[i - 1] // cfg.chunk_sizes[i - 1]) * (cfg.chunk_sizes[i - 1] // l)
+                up = cfg.chunk_sizes[i - 1]
+                kept = min(width, budgets[i - 1] // up)
+                if lookahead:
+                    kept = min(kept * (1 + lookahead), every(up))
+                width = kept * (up // l)
             out.append((width, width > budgets[i] // l))
         return out
 
     def graph_stage_widths(self, layer: int) -> tuple[int, ...] | None:
-        return tuple(k // l for k, l in zip(self.stage_budgets(layer), self.cfg.chunk_sizes))
+        return tuple((1 + self.cfg.lookahead) * (k // l) for k, l in zip(self.stage_budgets(layer),
+                                                                          self.cfg.chunk_sizes))
 
     def box_spec(self) -> tuple[int, str] | None:
         cfg = self.cfg
@@ -142,10 +166,27 @@ class InfiniteHiP(SelectionMethod):
 
     def graph_select(self, layer, q, blocks, keys, cached, row_first, level):
         prev = cached[level - 1] if level else None
-        return self.run_stages(layer, q, blocks, keys, level, prev, keep=(cached, row_first))
+        return self.run_stages(layer, q, blocks, keys, level, prev, keep=(cached, row_first),
+                               lookahead=self.cfg.lookahead)
+
+    def lookahead_chunks(self, ids: torch.Tensor, chunk: int, cand_end: torch.Tensor, n: int) -> torch.Tensor:
+        """A stage's survivors ids (nb, G, C) (candidate chunks of `chunk` tokens, ascending, -1 padded) -> (nb, G,
+        (1 + n) * C): the survivors and the next n chunks after each that are candidates, each once, ascending, -1
+        padded. A survivor overlaps [n_sink, candidate end), so its successors start past n_sink, and one is a
+        candidate (chunk_bounds) when it starts before the candidate end. Torch ops only (two sorts), no host sync."""
+        nb, G, _ = ids.shape
+        base = ids[..., None]
+        cand = base + self.arange(n + 1, ids.device, ids.dtype)  # (nb, G, C, 1 + n)
+        ok = (base >= 0) & (cand * chunk < cand_end[:, None, None, None])
+        past = torch.iinfo(ids.dtype).max  # sorts after every id
+        cand = torch.where(ok, cand, past).reshape(nb, G, -1).sort(dim=-1).values
+        cand[..., 1:].masked_fill_(cand[..., 1:] == cand[..., :-1], past)  # a repeat: sorts to the end again
+        cand = cand.sort(dim=-1).values
+        return cand.masked_fill_(cand == past, -1)
 
     def run_stages(self, layer, q, blocks, keys, first: int = 0, prev: torch.Tensor | None = None,
-                   return_counts: bool = False, keep: tuple[list[torch.Tensor], torch.Tensor] | None = None):
+                   return_counts: bool = False, keep: tuple[list[torch.Tensor], torch.Tensor] | None = None,
+                   lookahead: int = 0):
         """Outputs of stages first..N-1, each (nb, G, C_i) ascending chunk ids at that stage's granularity, -1 padded
         (and, with `return_counts`, the last stage's (nb, G) counts: the attention index without any repacking).
 
@@ -153,6 +194,8 @@ class InfiniteHiP(SelectionMethod):
         `keep` = (cached outputs of every stage, (nb,) first stage each block recomputes): a block whose first stage
         is past i keeps its cached output of stage i, and the next stage builds on whichever output the block kept
         (a captured decode step recomputes from the batch's earliest stage; see sparse/graph.py).
+        `lookahead`: each recomputed stage's survivors plus their next `lookahead` chunks (`lookahead_chunks`; the
+        decode steps pass the config's, prefill none), so C_i is (1 + lookahead) times the survivors' width.
         """
         cfg = self.cfg
         dev = q.device
@@ -161,7 +204,7 @@ class InfiniteHiP(SelectionMethod):
             keys = SequenceKeys.from_dense(keys)
         cand_end = self.candidate_end(blocks.ends)  # (nb,) exclusive
         budgets = self.stage_budgets(layer)
-        widths = self.stage_widths(layer, blocks.max_end)
+        widths = self.stage_widths(layer, blocks.max_end, lookahead)
         nb, G = blocks.num_blocks, self.groups
         outs = []
         for i in range(first, len(cfg.chunk_sizes)):
@@ -190,9 +233,11 @@ class InfiniteHiP(SelectionMethod):
             # every scorer gives an invalid candidate (chunk_bounds) -inf, which top_k never keeps: its id needs no
             # masking to -1 first
             prev, counts = self.top_k(ids, score, k)
+            if lookahead:
+                prev = self.lookahead_chunks(prev, l, cand_end, lookahead)
             if keep is not None:
                 prev = torch.where((keep[1] > i)[:, None, None], keep[0][i], prev)
-                if return_counts:
-                    counts = (prev >= 0).sum(-1, dtype=torch.int32)
+            if return_counts and (keep is not None or lookahead):
+                counts = (prev >= 0).sum(-1, dtype=torch.int32)
             outs.append(prev)
         return (outs, counts) if return_counts else outs

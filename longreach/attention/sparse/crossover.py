@@ -7,7 +7,9 @@ plan; this settles its open points as follows.
 Key (`key_fields`): the model shape (layers, heads, KV heads, head dim, hidden size, intermediate size), the device
 ("NVIDIA H100 80GB HBM3", or "cpu"), the method's name and its resolved config's SHA-256 without `dense_below` and
 `dense_below_decode` (what it selects and how, not where it hands over to dense; the calibration runs with both 0),
-and the run dtype and KV cache dtype as configured ("auto" included: on a GPU that is always bfloat16). The file is
+and the run dtype and KV cache dtype as configured ("auto" included: on a GPU that is always bfloat16). A config
+field added after measurements were keyed is left out at the value that selects as before it existed
+(`UNKEYED_DEFAULTS`: infinitehip's `lookahead` 0), so those measurements keep their key. The file is
 <method>-<16 hex digits of the key's SHA-256>.json and holds its key: a file whose key differs is not used.
 
 File (format "longreach-crossover/1"): key, command, commit, device, date, `lengths`, the median decode step seconds
@@ -34,6 +36,7 @@ from ...models.hub import cache_root
 FORMAT = "longreach-crossover/1"
 MEASURE_COMMAND = "longreach calibrate crossover --model M --attention METHOD[:PRESET]"
 LIMIT_FIELDS = ("dense_below", "dense_below_decode")  # left out of the key: the calibration sets both to 0
+UNKEYED_DEFAULTS = {"lookahead": 0}  # left out of the key at these values (module docstring)
 
 
 def device_name(device) -> str:
@@ -52,7 +55,8 @@ def _digest(value) -> str:
 def key_fields(model_config, method: str, config, engine_config, device) -> dict:
     """The key of a measurement (module docstring): what decides which of dense and the method decodes faster."""
     mc = model_config
-    selection = {k: v for k, v in dataclasses.asdict(config).items() if k not in LIMIT_FIELDS}
+    selection = {k: v for k, v in dataclasses.asdict(config).items()
+                 if k not in LIMIT_FIELDS and (k not in UNKEYED_DEFAULTS or v != UNKEYED_DEFAULTS[k])}
     return {"num_layers": mc.num_layers, "num_heads": mc.num_heads, "num_kv_heads": mc.num_kv_heads,
             "head_dim": mc.head_dim, "hidden_size": mc.hidden_size, "intermediate_size": mc.intermediate_size,
             "device": device_name(device), "method": method, "config_sha256": _digest(selection),

@@ -73,13 +73,13 @@ def decode(ctx, repeats: int, A) -> dict:
 
     for tag, extra in A.DECODE_VARIANTS:
         ih = _method("infinitehip", "3k", extra)
-        stages, counts = ih.run_stages(3, q, bqs, keys, return_counts=True)
+        stages, counts = ih.run_stages(3, q, bqs, keys, return_counts=True, lookahead=ih.cfg.lookahead)
         cached = (stages[-1], counts)
 
         def from_stage(first, ih=ih, stages=stages):
             def fn():
                 out, c = ih.run_stages(3, q, bqs, keys, first, stages[first - 1] if first else None,
-                                       return_counts=True)
+                                       return_counts=True, lookahead=ih.cfg.lookahead)
                 return out[-1], c
             return fn
 
