@@ -347,20 +347,6 @@ suite_qwen_wall512b() {  # what run 10 left (P=4 KV_GB=14): multikey's oracle ru
             --attention "$DEFAULT"
     done
 }
-suite_qwen_mk512() {  # multikey's oracle rung at 512K alone (run 11: the machine of qwen_wall512b went back mid-run)
-    job "ruler__niah_multikey_1__oracle__512k" ruler --tasks niah_multikey_1 --lengths 512k --samples 10 \
-        --attention infinitehip:oracle
-}
-suite_qwen_sel256() {  # which stage loses niah_single_3 at 256K (default 6/10, run 7; oracle 9/10, run 10: the same 10
-    # prompts): stage 0 keeping twice the tokens, stage 0's boxes twice as tight, every budget doubled (P=3 KV_GB=8);
-    # each a labelled variant of the default (its report's method name: infinitehip:3k-box@LABEL)
-    local v
-    for v in "s0x2 $S0X2" "box32 $BOX32" "big {\"budgets\": [65536, 16384, 4096], \"early_last_budget\": 8192}"; do
-        set -- $v
-        job "ruler__niah_single_3__infinitehip-3k-box-$1__256k" ruler --tasks niah_single_3 --lengths 256k \
-            --samples 10 --attention "$DEFAULT@$1" --attention-config "{\"$DEFAULT@$1\": ${v#* }}"
-    done
-}
 suite_qwen_s12() {  # one background lease (P=6 KV_GB=12): multikey's oracle rung at 512K (6 prompts: the oracle
     # scores every key, ~20 min for 10 alone), then niah_single_3 at 256K for the default and four variants of it on
     # the same 10 prompts: which stage loses it (default 6/10 in run 7, the oracle 9/10 in run 10)
