@@ -31,8 +31,9 @@
 #   bash scripts/device_runs.sh psa1mdiag   # needs the model: psa's 1M decode on the GPU alone, then offloaded
 #   bash scripts/device_runs.sh cascadedecode # needs the model: cascading's eager decode step, then a 128K prefill
 #                                           # (infinitehip vs cascading), under the profiler
-#   bash scripts/device_runs.sh refresh8b   # 8B shape: bench decode at 128K (bf16, dense beside) and 1M (fp8 + offload),
-#                                           # the default vs refresh (8, 4, 1) vs lookahead 1 (issue 28's candidates)
+#   bash scripts/device_runs.sh refresh8b   # 8B shape: bench decode at 128K (bf16, dense beside), the default vs
+#                                           # refresh (8, 4, 1) vs lookahead 1 (issue 28's candidates)
+#   bash scripts/device_runs.sh refresh1m   # the same three at 1M (fp8 + offload), one method per run (~10 min each)
 #   bash scripts/device_runs.sh box1m       # bench decode, 8B shape, fp8 + offload: 1M, infinitehip (3k-box)
 #   bash scripts/device_runs.sh psa128k     # 8B shape, bf16: the psa step's parts in CUDA graphs (128K, 1M); bench
 #                                           # decode 128K, infinitehip vs psa (loop and waves kernels) vs dense
@@ -293,6 +294,8 @@ refresh8b)  # the decode schedules against the default (issue 28's candidates; d
     run decode_128k_refresh 300 python3 -m longreach bench decode --lengths 128k --attention infinitehip@pruned \
         infinitehip@fresh infinitehip@look1 --attention-config "$cfg" --dense-lengths 128k --decode-tokens 64 \
         --out "$out/bench-decode-128k-8b-candidates.json"
+    ;;
+refresh1m)
     # at 1M, fp8 KV offloaded, no dense row (its KV does not fit); one method per run: a 1M prefill takes minutes
     for m in "infinitehip {}" "infinitehip@fresh {\"refresh\": [8, 4, 1]}" "infinitehip@look1 {\"lookahead\": 1}"; do
         run "decode_1m_${m%% *}" 590 $bd --kv-offloading-size 76 --lengths 1M --attention "${m%% *}" \
