@@ -394,3 +394,47 @@ def test_a_killed_worker_makes_rank_0_raise_not_hang(paths):
     assert time.perf_counter() - t0 < 10
     llm.close()
     assert pid_gone(worker.pid)
+
+
+# ---- CUDA graphs per rank (emulated on a CPU) ------------------------------------------------------------------------
+@pytest.mark.parametrize("case", ["dense", "infinitehip"])
+def test_tp2_graph_paths_equal_tp1(paths, case, monkeypatch):
+    """With the graph paths on (emulated: LONGREACH_EMULATE_GRAPHS, which the worker inherits at spawn), every rank
+    decodes through its own runner's static buffers and variants (sparse: captured at first use, in the same step
+    on every rank) and prefill chunks through its chunk graphs; a mixed step replays the decode rows and runs the
+    chunks after them under one plan. Greedy tokens equal TP=1's on the same paths, and equal eager TP=1's."""
+    method, cfg = ("dense", None) if case == "dense" else ("infinitehip", SPARSE["infinitehip"][1])
+    eager = LLM(paths["kv4"], **{**SPARSE_ENGINE, "attention": method, "attention_config": cfg})
+    prompts = _long_prompts() + _prompts()[:2]
+    want = [o.token_ids for o in eager.generate(prompts, SPARSE_GREEDY, use_tqdm=False)]
+    assert eager.engine.runner._graph_sizes == []  # on a CPU, without the variable: eager
+    monkeypatch.setenv("LONGREACH_EMULATE_GRAPHS", "1")
+    monkeypatch.setenv("TRITON_INTERPRET", "0")  # as in the sparse test above: the references, 10x faster here
+    one, two = _tp_pair(paths["kv4"], attention=method, attention_config=cfg)
+    try:
+        runner = two.engine.runner
+        calls = {"mixed": 0, "plans": 0}
+        mixed, send = runner._graph_and_prefill, runner.before_step
+
+        def counted_mixed(batch):
+            calls["mixed"] += 1
+            return mixed(batch)
+
+        def counted_send(batch, all_logits):
+            calls["plans"] += 1
+            return send(batch, all_logits)
+
+        runner._graph_and_prefill, runner.before_step = counted_mixed, counted_send
+        assert [o.token_ids for o in one.generate(prompts, SPARSE_GREEDY, use_tqdm=False)] == want
+        steps_before = calls["plans"]
+        got = [o.token_ids for o in two.generate(prompts, SPARSE_GREEDY, use_tqdm=False)]
+        assert got == want
+        assert runner._graphs and one.engine.runner._graphs  # decode went through the (emulated) graphs
+        assert runner.chunk_graphs is not None
+        assert calls["mixed"] > 0  # decode rows replayed beside prefill chunks, one plan per step
+        assert steps_before == 0 and calls["plans"] > 0
+        if case == "infinitehip":
+            assert len({key for _, key in runner._graphs}) > 1  # variants captured at first use
+        assert two.engine.blocks.num_free_blocks == two.engine.blocks.num_blocks
+    finally:
+        two.close()

@@ -15,6 +15,7 @@ import dataclasses
 import itertools
 import json
 import logging
+import os
 import time
 from dataclasses import dataclass
 
@@ -41,6 +42,11 @@ from .sequence import Sequence, SequenceStatus
 from .stopping import append_token
 
 logger = logging.getLogger("longreach")
+
+# Tests: off a GPU, an engine built with this variable at "1" runs the CUDA-graph paths emulated (ModelRunner's
+# `emulate`: the static buffers and variants, each replay run eagerly), as a worker process of a tensor-parallel
+# engine does too (the variable passes to it): the graph paths of every rank checked on a CPU.
+EMULATE_GRAPHS_ENV = "LONGREACH_EMULATE_GRAPHS"
 
 @dataclass
 class StepStats:
@@ -132,7 +138,8 @@ class LLMEngine:
 
             self._plans = PlanSender(self.tp, self.blocks, self.workers.check_alive)
             self.runner.before_step = self._plans.send
-        self.runner.capture_graphs()
+        emulate = self.device.type != "cuda" and os.environ.get(EMULATE_GRAPHS_ENV) == "1"
+        self.runner.capture_graphs(emulate=emulate)
         # one step may carry decode rows and prefill chunks when the backend can attend both in one forward pass and
         # the whole context is on the GPU (an offloaded prefill attends on its staging area: steps of their own)
         mixed = self.backend.capabilities.mixed_batches and self.kv_cache.max_prefill_pages is None
@@ -147,7 +154,8 @@ class LLMEngine:
                                                         if config.mixed_step_target_ms else None))
         # after the decode graphs, once the scheduler says which chunk sizes it cuts (engine/chunk_graphs.py)
         self.runner.capture_chunk_graphs(chunk_graph_sizes(self.scheduler.chunk_sizes(), config.chunk_graph_max_tokens,
-                                                           config.max_num_batched_tokens))
+                                                           config.max_num_batched_tokens),
+                                         emulate=emulate and bool(self.runner._graph_sizes))
         self.sampler = Sampler(self.device, config.seed)
         self._requests: dict[str, _Request] = {}
         self._seq_ids = itertools.count()

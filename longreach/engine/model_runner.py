@@ -157,9 +157,14 @@ class ModelRunner:
 
         With `all_logits`, the logits of every fed token (T, V) come back instead (scoring a prompt).
         """
-        sample_idx = [i for i, (s, n) in enumerate(zip(batch.seqs, batch.num_tokens)) if s.num_computed + n == s.num_tokens]
-        if self.before_step is not None:  # (never with graphs: _graph_and_prefill's second execute would send twice)
+        if self.before_step is not None:  # rank 0 of a tensor-parallel engine: the step's plan, once per step
             self.before_step(batch, all_logits)
+        return self._execute(batch, all_logits)
+
+    def _execute(self, batch: ScheduledBatch, all_logits: bool = False) -> tuple[torch.Tensor, list[int]]:
+        """`execute` past the plan: every rank runs the same path for the same batch (a worker's plan is the batch
+        rank 0 ran), so the graphs replayed, the variants captured and the collectives in them line up."""
+        sample_idx = [i for i, (s, n) in enumerate(zip(batch.seqs, batch.num_tokens)) if s.num_computed + n == s.num_tokens]
         self.last_kv_counts = None
         if not all_logits and not batch.is_prefill and self._graph_sizes and len(batch.seqs) <= self._graph_sizes[-1]:
             logits = self._replay(batch)
@@ -188,12 +193,15 @@ class ModelRunner:
         """A mixed step where decode runs through CUDA graphs: the decode rows replay their graph (a graph-decoding
         backend keeps its decode state, masks and schedules, on that path: decoding the same sequence eagerly in
         some steps would split it) and the prefill chunks run after it (through the chunk graphs where a size holds
-        them, else eagerly), two passes in one step."""
+        them, else eagerly), two passes in one step (one plan: the step's, sent by `execute`)."""
         d = batch.num_decodes
         decode_logits = self._replay(ScheduledBatch(False, batch.seqs[:d], batch.num_tokens[:d]))
         self._end_step()
-        prefill_logits, idx = self.execute(ScheduledBatch(True, batch.seqs[d:], batch.num_tokens[d:]))
-        return torch.cat([decode_logits, prefill_logits]), list(range(d)) + [d + i for i in idx]
+        prefill_logits, idx = self._execute(ScheduledBatch(True, batch.seqs[d:], batch.num_tokens[d:]))
+        idx = list(range(d)) + [d + i for i in idx]
+        if decode_logits is None:  # a tensor-parallel worker: rank 0 alone holds logits
+            return None, idx
+        return torch.cat([decode_logits, prefill_logits]), idx
 
     def _forward_mixed(self, batch: ScheduledBatch) -> tuple[torch.Tensor, np.ndarray]:
         """A step of decode rows (the first `batch.num_decodes` sequences) and prefill chunks in one forward pass:
@@ -281,6 +289,9 @@ class ModelRunner:
         free = torch.cuda.mem_get_info(self.device)[0]
         need = [graphs.estimate_bytes(size) for size in sizes]
         kept = [size for size, total in zip(sizes, itertools.accumulate(need)) if total <= free / 2]
+        # every rank of a tensor-parallel engine the same sizes (the smallest count any rank could keep): a chunk
+        # then replays on every rank or on none (collectives meet either way; this keeps the ranks' paths equal)
+        kept = kept[:self.model.tp.min_int(len(kept))]
         if len(kept) < len(sizes):
             logger.warning("prefill chunk graphs: sizes %s would keep ~%.2f GB, more than half the free GPU memory "
                            "(%.2f GB): only %s captured, larger steps run eagerly (--chunk-graph-max-tokens)", sizes,
@@ -302,13 +313,17 @@ class ModelRunner:
                     time.perf_counter() - t0, (torch.cuda.memory_reserved(self.device) - before) / 1e9)
 
     # ---- CUDA graphs for decode ----------------------------------------------------------------------------------
-    def graphs_supported(self) -> tuple[bool, str]:
-        if self.device.type != "cuda":
+    def graphs_supported(self, emulate: bool = False) -> tuple[bool, str]:
+        """Whether decode (and prefill chunks) may run through CUDA graphs, and why not. `emulate`: the question for
+        the emulated path (engine/llm_engine.py, EMULATE_GRAPHS_ENV), which runs on any device.
+
+        With tensor parallelism each rank captures its own graphs, the all-reduces inside them (NCCL calls can be
+        captured): every rank runs the same `_execute` path for a step, so a variant first needed in a step is
+        captured by every rank in that step, its warm-up collectives meeting."""
+        if self.device.type != "cuda" and not emulate:
             return False, "not on CUDA"
         if self.config.enforce_eager:
             return False, "enforce_eager is set"
-        if self.model.tp.world_size > 1:
-            return False, "tensor parallelism runs eagerly for now (CUDA graphs with NCCL: a later milestone)"
         why = self.backend.graph_unsupported()
         if why:
             return False, why
@@ -325,8 +340,8 @@ class ModelRunner:
         `emulate` (tests, any device): run the same static-buffer decode path eagerly instead of capturing, so the
         graph path's logic is checked on a CPU.
         """
-        ok, why = self.graphs_supported()
-        if not ok and not emulate:
+        ok, why = self.graphs_supported(emulate)
+        if not ok:
             logger.info("decode runs eagerly (no CUDA graphs): %s", why)
             return
         t0 = time.perf_counter()
@@ -419,7 +434,7 @@ class ModelRunner:
         bs = self.block_size
         order = sorted(range(n), key=lambda i: -batch.seqs[i].num_tokens)  # stable: ties keep the batch order
         seqs = [batch.seqs[i] for i in order]
-        ids = [s.output_token_ids[-1] if s.output_token_ids else s.prompt_token_ids[-1] for s in seqs]
+        ids = [s.last_token for s in seqs]
         pos = [s.num_tokens - 1 for s in seqs]
         key, load = self.backend.graph_step([s.seq_id for s in seqs], [p + 1 for p in pos])
         if (size, key) not in self._graphs:
@@ -451,7 +466,10 @@ class ModelRunner:
             self._g_wmap[:size].copy_(torch.from_numpy(wmap), non_blocking=True)
         if load is not None:
             load(size)
-        logits = self._graphs[(size, key)]()[:n]
+        logits = self._graphs[(size, key)]()
+        if logits is None:  # a tensor-parallel worker: the LM head's shards were gathered to rank 0
+            return None
+        logits = logits[:n]
         if order == list(range(n)):
             return logits
         back = torch.empty(n, dtype=torch.long)

@@ -61,11 +61,18 @@ class Sequence:
         """More than the single newest token still needs the model: a (re-)prefill, possibly chunked."""
         return self.num_uncomputed > 1 or not self.output_token_ids
 
+    @property
+    def last_token(self) -> int:
+        """The newest known token: what a decode step feeds."""
+        return self.output_token_ids[-1] if self.output_token_ids else self.prompt_token_ids[-1]
+
     def token_slice(self, start: int, stop: int) -> list[int]:
         p = len(self.prompt_token_ids)
         if stop <= p:
             return self.prompt_token_ids[start:stop]
-        return (self.prompt_token_ids + self.output_token_ids)[start:stop]
+        if start >= p:  # a decode step's token: no copy of a long prompt
+            return self.output_token_ids[start - p:stop - p]
+        return self.prompt_token_ids[start:] + self.output_token_ids[:stop - p]
 
     @property
     def finished(self) -> bool:

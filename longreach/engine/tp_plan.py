@@ -79,6 +79,11 @@ class PlannedSeq:
     num_tokens: int
     tokens: list[int]
 
+    @property
+    def last_token(self) -> int:
+        """The newest token the sequence knows (a decode step's fed token): the plan's tokens end at num_tokens."""
+        return self.tokens[-1]
+
     def token_slice(self, start: int, stop: int) -> list[int]:
         return self.tokens[start - self.num_computed:stop - self.num_computed]
 
@@ -104,13 +109,16 @@ class MirroredBlocks:
     def slot(self, seq_id: int) -> int:
         return self._slots[seq_id]
 
-    def apply(self, plan: StepPlan, backend) -> ScheduledBatch:
+    def apply(self, plan: StepPlan, backend, release=None) -> ScheduledBatch:
         """Take `plan`'s table changes and frees (dropping the backend's state of freed and restarted sequences, and
-        the store's slots of pages that changed hands); returns the step's batch of stand-in sequences."""
+        the store's slots of pages that changed hands; `release(seq_id)`: the runner's per-sequence state of a freed
+        one, its device block-table row); returns the step's batch of stand-in sequences."""
         for sid in plan.freed:
             pages = self._tables.pop(sid, [])
             self._slots.pop(sid, None)
             backend.free_sequence(sid)
+            if release is not None:
+                release(sid)
             if pages and self.on_free is not None:
                 self.on_free(pages)
         seqs = []

@@ -272,15 +272,17 @@ def serve_if_worker(config, engine_cls) -> None:
 
 @torch.inference_mode()
 def serve_plans(engine) -> None:
-    """The worker loop: each plan of rank 0 becomes the same `ModelRunner.execute` on this rank's shard."""
-    from .model_runner import ModelRunner
+    """The worker loop: each plan of rank 0 becomes the same `ModelRunner.execute` on this rank's shard, through the
+    engine's own runner (its decode and prefill-chunk graphs, captured at build as rank 0 captured its own) reading
+    the mirrored block tables."""
     from .tp_plan import MirroredBlocks
 
     # the offloaded store drops the slots of freed pages (kvcache/build.py sets the same hook on rank 0's manager)
     blocks = MirroredBlocks(engine.blocks.num_blocks, engine.blocks.block_size, engine.blocks.on_free)
-    runner = ModelRunner(engine.model, engine.config, engine.kv_cache, blocks, engine.backend, engine.device)
+    runner = engine.runner
+    runner.blocks = blocks
     while True:
         plan = engine.tp.broadcast_object()
         if plan is None:
             return
-        runner.execute(blocks.apply(plan, engine.backend), plan.all_logits)
+        runner.execute(blocks.apply(plan, engine.backend, runner.free_sequence), plan.all_logits)

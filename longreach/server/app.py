@@ -240,8 +240,8 @@ def warm_up(engine, tokens: int | None) -> None:
     logger.info("warm-up: one request of %d prompt tokens in %.1f s (kernels compiled before listening; "
                 "--warmup-tokens 0 skips it)", tokens, time.perf_counter() - t0)
     if engine.tp.world_size > 1:  # rank 0 alone would capture them: each rank captures its own at first use
-        logger.info("warm-up: tensor parallelism: CUDA graphs are not captured up front (decode runs eagerly; each "
-                    "rank captures its prefill-selection graphs at first use)")
+        logger.info("warm-up: tensor parallelism: the sparse decode variants and prefill-selection graphs are not "
+                    "captured up front (every rank captures each at first use, in the same step)")
         return
     t0 = time.perf_counter()
     sizes = engine.scheduler.chunk_sizes()  # a prompt alone, beside others, and paced (engine/pacing.py)

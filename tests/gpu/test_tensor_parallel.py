@@ -45,12 +45,15 @@ def _run(gpu_model, size: int, dtype: str, **kw):
 
 def test_tp2_equals_tp1_on_two_gpus(gpu_model, detail):
     """A 3K-token essay prompt in 1,024-token chunks, TP=2 (NCCL) against TP=1: in fp32, dense and infinitehip
-    (pruning) give equal greedy tokens and prompt logits within 1e-4 of their scale (the two partial sums add in
+    (pruning; through each rank's CUDA graphs, NCCL captured in them, and eagerly) give equal greedy tokens and
+    prompt logits within 1e-4 of their scale (the two partial sums add in
     another order than one matmul's); in bf16 (dense, and fp8 weights) the greedy tokens are reported beside the
     logit difference, and must agree on the first 8 (bf16's reduction order may part later)."""
     rows = []
     for name, dtype, kw in (("dense fp32", "float32", {}),
                             ("infinitehip fp32", "float32", dict(attention="infinitehip", attention_config=SPARSE)),
+                            ("infinitehip fp32 eager", "float32", dict(attention="infinitehip", attention_config=SPARSE,
+                                                                      enforce_eager=True)),
                             ("dense bf16", "bfloat16", {}),
                             ("fp8 weights bf16", "bfloat16", dict(quantization="fp8"))):
         (l1, t1), (l2, t2) = (_run(gpu_model, n, dtype, **kw) for n in (1, 2))
