@@ -411,6 +411,20 @@ suite_qwen_fresh() {  # the candidates against the default past the window, the 
         done
     done
 }
+suite_qwen_fresh2() {  # qwen_fresh's RULER cells with the three runs in one eval, each prompt prefilled once
+    # (--share-prefill: they differ only in decode-time fields); 512K then 1M (P=3 KV_GB=8; 1M asks for 14 GiB)
+    local t L cfg="{\"$DEFAULT@fresh\": $FRESH, \"$DEFAULT@look1\": $LOOK1}"
+    for L in "512k 42 10" "1M 42 2" "256k 43 10" "128k 43 10"; do
+        set -- $L
+        local len=$1 seed=$2 n=$3 kv=()
+        [ "$len" = 1M ] && kv=(--kv-cache-memory-gb 14)
+        for t in niah_single_3 niah_single_2 niah_multikey_1; do
+            job "ruler__${t}__infinitehip-3k-box-variants__${len}-s$seed" ruler --tasks "$t" --lengths "$len" \
+                --samples "$n" --seed "$seed" --attention "$DEFAULT" "$DEFAULT@fresh" "$DEFAULT@look1" \
+                --attention-config "$cfg" --share-prefill "${kv[@]}"
+        done
+    done
+}
 suite_qwen15_final() {  # the 1.5B past the window in one lease (BG=1, P=3 KV_GB=31): 512K with 10 prompts, 1M with 5
     pk 512k --seeds 2
     rl niah_single_2 512k 10

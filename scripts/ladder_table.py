@@ -26,7 +26,10 @@ def load(directory: pathlib.Path) -> dict:
         if kind not in ("passkey", "ruler"):  # traces are printed by traces(); ppl reports are read on their own
             continue
         report = json.loads(path.read_text())
-        for method in report["methods"].values():
+        several = len(report["methods"]) > 1  # decode variants sharing one prefill (--share-prefill): a row each
+        for name, method in report["methods"].items():
+            if several:
+                label = row_label(name)
             if kind == "passkey":
                 for cell in method["cells"]:
                     c = merged.setdefault((kind, hay, label), {}).setdefault(cell["length"], {"correct": 0, "n": 0})
@@ -40,6 +43,12 @@ def load(directory: pathlib.Path) -> dict:
                         c["score"] = (c["score"] * c["n"] + cell["score"] * cell["n"]) / total
                         c["n"] = total
     return merged
+
+
+def row_label(method_label: str) -> str:
+    """A report's method label as a ladder row: "infinitehip:3k-box@fresh" -> "infinitehip-3k-box-fresh" (the jobs'
+    own naming, so rows of one-method and several-method reports line up)."""
+    return method_label.replace(":", "-").replace("@", "-").replace("+", "-")
 
 
 def _cell(c: dict, with_n: bool) -> str:

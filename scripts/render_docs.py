@@ -49,8 +49,14 @@ def _ladder(args: list[str]) -> str:
     reports = {p: json.loads(p.read_text()) for p in sorted(directory.glob("*__*__*__*.json"))
                if p.name.split("__")[0] in ("passkey", "ruler")}
     ran: dict[str, set] = {}
+    shared = 0
     for p, r in reports.items():
-        ran.setdefault(p.name.split("__")[2], set()).add(_ran(r))
+        if len(r["methods"]) > 1:  # decode variants sharing one prefill: a row per method, what each ran
+            shared += 1
+            for label in r["methods"]:
+                ran.setdefault(ladder_table.row_label(label), set()).add(_ran_method(r, label))
+        else:
+            ran.setdefault(p.name.split("__")[2], set()).add(_ran(r))
     flagged = {label: sorted(runs) for label, runs in ran.items()
                if any(run not in _named_by(label) for run in runs)}
     text = ladder_table.tables(ladder_table.load(directory)).strip("\n")
@@ -61,6 +67,9 @@ def _ladder(args: list[str]) -> str:
                    or r.get("device"))
     commits = seen(lambda r: (r.get("provenance") or {}).get("commit"))
     text += f"\n\nFrom the {len(reports)} reports in `{arg}`: device {devices}; commit {commits}.\n"
+    if shared:
+        text += (f"\n{shared} of them ran several methods that differ only in decode-time fields, each prompt "
+                 "prefilled once and decoded under each (`--share-prefill`, tools/eval/variants.py).\n")
     if flagged:
         text += "\n† ran as: " + "; ".join(f"{label}: " + ", ".join(f"`{r}`" for r in runs)
                                          for label, runs in flagged.items()) + ".\n"
@@ -82,6 +91,18 @@ def _ran(report: dict) -> str:
         out += f" --attention-config {json.dumps(config)}"
     if args.get("rope_scaling"):
         out += f" --rope-scaling {args['rope_scaling']}"
+    return out
+
+
+def _ran_method(report: dict, label: str) -> str:
+    """What one method of a several-method report ran: METHOD:PRESET and its own overrides."""
+    prov = {a["label"]: a for a in (report.get("provenance") or {}).get("attention") or []}
+    a = prov.get(label)
+    if a is None:
+        return label
+    out = a["method"] + (f":{a['preset']}" if a.get("preset") else "")
+    if a.get("attention_config"):
+        out += f" --attention-config {json.dumps(a['attention_config'])}"
     return out
 
 

@@ -131,6 +131,9 @@ def test_ladder_tables_merge_reports_and_print_traces(tmp_path):
     for seed, score in ((42, 100.0), (43, 50.0)):  # one 1M cell split over two jobs (a seed each): 3 of 4 right
         write(f"ruler__niah_single_1__m__1M-s{seed}.json",
               {"methods": {"m": {"tasks": {"niah_single_1": {"1048576": {"score": score, "n": 2}}}}}})
+    write("ruler__niah_single_3__ih-variants__256k.json",  # decode variants in one report (--share-prefill): a row each
+          {"methods": {"ih:3k": {"tasks": {"niah_single_3": {"262144": {"score": 70.0, "n": 10}}}},
+                       "ih:3k@fresh": {"tasks": {"niah_single_3": {"262144": {"score": 100.0, "n": 10}}}}}})
     run = {"length": 524288, "depth": 0.5, "right": False, "layers": "00kK"}
     write("trace__paul-graham__oracle__524288.json", {"runs": [run]})
     write("trace__paul-graham__s0x2__524288.partial.json", {"runs": [dict(run, right=True, layers="0KKK")]})
@@ -139,5 +142,6 @@ def test_ladder_tables_merge_reports_and_print_traces(tmp_path):
     assert "| m | 100 [51-100] | 25 [5-70] | 4 |" in out
     assert "| m | 50 [30-70] | 20 |" in out
     assert "| m | 75 [30-95] | 4 |" in out
+    assert "| ih-3k | 70 [40-89] | 10 |" in out and "| ih-3k-fresh | 100 [72-100] | 10 |" in out
     assert "oracle      512K depth 0.5 wrong  00kK" in out
     assert "s0x2        512K depth 0.5 right  0KKK" in out

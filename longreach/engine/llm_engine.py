@@ -63,6 +63,7 @@ class _Request:
     prompt: str | None
     prompt_token_ids: list[int]
     seqs: list[Sequence]
+    keep_kv: bool = False  # finished samples keep their pages for `redecode` until `release_kv`
 
 
 class LLMEngine:
@@ -158,6 +159,7 @@ class LLMEngine:
                                          emulate=emulate and bool(self.runner._graph_sizes))
         self.sampler = Sampler(self.device, config.seed)
         self._requests: dict[str, _Request] = {}
+        self._kept: dict[str, _Request] = {}  # finished keep_kv requests, their pages held (redecode / release_kv)
         self._seq_ids = itertools.count()
         self.eos_token_ids = frozenset(mc.eos_token_ids) | (
             {self.tokenizer.eos_token_id} if self.tokenizer and self.tokenizer.eos_token_id is not None else set())
@@ -233,9 +235,16 @@ class LLMEngine:
 
     # ---- requests ------------------------------------------------------------------------------------------------
     def add_request(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
-                    prompt: str | None = None) -> None:
-        if request_id in self._requests:
+                    prompt: str | None = None, keep_kv: bool = False) -> None:
+        """Queue a request. `keep_kv`: when its samples finish, their KV stays in the cache (pages held) so that
+        `redecode` can decode them again from their first generated token without prefilling the prompt again;
+        `release_kv` frees it. Not with tensor parallelism or KV offloading (ValueError)."""
+        if request_id in self._requests or request_id in self._kept:
             raise ValueError(f"request id {request_id!r} is already in use")
+        if keep_kv and (self.tp.world_size > 1 or self.config.offload):
+            raise ValueError("keep_kv (decoding a prompt again from its kept KV) works with one process and a "
+                             "GPU-resident KV cache; this engine has "
+                             + ("tensor parallelism" if self.tp.world_size > 1 else "KV offloading"))
         self.check_prompt(prompt_token_ids)
         n_prompt = len(prompt_token_ids)
         limit = self.config.max_model_len
@@ -251,7 +260,47 @@ class LLMEngine:
                 seq.decoder = self.tokenizer.decode_stream(params.skip_special_tokens)
             seqs.append(seq)
             self.scheduler.add(seq)
-        self._requests[request_id] = _Request(request_id, prompt, list(prompt_token_ids), seqs)
+        self._requests[request_id] = _Request(request_id, prompt, list(prompt_token_ids), seqs, keep_kv)
+
+    def redecode(self, request_id: str) -> RequestOutput | None:
+        """Queue a finished `keep_kv` request again: each sample restarts from its first generated token (sampled
+        from the prefill, kept) with the prompt's KV as the prefill left it, and decodes anew under the engine's
+        current decode method and state (its per-sequence decode state dropped). Its pages beyond the prompt are
+        overwritten as it goes. Returns None, and the request comes out of `step` again when its samples finish; or,
+        when every sample stops at its first token again, its output at once. Either way it stays kept."""
+        req = self._kept.pop(request_id, None)
+        if req is None:
+            raise ValueError(f"request {request_id!r} is not a finished request kept with keep_kv (kept: "
+                             f"{sorted(self._kept) or 'none'})")
+        for seq in req.seqs:
+            first = seq.output_token_ids[0]
+            self.backend.free_sequence(seq.seq_id)
+            self.runner.free_sequence(seq.seq_id)
+            seq.output_token_ids.clear()
+            seq.text, seq.finish_reason, seq.stop_reason = "", None, None
+            if self.tokenizer is not None:
+                seq.decoder = self.tokenizer.decode_stream(seq.params.skip_special_tokens)
+            seq.num_computed = len(seq.prompt_token_ids)
+            seq.status = SequenceStatus.RUNNING
+            seq.times.finished = None
+            append_token(seq, first)  # the same stop rules: a sample that stopped at its first token stops again
+            if seq.finished:
+                seq.times.finished = time.perf_counter()
+            else:
+                self.scheduler.resume(seq)
+        if all(seq.finished for seq in req.seqs):
+            self._kept[request_id] = req
+            return self._output(req)
+        self._requests[request_id] = req
+        return None
+
+    def release_kv(self, request_id: str) -> None:
+        """Free the pages of a finished `keep_kv` request (it can no longer be redecoded)."""
+        req = self._kept.pop(request_id, None)
+        if req is None:
+            raise ValueError(f"request {request_id!r} is not a finished request kept with keep_kv")
+        for seq in req.seqs:
+            self.scheduler.finish(seq)
 
     def check_prompt(self, token_ids: list[int], name: str = "the prompt") -> None:
         """Raise ValueError unless `token_ids` can be served: non-empty, shorter than max_model_len, in the vocab."""
@@ -367,7 +416,10 @@ class LLMEngine:
                 continue
             if seq.finished:
                 seq.times.finished = now
-                self.scheduler.finish(seq)
+                if self._requests[seq.request_id].keep_kv:
+                    self.scheduler.retire(seq)  # its pages stay: `redecode` / `release_kv`
+                else:
+                    self.scheduler.finish(seq)
                 out = self._request_output_if_done(seq.request_id)
                 if out is not None:
                     finished.append(out)
@@ -426,6 +478,8 @@ class LLMEngine:
         if not all(s.finished for s in req.seqs):
             return None
         del self._requests[request_id]
+        if req.keep_kv:
+            self._kept[request_id] = req
         return self._output(req)
 
     @staticmethod

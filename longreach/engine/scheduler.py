@@ -218,6 +218,18 @@ class Scheduler:
         self.waiting.appendleft(seq)
         self.num_preemptions += 1
 
+    def retire(self, seq: Sequence) -> None:
+        """Remove a finished sequence (status already FINISHED) but keep its pages: its KV stays in the cache for
+        `resume` (LLMEngine.redecode) or `finish`."""
+        if seq in self.running:
+            self.running.remove(seq)
+        elif seq in self.waiting:
+            self.waiting.remove(seq)
+
+    def resume(self, seq: Sequence) -> None:
+        """Run a retired sequence again (status RUNNING, its pages and computed tokens as it left them)."""
+        self.running.append(seq)
+
     def finish(self, seq: Sequence) -> None:
         """Remove a finished sequence (status already FINISHED) and free its pages."""
         if seq in self.running:

@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import ClassVar
 
 from ...rope.strategies import PRUNE_CODES, parse_layer_spec
 from ..sparse.config import SparseConfig
@@ -11,6 +12,7 @@ STAGE0_SCORES = ("selectrep", "minmax", "cuboid-mean")  # kernels/chunk_box.py f
 
 @dataclass(frozen=True)
 class InfiniteHiPConfig(SparseConfig):
+    DECODE_ONLY: ClassVar[frozenset[str]] = SparseConfig.DECODE_ONLY | {"refresh", "lookahead"}
     chunk_sizes: tuple[int, ...] = (256, 32, 8)  # l_c per stage
     budgets: tuple[int, ...] = (32768, 8192, 2048)  # k per stage: tokens kept after it
     early_layers: int = 3  # the first layers use early_last_budget as the last stage's k

@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import ClassVar
 
 from ...rope.strategies import ATTEND_CODES, PRUNE_CODES, parse_layer_spec
 
@@ -10,6 +11,9 @@ GRANULARITIES = ("layer", "kv_head", "head")
 
 @dataclass(frozen=True)
 class SparseConfig:
+    # fields that only decode steps read: configs differing in these alone prefill identically (an eval may then
+    # prefill a prompt once and decode it under each: tools/eval/variants.py)
+    DECODE_ONLY: ClassVar[frozenset[str]] = frozenset({"dense_below_decode"})
     n_sink: int = 256  # first tokens every query reads
     n_window: int = 1024  # last tokens every query reads (the streaming window)
     block_q: int = 64  # query rows per block in prefill (decode blocks have one row)

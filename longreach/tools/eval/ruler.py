@@ -71,20 +71,33 @@ length_label = format_length
 
 # ---- the evaluation --------------------------------------------------------------------------------------------------
 def run(model: str, task_list: list[Task], lengths: list[int], num_samples: int, seed: int, methods,
-        attention_config: dict | str | None, device: str, dtype: str, prompt_format: str, **engine_kw) -> dict:
-    """Every method on every task and length; samples are generated once (with the first engine's tokenizer)."""
+        attention_config: dict | str | None, device: str, dtype: str, prompt_format: str, share_prefill: bool = False,
+        **engine_kw) -> dict:
+    """Every method on every task and length; samples are generated once (with the first engine's tokenizer).
+    `share_prefill`: the methods are decode variants of one method (tools/eval/variants.py): one engine prefills each
+    prompt once and decodes it under each; a cell's `seconds` is then that variant's decoding, the prefill in the
+    first variant's."""
     from ...sampling_params import SamplingParams
+    from .common import method_config
+    from .variants import DecodeVariants, check_variants, generate_variants
 
     attention_config = eval_config(attention_config)  # a dict (JSON text from a Python caller: parsed once, here)
     report: dict = {"tasks": {t.name: {"kind": t.kind, "metric": t.metric, "tokens_to_generate": t.tokens_to_generate,
                                        "args": t.args} for t in task_list},
                     "prompt_tokens": {}, "methods": {}}
+    if share_prefill:
+        report["share_prefill"] = True
     samples: dict[tuple[str, int], list[Sample]] = {}
-    for spec in methods:
-        llm = make_llm(model, spec, attention_config, device, dtype, max(lengths), **engine_kw)
+    groups = [list(methods)] if share_prefill else [[spec] for spec in methods]
+    for group in groups:
+        configs = [method_config(spec, attention_config) for spec in group]
+        if len(group) > 1:
+            check_variants(group, configs)
+        llm = make_llm(model, group[0], attention_config, device, dtype, max(lengths), **engine_kw)
+        variants = DecodeVariants.install(llm.engine, configs) if len(group) > 1 else None
         report.update(model=llm.engine.model_config.name, device=str(llm.engine.device),
                       dtype=str(llm.engine.dtype).replace("torch.", ""))
-        cells: dict = {}
+        cells: list[dict] = [{} for _ in group]
         for task in task_list:
             params = SamplingParams(temperature=0, max_tokens=task.tokens_to_generate)
             for length in lengths:
@@ -100,23 +113,30 @@ def run(model: str, task_list: list[Task], lengths: list[int], num_samples: int,
                          f"{min(sizes)}-{max(sizes)} tokens in {time.perf_counter() - t0:.1f} s")
                 batch = samples[key]
                 t0 = time.perf_counter()
-                outs = llm.generate([{"prompt_token_ids": s.prompt_ids.tolist()} for s in batch], params)
-                preds = [o.text for o in outs]
-                total, per_sample = score(task, preds, [s.outputs for s in batch])
-                cells.setdefault(task.name, {})[str(length)] = {
-                    "score": total, "n": len(batch),
-                    "ci95": [round(100 * x, 1) for x in wilson(sum(per_sample) / 100, len(batch))],
-                    "seconds": round(time.perf_counter() - t0, 2),
-                    "per_sample": per_sample,
-                    "examples": [{"prediction": p, "answers": s.outputs} for p, s in zip(preds, batch)][:EXAMPLES],
-                    # every prompt that lost points, so a miss can be read (a garbled copy of the needle, or an
-                    # answer from the haystack) without running it again
-                    "misses": [{"sample": i, "prediction": p, "answers": s.outputs}
-                               for i, (p, s, v) in enumerate(zip(preds, batch, per_sample)) if v < 100]}
-                note(f"ruler: {spec.label} {task.name} at {length_label(length)}: {total:.1f} "
-                     f"({len(batch)} samples, {time.perf_counter() - t0:.1f} s)")
-        report["methods"][spec.label] = _with_averages(cells, lengths)
-        del llm
+                if variants is None:
+                    per_variant = [llm.generate([{"prompt_token_ids": s.prompt_ids.tolist()} for s in batch], params)]
+                    seconds = [time.perf_counter() - t0]
+                else:
+                    per_variant, seconds = generate_variants(llm, [s.prompt_ids.tolist() for s in batch], params,
+                                                             variants)
+                for spec, spec_cells, outs, secs in zip(group, cells, per_variant, seconds):
+                    preds = [o.text for o in outs]
+                    total, per_sample = score(task, preds, [s.outputs for s in batch])
+                    spec_cells.setdefault(task.name, {})[str(length)] = {
+                        "score": total, "n": len(batch),
+                        "ci95": [round(100 * x, 1) for x in wilson(sum(per_sample) / 100, len(batch))],
+                        "seconds": round(secs, 2),
+                        "per_sample": per_sample,
+                        "examples": [{"prediction": p, "answers": s.outputs} for p, s in zip(preds, batch)][:EXAMPLES],
+                        # every prompt that lost points, so a miss can be read (a garbled copy of the needle, or an
+                        # answer from the haystack) without running it again
+                        "misses": [{"sample": i, "prediction": p, "answers": s.outputs}
+                                   for i, (p, s, v) in enumerate(zip(preds, batch, per_sample)) if v < 100]}
+                    note(f"ruler: {spec.label} {task.name} at {length_label(length)}: {total:.1f} "
+                         f"({len(batch)} samples, {secs:.1f} s)")
+        for spec, spec_cells in zip(group, cells):
+            report["methods"][spec.label] = _with_averages(spec_cells, lengths)
+        del llm, variants
         gc.collect()
     return report
 
@@ -188,6 +208,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="base: RULER's 'base' template (task text + answer prefix) as plain text; chat: the task text "
                         "as the user turn of the model's chat template, the answer prefix opening the assistant turn "
                         "(default: base)")
+    p.add_argument("--share-prefill", action="store_true",
+                   help="the --attention runs are one sparse method differing only in decode-time fields (e.g. "
+                        "infinitehip's refresh, lookahead): prefill each prompt once and decode it under each run "
+                        "(same predictions as separate runs, a fraction of the time; not with KV offloading)")
     add_method_args(p)
 
 
@@ -198,8 +222,14 @@ def main(args: argparse.Namespace) -> int:
         raise ValueError(f"--samples must be at least 1, got {args.samples}")
     methods = parse_methods(args.attention, args.preset, args.attention_config)
     t0 = time.perf_counter()
+    if args.share_prefill and len(methods) > 1:
+        from .common import method_config
+        from .variants import check_variants
+
+        check_variants(methods, [method_config(m, args.attention_config) for m in methods])  # before a model loads
     report = run(args.model, task_list, lengths, args.samples, args.seed, methods, args.attention_config,
-                 args.device, args.dtype, args.prompt_format, **engine_kwargs(args))
+                 args.device, args.dtype, args.prompt_format, share_prefill=args.share_prefill and len(methods) > 1,
+                 **engine_kwargs(args))
     from datetime import datetime
 
     report = {"model": report.pop("model"), "device": report.pop("device"), "dtype": report.pop("dtype"),
