@@ -414,6 +414,11 @@ suite_qwen_fresh() {  # the candidates against the default past the window, the 
 suite_qwen_fresh2() {  # qwen_fresh's RULER cells with the three runs in one eval, each prompt prefilled once
     # (--share-prefill: they differ only in decode-time fields); 512K then 1M (P=3 KV_GB=8; 1M asks for 14 GiB)
     local t L cfg="{\"$DEFAULT@fresh\": $FRESH, \"$DEFAULT@look1\": $LOOK1}"
+    # first, a cell run 14 measured with one run per job (docs/results/qwen05-ladder-h200-run14-128k): its
+    # predictions, prompt by prompt, say whether the shared prefill reproduces separate runs on the GPU
+    job "ruler__niah_single_3__infinitehip-3k-box-variants__128k-s42" ruler --tasks niah_single_3 --lengths 128k \
+        --samples 10 --seed 42 --attention "$DEFAULT" "$DEFAULT@fresh" "$DEFAULT@look1" --attention-config "$cfg" \
+        --share-prefill
     for L in "512k 42 10" "1M 42 2" "256k 43 10" "128k 43 10"; do
         set -- $L
         local len=$1 seed=$2 n=$3 kv=()
