@@ -106,7 +106,7 @@ def test_keep_kv_redecode_and_release(path):
 
 def test_keep_kv_is_refused_with_offloading(path):
     llm = LLM(path, attention_config=VARIANTS[0], **dict(ENGINE, kv_offloading_size=0.01))
-    with pytest.raises(ValueError, match="GPU-resident KV cache; this engine has KV offloading"):
+    with pytest.raises(ValueError, match="pages all stay on the GPU; this engine has a KV cache that stages"):
         llm.engine.add_request("r", _prompts()[0], GREEDY, keep_kv=True)
 
 

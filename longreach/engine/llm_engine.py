@@ -238,13 +238,14 @@ class LLMEngine:
                     prompt: str | None = None, keep_kv: bool = False) -> None:
         """Queue a request. `keep_kv`: when its samples finish, their KV stays in the cache (pages held) so that
         `redecode` can decode them again from their first generated token without prefilling the prompt again;
-        `release_kv` frees it. Not with tensor parallelism or KV offloading (ValueError)."""
+        `release_kv` frees it. Not with tensor parallelism or a KV store that keeps pages off the GPU (ValueError)."""
         if request_id in self._requests or request_id in self._kept:
             raise ValueError(f"request id {request_id!r} is already in use")
-        if keep_kv and (self.tp.world_size > 1 or self.config.offload):
-            raise ValueError("keep_kv (decoding a prompt again from its kept KV) works with one process and a "
-                             "GPU-resident KV cache; this engine has "
-                             + ("tensor parallelism" if self.tp.world_size > 1 else "KV offloading"))
+        if keep_kv and (self.tp.world_size > 1 or self.kv_cache.max_prefill_pages is not None):
+            raise ValueError("keep_kv (decoding a prompt again from its kept KV) works with one process and a KV "
+                             "cache whose pages all stay on the GPU; this engine has "
+                             + ("tensor parallelism" if self.tp.world_size > 1 else
+                                "a KV cache that stages prefills (pages in host memory)"))
         self.check_prompt(prompt_token_ids)
         n_prompt = len(prompt_token_ids)
         limit = self.config.max_model_len
