@@ -59,6 +59,8 @@
 #                                           # tar -x -C .carry/old` and carry .carry/old (1.5 MB)
 #   OLD=.carry/old OLD_COMMIT=C bash scripts/device_runs.sh ab8b  # 8B shape, bf16: bench decode at 128K, infinitehip pruned vs
 #                                           # dense, in the earlier tree and in this one (issue 31's small kernels)
+#   bash scripts/device_runs.sh variants    # needs the model: tests/gpu/test_eval_variants.py (decode variants from one
+#                                           # prefill == an engine of each, bf16, graphs; issue 28's --share-prefill)
 #   bash scripts/device_runs.sh gemma3      # no model: tests/gpu/test_gemma3.py (a random Gemma 3 on CUDA: the ring,
 #                                           # the banded prefill, graphs, infinitehip on the global layer; issue 33)
 #   bash scripts/device_runs.sh tp2         # needs nvidia-h100-x2 / h200-x2 and the model: tests/gpu/test_tensor_parallel.py
@@ -176,6 +178,9 @@ engine)
     ;;
 engine2)  # the engine tests that the 2026-11-27 lease did not reach (offload, Quest) and the paged-prefill test
     gpu_tests gpu_check_engine2 560 tests/gpu -k "offload_engine or quest_engine or paged_prefill" --gpu-model "$model"
+    ;;
+variants)  # needs the model: --share-prefill's decode variants against an engine of each (tests/gpu/test_eval_variants.py)
+    gpu_tests gpu_check_variants 300 tests/gpu/test_eval_variants.py --gpu-model "$model"
     ;;
 kerneltests)  # the kernels group's tests without its timings: correct beside other work on the GPU
     gpu_tests gpu_check_kernels 560 tests/gpu -k "not box and not gemma3"
