@@ -59,6 +59,8 @@
 #                                           # tar -x -C .carry/old` and carry .carry/old (1.5 MB)
 #   OLD=.carry/old OLD_COMMIT=C bash scripts/device_runs.sh ab8b  # 8B shape, bf16: bench decode at 128K, infinitehip pruned vs
 #                                           # dense, in the earlier tree and in this one (issue 31's small kernels)
+#   bash scripts/device_runs.sh calib32k    # needs the model: MInference's Qwen patterns calibrated at 32K, then the
+#                                           # essays passkey at 16K/32K with them, the shipped ones and dense (issue 28)
 #   bash scripts/device_runs.sh variants    # needs the model: tests/gpu/test_eval_variants.py (decode variants from one
 #                                           # prefill == an engine of each, bf16, graphs; issue 28's --share-prefill)
 #   bash scripts/device_runs.sh gemma3      # no model: tests/gpu/test_gemma3.py (a random Gemma 3 on CUDA: the ring,
@@ -178,6 +180,17 @@ engine)
     ;;
 engine2)  # the engine tests that the 2026-11-27 lease did not reach (offload, Quest) and the paged-prefill test
     gpu_tests gpu_check_engine2 560 tests/gpu -k "offload_engine or quest_engine or paged_prefill" --gpu-model "$model"
+    ;;
+calib32k)  # needs the model: MInference's patterns for Qwen 0.5B calibrated at 32K on the GPU (the shipped ones come
+    # from 8K on a CPU and lost the essays passkey at 16K, quality.md run 3), then the essays passkey at 16K and 32K,
+    # 10 prompts per cell: dense, the shipped patterns, the 32K ones, in one eval (issue 28, item 6)
+    p32="$out/minference-qwen2.5-coder-0.5b-32k.json"
+    run calibrate_32k 420 python3 -m longreach calibrate --method minference --model "$model" --task kv-retrieval \
+        --length 32k --out "$p32"
+    run passkey_minference 560 python3 -m longreach eval passkey --model "$model" --haystack paul-graham \
+        --lengths 16k 32k --depths 0.1 0.3 0.5 0.7 0.9 --seeds 2 --attention dense minference@shipped minference@c32 \
+        --attention-config "{\"minference@shipped\": {\"patterns\": \"qwen2.5-coder-0.5b\"}, \"minference@c32\": {\"patterns\": \"$p32\"}}" \
+        --out "$out/passkey-minference-patterns-16k-32k.json"
     ;;
 variants)  # needs the model: --share-prefill's decode variants against an engine of each (tests/gpu/test_eval_variants.py)
     gpu_tests gpu_check_variants 300 tests/gpu/test_eval_variants.py --gpu-model "$model"
