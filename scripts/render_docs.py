@@ -51,8 +51,8 @@ def _ladder(args: list[str]) -> str:
     ran: dict[str, set] = {}
     shared = 0
     for p, r in reports.items():
-        if len(r["methods"]) > 1:  # decode variants sharing one prefill: a row per method, what each ran
-            shared += 1
+        shared += bool(r.get("share_prefill"))
+        if len(r["methods"]) > 1:  # several methods in one report (decode variants sharing a prefill): a row each
             for label in r["methods"]:
                 ran.setdefault(ladder_table.row_label(label), set()).add(_ran_method(r, label))
         else:
@@ -80,9 +80,8 @@ def _ran(report: dict) -> str:
     """What one report ran: its --attention (the preset named, else the provenance's resolved one), overrides and
     RoPE scaling, as a command-line fragment."""
     args = report.get("args") or {}
-    prov = {a["label"]: a for a in (report.get("provenance") or {}).get("attention") or []}
-    specs = [prov[a]["method"] + (f":{prov[a]['preset']}" if prov[a].get("preset") else "") if a in prov else a
-             for a in args.get("attention") or []]
+    prov = _attention_records(report)
+    specs = [_spec(prov[a]) if a in prov else a for a in args.get("attention") or []]
     out = " ".join(specs)
     config = args.get("attention_config")
     if isinstance(config, str):
@@ -94,13 +93,22 @@ def _ran(report: dict) -> str:
     return out
 
 
+def _attention_records(report: dict) -> dict:
+    """label -> the provenance's record of that method run (tools/report.py: attention_record)."""
+    return {a["label"]: a for a in (report.get("provenance") or {}).get("attention") or []}
+
+
+def _spec(record: dict) -> str:
+    """METHOD:PRESET of one provenance record (METHOD alone for a method without presets)."""
+    return record["method"] + (f":{record['preset']}" if record.get("preset") else "")
+
+
 def _ran_method(report: dict, label: str) -> str:
     """What one method of a several-method report ran: METHOD:PRESET and its own overrides."""
-    prov = {a["label"]: a for a in (report.get("provenance") or {}).get("attention") or []}
-    a = prov.get(label)
+    a = _attention_records(report).get(label)
     if a is None:
         return label
-    out = a["method"] + (f":{a['preset']}" if a.get("preset") else "")
+    out = _spec(a)
     if a.get("attention_config"):
         out += f" --attention-config {json.dumps(a['attention_config'])}"
     return out

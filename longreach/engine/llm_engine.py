@@ -156,7 +156,7 @@ class LLMEngine:
         # after the decode graphs, once the scheduler says which chunk sizes it cuts (engine/chunk_graphs.py)
         self.runner.capture_chunk_graphs(chunk_graph_sizes(self.scheduler.chunk_sizes(), config.chunk_graph_max_tokens,
                                                            config.max_num_batched_tokens),
-                                         emulate=emulate and bool(self.runner._graph_sizes))
+                                         emulate=emulate and self.runner.decode_graphs)
         self.sampler = Sampler(self.device, config.seed)
         self._requests: dict[str, _Request] = {}
         self._kept: dict[str, _Request] = {}  # finished keep_kv requests, their pages held (redecode / release_kv)
@@ -274,17 +274,11 @@ class LLMEngine:
             raise ValueError(f"request {request_id!r} is not a finished request kept with keep_kv (kept: "
                              f"{sorted(self._kept) or 'none'})")
         for seq in req.seqs:
-            first = seq.output_token_ids[0]
             self.backend.free_sequence(seq.seq_id)
             self.runner.free_sequence(seq.seq_id)
-            seq.output_token_ids.clear()
-            seq.text, seq.finish_reason, seq.stop_reason = "", None, None
-            if self.tokenizer is not None:
-                seq.decoder = self.tokenizer.decode_stream(seq.params.skip_special_tokens)
-            seq.num_computed = len(seq.prompt_token_ids)
-            seq.status = SequenceStatus.RUNNING
-            seq.times.finished = None
-            append_token(seq, first)  # the same stop rules: a sample that stopped at its first token stops again
+            decoder = self.tokenizer.decode_stream(seq.params.skip_special_tokens) \
+                if self.tokenizer is not None else None
+            append_token(seq, seq.rewind_to_first_token(decoder))  # a first-token stop stops again
             if seq.finished:
                 seq.times.finished = time.perf_counter()
             else:

@@ -98,6 +98,11 @@ class ModelRunner:
         # the step's plan to the other ranks (engine/tp_plan.py)
         self.before_step: typing.Callable[[ScheduledBatch, bool], None] | None = None
 
+    @property
+    def decode_graphs(self) -> bool:
+        """Decode steps run through CUDA graphs (captured, or emulated in tests)."""
+        return bool(self._graph_sizes)
+
     def free_sequence(self, seq_id: int) -> None:
         """The sequence gave its pages back (finished or preempted): its device block-table row is free."""
         if self.device_tables is not None:

@@ -61,6 +61,18 @@ class Sequence:
         """More than the single newest token still needs the model: a (re-)prefill, possibly chunked."""
         return self.num_uncomputed > 1 or not self.output_token_ids
 
+    def rewind_to_first_token(self, decoder) -> int:
+        """Back to the prompt as prefilled, its outputs, text and finish cleared (`decoder`: a fresh detokenizer, or
+        None); returns the first generated token, for the caller to record again (LLMEngine.redecode)."""
+        first = self.output_token_ids[0]
+        self.output_token_ids.clear()
+        self.text, self.finish_reason, self.stop_reason = "", None, None
+        self.decoder = decoder
+        self.num_computed = len(self.prompt_token_ids)
+        self.status = SequenceStatus.RUNNING
+        self.times.finished = None
+        return first
+
     @property
     def last_token(self) -> int:
         """The newest known token: what a decode step feeds."""

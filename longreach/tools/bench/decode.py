@@ -138,7 +138,7 @@ def _measure(model: str, context: int, spec, engine_kwargs: dict, batch: int, de
             "step_s_median": statistics.median(s["s"] for s in steady) if steady else None,
             "step_s": [round(s["s"], 6) for s in steps],
             "warmup_step_indices": [i for i, s in enumerate(steps) if s["warmup"]],
-            "cuda_graphs": bool(engine.runner._graph_sizes), "graph_variants": len(engine.runner._graphs),
+            "cuda_graphs": engine.runner.decode_graphs, "graph_variants": len(engine.runner._graphs),
             "preemptions": engine.scheduler.num_preemptions,
             "decode_reads": reads,  # psa with count_reads: keys per decode query (layer, KV group), share of context
             "memory": {

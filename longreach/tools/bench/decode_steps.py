@@ -135,7 +135,7 @@ def _drive(engine, prompts: list[list[int]], decode_tokens: int, label: str, pro
             if not snaps:
                 snaps.append(before)
             why = [name for name, hit in zip(EXCLUDED, (len(runner._graphs) > n_graphs, compiled,
-                                                         not runner._graph_sizes and not steps, profiled)) if hit]
+                                                         not runner.decode_graphs and not steps, profiled)) if hit]
             if profiled:
                 prof.record(dt)
             steps.append({"s": dt, "tokens": st.num_tokens, "warmup": bool(why), "profiled": profiled,

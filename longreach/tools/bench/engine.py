@@ -169,7 +169,7 @@ def run(model: str, hf_dir: str, hf_file: str | None, device: str, batch_sizes=(
         "model": llm.engine.model_config.name,
         "dtype": str(llm.engine.dtype).replace("torch.", ""),
         "settings": {"new_tokens": new_tokens, "prompt_len": prompt_len, "prefill_len": prefill_len,
-                     "repeats": repeats, "cuda_graphs": bool(llm.engine.runner._graph_sizes)},
+                     "repeats": repeats, "cuda_graphs": llm.engine.runner.decode_graphs},
         "longreach": asdict(ours),
         "transformers": asdict(base),
         "greedy_agreement": agreement,
@@ -257,7 +257,7 @@ def run_long(model: str, text: str, lengths: list[int], methods: list[tuple[str,
                 llm.generate(prompt, SamplingParams(temperature=0, max_tokens=new_tokens, ignore_eos=True))
                 out = llm.generate(prompt, params)[0]
                 m = out.metrics
-                graphs = bool(llm.engine.runner._graph_sizes)
+                graphs = llm.engine.runner.decode_graphs
                 row = {"length": n, "attention": f"{name}:{preset}" if preset else name,
                        "attention_config": None if name == "dense" or attention_config is None else
                        json.dumps(attention_config), "prefill_s": m.prefill_seconds,

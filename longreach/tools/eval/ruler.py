@@ -85,10 +85,11 @@ def run(model: str, task_list: list[Task], lengths: list[int], num_samples: int,
     report: dict = {"tasks": {t.name: {"kind": t.kind, "metric": t.metric, "tokens_to_generate": t.tokens_to_generate,
                                        "args": t.args} for t in task_list},
                     "prompt_tokens": {}, "methods": {}}
+    share_prefill = share_prefill and len(methods) > 1
     if share_prefill:
         report["share_prefill"] = True
     samples: dict[tuple[str, int], list[Sample]] = {}
-    groups = [list(methods)] if share_prefill else [[spec] for spec in methods]
+    groups = [list(methods)] if share_prefill else [[spec] for spec in methods]  # each checked before its model loads
     for group in groups:
         configs = [method_config(spec, attention_config) for spec in group]
         if len(group) > 1:
@@ -222,14 +223,8 @@ def main(args: argparse.Namespace) -> int:
         raise ValueError(f"--samples must be at least 1, got {args.samples}")
     methods = parse_methods(args.attention, args.preset, args.attention_config)
     t0 = time.perf_counter()
-    if args.share_prefill and len(methods) > 1:
-        from .common import method_config
-        from .variants import check_variants
-
-        check_variants(methods, [method_config(m, args.attention_config) for m in methods])  # before a model loads
     report = run(args.model, task_list, lengths, args.samples, args.seed, methods, args.attention_config,
-                 args.device, args.dtype, args.prompt_format, share_prefill=args.share_prefill and len(methods) > 1,
-                 **engine_kwargs(args))
+                 args.device, args.dtype, args.prompt_format, share_prefill=args.share_prefill, **engine_kwargs(args))
     from datetime import datetime
 
     report = {"model": report.pop("model"), "device": report.pop("device"), "dtype": report.pop("dtype"),

@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import time
 
 from ...attention.backend import AttentionBackend, AttentionMetadata, Capabilities
 
@@ -164,8 +165,6 @@ def generate_variants(llm, prompts: list[list[int]], params, variants: DecodeVar
 
 def _generate_group(engine, prompts: list[list[int]], params, variants: DecodeVariants
                     ) -> tuple[list[list], list[float]]:
-    import time
-
     ids = [f"variants-{i}" for i in range(len(prompts))]
     for rid, p in zip(ids, prompts):
         engine.add_request(rid, p, params, keep_kv=True)
