@@ -411,6 +411,11 @@ suite_qwen_fresh() {  # the candidates against the default past the window, the 
         done
     done
 }
+ppl_step() {  # where perplexity steps up between 32K and 128K (+11.7% at 128K in run 6): the default beside dense,
+    # the exact top-k oracle (the selection ruled out) and every key with remapped positions (positions only)
+    job "ppl__hotpotqa__step-rungs__32k-128k" ppl --text-source hotpotqa --lengths 32k 48k 64k 96k 128k --samples 1 \
+        --attention dense "$DEFAULT" infinitehip:oracle infinitehip:positions-st
+}
 suite_qwen_fresh2() {  # qwen_fresh's RULER cells with the three runs in one eval, each prompt prefilled once
     # (--share-prefill: they differ only in decode-time fields); 512K then 1M (P=3 KV_GB=8; 1M asks for 14 GiB)
     local t L cfg="{\"$DEFAULT@fresh\": $FRESH, \"$DEFAULT@look1\": $LOOK1}"
@@ -419,8 +424,9 @@ suite_qwen_fresh2() {  # qwen_fresh's RULER cells with the three runs in one eva
     job "ruler__niah_single_3__infinitehip-3k-box-variants__128k-s42" ruler --tasks niah_single_3 --lengths 128k \
         --samples 10 --seed 42 --attention "$DEFAULT" "$DEFAULT@fresh" "$DEFAULT@look1" --attention-config "$cfg" \
         --share-prefill
-    for L in "512k 42 10" "1M 42 2" "256k 43 10" "128k 43 10"; do
+    for L in "512k 42 10" "ppl" "1M 42 2" "256k 43 10" "128k 43 10"; do
         set -- $L
+        if [ "$1" = ppl ]; then ppl_step; continue; fi
         local len=$1 seed=$2 n=$3 kv=()
         [ "$len" = 1M ] && kv=(--kv-cache-memory-gb 14)
         for t in niah_single_3 niah_single_2 niah_multikey_1; do
