@@ -313,6 +313,13 @@ refresh8b)  # the decode schedules against the default (issue 28's candidates; d
         infinitehip@fresh infinitehip@look1 --attention-config "$cfg" --dense-lengths 128k --decode-tokens 64 \
         --out "$out/bench-decode-128k-8b-candidates.json"
     ;;
+refresh512k)  # refresh8b at 512K (its KV fits an H200 in bf16, dense beside): each candidate's decode cost at 4x the length
+    cfg='{"infinitehip@pruned": {"dense_below": null}, "infinitehip@fresh": {"dense_below": null, "refresh": [8, 4, 1]},
+          "infinitehip@look1": {"dense_below": null, "lookahead": 1}}'
+    run decode_512k_refresh 560 python3 -m longreach bench decode --lengths 512k --attention infinitehip@pruned \
+        infinitehip@fresh infinitehip@look1 --attention-config "$cfg" --dense-lengths 512k --decode-tokens 64 \
+        --out "$out/bench-decode-512k-8b-candidates.json"
+    ;;
 refresh1m)
     # at 1M, fp8 KV offloaded, no dense row (its KV does not fit); one method per run: a 1M prefill takes minutes
     for m in "infinitehip {}" "infinitehip@fresh {\"refresh\": [8, 4, 1]}" "infinitehip@look1 {\"lookahead\": 1}"; do
