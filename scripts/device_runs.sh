@@ -150,6 +150,13 @@ tp2)
             --dense-lengths 128k --decode-tokens 64 --tensor-parallel-size "$n" \
             --out "$out/bench-decode-128k-8b-tp$n.json"
     done ;;
+tp2short)  # no model needed: tp2's bench at 32K (8B shape, random weights), whether NCCL captures in CUDA graphs
+    for n in 1 2; do
+        run "decode_8b_32k_tp$n" 120 python3 -m longreach bench decode --lengths 32k \
+            --attention infinitehip@pruned --attention-config '{"infinitehip@pruned": {"dense_below": null}}' \
+            --dense-lengths 32k --decode-tokens 64 --tensor-parallel-size "$n" \
+            --out "$out/bench-decode-32k-8b-tp$n.json"
+    done ;;
 profile8b)
     run profile_8b_128k 400 python3 -m longreach bench decode --lengths 128k --attention infinitehip@pruned \
         --attention-config '{"infinitehip@pruned": {"dense_below": null}}' --dense-lengths 128k --decode-tokens 64 \
