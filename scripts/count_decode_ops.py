@@ -28,8 +28,10 @@ os.environ.setdefault("TRITON_INTERPRET", "1")
 import torch  # noqa: E402
 from torch.utils._python_dispatch import TorchDispatchMode  # noqa: E402
 
+# refresh (16, 8, 4), the paper's, so that 16 steps visit every refresh level; the default 3k-box's (8, 4, 1)
+# refreshes the last stage (level 2) or more at every step, so its steady step costs what level 2 counts
 CONFIG = {"chunk_sizes": [64, 32, 8], "budgets": [1024, 256, 64], "early_last_budget": 128, "n_sink": 64,
-          "n_window": 128, "stage0_scores": "minmax", "dense_below": None}
+          "n_window": 128, "stage0_scores": "minmax", "dense_below": None, "refresh": [16, 8, 4]}
 # ops that launch no kernel on a GPU (views, allocations, metadata); a view-like op that copies (`.to(dtype)`,
 # `.contiguous()` or `.reshape()` of a strided tensor) is counted
 FREE = {"empty", "empty_strided", "empty_like", "lift_fresh", "detach", "detach_", "alias", "set_", "resize_"}

@@ -383,8 +383,11 @@ suite_qwen_s13() {  # is niah_single_3's loss at 256K the decode masks' refresh?
     job "ruler__niah_single_3__infinitehip-3k-box-r1__256k-s44" ruler --tasks niah_single_3 --lengths 256k \
         --samples 10 --seed 44 --attention "$DEFAULT@r1" --attention-config "{\"$DEFAULT@r1\": {\"refresh\": [1, 1, 1]}}"
 }
+# the suites qwen_fresh and qwen_fresh2 ran when the default's schedule was (16, 8, 4) (runs 14-15); since then the
+# default's is FRESH's, so they now compare it with itself and LOOK1 with (8, 4, 1) under it: qwen_r16 is the next one
 FRESH='{"refresh": [8, 4, 1]}'  # the last stage recomputed at every decode step (run 13: 20/20 at 128K)
 LOOK1='{"lookahead": 1}'         # each kept chunk's successor kept too during decode (no extra recomputation)
+R1681='{"refresh": [16, 8, 1]}'  # only the last stage at every step: cheaper than (8, 4, 1) where stage 0 costs most
 suite_qwen_fresh() {  # the candidates against the default past the window, the default in the same run, by priority
     # (P=8 KV_GB=8; the 1M jobs ask for 14 GiB themselves): what a default change needs (docs/quality.md, run 13)
     local t L v
@@ -435,6 +438,20 @@ suite_qwen_fresh2() {  # qwen_fresh's RULER cells with the three runs in one eva
                 --attention-config "$cfg" --share-prefill "${kv[@]}"
         done
     done
+}
+suite_qwen_r16() {  # the next schedule candidate against the default (8, 4, 1), as qwen_fresh2 (P=3 KV_GB=8)
+    local t L cfg="{\"$DEFAULT@r1681\": $R1681}"
+    for L in "512k 42 10" "256k 43 10" "1M 42 2" "128k 43 10"; do
+        set -- $L
+        local len=$1 seed=$2 n=$3 kv=()
+        [ "$len" = 1M ] && kv=(--kv-cache-memory-gb 14)
+        for t in niah_single_3 niah_single_2 niah_multikey_1; do
+            job "ruler__${t}__infinitehip-3k-box-r1681__${len}-s$seed" ruler --tasks "$t" --lengths "$len" \
+                --samples "$n" --seed "$seed" --attention "$DEFAULT" "$DEFAULT@r1681" --attention-config "$cfg" \
+                --share-prefill "${kv[@]}"
+        done
+    done
+    ppl_step
 }
 suite_qwen15_final() {  # the 1.5B past the window in one lease (BG=1, P=3 KV_GB=31): 512K with 10 prompts, 1M with 5
     pk 512k --seeds 2

@@ -31,8 +31,9 @@
 #   bash scripts/device_runs.sh psa1mdiag   # needs the model: psa's 1M decode on the GPU alone, then offloaded
 #   bash scripts/device_runs.sh cascadedecode # needs the model: cascading's eager decode step, then a 128K prefill
 #                                           # (infinitehip vs cascading), under the profiler
-#   bash scripts/device_runs.sh refresh8b   # 8B shape: bench decode at 128K (bf16, dense beside), the default vs
-#                                           # refresh (8, 4, 1) vs lookahead 1 (issue 28's candidates)
+#   bash scripts/device_runs.sh refresh8b   # 8B shape: bench decode at 128K (bf16, dense beside), the default (8, 4, 1)
+#                                           # vs the paper's (16, 8, 4) vs (16, 8, 1) (issue 28's schedules)
+#   bash scripts/device_runs.sh refresh512k # the same at 512K (bf16; dense's 512K prefill needs a call of its own)
 #   bash scripts/device_runs.sh refresh1m   # the same three at 1M (fp8 + offload), one method per run (~10 min each)
 #   bash scripts/device_runs.sh box1m       # bench decode, 8B shape, fp8 + offload: 1M, infinitehip (3k-box)
 #   bash scripts/device_runs.sh psa128k     # 8B shape, bf16: the psa step's parts in CUDA graphs (128K, 1M); bench
@@ -314,22 +315,24 @@ cascadedecode)  # needs the model: where cascading's eager decode step goes (9.9
         --attention infinitehip cascading:16k --profile-prefill-steps 2 --out "$out/bench-prefill-profile-128k.json"
     ;;
 refresh8b)  # the decode schedules against the default (issue 28's candidates; docs/quality.md run 13): 8B shape, bf16
-    cfg='{"infinitehip@pruned": {"dense_below": null}, "infinitehip@fresh": {"dense_below": null, "refresh": [8, 4, 1]},
-          "infinitehip@look1": {"dense_below": null, "lookahead": 1}}'
+    # @pruned: the default's schedule, (8, 4, 1) since 2026-11-27 (runs 14-15 ran these groups when it was (16, 8, 4))
+    cfg='{"infinitehip@pruned": {"dense_below": null}, "infinitehip@r16": {"dense_below": null, "refresh": [16, 8, 4]},
+          "infinitehip@r1681": {"dense_below": null, "refresh": [16, 8, 1]}}'
     run decode_128k_refresh 300 python3 -m longreach bench decode --lengths 128k --attention infinitehip@pruned \
-        infinitehip@fresh infinitehip@look1 --attention-config "$cfg" --dense-lengths 128k --decode-tokens 64 \
+        infinitehip@r16 infinitehip@r1681 --attention-config "$cfg" --dense-lengths 128k --decode-tokens 64 \
         --out "$out/bench-decode-128k-8b-candidates.json"
     ;;
 refresh512k)  # refresh8b at 512K (its KV fits an H200 in bf16, dense beside): each candidate's decode cost at 4x the length
-    cfg='{"infinitehip@pruned": {"dense_below": null}, "infinitehip@fresh": {"dense_below": null, "refresh": [8, 4, 1]},
-          "infinitehip@look1": {"dense_below": null, "lookahead": 1}}'
+    # @pruned: the default's schedule, (8, 4, 1) since 2026-11-27 (runs 14-15 ran these groups when it was (16, 8, 4))
+    cfg='{"infinitehip@pruned": {"dense_below": null}, "infinitehip@r16": {"dense_below": null, "refresh": [16, 8, 4]},
+          "infinitehip@r1681": {"dense_below": null, "refresh": [16, 8, 1]}}'
     run decode_512k_refresh 560 python3 -m longreach bench decode --lengths 512k --attention infinitehip@pruned \
-        infinitehip@fresh infinitehip@look1 --attention-config "$cfg" --dense-lengths 512k --decode-tokens 64 \
+        infinitehip@r16 infinitehip@r1681 --attention-config "$cfg" --dense-lengths 512k --decode-tokens 64 \
         --out "$out/bench-decode-512k-8b-candidates.json"
     ;;
 refresh1m)
     # at 1M, fp8 KV offloaded, no dense row (its KV does not fit); one method per run: a 1M prefill takes minutes
-    for m in "infinitehip {}" "infinitehip@fresh {\"refresh\": [8, 4, 1]}" "infinitehip@look1 {\"lookahead\": 1}"; do
+    for m in "infinitehip {}" "infinitehip@r16 {\"refresh\": [16, 8, 4]}" "infinitehip@r1681 {\"refresh\": [16, 8, 1]}"; do
         run "decode_1m_${m%% *}" 590 $bd --kv-offloading-size 76 --lengths 1M --attention "${m%% *}" \
             --attention-config "{\"${m%% *}\": ${m#* }}" --dense-lengths --out "$out/bench-decode-1m-8b-${m%% *}.json"
     done

@@ -26,7 +26,7 @@ def _trimmed(picked):
 def test_captured_decode_step_launches_few_small_ops():
     from count_decode_ops import count
 
-    layers, steps = 4, 5  # refresh levels 0, 3, 3, 3, 2 with refresh (16, 8, 4)
+    layers, steps = 4, 5  # refresh levels 0, 3, 3, 3, 2 with the script's refresh (16, 8, 4), not the default's
     graph = count(steps=steps, layers=layers)
     eager = count(steps=steps, layers=layers, graph=False)
     assert graph["tokens"] == eager["tokens"]

@@ -58,6 +58,25 @@ def test_oracle_at_full_budget_and_true_positions_equals_dense(tmp_path):
     assert (dense[150:] - small[150:]).abs().max() > 1e-3  # a small budget really drops keys
 
 
+@pytest.mark.parametrize("preset", ["positions-st", "positions-de"])
+def test_positions_rungs_remap_past_the_trained_length(tmp_path, preset):
+    """The positions-only rungs attend every key and remap positions past the trained context only: equal to dense
+    inside it, different past it. (With dense_below at its default they were dense attention at every length below
+    their 1M budget: the rung measured nothing.)"""
+    from conftest import make_tiny_hf_model
+
+    from longreach.engine.llm import LLM
+
+    path = make_tiny_hf_model(tmp_path / "m", max_position_embeddings=64)[0]
+    ids = torch.randint(3, 256, (200,), generator=torch.Generator().manual_seed(1)).tolist()
+    kw = dict(device="cpu", dtype="float32", kv_cache_memory_gb=0.01, max_num_batched_tokens=64, max_model_len=256)
+    dense = LLM(path, **kw).engine.prompt_logits(ids)
+    rung = LLM(path, attention="infinitehip", preset=preset, attention_config='{"n_sink": 8, "n_window": 16}',
+               **kw).engine.prompt_logits(ids)
+    assert (dense[:60] - rung[:60]).abs().max() < 1e-4  # inside the trained 64 tokens: exact attention
+    assert (dense[100:] - rung[100:]).abs().max() > 1e-2  # past it: the positions are remapped
+
+
 def test_exact_stages_select_what_the_oracle_selects():
     """`3k-exact` scores every stage exactly (max over the group's heads and rows of <q, k>): since a chunk's best key
     is at least each of its sub-chunks' best, nested exact stages whose budgets hold the oracle's chunks keep exactly

@@ -70,8 +70,12 @@ PRESETS = {
     # grows with the square of the context
     "3k-exact": InfiniteHiPConfig(chunk_sizes=(64, 32, 8), exact_below=64),
     # 3k-exact with stage 0 scored from Quest's min/max box of each 64-token chunk (kernels/chunk_box.py) instead
-    # of every key: one centre and one radius per chunk, 1/32 of exact's reads (boxes kept in a paged pool)
-    "3k-box": InfiniteHiPConfig(chunk_sizes=(64, 32, 8), stage0_scores="minmax"),
+    # of every key: one centre and one radius per chunk, 1/32 of exact's reads (boxes kept in a paged pool).
+    # Decode refreshes its stages every (8, 4, 1) steps, not the paper's (16, 8, 4): copying a needle forward
+    # (RULER's UUIDs and numbers) needs the last stage's mask to follow the copy; on Qwen2.5-Coder-0.5B at 128K-1M
+    # it won each retrieval task's total over (16, 8, 4) and over lookahead 1, at ~20% slower decode on the 8B
+    # shape at 128K and 512K (docs/quality.md, runs 14 and 15)
+    "3k-box": InfiniteHiPConfig(chunk_sizes=(64, 32, 8), stage0_scores="minmax", refresh=(8, 4, 1)),
     # the evaluation-only rungs of the retrieval ladder (oracle, positions-*) are registered by the lab
     # (tools/eval/presets.py), so that this table holds only what a user should pick
 }
@@ -80,8 +84,9 @@ PRESETS = {
 DEFAULT_PRESET = "3k-box"
 
 PRESET_NOTES = {  # preset -> what it is for (`longreach backends`)
-    "3k-box": "3k's budgets, stage 0 scored from a min/max box per 64-token chunk (default; every preset attends "
-              "densely inside the model's trained context: dense_below \"trained\")",
+    "3k-box": "3k's budgets, stage 0 scored from a min/max box per 64-token chunk, masks refreshed every 8/4/1 "
+              "decode steps (default; every preset attends densely inside the model's trained context: dense_below "
+              "\"trained\")",
     "3k": "the paper's: SelectRep pruning to 2,048 keys per query block (4,096 in layers 0-2)",
     "5k": "a bigger budget: 4,096 keys per query block in every layer",
     "3k-fast": "3k with masks refreshed every 32/16/8 decode steps (3k: 16/8/4): faster decode",

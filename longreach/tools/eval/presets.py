@@ -23,12 +23,15 @@ INFINITEHIP = {
     "oracle-true": (InfiniteHiPConfig(chunk_sizes=(8,), budgets=(2048,), refresh=(1,), exact_below=8,
                                       prune_rope="none"),
                     "evaluation: the oracle scored at true positions"),
-    # every key (up to 1M tokens), only the positions remapped: rolling (st) or SelfExtend groups (de)
+    # every key (up to 1M tokens), only the positions remapped past the trained length: rolling (st) or SelfExtend
+    # groups (de). `dense_below` 0: with its default (the token budget, here 1M, or "trained": at least the budget)
+    # every context below 1M went to dense attention at true positions, so from 71ebbf5 to 2026-11-27 these rungs
+    # measured dense, not positions (docs/quality.md, run 15); tests/test_ladder.py now checks they differ from dense
     "positions-st": (InfiniteHiPConfig(chunk_sizes=(64,), budgets=(1 << 20,), early_last_budget=None, refresh=(1,),
-                                       prune_rope="none", attend_rope="st"),
+                                       prune_rope="none", attend_rope="st", dense_below=0),
                      "evaluation: every key, only the positions remapped (rolling, StreamingLLM's)"),
     "positions-de": (InfiniteHiPConfig(chunk_sizes=(64,), budgets=(1 << 20,), early_last_budget=None, refresh=(1,),
-                                       prune_rope="none", attend_rope="de"),
+                                       prune_rope="none", attend_rope="de", dense_below=0),
                      "evaluation: every key, only the positions remapped (SelfExtend's groups)"),
 }
 
