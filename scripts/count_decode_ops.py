@@ -60,7 +60,7 @@ class Counter(TorchDispatchMode):
         return out
 
 
-def build(context: int, layers: int):
+def build(context: int, layers: int, refresh=None):
     from longreach.engine.llm import LLM
     from longreach.models import random_init
     from longreach.models.config import ModelConfig, RopeConfig
@@ -71,16 +71,17 @@ def build(context: int, layers: int):
         rope=RopeConfig(theta=10000.0), tie_word_embeddings=False, name="random:ops"), "(op counts)")
     import json
     llm = LLM("random:ops", device="cpu", dtype="float32", attention="infinitehip", preset="3k-box",
-              attention_config=json.dumps(CONFIG), max_model_len=max(4096, 2 * context), kv_cache_memory_gb=0.05,
+              attention_config=json.dumps({**CONFIG, **({"refresh": list(refresh)} if refresh else {})}), max_model_len=max(4096, 2 * context), kv_cache_memory_gb=0.05,
               max_num_batched_tokens=1024)
     return llm
 
 
-def count(steps: int = 16, context: int = 2048, layers: int = 4, seed: int = 0, graph: bool = True):
+def count(steps: int = 16, context: int = 2048, layers: int = 4, seed: int = 0, graph: bool = True, refresh=None):
     """{"per_step": [op count of each decode step], "kernels": [Triton launches of each step], "ops": Counter over
     every step, "levels": the refresh level of each step's variant (None: eager), "by_level": Counter per level,
     "tokens": the sampled tokens, "picked": (layer, blocks, counts) of every attended layer of every step}.
-    `graph` False: the eager decode step (no graph variants), the same kernels forced on."""
+    `graph` False: the eager decode step (no graph variants), the same kernels forced on. `refresh`: the schedule
+    (default CONFIG's (16, 8, 4))."""
     import triton.runtime.interpreter as interp
 
     import longreach.attention.box_store as box_store
@@ -91,7 +92,7 @@ def count(steps: int = 16, context: int = 2048, layers: int = 4, seed: int = 0, 
     from longreach.attention.sparse.graph import GraphDecoder
     from longreach.sampling_params import SamplingParams
 
-    llm = build(context, layers)
+    llm = build(context, layers, refresh)
     engine = llm.engine
     if graph:
         engine.runner.capture_graphs(emulate=True)
@@ -175,9 +176,11 @@ def main(argv=None) -> int:
     ap.add_argument("--layers", type=int, default=4)
     ap.add_argument("--top", type=int, default=30)
     ap.add_argument("--by-level", action="store_true", help="the ops of each refresh level, per layer")
+    ap.add_argument("--refresh", type=int, nargs="+", help="the decode schedule (default 16 8 4; the default preset's "
+                    "is 8 4 1)")
     ap.add_argument("--dump", help="save the sampled tokens and every attended layer's (blocks, counts) here (torch.save)")
     args = ap.parse_args(argv)
-    r = count(args.steps, args.context, args.layers)
+    r = count(args.steps, args.context, args.layers, refresh=args.refresh)
     if args.dump:
         torch.save({"tokens": r["tokens"], "picked": r["picked"]}, args.dump)
     n = len(r["per_step"])

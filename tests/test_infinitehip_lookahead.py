@@ -182,8 +182,9 @@ def test_lookahead_must_be_an_integer_at_least_zero():
 
 
 def test_crossover_key_of_lookahead_zero_is_the_measured_one():
-    """The field leaves the default's crossover key as it was (a measured file keeps applying); lookahead 1 selects
-    differently and gets a key of its own."""
+    """The field leaves the crossover key of the config a file measured as it was (the file keeps applying);
+    lookahead 1 selects differently and gets a key of its own. The file measured 3k-box when its decode schedule was
+    (16, 8, 4); today's default (8, 4, 1) decodes at another cost, so the file does not apply to it."""
     from types import SimpleNamespace
 
     from longreach.attention.infinitehip import PRESETS
@@ -196,9 +197,10 @@ def test_crossover_key_of_lookahead_zero_is_the_measured_one():
     ec = SimpleNamespace(dtype=record["key"]["dtype"], kv_cache_dtype=record["key"]["kv_cache_dtype"])
     keys = {}
     for la in (0, 1):
-        cfg = dataclasses.replace(PRESETS["3k-box"], lookahead=la)
+        cfg = dataclasses.replace(PRESETS["3k-box"], lookahead=la, refresh=(16, 8, 4))
         keys[la] = crossover.key_fields(mc, "infinitehip", cfg, ec, "cpu")["config_sha256"]
     assert keys[0] == record["key"]["config_sha256"] != keys[1]
+    assert crossover.key_fields(mc, "infinitehip", PRESETS["3k-box"], ec, "cpu")["config_sha256"] != keys[0]
 
 
 # ---- through the engine -----------------------------------------------------------------------------------------

@@ -193,7 +193,10 @@ class InfiniteHiP(SelectionMethod):
         `prev` is the output of stage first-1 (required when first > 0). No device-to-host sync.
         `keep` = (cached outputs of every stage, (nb,) first stage each block recomputes): a block whose first stage
         is past i keeps its cached output of stage i, and the next stage builds on whichever output the block kept
-        (a captured decode step recomputes from the batch's earliest stage; see sparse/graph.py).
+        (a captured decode step recomputes from the batch's earliest stage; see sparse/graph.py). A stage refreshed at
+        every step (interval 1) is recomputed by every row that selects, so its output is never kept (two ops per
+        layer fewer in each step of the default (8, 4, 1); a row that does not select in the layer reads every key
+        block or attends densely there, and its cache starts afresh once it selects: graph.py's `step`).
         `lookahead`: each recomputed stage's survivors plus their next `lookahead` chunks (`lookahead_chunks`; the
         decode steps pass the config's, prefill none), so C_i is (1 + lookahead) times the survivors' width.
         """
@@ -235,7 +238,7 @@ class InfiniteHiP(SelectionMethod):
             prev, counts = self.top_k(ids, score, k)
             if lookahead:
                 prev = self.lookahead_chunks(prev, l, cand_end, lookahead)
-            if keep is not None:
+            if keep is not None and cfg.refresh[i] > 1:
                 prev = torch.where((keep[1] > i)[:, None, None], keep[0][i], prev)
             if return_counts and (keep is not None or lookahead):
                 counts = (prev >= 0).sum(-1, dtype=torch.int32)
