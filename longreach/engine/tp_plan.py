@@ -40,11 +40,16 @@ class StepPlan:
 
 class PlanSender:
     """Rank 0's side: `send(batch, all_logits)` broadcasts the plan of a step about to run (a ModelRunner's
-    `before_step`). Mutates its record of the tables the workers hold; not thread-safe."""
+    `before_step`). Mutates its record of the tables the workers hold; not thread-safe.
+
+    A block table only grows, by appending, while its sequence holds pages, and a sequence's next table is a new list
+    (kvcache/block_manager.py); so, as engine/block_tables.py does, the record is the live list object, how many of
+    its entries were sent and the last of them: a step's plan costs the new entries only, not a compare of the whole
+    table (65,536 entries per sequence at 1M tokens, in every step)."""
 
     def __init__(self, tp, blocks, check_workers=lambda: None):
         self.tp, self.blocks, self.check_workers = tp, blocks, check_workers
-        self.sent: dict[int, list[int]] = {}  # seq id -> the block table as the workers hold it
+        self.sent: dict[int, tuple[list[int], int, int]] = {}  # seq id -> (its table, entries sent, the last sent)
 
     def plan(self, batch: ScheduledBatch, all_logits: bool) -> StepPlan:
         freed = [sid for sid in self.sent if not self.blocks.owns(sid)]
@@ -52,10 +57,11 @@ class PlanSender:
             del self.sent[sid]
         seqs = []
         for seq, n in zip(batch.seqs, batch.num_tokens):
-            table, known = self.blocks.table(seq.seq_id), self.sent.get(seq.seq_id, [])
-            start = len(known) if table[:len(known)] == known else 0  # tables grow at the end, or are replaced
-            if start < len(table) or len(table) != len(known):
-                self.sent[seq.seq_id] = list(table)
+            table = self.blocks.table(seq.seq_id)
+            held, start, last = self.sent.get(seq.seq_id, (None, 0, -1))
+            if held is not table or start > len(table) or (start and table[start - 1] != last):
+                start = 0  # a new table (the sequence was freed and re-admitted): sent whole
+            self.sent[seq.seq_id] = (table, len(table), table[-1] if table else -1)
             c = seq.num_computed
             slot = self.blocks.slot(seq.seq_id) if self.blocks.num_slots is not None else -1
             seqs.append(SeqPlan(seq.seq_id, c, seq.num_tokens, seq.token_slice(c, c + n), start, table[start:], slot))
