@@ -100,5 +100,12 @@ def test_provenance_record_names_command_device_presets_and_samples(monkeypatch)
     assert json.loads(json.dumps(rec)) == rec  # plain JSON
     composed = attention_records(parse_methods(["infinitehip+psa:0.9"]), None)[0]
     assert composed["decode"]["method"] == "psa" and composed["decode"]["preset"] == "0.9"
+    # a config that follows the model: MInference run by an alias records the alias's shipped patterns, as its
+    # engine loads them (a path model: none; given patterns: those)
+    mi = parse_methods(["minference"])
+    assert attention_records(mi, None, "smollm2")[0]["config"]["patterns"].endswith("patterns/smollm2.json")
+    assert attention_records(mi, None, "/tmp/m.gguf")[0]["config"]["patterns"] is None
+    given = attention_records(mi, {"patterns": "qwen2.5-coder-0.5b"}, "smollm2")[0]["config"]["patterns"]
+    assert given.endswith("patterns/qwen2.5-coder-0.5b.json")
     with pytest.raises(ValueError, match="common fields"):
         provenance("x", "cpu", commit="mine")

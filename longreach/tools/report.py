@@ -79,18 +79,19 @@ def _jsonable(value):
 
 def attention_record(method: str, preset: str | None = None, overrides: dict | None = None,
                      label: str | None = None, decode: str | None = None,
-                     decode_overrides: dict | None = None) -> dict:
+                     decode_overrides: dict | None = None, model: str | None = None) -> dict:
     """What ran as one method: its label, name, the preset that ran (the named one, else the method's default),
     the overrides applied, and the resolved config (the preset with the overrides: what the numbers depend on, even
-    after a default changes). `decode`: the method of the decode steps of a composed run ("A+B")."""
+    after a default changes). `decode`: the method of the decode steps of a composed run ("A+B"). `model`: the
+    model that ran, for a config that depends on it (MInference's shipped patterns of a model run by its alias)."""
     record = {"label": label or (f"{method}:{preset}" if preset else method), "method": method,
               "preset": preset or default_preset(method), "attention_config": _jsonable(overrides),
-              "config": resolved_config(method, preset, overrides)}
+              "config": resolved_config(method, preset, overrides, model)}
     if decode:
         from ..attention.registry import MethodSpec
 
         name, dpreset = MethodSpec.parse(decode)
-        record["decode"] = attention_record(name, dpreset, decode_overrides, label=decode)
+        record["decode"] = attention_record(name, dpreset, decode_overrides, label=decode, model=model)
     return record
 
 
@@ -105,16 +106,23 @@ def default_preset(method: str) -> str | None:
     return found or getattr(importlib.import_module(cls.__module__), "DEFAULT_PRESET", None)
 
 
-def resolved_config(method: str, preset: str | None, overrides: dict | None) -> dict | None:
-    """The method's config as the engine resolves it (None: the method has none, or it cannot be resolved here)."""
+def resolved_config(method: str, preset: str | None, overrides: dict | None, model: str | None = None
+                    ) -> dict | None:
+    """The method's config as the engine resolves it (None: the method has none, or it cannot be resolved here).
+    With `model`, as an engine of that model resolves it: a backend whose `resolve_config` takes `by_alias` (a config
+    that follows the model: MInference's shipped patterns) gets it, as the engine's own check does."""
     import dataclasses
+    import inspect
 
     from ..attention.registry import get_backend_class
     from ..config import EngineConfig
 
     try:
-        cfg = get_backend_class(method).resolve_config(EngineConfig(attention=method, preset=preset,
-                                                                    attention_config=overrides))
+        cls = get_backend_class(method)
+        ec = EngineConfig(attention=method, preset=preset, attention_config=overrides,
+                          **({"model": model} if model else {}))
+        by_alias = model is not None and "by_alias" in inspect.signature(cls.resolve_config).parameters
+        cfg = cls.resolve_config(ec, by_alias=True) if by_alias else cls.resolve_config(ec)
     except (ValueError, TypeError):
         return None
     if cfg is None:

@@ -230,7 +230,7 @@ def run(model: str, lengths: list[int], methods: list, engine_kwargs: dict, batc
     report = {
         "benchmark": "longreach bench decode",
         "provenance": provenance(command or None, device, attention=attention_records(
-            specs, engine_kwargs.get("attention_config")), attention_config=engine_kwargs.get("attention_config"),
+            specs, engine_kwargs.get("attention_config"), model), attention_config=engine_kwargs.get("attention_config"),
             samples=samples(batch, "method x context", f"sequences, each {decode_tokens} decode tokens (steps_counted "
                                                        "per row: the steps in the rate)")),
         "note": weights_note(model, run_dtype) if is_random_model(model) else None,

@@ -233,7 +233,8 @@ def run_long(model: str, text: str, lengths: list[int], methods: list[tuple[str,
 
     attention_config = eval_config(attention_config)  # a dict (JSON text from a Python caller: parsed once, here)
     report = {"provenance": provenance(command, device if device != "auto" else None, attention=[
-                  attention_record(n, p, None if n == "dense" else attention_config) for n, p in methods],
+                  attention_record(n, p, None if n == "dense" else attention_config, model=model)
+                  for n, p in methods],
                   attention_config=attention_config, samples=samples(1, "method x length", "prompt")),
               "date": time.strftime("%Y-%m-%d"), "runs": [],
               "rates": {"decode_tok_s": LONG_DECODE_RATE}}

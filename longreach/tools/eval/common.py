@@ -207,8 +207,10 @@ def make_llm(model: str, spec: RunSpec, attention_config: dict | None, device: s
                device=device, dtype=dtype, max_model_len=max_model_len, **engine_kwargs)
 
 
-def attention_records(specs: list[RunSpec], attention_config: dict | str | None) -> list[dict]:
-    """The provenance's record of each method run (tools/report.py): the preset that ran and its overrides."""
+def attention_records(specs: list[RunSpec], attention_config: dict | str | None, model: str | None = None
+                      ) -> list[dict]:
+    """The provenance's record of each method run (tools/report.py): the preset that ran, its overrides and its
+    config as an engine of `model` resolves it."""
     from ..report import attention_record
 
     attention_config = eval_config(attention_config)
@@ -216,7 +218,7 @@ def attention_records(specs: list[RunSpec], attention_config: dict | str | None)
     for spec in specs:
         d = decode_spec(spec)
         out.append(attention_record(spec.name, spec.preset, method_config(spec, attention_config), spec.label,
-                                    spec.decode, method_config(d, attention_config) if d else None))
+                                    spec.decode, method_config(d, attention_config) if d else None, model))
     return out
 
 
@@ -232,7 +234,7 @@ def emit(report: dict, path: str | None, args: argparse.Namespace | None = None,
             if args is not None and getattr(args, "attention", None) else None
         report["provenance"] = provenance(
             command_line(args) if args is not None else None, report.get("device"),
-            attention=attention_records(specs, args.attention_config) if specs else None,
+            attention=attention_records(specs, args.attention_config, getattr(args, "model", None)) if specs else None,
             attention_config=getattr(args, "attention_config", None), samples=samples)
     out = json.dumps(report, indent=1)
     print(out)
