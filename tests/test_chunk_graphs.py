@@ -39,6 +39,7 @@ def _llm(path, attention="dense", config=None, **kw):
     from longreach.engine.llm import LLM
 
     kw.setdefault("kv_cache_memory_gb", 0.01)
+    kw.setdefault("cpu_threads", 1)  # bit-for-bit comparisons: the same threads in both engines, whatever the load
     return LLM(path, device="cpu", dtype="float32", attention=attention, attention_config=config, **kw)
 
 
