@@ -15,7 +15,7 @@ from .common import essay_text
 # small budgets that prune 12K-token prompts from the first token (dense_below 0), so decode selects
 BASE = {"n_sink": 64, "n_window": 256, "block_q": 64, "chunk_sizes": [64, 32, 8], "budgets": [1024, 512, 256],
         "early_last_budget": 512, "dense_below": 0}
-VARIANTS = [dict(BASE), dict(BASE, refresh=[8, 4, 1]), dict(BASE, lookahead=1)]
+VARIANTS = [dict(BASE), dict(BASE, refresh=[16, 8, 4]), dict(BASE, lookahead=1)]  # the default's (8, 4, 1) first
 
 
 def test_share_prefill_equals_separate_engines(gpu_model, detail):
@@ -47,7 +47,7 @@ def test_share_prefill_equals_separate_engines(gpu_model, detail):
         del llm
     same = [sum(a == b for a, b in zip(s, o)) for s, o in zip(shared, own)]
     differ = sum(a != b for a, b in zip(own[0], own[1])) + sum(a != b for a, b in zip(own[0], own[2]))
-    detail(f"shared == own engine, prompts per variant (default, refresh 8-4-1, lookahead 1): {same} of "
+    detail(f"shared == own engine, prompts per variant (default 8-4-1, refresh 16-8-4, lookahead 1): {same} of "
            f"{len(prompts)}; the variants' own tokens differ from the default's on {differ} prompt(s); pass seconds "
            f"{[round(s, 1) for s in seconds]}")
     assert same == [len(prompts)] * len(VARIANTS)
