@@ -55,3 +55,27 @@ def test_plans_send_new_table_entries_and_replaced_tables_whole():
     p = step(0, 4)
     assert (p.table_start, p.table_tail) == (0, [8])
     assert mirror.table(7) == [8]
+
+
+def _echo(rank, port, path):
+    import torch
+
+    from longreach.distributed.group import PLAN_INLINE, TPGroup
+
+    g = TPGroup.connect(rank, 2, port, torch.device("cpu"))
+    objs = [{"small": 1}, list(range(PLAN_INLINE)), None, "x" * (PLAN_INLINE - 30)]  # one fits, one does not, ...
+    got = [g.broadcast_object(o if rank == 0 else None) for o in objs]
+    if rank == 1:
+        torch.save(got == objs, path)
+
+
+def test_plan_broadcast_inline_and_long(tmp_path):
+    """A plan that fits PLAN_INLINE goes in one broadcast, a longer one in a second: every rank gets each object."""
+    import torch
+    import torch.multiprocessing as mp
+
+    from longreach.distributed.group import free_port
+
+    path = str(tmp_path / "ok.pt")
+    mp.spawn(_echo, args=(free_port(), path), nprocs=2)
+    assert torch.load(path) is True

@@ -27,6 +27,7 @@ import torch
 
 COLLECTIVE_TIMEOUT_S = 300  # the longest one step's collective may wait for a peer (a long prefill chunk on a CPU)
 PLAN_TIMEOUT_S = 30 * 24 * 3600  # how long a worker waits for the next plan: an idle server is not a failure
+PLAN_INLINE = 16384  # bytes of one plan broadcast: a plan this size or smaller takes one round trip, not two
 
 
 def free_port() -> int:
@@ -129,21 +130,26 @@ class TPGroup:
 
     # ---- plans ---------------------------------------------------------------------------------------------------
     def broadcast_object(self, obj: Any = None) -> Any:
-        """Rank 0 sends `obj` (pickled), every other rank returns it: two broadcasts on the plan group, its length
-        then its bytes."""
+        """Rank 0 sends `obj` (pickled), every other rank returns it. One broadcast of PLAN_INLINE bytes on the plan
+        group (its length, then the pickle) when it fits, as a decode step's plan does; a longer one (a prefill's
+        tokens, a new block table) follows in a second broadcast of its own size. Each broadcast is a round trip
+        rank 0 waits for before the step's GPU work: two per step cost ~0.6 ms on a 2-core CPU, one ~0.3 ms."""
         import torch.distributed as dist
 
         opts = dist.BroadcastOptions()
         opts.rootRank = 0
+        head = torch.zeros(PLAN_INLINE, dtype=torch.uint8)
         if self.rank == 0:
             data = pickle.dumps(obj, protocol=pickle.HIGHEST_PROTOCOL)
-            size = torch.tensor([len(data)], dtype=torch.int64)
+            head[:8] = torch.tensor([len(data)], dtype=torch.int64).view(torch.uint8)
+            if len(data) <= PLAN_INLINE - 8:
+                head[8:8 + len(data)] = torch.frombuffer(bytearray(data), dtype=torch.uint8)
+        self.plans.broadcast([head], opts).wait()
+        size = int(head[:8].view(torch.int64).item())
+        if size > PLAN_INLINE - 8:
+            buf = torch.frombuffer(bytearray(data), dtype=torch.uint8) if self.rank == 0 else \
+                torch.empty(size, dtype=torch.uint8)
+            self.plans.broadcast([buf], opts).wait()
         else:
-            size = torch.zeros(1, dtype=torch.int64)
-        self.plans.broadcast([size], opts).wait()
-        if self.rank == 0:
-            buf = torch.frombuffer(bytearray(data), dtype=torch.uint8)
-        else:
-            buf = torch.empty(int(size.item()), dtype=torch.uint8)
-        self.plans.broadcast([buf], opts).wait()
+            buf = head[8:8 + size]
         return obj if self.rank == 0 else pickle.loads(buf.numpy().tobytes())
