@@ -331,6 +331,10 @@ GRAPH_CFG = {  # refresh intervals that leave some steps with no stage recompute
     "infinitehip-box": '{"n_sink": 8, "n_window": 16, "block_q": 8, "chunk_sizes": [32, 8, 2], '
                        '"budgets": [64, 32, 8], "early_layers": 1, "early_last_budget": 16, "refresh": [6, 3, 2], '
                        '"dense_below": 100, "exact_below": 8, "stage0_scores": "minmax"}',
+    # the last stage recomputed at every step, as in the default 3k-box's (8, 4, 1): never kept, never gathered
+    "infinitehip-last1": '{"n_sink": 8, "n_window": 16, "block_q": 8, "chunk_sizes": [32, 8, 2], '
+                         '"budgets": [128, 32, 8], "early_layers": 1, "early_last_budget": 16, "refresh": [4, 2, 1], '
+                         '"dense_below": 100}',
     "streaming": '{"n_sink": 8, "n_window": 24, "block_q": 8, "dense_below": 100}',
     "hip": '{"n_sink": 8, "n_window": 16, "block_q": 8, "budget": 16, "dense_layers": [0], "dense_below": 100, '
            '"refresh": 3}',
@@ -353,7 +357,7 @@ def test_graph_decode_path_equals_eager_decode_with_staggered_sequences(tiny, me
     params = SamplingParams(temperature=0, max_tokens=16, ignore_eos=True)
 
     def make(eager):
-        return LLM(tiny, device=device, dtype="float32", kv_cache_memory_gb=0.01, attention=method.removesuffix("-box"),
+        return LLM(tiny, device=device, dtype="float32", kv_cache_memory_gb=0.01, attention=method.split("-")[0],
                    attention_config=GRAPH_CFG[method], enforce_eager=eager)
 
     eager = make(True)
@@ -386,7 +390,7 @@ def test_prefill_selection_graph_path_equals_eager(tiny, method):
     ids = torch.randint(3, 256, (1200,), generator=torch.Generator().manual_seed(7)).tolist()
 
     def make():
-        return LLM(tiny, device="cpu", dtype="float32", kv_cache_memory_gb=0.01, attention=method.removesuffix("-box"),
+        return LLM(tiny, device="cpu", dtype="float32", kv_cache_memory_gb=0.01, attention=method.split("-")[0],
                    attention_config=GRAPH_CFG[method], max_num_batched_tokens=MIN_ROWS,
                    max_model_len=1280).engine
 
@@ -437,7 +441,7 @@ def test_warm_decode_variants_are_the_ones_a_long_sequence_uses(tiny, method):
     params = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)
 
     def make(eager):
-        return LLM(tiny, device="cpu", dtype="float32", kv_cache_memory_gb=0.01, attention=method.removesuffix("-box"),
+        return LLM(tiny, device="cpu", dtype="float32", kv_cache_memory_gb=0.01, attention=method.split("-")[0],
                    attention_config=GRAPH_CFG[method], enforce_eager=eager, max_model_len=1280)
 
     expected = make(True).generate({"prompt_token_ids": prompt}, params, use_tqdm=False)[0].token_ids

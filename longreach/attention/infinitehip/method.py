@@ -164,6 +164,9 @@ class InfiniteHiP(SelectionMethod):
     def refresh_from(self, step: int) -> int:
         return next((i for i, r in enumerate(self.cfg.refresh) if step % r == 0), len(self.cfg.refresh))
 
+    def refreshed_every_step(self, stage: int) -> bool:
+        return self.cfg.refresh[stage] == 1
+
     def graph_select(self, layer, q, blocks, keys, cached, row_first, level):
         prev = cached[level - 1] if level else None
         return self.run_stages(layer, q, blocks, keys, level, prev, keep=(cached, row_first),
@@ -238,7 +241,7 @@ class InfiniteHiP(SelectionMethod):
             prev, counts = self.top_k(ids, score, k)
             if lookahead:
                 prev = self.lookahead_chunks(prev, l, cand_end, lookahead)
-            if keep is not None and cfg.refresh[i] > 1:
+            if keep is not None and not self.refreshed_every_step(i):
                 prev = torch.where((keep[1] > i)[:, None, None], keep[0][i], prev)
             if return_counts and (keep is not None or lookahead):
                 counts = (prev >= 0).sum(-1, dtype=torch.int32)

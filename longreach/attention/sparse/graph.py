@@ -256,8 +256,10 @@ class GraphDecoder:
         sel = min(select, n)
         if level < N:
             # the cached stages this variant reads, one gather each: stage level - 1 (what the recomputation starts
-            # from) and level.. (kept by the rows whose own schedule does not refresh them); none at level N
-            cached = [c[slot] if i >= level - 1 else None for i, c in enumerate(caches)]
+            # from) and level.. (kept by the rows whose own schedule does not refresh them: not a stage refreshed at
+            # every step); none at level N
+            cached = [c[slot] if i == level - 1 or (i >= level and not m.refreshed_every_step(i)) else None
+                      for i, c in enumerate(caches)]
             fresh: list[list[torch.Tensor]] = [[] for _ in caches[level:]]
             for i in range(sel):
                 blocks = BlockQueries(g["zero"], g["ones"][:1], ends[i:i + 1], 1, bucket)

@@ -213,6 +213,11 @@ class SelectionMethod(ABC):
         """First stage recomputed at decode step `step` of a sequence whose cache is filled (len(widths): none)."""
         return 0
 
+    def refreshed_every_step(self, stage: int) -> bool:
+        """Is `stage` recomputed at every decode step of every sequence that selects? Its cached output is then
+        never kept, so a captured step need not gather it (graph.py)."""
+        return False
+
     def graph_select(self, layer: int, q: torch.Tensor, blocks: BlockQueries, keys: SequenceKeys,
                      cached: list[torch.Tensor], row_first: torch.Tensor, level: int) -> list[torch.Tensor]:
         """Stage outputs level..N-1 for one sequence's decode block, without host syncs. Stage i is recomputed for
