@@ -225,7 +225,7 @@ class InfiniteHiP(SelectionMethod):
                 # the survivors' sub-chunks; a dropped survivor (-1) gives negative ids, which no scorer scores
                 # (-inf) and top_k never keeps, as it would -1 (and ci's count of candidates counts ids >= 0)
                 ratio = cfg.chunk_sizes[i - 1] // l
-                ids = (prev[..., None] * ratio + self.arange(ratio, dev, prev.dtype)).reshape(nb, G, -1)
+                ids = torch.add(self.arange(ratio, dev, prev.dtype), prev[..., None], alpha=ratio).reshape(nb, G, -1)
             if needs_scores and i == 0 and cfg.stage0_scores != "selectrep" and l > cfg.exact_below:
                 score = self.box_scores(layer, q, blocks, keys, ids, l, cand_end)
             elif needs_scores:
