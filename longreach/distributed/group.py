@@ -133,7 +133,8 @@ class TPGroup:
         """Rank 0 sends `obj` (pickled), every other rank returns it. One broadcast of PLAN_INLINE bytes on the plan
         group (its length, then the pickle) when it fits, as a decode step's plan does; a longer one (a prefill's
         tokens, a new block table) follows in a second broadcast of its own size. Each broadcast is a round trip
-        rank 0 waits for before the step's GPU work: two per step cost ~0.6 ms on a 2-core CPU, one ~0.3 ms."""
+        rank 0 waits for before the step's GPU work: two per step cost ~0.6 ms on a 2-core CPU, one ~0.4 ms
+        (scripts/tp_plan_latency.py)."""
         import torch.distributed as dist
 
         opts = dist.BroadcastOptions()
