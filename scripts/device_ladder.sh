@@ -417,7 +417,7 @@ suite_qwen_fresh() {  # the candidates against the default past the window, the 
 ppl_step() {  # where perplexity steps up between 32K and 128K (+11.7% at 128K in run 6): the default beside dense,
     # the exact top-k oracle (the selection ruled out) and every key with remapped positions (positions only)
     job "ppl__hotpotqa__step-rungs__32k-128k" ppl --text-source hotpotqa --lengths 32k 48k 64k 96k 128k --samples 1 \
-        --attention dense "$DEFAULT" infinitehip:oracle infinitehip:positions-st
+        --attention dense "$DEFAULT" infinitehip:oracle infinitehip:positions-st infinitehip:positions-de
 }
 suite_qwen_fresh2() {  # qwen_fresh's RULER cells with the three runs in one eval, each prompt prefilled once
     # (--share-prefill: they differ only in decode-time fields); 512K then 1M (P=3 KV_GB=8; 1M asks for 14 GiB)
@@ -452,6 +452,9 @@ suite_qwen_r16() {  # the next schedule candidate against the default (8, 4, 1),
         done
     done
     ppl_step
+    # the positions-only rungs, real since run 15 (they were dense attention before): the essays passkey at 128K
+    job "passkey__paul-graham__positions-st+de__128k" passkey --haystack paul-graham --lengths 128k \
+        --attention infinitehip:positions-st infinitehip:positions-de
 }
 suite_qwen15_final() {  # the 1.5B past the window in one lease (BG=1, P=3 KV_GB=31): 512K with 10 prompts, 1M with 5
     pk 512k --seeds 2
