@@ -131,3 +131,29 @@ def test_ruler_refuses_runs_that_cannot_share(capsys):
                "infinitehip:3k@big", "--attention-config", '{"infinitehip:3k@big": {"budgets": [65536, 16384, 4096]}}'])
     err = capsys.readouterr().err
     assert rc == 2 and "differs from infinitehip:3k in budgets" in err and "Traceback" not in err
+
+
+def test_passkey_share_prefill_equals_separate_runs(monkeypatch, capsys):
+    """`eval passkey --share-prefill` (SmolLM2, CPU): per variant, the answers of separate runs, prompt by prompt, and
+    the report says the prefill was shared."""
+    import json
+
+    from longreach.cli import main
+
+    monkeypatch.setenv("TRITON_INTERPRET", "0")
+    cfg = json.dumps({"infinitehip@a": dict(BASE, refresh=[8, 8, 8], budgets=[256, 64, 16]),
+                      "infinitehip@b": dict(BASE, refresh=[1, 1, 1], budgets=[256, 64, 16])})
+    argv = ["eval", "passkey", "--lengths", "1k", "--depths", "0.3", "0.7", "--device", "cpu", "--cpu-threads", "1",
+            "--kv-cache-memory-gb", "0.05", "--new-tokens", "6", "--attention-config", cfg, "--plot", ""]
+    reports = []
+    for extra in (["--attention", "infinitehip@a", "infinitehip@b"],
+                  ["--attention", "infinitehip@a", "infinitehip@b", "--share-prefill"]):
+        assert main(argv + extra) == 0
+        out = capsys.readouterr().out
+        reports.append(json.loads(out[out.index("{"):out.rindex("}") + 1]))
+    separate, shared = reports
+    assert shared.get("share_prefill") is True and "share_prefill" not in separate
+    for label in ("infinitehip@a", "infinitehip@b"):
+        want = [(c["key"], c["output"]) for c in separate["methods"][label]["cells"]]
+        got = [(c["key"], c["output"]) for c in shared["methods"][label]["cells"]]
+        assert got == want, label

@@ -11,6 +11,14 @@ import sys
 from typing import NamedTuple
 
 
+def add_share_prefill_arg(p: argparse.ArgumentParser) -> None:
+    """--share-prefill (eval ruler, eval passkey): decode-only variants of one method from one prefill per prompt."""
+    p.add_argument("--share-prefill", action="store_true",
+                   help="the --attention runs are one sparse method differing only in decode-time fields (e.g. "
+                        "infinitehip's refresh, lookahead): prefill each prompt once and decode it under each run "
+                        "(same predictions as separate runs, a fraction of the time; not with KV offloading)")
+
+
 def add_method_args(p: argparse.ArgumentParser, default_methods: tuple[str, ...] = ("dense", "infinitehip")) -> None:
     """--model, --attention METHOD[:PRESET]..., --preset, --attention-config, --device, --dtype,
     --kv-cache-memory-gb, --kv-cache-dtype, --kv-offloading-size, --rope-scaling, --max-num-batched-tokens,

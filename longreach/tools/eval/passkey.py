@@ -30,6 +30,7 @@ import time
 from ..report import samples
 from .common import (
     add_method_args,
+    add_share_prefill_arg,
     context_length,
     emit,
     engine_kwargs,
@@ -145,6 +146,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help=f"needle phrasings, used in turn over the seeds of a cell ({', '.join(NEEDLES)}; "
                         "default: classic)")
     p.add_argument("--new-tokens", type=int, default=8, help="tokens to generate per answer (default: 8)")
+    add_share_prefill_arg(p)
 
 
 def check_args(args: argparse.Namespace) -> None:
@@ -167,15 +169,9 @@ def run_method(llm, prompts: list[dict], new_tokens: int, label: str) -> list[di
     from ...sampling_params import SamplingParams
 
     params = SamplingParams(temperature=0, max_tokens=new_tokens)
-    batches: list[list[dict]] = []
-    for p in prompts:  # runs of up to BATCH consecutive prompts of one length
-        if batches and len(batches[-1]) < BATCH and batches[-1][0]["length"] == p["length"]:
-            batches[-1].append(p)
-        else:
-            batches.append([p])
     results = []
     backend = llm.engine.backend
-    for group in batches:
+    for group in _batches(prompts):
         before = backend.decode_reads()
         outs = llm.generate([{"prompt_token_ids": p["ids"]} for p in group], params)  # progress: progress.py
         after = backend.decode_reads()
@@ -193,6 +189,39 @@ def run_method(llm, prompts: list[dict], new_tokens: int, label: str) -> list[di
                  f"{'right' if cell['correct'] else 'wrong'} (key {p['key']}, got {out.text.strip()[:20]!r}, "
                  f"{cell['seconds']:.1f} s)")
     return results
+
+
+def run_variants(llm, prompts: list[dict], new_tokens: int, labels: list[str], variants) -> list[list[dict]]:
+    """`run_method` for decode variants of one method (--share-prefill, tools/eval/variants.py): each batch of
+    prompts prefilled once and decoded under every variant -> one result list per variant. A result's seconds are
+    its variant's pass over the batch (the first variant's includes the prefill), as in eval ruler; no decode reads."""
+    from ...sampling_params import SamplingParams
+    from .variants import generate_variants
+
+    params = SamplingParams(temperature=0, max_tokens=new_tokens)
+    results: list[list[dict]] = [[] for _ in labels]
+    for group in _batches(prompts):
+        outs, seconds = generate_variants(llm, [p["ids"] for p in group], params, variants)
+        for label, res, o, secs in zip(labels, results, outs, seconds):
+            for p, out in zip(group, o):
+                cell = {"length": p["length"], "depth": p["depth"], "seed": p["seed"], "key": p["key"],
+                        "correct": score(out.text, p["key"]), "output": out.text[:OUTPUT_CHARS],
+                        "seconds": round(secs, 3), "prefill_seconds": round(out.metrics.prefill_seconds, 3)}
+                res.append(cell)
+                note(f"passkey {label} {format_length(p['length'])} depth {p['depth']} seed {p['seed']}: "
+                     f"{'right' if cell['correct'] else 'wrong'} (key {p['key']}, got {out.text.strip()[:20]!r})")
+    return results
+
+
+def _batches(prompts: list[dict]) -> list[list[dict]]:
+    """Runs of up to BATCH consecutive prompts of one length."""
+    batches: list[list[dict]] = []
+    for p in prompts:
+        if batches and len(batches[-1]) < BATCH and batches[-1][0]["length"] == p["length"]:
+            batches[-1].append(p)
+        else:
+            batches.append([p])
+    return batches
 
 
 def summarize(cells: list[dict], lengths: list[int]) -> dict:
@@ -229,14 +258,28 @@ def main(args: argparse.Namespace) -> int:
     check_args(args)
     lengths, depths = sorted(set(args.lengths)), sorted(set(args.depths))
     specs = parse_methods(args.attention, args.preset, args.attention_config)
+    share = args.share_prefill and len(specs) > 1
+    groups = [specs] if share else [[spec] for spec in specs]
     prompts: list[dict] = []
     header: dict = {}
     methods: dict[str, dict] = {}
-    for spec in specs:
+    for group in groups:
+        spec = group[0]
+        variants = None
+        if share:
+            from .common import eval_config, method_config
+            from .variants import check_variants
+
+            configs = [method_config(s, eval_config(args.attention_config)) for s in group]
+            check_variants(group, configs)  # before the model loads
         note(f"passkey: loading {args.model} with {spec.label} attention")
         llm = make_llm(args.model, spec, args.attention_config, args.device, args.dtype,
                        max(lengths) + args.new_tokens, max_num_seqs=BATCH, **engine_kwargs(args))
         engine = llm.engine
+        if share:
+            from .variants import DecodeVariants
+
+            variants = DecodeVariants.install(engine, configs)
         if not prompts:  # built once, with the first engine's tokenizer: every method answers the same prompts
             if engine.tokenizer is None:
                 raise ValueError(f"{args.model} carries no tokenizer; eval passkey needs one to build its prompts")
@@ -248,10 +291,15 @@ def main(args: argparse.Namespace) -> int:
             header = {"model": engine.model_config.name or args.model, "device": str(engine.device),
                       "dtype": str(engine.dtype).removeprefix("torch.")}
         t0 = time.perf_counter()
-        methods[spec.label] = summarize(run_method(llm, prompts, args.new_tokens, spec.label), lengths)
-        methods[spec.label]["seconds"] = round(time.perf_counter() - t0, 2)
+        if variants is None:
+            methods[spec.label] = summarize(run_method(llm, prompts, args.new_tokens, spec.label), lengths)
+            methods[spec.label]["seconds"] = round(time.perf_counter() - t0, 2)
+        else:
+            runs = run_variants(llm, prompts, args.new_tokens, [s.label for s in group], variants)
+            for s, cells in zip(group, runs):  # "seconds": the whole shared run, for each of its variants
+                methods[s.label] = {**summarize(cells, lengths), "seconds": round(time.perf_counter() - t0, 2)}
         device = engine.device
-        del llm, engine
+        del llm, engine, variants
         gc.collect()  # the engine holds reference cycles; free it before the next one sizes its KV cache
         if device.type == "cuda":
             import torch
@@ -261,7 +309,7 @@ def main(args: argparse.Namespace) -> int:
               "args": {k: v for k, v in vars(args).items() if k != "func"},
               "lengths": lengths, "depths": depths, "seeds": args.seeds, "new_tokens": args.new_tokens,
               "haystack": args.haystack, "needles": list(args.needles),
-              "methods": methods}
+              **({"share_prefill": True} if share else {}), "methods": methods}
     emit(report, args.out, args, samples(len(depths) * args.seeds, "method x length", "prompts (depths x seeds)"))
     path = plot_path(args)
     if path:

@@ -23,6 +23,7 @@ import time
 from ..report import samples
 from .common import (
     add_method_args,
+    add_share_prefill_arg,
     context_length,
     emit,
     engine_kwargs,
@@ -209,10 +210,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="base: RULER's 'base' template (task text + answer prefix) as plain text; chat: the task text "
                         "as the user turn of the model's chat template, the answer prefix opening the assistant turn "
                         "(default: base)")
-    p.add_argument("--share-prefill", action="store_true",
-                   help="the --attention runs are one sparse method differing only in decode-time fields (e.g. "
-                        "infinitehip's refresh, lookahead): prefill each prompt once and decode it under each run "
-                        "(same predictions as separate runs, a fraction of the time; not with KV offloading)")
+    add_share_prefill_arg(p)
     add_method_args(p)
 
 
