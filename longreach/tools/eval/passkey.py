@@ -34,8 +34,10 @@ from .common import (
     context_length,
     emit,
     engine_kwargs,
+    eval_config,
     format_length,
     make_llm,
+    method_config,
     note,
     parse_methods,
     plot_path,
@@ -177,10 +179,7 @@ def run_method(llm, prompts: list[dict], new_tokens: int, label: str) -> list[di
         after = backend.decode_reads()
         for p, out in zip(group, outs):
             m = out.metrics
-            cell = {"length": p["length"], "depth": p["depth"], "seed": p["seed"], "key": p["key"],
-                    "correct": score(out.text, p["key"]), "output": out.text[:OUTPUT_CHARS],
-                    "seconds": round(m.finished_time - m.first_scheduled_time, 3),
-                    "prefill_seconds": round(m.prefill_seconds, 3)}
+            cell = _cell(p, out, m.finished_time - m.first_scheduled_time)
             if after is not None:  # metered (psa count_reads): the batch's totals, summed per length by summarize
                 cell["decode_reads_batch"] = {k: after[k] - before[k] for k in after}
                 cell["batch_size"] = len(group)
@@ -204,13 +203,17 @@ def run_variants(llm, prompts: list[dict], new_tokens: int, labels: list[str], v
         outs, seconds = generate_variants(llm, [p["ids"] for p in group], params, variants)
         for label, res, o, secs in zip(labels, results, outs, seconds):
             for p, out in zip(group, o):
-                cell = {"length": p["length"], "depth": p["depth"], "seed": p["seed"], "key": p["key"],
-                        "correct": score(out.text, p["key"]), "output": out.text[:OUTPUT_CHARS],
-                        "seconds": round(secs, 3), "prefill_seconds": round(out.metrics.prefill_seconds, 3)}
-                res.append(cell)
+                res.append(_cell(p, out, secs))
                 note(f"passkey {label} {format_length(p['length'])} depth {p['depth']} seed {p['seed']}: "
-                     f"{'right' if cell['correct'] else 'wrong'} (key {p['key']}, got {out.text.strip()[:20]!r})")
+                     f"{'right' if res[-1]['correct'] else 'wrong'} (key {p['key']}, got {out.text.strip()[:20]!r})")
     return results
+
+
+def _cell(p: dict, out, seconds: float) -> dict:
+    """One prompt's result: where its needle was, whether the answer holds the key, its output and times."""
+    return {"length": p["length"], "depth": p["depth"], "seed": p["seed"], "key": p["key"],
+            "correct": score(out.text, p["key"]), "output": out.text[:OUTPUT_CHARS], "seconds": round(seconds, 3),
+            "prefill_seconds": round(out.metrics.prefill_seconds, 3)}
 
 
 def _batches(prompts: list[dict]) -> list[list[dict]]:
@@ -267,7 +270,6 @@ def main(args: argparse.Namespace) -> int:
         spec = group[0]
         variants = None
         if share:
-            from .common import eval_config, method_config
             from .variants import check_variants
 
             configs = [method_config(s, eval_config(args.attention_config)) for s in group]
