@@ -456,6 +456,18 @@ suite_qwen_r16() {  # the next schedule candidate against the default (8, 4, 1),
     job "passkey__paul-graham__positions-st+de__128k" passkey --haystack paul-graham --lengths 128k \
         --attention infinitehip:positions-st infinitehip:positions-de
 }
+suite_qwen_close() {  # issue 28's last cells (BG=1 P=3 KV_GB=8 MBT=32768): the positions-only rungs (real since run
+    # 15), then the default (8, 4, 1) where only the old schedule was measured: the essays passkey and niah_single_1 past 128K
+    job "passkey__paul-graham__positions-st+de__128k" passkey --haystack paul-graham --lengths 128k \
+        --attention infinitehip:positions-st infinitehip:positions-de
+    ppl_step
+    pk 256k --seeds 2
+    rl niah_single_1 256k 10
+    rl niah_single_1 512k 10
+    pk 512k --seeds 2
+    job "ruler__niah_single_1__infinitehip-3k-box__1M-s42" ruler --tasks niah_single_1 --lengths 1M --samples 2 \
+        --seed 42 --attention "$DEFAULT" --kv-cache-memory-gb 14
+}
 suite_qwen15_final() {  # the 1.5B past the window in one lease (BG=1, P=3 KV_GB=31): 512K with 10 prompts, 1M with 5
     pk 512k --seeds 2
     rl niah_single_2 512k 10
