@@ -461,6 +461,10 @@ suite_qwen_close() {  # issue 28's last cells (BG=1 P=3 KV_GB=8 MBT=32768): the 
     job "passkey__paul-graham__positions-st+de__128k" passkey --haystack paul-graham --lengths 128k \
         --attention infinitehip:positions-st infinitehip:positions-de
     ppl_step
+    # the first run of this suite (run 16) ran out of time inside the job above (its rungs decode eagerly, ~0.3 tok/s
+    # at 128K): positions-st's 20 prompts finished in its log, positions-de's did not; this job is positions-de alone
+    job "passkey__paul-graham__positions-de__128k" passkey --haystack paul-graham --lengths 128k --seeds 2 \
+        --attention infinitehip:positions-de
     pk 256k --seeds 2
     rl niah_single_1 256k 10
     rl niah_single_1 512k 10
