@@ -452,25 +452,25 @@ suite_qwen_r16() {  # the next schedule candidate against the default (8, 4, 1),
         done
     done
     ppl_step
-    # the positions-only rungs, real since run 15 (they were dense attention before): the essays passkey at 128K
-    job "passkey__paul-graham__positions-st+de__128k" passkey --haystack paul-graham --lengths 128k \
-        --attention infinitehip:positions-st infinitehip:positions-de
+    # the positions-only rungs ran in run 16 (SUITE=qwen_positions); one job per rung there: together they outran a
+    # 1000 s budget
 }
-suite_qwen_close() {  # issue 28's last cells (BG=1 P=3 KV_GB=8 MBT=32768): the positions-only rungs (real since run
-    # 15), then the default (8, 4, 1) where only the old schedule was measured: the essays passkey and niah_single_1 past 128K
-    job "passkey__paul-graham__positions-st+de__128k" passkey --haystack paul-graham --lengths 128k \
-        --attention infinitehip:positions-st infinitehip:positions-de
-    ppl_step
-    # the first run of this suite (run 16) ran out of time inside the job above (its rungs decode eagerly, ~0.3 tok/s
-    # at 128K): positions-st's 20 prompts finished in its log, positions-de's did not; this job is positions-de alone
+suite_qwen_positions() {  # issue 28's last cells, run 16 (BG=1 P=3 KV_GB=8 MBT=32768; it ran as qwen_close, a name
+    # that shadowed run 8's suite above): the positions-only rungs (real since run 15), then the default (8, 4, 1)
+    # where only the old schedule was measured: the essays passkey and niah_single_1 past 128K
+    # one job per rung: run 16 ran both in one job, which ran out of time (the rungs decode eagerly, ~0.3 tok/s at
+    # 128K); positions-st's 20 prompts finished in its log (docs/results/qwen05-ladder-h200-run16, .cut.log)
     job "passkey__paul-graham__positions-de__128k" passkey --haystack paul-graham --lengths 128k --seeds 2 \
         --attention infinitehip:positions-de
+    ppl_step
     pk 256k --seeds 2
     rl niah_single_1 256k 10
     rl niah_single_1 512k 10
     pk 512k --seeds 2
     job "ruler__niah_single_1__infinitehip-3k-box__1M-s42" ruler --tasks niah_single_1 --lengths 1M --samples 2 \
         --seed 42 --attention "$DEFAULT" --kv-cache-memory-gb 14
+    job "passkey__paul-graham__positions-st__128k" passkey --haystack paul-graham --lengths 128k --seeds 2 \
+        --attention infinitehip:positions-st
 }
 suite_qwen15_final() {  # the 1.5B past the window in one lease (BG=1, P=3 KV_GB=31): 512K with 10 prompts, 1M with 5
     pk 512k --seeds 2

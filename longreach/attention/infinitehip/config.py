@@ -73,8 +73,8 @@ PRESETS = {
     # of every key: one centre and one radius per chunk, 1/32 of exact's reads (boxes kept in a paged pool).
     # Decode refreshes its stages every (8, 4, 1) steps, not the paper's (16, 8, 4): copying a needle forward
     # (RULER's UUIDs and numbers) needs the last stage's mask to follow the copy; on Qwen2.5-Coder-0.5B at 128K-1M
-    # it won each retrieval task's total over (16, 8, 4) and over lookahead 1, at 22% slower decode on the 8B
-    # shape at 128K, still 1.15x dense there (docs/quality.md, runs 14 and 15)
+    # it won each retrieval task's total over (16, 8, 4) and over lookahead 1, at 17% slower decode on the 8B
+    # shape at 128K, still 1.21x dense there (docs/quality.md, runs 15 and 16)
     "3k-box": InfiniteHiPConfig(chunk_sizes=(64, 32, 8), stage0_scores="minmax", refresh=(8, 4, 1)),
     # the evaluation-only rungs of the retrieval ladder (oracle, positions-*) are registered by the lab
     # (tools/eval/presets.py), so that this table holds only what a user should pick
