@@ -246,6 +246,9 @@ def test_metrics_move_after_traffic(http, client):
                  "longreach:time_per_output_token_seconds_count"):
         assert metric(after, name, model_name=MODEL) > metric(before, name, model_name=MODEL), name
     assert metric(after, "longreach:generation_tokens_total") - metric(before, "longreach:generation_tokens_total") == 5
+    # a step per token at least (the prompt's, then four decodes), each a loop iteration
+    iterations = "longreach:iteration_seconds_count"
+    assert metric(after, iterations, model_name=MODEL) - metric(before, iterations, model_name=MODEL) >= 5
     assert metric(after, "longreach:request_success_total", finished_reason="length") > 0
     assert metric(after, "longreach:kv_cache_pages_total", tier="gpu") > 0
     assert metric(after, "longreach:num_requests_running", model_name=MODEL) == 0
@@ -488,3 +491,22 @@ def test_bench_serve_against_the_server(server, tmp_path):
     assert len(rep["server_samples"]) >= 4 and all("rss_bytes" in x and "running" in x for x in rep["server_samples"])
     mem = rep["server_memory"]["rss_bytes"]
     assert 0 < mem["first"] <= mem["max"] and mem["last"] <= mem["max"]
+
+
+def test_throughput_log_names_the_longest_iteration_and_its_step(caplog):
+    from longreach.engine.llm_engine import StepStats
+    from longreach.server.metrics import ThroughputLog
+    log = ThroughputLog(interval=0.0)
+    log.on_step(StepStats(True, 3, 258, 0.02, 2))
+    log.on_iteration(0.03, StepStats(True, 3, 258, 0.02, 2))
+    log.on_iteration(0.25, StepStats(False, 2, 2, 0.01, 2))  # a long iteration around a short step: the loop's
+    log.on_iteration(0.01, StepStats(False, 2, 2, 0.009, 2))
+    with caplog.at_level("INFO", logger="longreach"):
+        log.maybe_log(2, 0, {"gpu_pages_total": 10, "gpu_pages_used": 1})
+    line = caplog.records[-1].getMessage()
+    assert "Iterations: 3, median 30.0 ms, max 250.0 ms (its step 10.0 ms: 2 decode rows, 0 prefill tokens), " \
+        "over 100 ms: 1" in line, line
+    caplog.clear()
+    with caplog.at_level("INFO", logger="longreach"):  # the interval's figures start again
+        log.maybe_log(2, 0, {"gpu_pages_total": 10, "gpu_pages_used": 1})
+    assert "Iterations" not in caplog.records[-1].getMessage()

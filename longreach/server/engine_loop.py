@@ -196,16 +196,22 @@ class EngineLoop:
                     stopping = self._stopping
                 if stopping:
                     break
+                began = time.perf_counter()
                 self.engine.check_workers()  # a dead tensor-parallel rank kills the loop even while it idles
                 for op, rid, live in inbox:
                     self._deferred.append((rid, live)) if op == "add" else self._abort(rid)
                 self._admit()
-                if self.engine.has_unfinished_requests():
+                stepped = self.engine.has_unfinished_requests()
+                if stepped:
                     self._step()
                 if self._scoring:
                     self._score_chunk()
                 self._publish()
                 self._flush()
+                if stepped:  # the gap every running request saw between two of its tokens (metrics.ThroughputLog)
+                    took = time.perf_counter() - began
+                    self.metrics.iteration.observe(took)
+                    self._log.on_iteration(took, self.engine.last_step)
         except Exception as e:  # noqa: BLE001 -- the engine is broken: die loudly (see the module docstring)
             logger.exception("the engine loop stopped on an unexpected error; the server can no longer generate and "
                              "exits once the requests in flight have their errors")

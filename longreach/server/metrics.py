@@ -30,6 +30,7 @@ from __future__ import annotations
 
 import logging
 import os
+import statistics
 import time
 
 from prometheus_client import (
@@ -94,6 +95,10 @@ class ServerMetrics:
                               "first, per request", lab, buckets=_TPOT_BUCKETS, registry=r).labels(model_name)
         self.e2e = Histogram("longreach:e2e_request_latency_seconds", "Time from arrival to the last token", lab,
                              buckets=_E2E_BUCKETS, registry=r).labels(model_name)
+        self.iteration = Histogram("longreach:iteration_seconds", "One engine-loop iteration: the engine step (every "
+                                   "running request's next token, prefill chunks) and the loop's own work around it "
+                                   "(admissions, detokenizing, handing the tokens to the HTTP side)", lab,
+                                   buckets=_TPOT_BUCKETS, registry=r).labels(model_name)
         self.queue_time = Histogram("longreach:request_queue_time_seconds", "Time from arrival to the first "
                                     "scheduled step", lab, buckets=_TTFT_BUCKETS, registry=r).labels(model_name)
         self.prompt_tokens = Counter("longreach:prompt_tokens", "Prompt tokens of finished requests", lab,
@@ -207,18 +212,42 @@ class _EngineStateCollector:
 class ThroughputLog:
     """vLLM's periodic operator line, every `interval` s while there is traffic:
     `Avg prompt throughput: X tokens/s, Avg generation throughput: Y tokens/s, Running: N reqs, Waiting: M reqs,
-    KV cache usage: Z%` (+ the offload hit ratio when offloading)."""
+    KV cache usage: Z%` (+ the offload hit ratio when offloading), then the interval's engine-loop iterations:
+    `Iterations: N, median X ms, max Y ms (its step Z ms: D decode rows, P prefill tokens), over 100 ms: K`. An
+    iteration is what every running request waits between two of its tokens: the engine step and the loop's own work
+    around it, so a long iteration whose step was short points at the loop (or the HTTP side holding the GIL), one
+    whose step was long at the engine."""
 
     def __init__(self, interval: float = 10.0):
         self.interval = interval
         self._t0 = time.monotonic()
         self._prompt = self._gen = 0
+        self._iters: list[float] = []
+        self._worst: tuple[float, object] = (0.0, None)  # the longest iteration and its step
 
     def on_step(self, step) -> None:
         if step is None:
             return
         self._prompt += step.num_tokens - step.num_decode_tokens
         self._gen += step.num_decode_tokens
+
+    def on_iteration(self, seconds: float, step) -> None:
+        """One loop iteration that ran an engine step (`step`: its StepStats) took `seconds` in all."""
+        self._iters.append(seconds)
+        if seconds > self._worst[0]:
+            self._worst = (seconds, step)
+
+    def _iterations(self) -> str:
+        if not self._iters:
+            return ""
+        worst, step = self._worst
+        parts = ""
+        if step is not None:
+            parts = (f" (its step {1e3 * step.seconds:.1f} ms: {step.num_decode_tokens} decode rows, "
+                     f"{step.num_tokens - step.num_decode_tokens} prefill tokens)")
+        over = sum(t > 0.1 for t in self._iters)
+        return (f"; Iterations: {len(self._iters)}, median {1e3 * statistics.median(self._iters):.1f} ms, max "
+                f"{1e3 * worst:.1f} ms{parts}, over 100 ms: {over}")
 
     def maybe_log(self, running: int, waiting: int, kv: dict) -> None:
         now = time.monotonic()
@@ -232,6 +261,7 @@ class ThroughputLog:
                 hit, missed = kv.get("pages_hit", 0), kv.get("pages_missed", 0)
                 extra = f", KV offload hit ratio: {100 * hit / max(hit + missed, 1):.1f}%"
             logger.info("Avg prompt throughput: %.1f tokens/s, Avg generation throughput: %.1f tokens/s, Running: %d "
-                        "reqs, Waiting: %d reqs, KV cache usage: %.1f%%%s", self._prompt / dt, self._gen / dt, running,
-                        waiting, 100 * kv.get("gpu_pages_used", 0) / total, extra)
+                        "reqs, Waiting: %d reqs, KV cache usage: %.1f%%%s%s", self._prompt / dt, self._gen / dt,
+                        running, waiting, 100 * kv.get("gpu_pages_used", 0) / total, extra, self._iterations())
+        self._iters, self._worst = [], (0.0, None)
         self._t0, self._prompt, self._gen = now, 0, 0
