@@ -69,6 +69,7 @@
 #   bash scripts/device_runs.sh tp2         # needs nvidia-h100-x2 / h200-x2 and the model: tests/gpu/test_tensor_parallel.py
 #                                           # (TP=2 over NCCL vs TP=1); then bench decode, 8B shape, bf16, 128K,
 #                                           # infinitehip pruned vs dense, TP=1 then TP=2 (issue 32's scaling row)
+#   bash scripts/device_runs.sh tp2bench    # no model: tp2's bench alone (8B shape, 128K, TP=1 then TP=2)
 #   bash scripts/device_runs.sh profile8b   # 8B shape, bf16: bench decode at 128K, infinitehip pruned vs dense, the
 #                                           # last 4 steps profiled (where the sparse step's fixed cost goes; issue 31)
 # A group's first command compiles kernels (~30-60 s); bench decode runs an untimed warm-up prompt first.
@@ -145,6 +146,8 @@ gemma3)
     gpu_tests gpu_check_gemma3 240 tests/gpu/test_gemma3.py ;;
 tp2)
     gpu_tests gpu_check_tp2 300 tests/gpu/test_tensor_parallel.py --gpu-model "$model"
+    bash "$0" tp2bench ;;
+tp2bench)  # no model needed: tp2's scaling row alone
     for n in 1 2; do  # the same command, one GPU then two (rank r on cuda:r)
         run "decode_8b_128k_tp$n" 280 python3 -m longreach bench decode --lengths 128k \
             --attention infinitehip@pruned --attention-config '{"infinitehip@pruned": {"dense_below": null}}' \

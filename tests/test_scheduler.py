@@ -278,6 +278,36 @@ def test_pacing_leaves_a_prompt_alone_at_the_full_budget_and_forgets_finished_on
     assert sched.pacer._cap == {}
 
 
+def test_pacing_spreads_a_wave_of_new_prompts_over_steps():
+    """Requests admitted while others decode share one cap (engine/pacing.py ADMISSIONS): twelve 200-token prompts
+    arriving together take the threshold's tokens per step, not the whole budget, and a slow step halves that share
+    (the 1M serving run: a step admitting 15 chats beside 35 decode rows took ~130 ms)."""
+    sched = _scheduler(True, mixed_step_target_s=0.040, long_prefill_token_threshold=512)
+    _decoding(sched, 4)
+    wave = [_seq(10 + i, 200) for i in range(12)]
+    for seq in wave:
+        sched.add(seq)
+    ids = {s.seq_id for s in wave}
+    admitted = []
+    for cost in (0.030, 0.100, 0.030, 0.030):
+        batch = sched.schedule()
+        assert batch.num_decodes >= 4  # the decodes ride along every step
+        admitted.append(sum(n for s, n in zip(batch.seqs, batch.num_tokens) if s.seq_id in ids and s.num_computed == 0))
+        _run(sched, batch)
+        sched.observe(cost)
+    assert admitted[:2] == [512, 512]  # the threshold's share, not the 1,024-token budget
+    assert admitted[2] == 256  # after the 100 ms step: halved
+    assert admitted[3] == 256  # 30 ms is not under half the target: it stays
+
+
+def test_pacing_admits_at_the_full_budget_when_nobody_decodes():
+    sched = _scheduler(True, mixed_step_target_s=0.001, long_prefill_token_threshold=256)
+    for i in range(8):
+        sched.add(_seq(i, 200))
+    batch = sched.schedule()
+    assert sum(batch.num_tokens) == BUDGET and not sched.step_paced
+
+
 def test_mixed_step_target_is_validated():
     with pytest.raises(ValueError, match="mixed_step_target_ms must be a positive number"):
         EngineConfig(mixed_step_target_ms=0)
@@ -311,3 +341,30 @@ def test_pacing_never_caps_a_chunk_below_one_aligned_stride(mixed):
         sched.observe(1.0)  # every step far over the target
     assert not long.is_prefilling  # its whole prompt went through
     assert chunks and all(c % 1024 == 0 for c in chunks) and 1024 in chunks
+
+
+def test_the_server_warm_up_runs_a_mixed_step_and_freezes_the_heap(tiny, caplog):
+    """The server's warm-up (server/app.py) runs a short request decoding beside a long one's chunks, so the mixed
+    step's kernels compile before the server listens; then the loaded engine's objects leave garbage collection."""
+    import gc
+
+    from longreach.server.app import freeze_heap, warm_up
+    eng = LLMEngine(EngineConfig(model=tiny, device="cpu", dtype="float32", kv_cache_memory_gb=0.01,
+                                 max_num_batched_tokens=64))
+    mixed = []
+    step = eng.step
+
+    def counted():
+        out = step()
+        mixed.append(eng.last_step.is_prefill and eng.last_step.num_decode_tokens > 0)
+        return out
+    eng.step = counted
+    warm_up(eng, 300)  # a CPU skips it unless asked (tokens None)
+    assert any(mixed) and not eng.has_unfinished_requests()
+    try:
+        with caplog.at_level("INFO", logger="longreach"):
+            freeze_heap()
+        assert gc.get_freeze_count() > 1000
+        assert "frozen out of garbage collection" in caplog.text
+    finally:
+        gc.unfreeze()

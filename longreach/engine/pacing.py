@@ -8,7 +8,10 @@ fixed token count suits every length, model and GPU.
 Rule (a per-sequence controller, no cost model): a prompt's chunk cap starts at the scheduler's long-prefill
 threshold. After each step that carried decode rows and chunks of it, the step's measured time is compared to the
 target: above it, the cap halves (to the largest power of two at most half the chunk just run); under half of it,
-the cap doubles (up to the threshold). Caps are powers of two of at least MIN_CHUNK (and never below `min_chunk`,
+the cap doubles (up to the threshold). The requests a paced step admits share one cap between them (`ADMISSIONS`, the
+sum of their first chunks), so a wave of new prompts arriving together (a closed loop's chats finishing at once) is
+spread over steps instead of making one step of the whole budget: a step that admitted 15 short prompts beside 35
+decode rows took ~130 ms on an H200 (docs/serving.md, the 1M run). Caps are powers of two of at least MIN_CHUNK (and never below `min_chunk`,
 the scheduler's chunk alignment: a bounded cache's stride, whose chunks end on its multiples), so a chunk keeps a
 prefill selection graph's shape (attention/sparse/prefill_graph.py) and the number of distinct shapes stays small. A step
 without decode rows is not paced (a prompt alone, or only prompts, prefills at the full budget), and its time is not
@@ -22,6 +25,7 @@ measured trade.
 from __future__ import annotations
 
 MIN_CHUNK = 256
+ADMISSIONS = -1  # the cap key of the new requests a paced step admits, together (sequence ids are >= 0)
 
 
 def _floor_pow2(n: int) -> int:
@@ -36,10 +40,12 @@ class ChunkPacer:
         self._cap: dict[int, int] = {}  # seq_id -> its chunk cap while others decode
 
     def cap(self, seq_id: int) -> int:
+        """`seq_id`'s chunk cap while others decode (ADMISSIONS: the new requests' first chunks together)."""
         return self._cap.get(seq_id, self.max_chunk)
 
     def observe(self, chunks: dict[int, int], seconds: float) -> None:
-        """A step that carried decode rows and these prefill chunks ({seq_id: tokens}) took `seconds`."""
+        """A step that carried decode rows and these prefill chunks ({seq_id or ADMISSIONS: tokens}) took
+        `seconds`."""
         for seq_id, n in chunks.items():
             cap = self.cap(seq_id)
             if seconds > self.target_s:

@@ -15,7 +15,8 @@ Policy (continuous batching with chunked prefill, as vLLM v1 schedules it):
     Alone, a prompt takes the whole budget (the fastest prefill).
   * With a step-time target (`mixed_step_target_s`), while sequences decode each prompt's chunk is further capped
     by a controller that halves or doubles it from the measured times of the steps it shared with decode rows
-    (engine/pacing.py); the engine reports each step's time with `observe`.
+    (engine/pacing.py), and the requests a step admits share one such cap between them (their first chunks
+    together); the engine reports each step's time with `observe`.
   * A backend with a bounded cache of its own (cascading) inserts a prompt into it stride by stride: its chunks then
     end on multiples of `chunk_align` (except at the prompt's end), so results do not depend on how steps cut them.
   * Pages are reserved per step. If a running sequence cannot get a page, the most recently admitted other sequence
@@ -29,7 +30,7 @@ from dataclasses import dataclass
 from typing import Callable
 
 from ..kvcache.block_manager import BlockManager
-from .pacing import ChunkPacer
+from .pacing import ADMISSIONS, ChunkPacer
 from .sequence import Sequence, SequenceStatus
 
 
@@ -91,6 +92,7 @@ class Scheduler:
         seqs: list[Sequence] = []
         counts: list[int] = []
         pace = self.pacer is not None and bool(decoding)  # others decode: this step's chunks are paced
+        self._paced = {}  # set by _schedule_prefill when paced
         if self.mixed:
             self._schedule_decodes(decoding, seqs, counts)
             self._schedule_prefill(seqs, counts, self.max_num_batched_tokens - len(seqs), pace)
@@ -105,7 +107,9 @@ class Scheduler:
         num_decodes = sum(1 for s in seqs if s.seq_id in decode_ids)
         is_prefill = len(seqs) > num_decodes
         self._last_prefill = is_prefill
-        self._paced = {s.seq_id: n for s, n in zip(seqs, counts) if s.seq_id not in decode_ids} if pace else {}
+        if self._paced:  # a chunk dropped by a reservation's preemption ran no tokens
+            ran = {s.seq_id for s in seqs}
+            self._paced = {k: n for k, n in self._paced.items() if k == ADMISSIONS or k in ran}
         return ScheduledBatch(is_prefill, seqs, counts, num_decodes if is_prefill else 0) if seqs else None
 
     def _schedule_decodes(self, decoding: list[Sequence], seqs: list[Sequence], counts: list[int]) -> None:
@@ -126,6 +130,8 @@ class Scheduler:
         cap_of = (lambda seq: min(shared, self.pacer.cap(seq.seq_id))) if pace else (lambda seq: shared)
         partial = [s for s in self.running if s.status is SequenceStatus.RUNNING and s.is_prefilling]
         n_long = sum(s.num_uncomputed > self.long_threshold for s in partial)
+        admit = self.pacer.cap(ADMISSIONS) if pace else budget  # what this step's new requests may take together
+        paced: dict[int, int] = {}
         for seq in partial:  # continue chunked prefills, oldest first
             if budget == 0:
                 break
@@ -137,13 +143,16 @@ class Scheduler:
                 seqs.append(seq)
                 counts.append(n)
                 budget -= n
+                paced[seq.seq_id] = n
+        admitted = 0
         for seq in list(self.waiting):  # admit, in arrival order
-            if budget == 0 or len(self.running) >= self.max_num_seqs or len(partial) >= self.max_partial:
+            if (budget == 0 or admitted == admit or len(self.running) >= self.max_num_seqs
+                    or len(partial) >= self.max_partial):
                 break
             long = seq.num_uncomputed > self.long_threshold
             if long and n_long >= self.max_long_partial:
                 continue  # no place for another long prompt: shorter ones behind it may still start
-            n = self.chunk(seq, min(budget, cap_of(seq)))
+            n = self.chunk(seq, min(budget, cap_of(seq), admit - admitted))
             if n == 0 or len(seqs) > first and not self._stages(pages, seq.num_computed + n):
                 break
             # Admit only when the whole (re-)prefill fits the free pages: one admitted for its first chunk alone could
@@ -159,9 +168,13 @@ class Scheduler:
             seqs.append(seq)
             counts.append(n)
             budget -= n
+            admitted += n
+            paced[seq.seq_id] = n  # its own cap learns from the step as well
             if seq.num_computed + n < seq.num_tokens:
                 partial.append(seq)
                 n_long += long
+        if pace:
+            self._paced = paced | ({ADMISSIONS: admitted} if admitted else {})
 
     def observe(self, seconds: float) -> None:
         """The last scheduled step took `seconds` (the engine's measure, the GPU's work included): the pacer's
