@@ -298,3 +298,21 @@ def test_compilations_inside_timed_steps_are_reported_and_decode_ones_left_out_o
     assert "1 Triton kernel compilation(s) inside the timed prefill" in err and "_step2_kernel x1" in err
     saved = json.loads((tmp_path / "bd.json").read_text())["runs"][0]
     assert saved["prefill_jit"]["count"] == 1
+
+
+def test_a_preemption_inside_the_decode_steps_is_flagged(tmp_path, capsys):
+    """Two 384-token prompts fit the KV cache, their 40 decode tokens each do not: one is preempted and recomputed
+    between decode steps, and the summary says the rate is no steady batch figure."""
+    from longreach.tools.bench.decode import run
+    from longreach.tools.bench.decode_memory import _kv_bytes_per_token
+    from longreach.tools.eval.common import parse_methods
+
+    page = 16 * _kv_bytes_per_token(SHAPES["tiny"].config, "auto", torch.float32)
+    engine = {"device": "cpu", "dtype": "float32", "attention_config": SMALL, "kv_cache_memory_gb": 50 * page / 2**30}
+    r = run("random:tiny", [384], parse_methods(["dense"]), engine, batch=2, decode_tokens=40, dense_lengths=[],
+            out_path=str(tmp_path / "b.json"))
+    x = r["runs"][0]
+    assert "error" not in x, x
+    assert x["preemptions"] >= 1
+    printed = capsys.readouterr()
+    assert f"WARNING: {x['preemptions']} preemption(s)" in printed.out + printed.err

@@ -66,7 +66,18 @@ def _summary(row: dict) -> str:
             f"({steps_note(row)}), KV GPU {mem['kv_gpu_bytes'] / GiB:.2f} GiB "
             f"+ staging {mem['kv_staging_bytes'] / GiB:.2f} GiB while prefilling "
             f"({_staging_decoding(mem) / GiB:.2f} decoding), host {mem['kv_host_bytes'] / GiB:.2f} GiB"
-            + _reads_note(row.get("decode_reads")))
+            + _reads_note(row.get("decode_reads")) + _preempted_note(row))
+
+
+def _preempted_note(row: dict) -> str:
+    """A preemption inside the decode steps (the KV cache held fewer pages than the batch's prompts and decode
+    tokens need) recomputes a sequence's prompt between decode steps: the rate is then no steady batch figure."""
+    n = row.get("preemptions") or 0
+    if not n:
+        return ""
+    return (f". WARNING: {n} preemption(s): the KV cache held fewer pages than {row['batch']} x (context + decode "
+            "tokens) need, a sequence's prompt was recomputed between the decode steps and the decode rate includes "
+            "that prefill; it is no steady batch figure (give the KV cache room: --kv-cache-memory-gb, or offload)")
 
 
 def steps_note(row: dict) -> str:
