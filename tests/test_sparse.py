@@ -432,8 +432,8 @@ def test_prefill_graphs_captured_up_front_cover_the_real_chunks(tiny):
 
 @pytest.mark.parametrize("method", ["infinitehip-box", "hip"])
 def test_warm_decode_variants_are_the_ones_a_long_sequence_uses(tiny, method):
-    """`capture_warm_variants` (the server's warm-up) captures, for one row, every variant a long sequence's decode
-    then uses: the decode adds none (CPU, graphs emulated), and its tokens are the eager run's."""
+    """`capture_warm_variants` (the server's warm-up) captures, for one and two long rows, every variant a long
+    sequence's decode then uses, at the smallest batch size and at 16 rows: the decode adds none (CPU, graphs emulated), and its tokens are the eager run's."""
     from longreach import SamplingParams
     from longreach.engine.llm import LLM
 
@@ -450,7 +450,9 @@ def test_warm_decode_variants_are_the_ones_a_long_sequence_uses(tiny, method):
     runner.capture_graphs(emulate=True)
     warm = runner.capture_warm_variants()
     keys = {key for _, key in runner._graphs}
-    assert warm == len(keys) > 0 and {k[0] for k in keys} == {128, 256, 512, 1024, 1280}
+    assert warm == len(runner._graphs) and {k[0] for k in keys} == {128, 256, 512, 1024, 1280}
+    # each at its smallest batch size and at the smallest multiple of 16 (Triton's other specialisation)
+    assert {n for n, _ in runner._graphs} == {1, 2, 16} and {k for n, k in runner._graphs if n == 16} == keys
     assert runner.capture_warm_variants() == 0  # nothing new the second time
     replays, replay = [], runner._replay
     runner._replay = lambda batch: replays.append(1) or replay(batch)

@@ -247,15 +247,20 @@ class ModelRunner:
     @torch.inference_mode()
     def capture_warm_variants(self) -> int:
         """The decode variants the backend names for a warm-up (`graph_warm_keys`), each captured now at the smallest
-        graph batch size that holds its rows: a long sequence's first decode steps then find their kernels compiled.
-        Returns how many were new."""
+        graph batch size that holds its rows and at the smallest one that is a multiple of 16: a long sequence's
+        first decode steps then find their kernels compiled. Triton compiles a kernel once per specialisation of its
+        integer arguments (1, a multiple of 16, anything else), and a batch of 16 rows or more (a long prompt
+        joining a server's chats) is the other one: captured on first use it stalled every stream for ~1.4 s (the
+        serving runs' logs, docs/serving.md). Returns how many were new."""
         if not self._graph_sizes:
             return 0
+        sixteens = [s for s in self._graph_sizes if s % 16 == 0]
         todo = []
         for rows, key in self.backend.graph_warm_keys():
             size = self._graph_sizes[min(bisect.bisect_left(self._graph_sizes, rows), len(self._graph_sizes) - 1)]
-            if (size, key) not in self._graphs:
-                todo.append((size, key))
+            for n in (size, *sixteens[:1]):
+                if n >= rows and (n, key) not in self._graphs and (n, key) not in todo:
+                    todo.append((n, key))
         for size, key in todo:
             self._capture(size, key)
         return len(todo)

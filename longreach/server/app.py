@@ -257,7 +257,8 @@ def warm_up(engine, tokens: int | None) -> None:
     t0 = time.perf_counter()
     n = engine.runner.capture_warm_variants()
     if n:
-        logger.info("warm-up: %d decode-graph variants of long sequences captured (one and two long rows, every "
+        logger.info("warm-up: %d decode-graph variants of long sequences captured (one and two long rows, alone and in "
+                    "a batch of 16, every "
                     "context length and refresh level) in %.1f s", n, time.perf_counter() - t0)
 
 
