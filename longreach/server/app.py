@@ -258,8 +258,7 @@ def warm_up(engine, tokens: int | None) -> None:
     n = engine.runner.capture_warm_variants()
     if n:
         logger.info("warm-up: %d decode-graph variants of long sequences captured (one and two long rows, alone and in "
-                    "a batch of 16, every "
-                    "context length and refresh level) in %.1f s", n, time.perf_counter() - t0)
+                    "a batch of 16, every context length and refresh level) in %.1f s", n, time.perf_counter() - t0)
 
 
 def freeze_heap() -> None:
