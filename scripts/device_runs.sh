@@ -43,6 +43,7 @@
 #   bash scripts/device_runs.sh batch16     # bench decode, 8B shape, fp8 + offload: 16 requests at 128K decoding
 #                                           # together (issue 30); its 128 GiB host tier needs nvidia-h100-x2 or
 #                                           # h200-x2 (256 GiB of host memory), on one of their GPUs
+#   bash scripts/device_runs.sh batch16tp2  # the same on two GPUs (TP=2) without offload (issues 30 and 32)
 #   bash scripts/device_runs.sh fp8w        # needs the model: tests/gpu/test_fp8.py; then bench decode on the 8B shape at
 #                                           # 128K, bf16 weights vs --quantization fp8, dense beside (issue 31)
 #   bash scripts/device_runs.sh crossover   # the 8B shape's decode crossover file (calibrate crossover), then fp8 weights
@@ -92,9 +93,12 @@ gpu_tests() {  # gpu_tests NAME SECONDS PYTEST-ARGS...: GPU tests (tests/gpu), t
 bd="python3 -m longreach bench decode --kv-cache-dtype fp8 --kv-cache-memory-gb 4 --max-num-batched-tokens 65536"
 for group in "$@"; do
 case "$group" in
-batch16)
-    run batch16 1500 $bd --kv-cache-memory-gb 40 --kv-offloading-size 132 --batch 16 --lengths 128k \
+batch16)  # the host tier holds all 16 x 131,136 tokens (fp8 pages with their scales: ~145 GiB; 132 GiB preempted one)
+    run batch16 1500 $bd --kv-cache-memory-gb 40 --kv-offloading-size 150 --batch 16 --lengths 128k \
         --attention infinitehip --dense-lengths 4k --decode-tokens 64 --out "$out/bench-decode-16x128k.json" ;;
+batch16tp2)  # the same 16 x 128K on two GPUs without offload (76 GiB of fp8 KV per rank; 72 preempted one)
+    run batch16_tp2 600 $bd --kv-cache-memory-gb 76 --tensor-parallel-size 2 --batch 16 --lengths 128k \
+        --attention infinitehip --dense-lengths 4k --decode-tokens 64 --out "$out/bench-decode-16x128k-tp2.json" ;;
 fp8w)
     gpu_tests gpu_check_fp8 200 tests/gpu/test_fp8.py --gpu-model "$model"
     for q in bf16 fp8; do

@@ -316,3 +316,14 @@ def test_a_preemption_inside_the_decode_steps_is_flagged(tmp_path, capsys):
     assert x["preemptions"] >= 1
     printed = capsys.readouterr()
     assert f"WARNING: {x['preemptions']} preemption(s)" in printed.out + printed.err
+
+
+def test_a_kv_tier_too_small_for_the_batch_is_said_before_the_run(capsys):
+    from longreach.tools.bench.decode import _warn_short_kv
+
+    _warn_short_kv({"kv_cache_memory_gb": 72, "tensor_parallel_size": 2}, 150.0, 8, 131072, 16, 64)
+    assert "--kv-cache-memory-gb 72 GiB is less than 16 x (131,072 + 64) tokens need (75.0 GiB per rank)" in \
+        capsys.readouterr().err
+    _warn_short_kv({"kv_cache_memory_gb": 40, "kv_offloading_size": 150}, 148.0, 8, 131072, 16, 64)
+    _warn_short_kv({"kv_cache_memory_gb": 80, "tensor_parallel_size": 2}, 150.0, 8, 131072, 16, 64)
+    assert "WARNING" not in capsys.readouterr().err  # the host tier holds it; each rank holds its half

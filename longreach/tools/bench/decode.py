@@ -197,6 +197,19 @@ def _json_text(config: dict | None) -> str | None:
 
 
 # ---- the benchmark ---------------------------------------------------------------------------------------------------
+def _warn_short_kv(kw: dict, need_gb: float, kv_heads: int, context: int, batch: int, decode_tokens: int) -> None:
+    """Say before a run when the KV tier that must hold every token (the host tier when offloading, else the GPU's)
+    is smaller than `batch` x (context + decode tokens) need: a sequence will be preempted and its prompt recomputed
+    between the decode steps. With tensor parallelism each rank holds its share of the KV heads."""
+    tier = "--kv-offloading-size" if kw.get("kv_offloading_size") else "--kv-cache-memory-gb"
+    have = kw.get("kv_offloading_size") or kw.get("kv_cache_memory_gb")
+    ranks = min(kw.get("tensor_parallel_size") or 1, kv_heads)  # past the KV heads they are replicated
+    want = need_gb / ranks
+    if have is not None and have < want:
+        _note(f"WARNING: {tier} {have:g} GiB is less than {batch} x ({context:,} + {decode_tokens}) tokens need "
+              f"({want:.1f} GiB{' per rank' if ranks > 1 else ''}): expect a preemption inside the decode steps")
+
+
 def run(model: str, lengths: list[int], methods: list, engine_kwargs: dict, batch: int = 1, decode_tokens: int = 128,
         dense_lengths: list[int] | None = None, out_path: str | None = None, command: str = "",
         text: str | None = None, text_label: str | None = None, warmup_tokens: int | None = None,
@@ -262,6 +275,8 @@ def run(model: str, lengths: list[int], methods: list, engine_kwargs: dict, batc
                 kw["kv_offloading_size"] = min(kw["kv_offloading_size"], need)
             elif device.type == "cuda" and kw.get("kv_cache_memory_gb") is None and need is not None:
                 kw["kv_cache_memory_gb"] = need  # the KV sized to the context, so the memory split means something
+            if need is not None:
+                _warn_short_kv(kw, need, mc.num_kv_heads, context, batch, decode_tokens)
             try:
                 row = _measure(model, context, spec, kw, batch, decode_tokens, engine_kwargs.get("seed", 0), state)
             except Exception as e:  # noqa: BLE001 - record it and go on with the next context / method
