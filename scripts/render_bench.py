@@ -161,15 +161,20 @@ def bench_decode(args: list[str]) -> str:
     files, opts = options(args)
     items = [load(f) for f in files]
     many = len(items) > 1
-    rows, marks = [], False
+    rows, marks, preempted = [], False, False
     for i, (path, r) in enumerate(items, 1):
+        batch = r["settings"].get("batch", 1)
+        tp = (r["settings"].get("engine") or {}).get("tensor_parallel_size") or 1
         for x in sorted(r["runs"] + r["dense"], key=lambda x: (x["context"], x["attention"] == "dense")):
             row = [f"[{i}]"] if many else []
             row += [length(x["context"]), x["attention"] + (f" `{x['attention_config']}`" if x.get("attention_config")
-                                                            else "")]
+                                                            else ""),
+                    "-" if batch == 1 else str(batch), "-" if tp == 1 else str(tp)]
             if "error" in x or x.get("status") in ("does not fit", "error"):
                 rows.append(row + [x.get("error") or f"{x['status']}: {x['reason']}"] + ["-"] * 11)
                 continue
+            dagger = "†" if x.get("preemptions") else ""
+            preempted |= bool(dagger)
             mem, off = x["memory"], x.get("offload_stats") or {}
             counted = x.get("steps_counted", x["decode_steps"] - x.get("warmup_steps", 0))
             kv = x["kv_cache_dtype"] + (f", offload {x['kv_offloading_size_gib']:.1f} GiB" if x["offload"] else "")
@@ -177,7 +182,8 @@ def bench_decode(args: list[str]) -> str:
             star = "*" if x.get("dense_source") == "extrapolated" else ""
             marks |= bool(star)
             staging = mem.get("kv_staging_decode_bytes", mem["kv_staging_bytes"])
-            rows.append(row + [kv, f"{x['prefill_s']:.1f}", num(x["decode_tok_s"]), f"{counted}/{x['decode_steps']}",
+            rows.append(row + [kv, f"{x['prefill_s']:.1f}", num(x["decode_tok_s"]) + dagger,
+                               f"{counted}/{x['decode_steps']}",
                                num(x["step_s_median"] and x["step_s_median"] * 1e3, ".2f"),
                                "-" if ratio is None else f"{ratio:.2f}x{star}",
                                f"{(mem['kv_gpu_bytes'] + staging) / GiB:.2f}",
@@ -191,14 +197,18 @@ def bench_decode(args: list[str]) -> str:
             tok_s, t = _dense_at(fit, parse_length(text), r["settings"]["batch"])
             marks = True
             rows.append(([f"[{i}]"] if many else []) + [length(parse_length(text)), "dense, extrapolated*", "-", "-",
-                                                        f"{tok_s:.1f}*", "-", f"{t * 1e3:.1f}*"] + ["-"] * 7)
-    head = (["run"] if many else []) + ["context", "method", "KV", "prefill s", "decode tok/s", "steps counted",
+                                                        "-", "-", f"{tok_s:.1f}*", "-", f"{t * 1e3:.1f}*"] + ["-"] * 7)
+    head = (["run"] if many else []) + ["context", "method", "batch", "TP", "KV", "prefill s", "decode tok/s",
+                                        "steps counted",
                                         "step p50 ms", "vs dense", "KV GPU GiB", "KV host GiB", "hit ratio",
                                         "host->GPU GB/s", "keys read per query", "profiled step wall / device ms"]
     out = table(head, rows, drop_empty=True)
     out += ("\nDecode tok/s counts the steps in \"steps counted\" (the rest: CUDA-graph capture, compilation, the "
             "first eager step, profiled steps). KV GPU: the GPU tier and the staging area still held while "
             "decoding.\n")
+    if preempted:
+        out += ("\n† a sequence was preempted and its prompt recomputed between the decode steps (the KV tier was "
+                "smaller than the batch needs): the rate holds that prefill and is no steady decode rate.\n")
     if marks:
         fits = [r["dense_extrapolation"] for _, r in items if r.get("dense_extrapolation")]
         out += "\n\\* extrapolated, not measured: " + fits[0]["formula"] + "".join(

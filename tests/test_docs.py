@@ -92,6 +92,25 @@ def test_bench_decode_render_marks_extrapolated_values_and_counted_steps(tmp_pat
     assert "`longreach bench decode --lengths 1M`" in out
 
 
+def test_bench_decode_render_shows_batch_and_tp_and_flags_a_preempted_rate(tmp_path):
+    render_docs = _scripts()
+    mem = {"weights_bytes": 1, "kv_gpu_bytes": 1 << 30, "kv_staging_bytes": 0, "kv_host_bytes": 0}
+    row = {"context": 131072, "attention": "infinitehip", "kv_cache_dtype": "fp8", "offload": False,
+           "prefill_s": 10.0, "decode_tok_s": 123.5, "decode_steps": 77, "steps_counted": 73, "step_s_median": 0.04,
+           "memory": mem, "preemptions": 1}
+    path = tmp_path / "bd.json"
+    path.write_text(json.dumps({"runs": [row], "dense": [], "settings": {"batch": 16, "engine": {
+        "tensor_parallel_size": 2}}, "command": "longreach bench decode --batch 16"}))
+    out = render_docs.render("bench-decode", str(path))
+    assert "| context | method | batch | TP | KV |" in out
+    assert "| 128K | infinitehip | 16 | 2 | fp8 | 10.0 | 123.5† | 73/77 |" in out
+    assert "† a sequence was preempted" in out
+    row["preemptions"] = 0
+    path.write_text(json.dumps({"runs": [row], "dense": [], "settings": {"batch": 1}, "command": "c"}))
+    out = render_docs.render("bench-decode", str(path))
+    assert "| context | method | KV |" in out and "†" not in out  # batch 1, TP 1: no columns, no mark
+
+
 def test_ladder_render_flags_rows_that_ran_something_else_than_their_label():
     """A ladder row whose JSON ran another preset, overrides or RoPE scaling than its file label names is marked †,
     with what ran listed under the tables (oracle-true ran as `infinitehip:oracle` at an older commit)."""
