@@ -327,3 +327,23 @@ def test_a_kv_tier_too_small_for_the_batch_is_said_before_the_run(capsys):
     _warn_short_kv({"kv_cache_memory_gb": 40, "kv_offloading_size": 150}, 148.0, 8, 131072, 16, 64)
     _warn_short_kv({"kv_cache_memory_gb": 80, "tensor_parallel_size": 2}, 150.0, 8, 131072, 16, 64)
     assert "WARNING" not in capsys.readouterr().err  # the host tier holds it; each rank holds its half
+
+
+def test_the_warm_up_captures_the_engines_graphs_before_the_timed_run(tmp_path, monkeypatch):
+    """bench decode warms up as the server does: after its untimed prompt, `LLMEngine.capture_warm_graphs` (every
+    context bucket's prefill-selection graphs and the long decode variants), so that their kernels compile outside
+    the timed prefill."""
+    from longreach.engine.llm_engine import LLMEngine
+    from longreach.tools.bench.decode import run
+    from longreach.tools.eval.common import parse_methods
+
+    calls = []
+    monkeypatch.setattr(LLMEngine, "capture_warm_graphs", lambda self: calls.append(self.config.max_model_len))
+    run("random:tiny", [256], parse_methods(["infinitehip"]), {"device": "cpu", "dtype": "float32",
+                                                               "attention_config": SMALL},
+        decode_tokens=4, dense_lengths=[], out_path=str(tmp_path / "b.json"))
+    assert calls == [260]
+    run("random:tiny", [256], parse_methods(["infinitehip"]), {"device": "cpu", "dtype": "float32",
+                                                               "attention_config": SMALL},
+        decode_tokens=4, dense_lengths=[], out_path=str(tmp_path / "b.json"), warmup_tokens=0)
+    assert calls == [260]  # no warm-up asked: nothing captured either

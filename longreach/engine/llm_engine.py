@@ -347,6 +347,31 @@ class LLMEngine:
         """Sequences queued or running (a request of n samples counts n until each finishes)."""
         return sum(not s.finished for r in self._requests.values() for s in r.seqs)
 
+    def capture_warm_graphs(self) -> None:
+        """Before serving or timing: the backend's prefill-selection graphs for the scheduler's chunk sizes (a prompt
+        alone, beside others, and each paced size) at every context length up to max_model_len, and its decode
+        variants of one and two long rows (ModelRunner.capture_warm_variants), so that their kernels compile now and
+        not inside the first long request. With tensor parallelism each rank captures its own at first use instead
+        (rank 0 alone would capture them here). The server's warm-up and `bench decode` call it after their warm-up
+        request."""
+        if self.tp.world_size > 1:
+            logger.info("warm-up: tensor parallelism: the sparse decode variants and prefill-selection graphs are not "
+                        "captured up front (every rank captures each at first use, in the same step)")
+            return
+        t0 = time.perf_counter()
+        sizes = self.scheduler.chunk_sizes()
+        n = self.runner.capture_prefill_graphs(sizes)
+        if n:
+            logger.info("warm-up: %d prefill-selection graphs captured (chunks of %s tokens at every context length "
+                        "up to %d) in %.1f s", n, " and ".join(map(str, sorted(set(sizes)))),
+                        self.config.max_model_len, time.perf_counter() - t0)
+        t0 = time.perf_counter()
+        n = self.runner.capture_warm_variants()
+        if n:
+            logger.info("warm-up: %d decode-graph variants of long sequences captured (one and two long rows, alone "
+                        "and in a batch of 16, every context length and refresh level) in %.1f s", n,
+                        time.perf_counter() - t0)
+
     def prompt_logits(self, token_ids: list[int], return_logits: bool = True) -> torch.Tensor | None:
         """fp32 logits (T, V) of every position, by chunked prefill outside the scheduler (engine/scoring.py)."""
         return self.scorer.prompt_logits(token_ids, return_logits)

@@ -220,9 +220,8 @@ def make_state(engine, config: ServerConfig) -> ServerState:
 def warm_up(engine, tokens: int | None) -> None:
     """Run one untimed request through `engine` before the server listens: its prefill chunks (the first one and,
     past one chunk, one with a prefix) and a few decode steps, with a short request decoding beside its chunks (mixed
-    steps), compile the kernels the first clients would otherwise wait for; then the backend's prefill-selection graphs for the scheduler's chunk sizes (a prompt alone, beside
-    others, and each paced size with --mixed-step-target-ms) are captured at every context length, and its decode
-    variants of one and two long rows. `tokens` None: one chunk + 1024 on a GPU (at most
+    steps), compile the kernels the first clients would otherwise wait for; then the backend's graphs for every
+    context length (`LLMEngine.capture_warm_graphs`). `tokens` None: one chunk + 1024 on a GPU (at most
     max_model_len - 8), nothing on a CPU (0 skips both)."""
     from ..sampling_params import SamplingParams
 
@@ -243,22 +242,7 @@ def warm_up(engine, tokens: int | None) -> None:
         engine.step()
     logger.info("warm-up: one request of %d prompt tokens in %.1f s (kernels compiled before listening; "
                 "--warmup-tokens 0 skips it)", tokens, time.perf_counter() - t0)
-    if engine.tp.world_size > 1:  # rank 0 alone would capture them: each rank captures its own at first use
-        logger.info("warm-up: tensor parallelism: the sparse decode variants and prefill-selection graphs are not "
-                    "captured up front (every rank captures each at first use, in the same step)")
-        return
-    t0 = time.perf_counter()
-    sizes = engine.scheduler.chunk_sizes()  # a prompt alone, beside others, and paced (engine/pacing.py)
-    n = engine.runner.capture_prefill_graphs(sizes)
-    if n:
-        logger.info("warm-up: %d prefill-selection graphs captured (chunks of %s tokens at every context length up "
-                    "to %d) in %.1f s", n, " and ".join(map(str, sorted(set(sizes)))), cfg.max_model_len,
-                    time.perf_counter() - t0)
-    t0 = time.perf_counter()
-    n = engine.runner.capture_warm_variants()
-    if n:
-        logger.info("warm-up: %d decode-graph variants of long sequences captured (one and two long rows, alone and in "
-                    "a batch of 16, every context length and refresh level) in %.1f s", n, time.perf_counter() - t0)
+    engine.capture_warm_graphs()
 
 
 def freeze_heap() -> None:

@@ -90,6 +90,7 @@ def _measure(model: str, context: int, spec, engine_kwargs: dict, batch: int, de
             t0 = time.perf_counter()
             _drive(engine, _prompts(engine.model_config.vocab_size, warm, 1, seed + 1, state["text_ids"]), 4,
                    f"{label} warm-up", timed=False)
+            engine.capture_warm_graphs()  # as the server's warm-up: every context bucket's selection kernels
             _sync(dev)
             warmup_s = time.perf_counter() - t0
         if dev.type == "cuda":
