@@ -40,8 +40,10 @@ def _prompts(vocab: int, context: int, batch: int, seed: int, text_ids: list[int
 def _warmup_len(context: int, chunk: int, asked: int | None) -> int:
     """Tokens of the untimed warm-up prompt run on each engine before its measured prompt: `asked`, or by default
     one prefill chunk plus 4096 tokens (so that both the first-chunk and the chunk-with-prefix kernels compile), at
-    most half the context. Kernel variants keyed by a longer context's bucket may still compile in the timed run:
-    `prefill_jit` counts, times and names them (a note says so)."""
+    most half the context. After it the engine captures its graphs at every context bucket
+    (`LLMEngine.capture_warm_graphs`, as the server's warm-up); kernels that still compile in the timed run (the
+    eager attention's variants of a longer context) are counted, timed and named by `prefill_jit` (a note says
+    so)."""
     if asked is not None:
         return max(0, min(asked, context))
     return min(context // 2, chunk + 4096)
