@@ -9,7 +9,7 @@ prints the largest logit difference for dense and the sparse method. A sparse di
 dense one near eps says a last-bit change in q or k can flip a top-k choice at a selection boundary, enough to
 explain the GPU result without a TP bug; a sparse difference near eps says it cannot.
 
-    python scripts/tp_selection_sensitivity.py [--model qwen2.5-coder-0.5b] [--tokens 3000] [--eps 1e-7]
+    python scripts/tp_selection_sensitivity.py [--model qwen2.5-coder-0.5b] [--tokens 3000] [--eps 1e-7] [--out F]
 """
 from __future__ import annotations
 
@@ -50,6 +50,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--tokens", type=int, default=3000)
     ap.add_argument("--eps", type=float, default=1e-7)
     ap.add_argument("--seeds", type=int, default=1, help="perturbed runs per method")
+    ap.add_argument("--out", help="write the rows as JSON, with the run's provenance")
     args = ap.parse_args(argv)
     from longreach import LLM
     from longreach.tools.eval.data import paul_graham_text
@@ -66,6 +67,10 @@ def main(argv: list[str] | None = None) -> int:
                    "argmax_equal": int((moved.argmax(-1) == base.argmax(-1)).sum()), "positions": base.shape[0]}
             out["rows"].append(row)
             print(json.dumps(row), flush=True)
+    if args.out:
+        from longreach.tools.report import command_line, provenance, write_json
+        out["provenance"] = provenance(command_line(argv, "python scripts/tp_selection_sensitivity.py"), "cpu")
+        write_json(out, args.out)
     print(json.dumps(out))
     return 0
 
