@@ -50,6 +50,8 @@
 #                                           # vs bf16 at 4K dense, end to end (issue 31)
 #   bash scripts/device_runs.sh paced       # needs the model: bench mixed at 128K beside 32 decodes, 256-token chunks
 #                                           # (what --mixed-step-target-ms chose for infinitehip), profiled (issue 30)
+#   bash scripts/device_runs.sh mixeddeep   # needs the model: bench mixed as in `paced`, 4 steps profiled (device and
+#                                           # host) at 90% of the prompt, where infinitehip's chunks select (issue 30)
 #   bash scripts/device_runs.sh chunkgraphs # needs the model: tests/gpu's chunk-graph and box tests; then `paced` again
 #                                           # (prefill chunks through piecewise CUDA graphs now) (issue 30)
 #   bash scripts/device_runs.sh pagedprefill # needs the model: tests/gpu's paged-prefill test; then bench mixed at
@@ -169,6 +171,10 @@ profile8b)
     run profile_8b_128k 400 python3 -m longreach bench decode --lengths 128k --attention infinitehip@pruned \
         --attention-config '{"infinitehip@pruned": {"dense_below": null}}' --dense-lengths 128k --decode-tokens 64 \
         --profile-steps 4 --out "$out/bench-decode-128k-profile-8b.json" ;;
+mixeddeep)  # issue 30: where a 256-token chunk's step goes at 90% of a 128K prompt (infinitehip selects there)
+    run mixed_deep 420 python3 -m longreach bench mixed --model "$model" --context 131072 --decodes 32 \
+        --attention dense infinitehip --long-prefill-token-threshold 256 --profile-steps 4 --profile-at 0.9 \
+        --cprofile --out "$out/bench-mixed-128k-chunk256-deep-profile.json" ;;
 paced)
     run mixed_paced 420 python3 -m longreach bench mixed --model "$model" --context 131072 --decodes 32 \
         --attention dense infinitehip --long-prefill-token-threshold 256 --profile-steps 4 \

@@ -93,3 +93,18 @@ def test_bench_mixed_times_a_long_prefill_beside_decodes(tmp_path):
         assert r["standalone_prefill_s"] > 0 and r["mixed_prefill_s"] > 0 and r["decode_step_ms"] > 0
         assert r["profile"]["steps"] == 2 and r["host_profile"]
     assert rep["provenance"]["command"].startswith("longreach bench mixed")
+
+
+def test_bench_mixed_profiles_deep_in_the_prompt_when_asked(tmp_path, capsys):
+    """--profile-at 0.75: the profiled steps start once three quarters of the long prompt are prefilled (a sparse
+    method's chunks there select over most of it), and the JSON says from which token."""
+    from longreach.cli import main
+
+    out = tmp_path / "mixed.json"
+    assert main(["bench", "mixed", "--model", "random:tiny", "--device", "cpu", "--context", "2048", "--decodes", "2",
+                 "--decode-prompt", "16", "--attention", "dense", "--max-num-batched-tokens", "512",
+                 "--profile-steps", "2", "--profile-at", "0.75", "--out", str(out)]) == 0
+    r = json.loads(out.read_text())["runs"][0]
+    assert r["profiled_from_token"] == 1536 and r["profile"]["steps"] == 2  # 128-token chunks: 12 steps in
+    assert main(["bench", "mixed", "--model", "random:tiny", "--device", "cpu", "--profile-at", "1.5"]) != 0
+    assert "--profile-at is a share of the long prompt in [0, 1), got 1.5" in capsys.readouterr().err

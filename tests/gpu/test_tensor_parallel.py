@@ -44,11 +44,15 @@ def _run(gpu_model, size: int, dtype: str, **kw):
 
 
 def test_tp2_equals_tp1_on_two_gpus(gpu_model, detail):
-    """A 3K-token essay prompt in 1,024-token chunks, TP=2 (NCCL) against TP=1: in fp32, dense and infinitehip
-    (pruning; through each rank's CUDA graphs, NCCL captured in them, and eagerly) give equal greedy tokens and
-    prompt logits within 1e-4 of their scale (the two partial sums add in
-    another order than one matmul's); in bf16 (dense, and fp8 weights) the greedy tokens are reported beside the
-    logit difference, and must agree on the first 8 (bf16's reduction order may part later)."""
+    """A 3K-token essay prompt in 1,024-token chunks, TP=2 (NCCL) against TP=1: in fp32, dense gives equal greedy
+    tokens and prompt logits within 1e-4 of their scale (the two partial sums add in another order than one
+    matmul's). infinitehip (pruning; through each rank's CUDA graphs, NCCL captured in them, and eagerly) gives equal
+    greedy tokens; its logits are reported, not bounded: a rank's QKV columns are a matmul of another shape, whose
+    fp32 rounding on a GPU may differ in the last bits, and a top-k choice at a selection boundary can then flip
+    (on a CPU, q/k/v moved by 1e-7 relative moved its logits by 3.3 at a scale of 29.5 and dense's by 8e-5:
+    scripts/tp_selection_sensitivity.py, docs/design-tensor-parallel.md; the CPU's TP test, gloo, asks exact
+    equality). In bf16 (dense, and fp8 weights) the greedy tokens are reported beside the logit difference, and
+    must agree on the first 8 (bf16's reduction order may part later)."""
     rows = []
     for name, dtype, kw in (("dense fp32", "float32", {}),
                             ("infinitehip fp32", "float32", dict(attention="infinitehip", attention_config=SPARSE)),
@@ -61,7 +65,7 @@ def test_tp2_equals_tp1_on_two_gpus(gpu_model, detail):
         same = sum(a == b for a, b in zip(t1, t2))
         rows.append(f"{name}: max |logit diff| {diff:.2e} (scale {scale:.1f}), greedy tokens equal {same}/{len(t1)}")
         if dtype == "float32":
-            assert diff <= 1e-4 * scale and t1 == t2, rows[-1]
+            assert t1 == t2 and ("infinitehip" in name or diff <= 1e-4 * scale), rows[-1]
         else:
             assert t1[:8] == t2[:8], rows[-1]
     detail("; ".join(rows))

@@ -70,7 +70,10 @@ def add_arguments(p) -> None:
     mx.add_argument("--decodes", type=int, default=32, help="requests decoding beside it (default: 32)")
     mx.add_argument("--decode-prompt", type=int, default=512, help="their prompt tokens (default: 512)")
     mx.add_argument("--profile-steps", type=int, default=0, metavar="N",
-                    help="profile N mixed steps (from the fifth) under torch.profiler (default: 0)")
+                    help="profile N mixed steps (from the fifth, or see --profile-at) under torch.profiler (default: 0)")
+    mx.add_argument("--profile-at", type=float, default=0.0, metavar="F",
+                    help="start the profiled steps once this share of the long prompt is prefilled, 0-1 (default: "
+                         "0, the fifth step; 0.9: deep in the prompt, where a sparse method selects over most of it)")
     mx.add_argument("--cprofile", action="store_true", help="also the host's Python functions over those steps")
     mx.add_argument("--prefill-graphs", choices=["on", "off", "both"], default="on",
                     help="a sparse method's prefill selection through CUDA graphs (on, where supported), eagerly "
@@ -130,10 +133,12 @@ def _mixed(args) -> int:
 
     if args.decodes < 1 or args.decode_prompt < 1 or args.profile_steps < 0:
         raise ValueError("--decodes and --decode-prompt must be >= 1 and --profile-steps >= 0")
+    if not 0 <= args.profile_at < 1:
+        raise ValueError(f"--profile-at is a share of the long prompt in [0, 1), got {args.profile_at}")
     methods = parse_methods(args.attention, attention_config=args.attention_config)
     engine = {name: getattr(args, name) for name in EngineConfig.field_names() if name not in _DECODE_SETS}
     run(args.model, methods, engine, args.context, args.decodes, args.decode_prompt, args.seed or 0, args.profile_steps,
-        args.cprofile, args.out, command_line(args), args.prefill_graphs)
+        args.cprofile, args.out, command_line(args), args.prefill_graphs, args.profile_at)
     return 0
 
 

@@ -10,7 +10,9 @@ arrives. Every engine step is timed between device synchronisations. Reported pe
   mixed_step_ms         the steps while it is prefilled: median, p99, max (every one of them is an inter-token gap
                         of every short request: a step gives each decode row one token);
   profile               with --profile-steps N, N mixed steps under torch.profiler (bench/profile.py: wall vs
-                        device ms, top kernels) and, with --cprofile, the host's Python functions by own time.
+                        device ms, top kernels) and, with --cprofile, the host's Python functions by own time;
+                        from the fifth step, or (--profile-at F) from the first step once a share F of the long
+                        prompt is prefilled (`profiled_from_token` in the JSON).
 `--prefill-graphs off` runs a sparse method's prefill selection eagerly (attention/sparse/prefill_graph.py), `both`
 runs each sparse method twice, labelled METHOD and METHOD/eager-selection, so that one run compares them.
 Dense runs first when listed, so that the table shows both in one run. The JSON records command, commit and device.
@@ -49,7 +51,7 @@ def _alone(engine, prompt: list[int], rid: str) -> float:
 
 
 def run_method(engine, context: int, decodes: int, decode_prompt: int, seed: int, profile_steps: int,
-               cprofile: bool) -> dict:
+               cprofile: bool, profile_at: float = 0.0) -> dict:
     import cProfile
     import pstats
 
@@ -72,8 +74,12 @@ def run_method(engine, context: int, decodes: int, decode_prompt: int, seed: int
     engine.add_request("long", long_prompt, SamplingParams(temperature=0, max_tokens=1, ignore_eos=True))
     prof, host = StepProfiler(engine.device), cProfile.Profile() if cprofile else None
     mixed, chunk_tokens, prefill_s = [], [], 0.0
+    first = None  # the first profiled step: past the first four (compilation, captures) and `profile_at` of the prompt
+    done = 0  # the long prompt's tokens prefilled so far
     while any(s.request_id == "long" for s in [*engine.scheduler.waiting, *engine.scheduler.running]):
-        profiled = 4 <= len(mixed) < 4 + profile_steps  # past the first steps (compilation, captures)
+        if first is None and len(mixed) >= 4 and done >= profile_at * context:
+            first = (len(mixed), done)
+        profiled = first is not None and first[0] <= len(mixed) < first[0] + profile_steps
         if profiled:
             prof.start()
             if host is not None:
@@ -88,6 +94,7 @@ def run_method(engine, context: int, decodes: int, decode_prompt: int, seed: int
         prefill_s += dt
         mixed.append(dt)
         chunk_tokens.append(st.num_tokens - st.num_decode_tokens)
+        done += chunk_tokens[-1]
         if len(mixed) > 100_000:
             raise RuntimeError("the long prompt never finished its prefill")
     for i in range(decodes):
@@ -108,11 +115,13 @@ def run_method(engine, context: int, decodes: int, decode_prompt: int, seed: int
             "mixed_steps": len(mixed), "mixed_chunk_tokens_median": statistics.median(chunk_tokens),
             "mixed_step_ms": {"median": statistics.median(ms), "p99": ms[min(len(ms) - 1, int(0.99 * len(ms)))],
                               "max": ms[-1]},
-            "step_ms": [round(x * 1e3, 3) for x in mixed], "profile": prof.report(), "host_profile": top_host}
+            "step_ms": [round(x * 1e3, 3) for x in mixed], "profile": prof.report(), "host_profile": top_host,
+            "profiled_from_token": None if first is None or not profile_steps else first[1]}
 
 
 def run(model: str, methods, engine_kwargs: dict, context: int, decodes: int, decode_prompt: int, seed: int,
-        profile_steps: int, cprofile: bool, out_path: str, command: str, prefill_graphs: str = "on") -> dict:
+        profile_steps: int, cprofile: bool, out_path: str, command: str, prefill_graphs: str = "on",
+        profile_at: float = 0.0) -> dict:
     import gc
 
     from ...attention.sparse.backend import SparseBackend
@@ -133,7 +142,7 @@ def run(model: str, methods, engine_kwargs: dict, context: int, decodes: int, de
             pg.enabled = pg.enabled and graphs
         label = spec.label + ("/eager-selection" if graphs is False else "")
         row = {"label": label, "prefill_graphs": None if pg is None else pg.enabled,
-               **run_method(engine, context, decodes, decode_prompt, seed, profile_steps, cprofile)}
+               **run_method(engine, context, decodes, decode_prompt, seed, profile_steps, cprofile, profile_at)}
         if pg is not None:
             row.update(prefill_graph_captures=pg.captures, prefill_graph_replays=pg.replays,
                        prefill_graphs_disabled=pg.disabled_why)
