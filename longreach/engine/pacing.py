@@ -8,15 +8,17 @@ fixed token count suits every length, model and GPU.
 Rule (a per-sequence controller, no cost model): a prompt's chunk cap starts at the scheduler's long-prefill
 threshold. After each step that carried decode rows and chunks of it, the step's measured time is compared to the
 target: above it, the cap halves (to the largest power of two at most half the chunk just run); under half of it,
-the cap doubles (up to the threshold). The requests a paced step admits share one cap between them (`ADMISSIONS`, the
-sum of their first chunks), so a wave of new prompts arriving together (a closed loop's chats finishing at once) is
-spread over steps instead of making one step of the whole budget: a step that admitted 15 short prompts beside 35
-decode rows took ~130 ms on an H200 (docs/serving.md, the 1M run). Caps are powers of two of at least MIN_CHUNK (and never below `min_chunk`,
-the scheduler's chunk alignment: a bounded cache's stride, whose chunks end on its multiples), so a chunk keeps a
-prefill selection graph's shape (attention/sparse/prefill_graph.py) and the number of distinct shapes stays small. A step
-without decode rows is not paced (a prompt alone, or only prompts, prefills at the full budget), and its time is not
-used. The first step at a new shape may include a graph capture or a kernel compilation: the cap halves once too
-often, then grows back within two steps.
+the cap doubles (up to the threshold). The requests a paced step admits share one cap between them (`ADMISSIONS`,
+the sum of their first chunks), so a wave of new prompts arriving together (a closed loop's chats finishing at once)
+is spread over steps instead of making one step of the whole budget: a step that admitted 15 short prompts beside
+35 decode rows took ~130 ms on an H200 (docs/serving.md, the 1M run). Caps are powers of two of at least MIN_CHUNK
+(and never below `min_chunk`, the scheduler's chunk alignment: a bounded cache's stride, whose chunks end on its
+multiples), so a chunk keeps a prefill selection graph's shape (attention/sparse/prefill_graph.py) and the number of
+distinct shapes stays small. A step without decode rows is not paced (a prompt alone, or only prompts, prefills at
+the full budget), and its time is not used. The first step at a new shape may include a graph capture or a kernel
+compilation: the cap halves once too often, and grows back only after steps under half the target, which a step of
+the smallest chunk may never be (infinitehip's 256-token step beside 32 chats at 128K takes 25-35 ms on an H200: with
+a 40 ms target its chunks stay at 256; docs/serving.md).
 
 What it trades: smaller chunks cost more steps (each step's fixed cost: the decode rows, the weights read once), so
 the long prompt's own time to first token grows while the others' inter-token latency falls. docs/serving.md has the

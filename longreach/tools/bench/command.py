@@ -70,7 +70,8 @@ def add_arguments(p) -> None:
     mx.add_argument("--decodes", type=int, default=32, help="requests decoding beside it (default: 32)")
     mx.add_argument("--decode-prompt", type=int, default=512, help="their prompt tokens (default: 512)")
     mx.add_argument("--profile-steps", type=int, default=0, metavar="N",
-                    help="profile N mixed steps (from the fifth, or see --profile-at) under torch.profiler (default: 0)")
+                    help="profile N mixed steps (from the fifth, or see --profile-at) under torch.profiler "
+                         "(default: 0)")
     mx.add_argument("--profile-at", type=float, default=0.0, metavar="F",
                     help="start the profiled steps once this share of the long prompt is prefilled, 0-1 (default: "
                          "0, the fifth step; 0.9: deep in the prompt, where a sparse method selects over most of it)")
