@@ -14,6 +14,7 @@ explain the GPU result without a TP bug; a sparse difference near eps says it ca
 from __future__ import annotations
 
 import argparse
+import gc
 import json
 import sys
 
@@ -42,6 +43,8 @@ def prompt_logits(model: str, ids: list[int], eps: float, seed: int, **kw) -> to
         for h in hooks:
             h.remove()
         llm.close()
+        del llm
+        gc.collect()  # two engines' weights and KV at once outgrow a 24 GiB machine beside the logits
 
 
 def main(argv: list[str] | None = None) -> int:
