@@ -71,8 +71,11 @@ def main(argv: list[str] | None = None) -> int:
             out["rows"].append(row)
             print(json.dumps(row), flush=True)
     if args.out:
-        from longreach.tools.report import command_line, provenance, write_json
-        out["provenance"] = provenance(command_line(argv, "python scripts/tp_selection_sensitivity.py"), "cpu")
+        import shlex
+
+        from longreach.tools.report import provenance, write_json
+        typed = ["python", "scripts/tp_selection_sensitivity.py", *(sys.argv[1:] if argv is None else argv)]
+        out["provenance"] = provenance(shlex.join(typed), "cpu")
         write_json(out, args.out)
     print(json.dumps(out))
     return 0
