@@ -60,3 +60,18 @@ def test_default_schedule_never_keeps_its_every_step_stage():
     # gather of its cached copy are gone, and its sub-chunk ids are one add
     assert all(n <= 9 * layers for n in graph["per_step"][1:4]), graph["per_step"]
     assert graph["by_level"][2]["aten::where"] == 0, graph["by_level"][2]
+
+
+def test_a_prefill_chunks_attention_launches_few_ops_outside_its_selection_graph():
+    """scripts/count_chunk_ops.py (issue 30): past the first chunk, a 256-token chunk's attention runs per layer one
+    selection-graph replay, the box build and the block-sparse attention kernel, and a few torch ops around them
+    (14 per layer in this 2-layer model when written, 10 averaged over the script's 4 layers: the static inputs'
+    copies, the chunk's query blocks). A bound, so that host work per chunk and layer does not creep back in (on a
+    GPU each is a launch from Python)."""
+    from count_chunk_ops import count
+
+    r = count(context=512, chunk=256, layers=2)
+    assert len(r["chunks"]) == 1 and r["replays"] >= 2  # every layer of the chunk replayed its selection
+    eager, launches, inside = r["chunks"][0]
+    assert eager <= 16 * 2 and launches == 2 * 2 and inside > eager, r["chunks"]
+    assert r["ops"]["triton::_bsa_kernel"] == 2 and r["ops"]["triton::_box_build_kernel"] == 2
