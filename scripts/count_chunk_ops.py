@@ -26,19 +26,12 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 import torch  # noqa: E402
 
-from count_decode_ops import Counter, build  # noqa: E402
+from count_decode_ops import Counter, build, counting_patches, patched  # noqa: E402
 
 
 def count(context: int = 4096, chunk: int = 256, layers: int = 4, seed: int = 0) -> dict:
     """{"chunks": [(eager ops, Triton launches, selection-graph ops) of each chunk past the first], "ops": Counter of
     the eager ops and launches over those chunks, "layers": layers}."""
-    import triton.runtime.interpreter as interp
-
-    import longreach.attention.box_store as box_store
-    import longreach.attention.sparse.backend as sparse_backend
-    import longreach.attention.sparse.selection as selection
-    import longreach.kernels.key_boxes as key_boxes
-    from longreach.attention.sparse.backend import SparseBackend
     from longreach.attention.sparse.prefill_graph import PrefillGraphs
     from longreach.sampling_params import SamplingParams
 
@@ -50,25 +43,8 @@ def count(context: int = 4096, chunk: int = 256, layers: int = 4, seed: int = 0)
     counter = Counter()
     graph_ops = collections.Counter()
     kernels: collections.Counter = collections.Counter()
-    real_call = interp.GridExecutor.__call__
-    real_forward, real_run = SparseBackend.forward, PrefillGraphs._run
+    real_run = PrefillGraphs._run
     inside = {"graph": 0}
-
-    def launch(self, *a, **k):
-        counter.in_kernel += 1
-        try:
-            if counter.active:
-                (graph_ops if inside["graph"] else kernels)["triton::" + self.fn.__name__] += 1
-            return real_call(self, *a, **k)
-        finally:
-            counter.in_kernel -= 1
-
-    def forward(self, *a, **k):
-        counter.active = True
-        try:
-            return real_forward(self, *a, **k)
-        finally:
-            counter.active = False
 
     def run(self, *a, **k):  # the selection graph's body: counted apart
         before = collections.Counter(counter.ops)
@@ -80,34 +56,25 @@ def count(context: int = 4096, chunk: int = 256, layers: int = 4, seed: int = 0)
             graph_ops.update(counter.ops - before)
             counter.ops.subtract(counter.ops - before)
 
-    on = lambda *where, interpreter=False: True  # noqa: E731 - the GPU code path, kernels interpreted
-    patches = [(m, "use_triton", on) for m in (selection, sparse_backend, box_store, key_boxes)]
-    patches += [(interp.GridExecutor, "__call__", launch), (SparseBackend, "forward", forward),
-                (PrefillGraphs, "_run", run)]
-    saved = [(obj, name, getattr(obj, name)) for obj, name, _ in patches]
+    patches = counting_patches(counter, lambda name: (graph_ops if inside["graph"] else kernels).update([name]))
+    patches.append((PrefillGraphs, "_run", run))
     ids = torch.randint(3, 500, (context,), generator=torch.Generator().manual_seed(seed)).tolist()
     engine.add_request("0", ids, SamplingParams(temperature=0, max_tokens=1, ignore_eos=True))
     chunks, total = [], collections.Counter()
-    try:
-        for obj, name, new in patches:
-            setattr(obj, name, new)
-        with counter:
-            first = True
-            while engine.scheduler.prefill_pending():
-                counter.ops.clear()
-                kernels.clear()
-                graph_ops.clear()
-                engine.step()
-                if first:  # the first chunk (no prefix, graphs captured): left out
-                    first = False
-                    continue
-                eager = +counter.ops
-                chunks.append((sum(eager.values()), sum(kernels.values()), sum(graph_ops.values())))
-                total.update(eager)
-                total.update(kernels)
-    finally:
-        for obj, name, old in saved:
-            setattr(obj, name, old)
+    with patched(patches), counter:
+        first = True
+        while engine.scheduler.prefill_pending():
+            counter.ops.clear()
+            kernels.clear()
+            graph_ops.clear()
+            engine.step()
+            if first:  # the first chunk (no prefix, graphs captured): left out
+                first = False
+                continue
+            eager = +counter.ops
+            chunks.append((sum(eager.values()), sum(kernels.values()), sum(graph_ops.values())))
+            total.update(eager)
+            total.update(kernels)
     return {"chunks": chunks, "ops": total, "layers": layers, "replays": pg.replays}
 
 

@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import argparse
 import collections
+import contextlib
 import os
 import sys
 
@@ -60,6 +61,55 @@ class Counter(TorchDispatchMode):
         return out
 
 
+def counting_patches(counter: Counter, on_launch) -> list:
+    """(object, attribute, replacement) patches every op count here applies: the Triton kernels forced on in each
+    module that chooses them (the GPU code path, run by Triton's interpreter), each launch made while the counter is
+    active handed to `on_launch("triton::NAME")` (the interpreter's own torch ops not counted), and the counter active
+    inside `SparseBackend.forward`. Apply them with `patched`."""
+    import triton.runtime.interpreter as interp
+
+    import longreach.attention.box_store as box_store
+    import longreach.attention.sparse.backend as sparse_backend
+    import longreach.attention.sparse.selection as selection
+    import longreach.kernels.key_boxes as key_boxes
+    from longreach.attention.sparse.backend import SparseBackend
+
+    real_call, real_forward = interp.GridExecutor.__call__, SparseBackend.forward
+
+    def launch(self, *a, **k):
+        counter.in_kernel += 1
+        try:
+            if counter.active:
+                on_launch("triton::" + self.fn.__name__)
+            return real_call(self, *a, **k)
+        finally:
+            counter.in_kernel -= 1
+
+    def forward(self, *a, **k):
+        counter.active = True
+        try:
+            return real_forward(self, *a, **k)
+        finally:
+            counter.active = False
+
+    on = lambda *where, interpreter=False: True  # noqa: E731 - the GPU code path, kernels interpreted
+    return ([(m, "use_triton", on) for m in (selection, sparse_backend, box_store, key_boxes)]
+            + [(interp.GridExecutor, "__call__", launch), (SparseBackend, "forward", forward)])
+
+
+@contextlib.contextmanager
+def patched(patches: list):
+    """Apply (object, attribute, replacement) patches for the block, then put the originals back."""
+    saved = [(obj, name, getattr(obj, name)) for obj, name, _ in patches]
+    try:
+        for obj, name, new in patches:
+            setattr(obj, name, new)
+        yield
+    finally:
+        for obj, name, old in saved:
+            setattr(obj, name, old)
+
+
 def build(context: int, layers: int, refresh=None):
     from longreach.engine.llm import LLM
     from longreach.models import random_init
@@ -82,12 +132,6 @@ def count(steps: int = 16, context: int = 2048, layers: int = 4, seed: int = 0, 
     "tokens": the sampled tokens, "picked": (layer, blocks, counts) of every attended layer of every step}.
     `graph` False: the eager decode step (no graph variants), the same kernels forced on. `refresh`: the schedule
     (default CONFIG's (16, 8, 4))."""
-    import triton.runtime.interpreter as interp
-
-    import longreach.attention.box_store as box_store
-    import longreach.attention.sparse.backend as sparse_backend
-    import longreach.attention.sparse.selection as selection
-    import longreach.kernels.key_boxes as key_boxes
     from longreach.attention.sparse.backend import SparseBackend
     from longreach.attention.sparse.graph import GraphDecoder
     from longreach.sampling_params import SamplingParams
@@ -103,18 +147,6 @@ def count(steps: int = 16, context: int = 2048, layers: int = 4, seed: int = 0, 
 
     counter = Counter()
     kernels: collections.Counter = collections.Counter()
-    real_call = interp.GridExecutor.__call__
-
-    def launch(self, *a, **k):
-        counter.in_kernel += 1
-        try:
-            if counter.active:
-                kernels["triton::" + self.fn.__name__] += 1
-            return real_call(self, *a, **k)
-        finally:
-            counter.in_kernel -= 1
-
-    real_forward = SparseBackend.forward
     real_attend = SparseBackend.attend
     picked: list = []  # per attended layer of each step: (blocks, counts) as the attention reads them
 
@@ -131,24 +163,12 @@ def count(steps: int = 16, context: int = 2048, layers: int = 4, seed: int = 0, 
         keys.append(key)
         return key, load
 
-    def forward(self, *a, **k):
-        counter.active = True
-        try:
-            return real_forward(self, *a, **k)
-        finally:
-            counter.active = False
-
-    on = lambda *where, interpreter=False: True  # noqa: E731 - the GPU code path, kernels interpreted
-    patches = [(m, "use_triton", on) for m in (selection, sparse_backend, box_store, key_boxes)]
-    patches += [(interp.GridExecutor, "__call__", launch), (SparseBackend, "forward", forward),
-                (GraphDecoder, "step", graph_step), (SparseBackend, "attend", attend)]
-    saved = [(obj, name, getattr(obj, name)) for obj, name, _ in patches]
+    patches = counting_patches(counter, lambda name: kernels.update([name]))
+    patches += [(GraphDecoder, "step", graph_step), (SparseBackend, "attend", attend)]
     per_step, per_kernels, levels, total = [], [], [], collections.Counter()
     by_level: dict = {}
     tokens = None
-    try:
-        for obj, name, new in patches:
-            setattr(obj, name, new)
+    with patched(patches):
         with counter:
             for _ in range(steps):
                 counter.ops.clear()
@@ -162,9 +182,6 @@ def count(steps: int = 16, context: int = 2048, layers: int = 4, seed: int = 0, 
                 total.update(kernels)
                 levels.append(keys[0][1] if keys else None)
                 by_level.setdefault(levels[-1], collections.Counter()).update(counter.ops + kernels)
-    finally:
-        for obj, name, old in saved:
-            setattr(obj, name, old)
     return {"per_step": per_step, "kernels": per_kernels, "ops": total, "levels": levels, "tokens": tokens,
             "layers": layers, "by_level": by_level, "picked": picked}
 
