@@ -73,6 +73,8 @@
 #                                           # (TP=2 over NCCL vs TP=1); then bench decode, 8B shape, bf16, 128K,
 #                                           # infinitehip pruned vs dense, TP=1 then TP=2 (issue 32's scaling row)
 #   bash scripts/device_runs.sh tp2bench    # no model: tp2's bench alone (8B shape, 128K, TP=1 then TP=2)
+#   bash scripts/device_runs.sh default8b   # 8B shape, bf16: bench decode at 128K, the default vs dense, the last 4
+#                                           # steps profiled (issue 31's 2x-dense-at-128K goal)
 #   bash scripts/device_runs.sh profile8b   # 8B shape, bf16: bench decode at 128K, infinitehip pruned vs dense, the
 #                                           # last 4 steps profiled (where the sparse step's fixed cost goes; issue 31)
 # A group's first command compiles kernels (~30-60 s); bench decode runs an untimed warm-up prompt first.
@@ -97,7 +99,8 @@ for group in "$@"; do
 case "$group" in
 batch16)  # the host tier holds all 16 x 131,136 tokens (fp8 pages with their scales: ~145 GiB; 132 GiB preempted one)
     run batch16 1500 $bd --kv-cache-memory-gb 40 --kv-offloading-size 150 --batch 16 --lengths 128k \
-        --attention infinitehip --dense-lengths 4k --decode-tokens 64 --out "$out/bench-decode-16x128k.json" ;;
+        --attention infinitehip --dense-lengths 4k --decode-tokens 64 --profile-steps 4 \
+        --out "$out/bench-decode-16x128k.json" ;;
 batch16tp2)  # the same 16 x 128K on two GPUs without offload (76 GiB of fp8 KV per rank; 72 preempted one)
     run batch16_tp2 600 $bd --kv-cache-memory-gb 76 --tensor-parallel-size 2 --batch 16 --lengths 128k \
         --attention infinitehip --dense-lengths 4k --decode-tokens 64 --out "$out/bench-decode-16x128k-tp2.json" ;;
@@ -167,6 +170,9 @@ tp2short)  # no model needed: tp2's bench at 32K (8B shape, random weights), whe
             --dense-lengths 32k --decode-tokens 64 --tensor-parallel-size "$n" \
             --out "$out/bench-decode-32k-8b-tp$n.json"
     done ;;
+default8b)  # issue 31: the default at 128K on the 8B shape (bf16, no offload), dense in the same run, 4 steps profiled
+    run default_8b_128k 400 python3 -m longreach bench decode --lengths 128k --attention infinitehip \
+        --dense-lengths 128k --decode-tokens 64 --profile-steps 4 --out "$out/bench-decode-128k-default-8b.json" ;;
 profile8b)
     run profile_8b_128k 400 python3 -m longreach bench decode --lengths 128k --attention infinitehip@pruned \
         --attention-config '{"infinitehip@pruned": {"dense_below": null}}' --dense-lengths 128k --decode-tokens 64 \

@@ -1,30 +1,35 @@
 #!/usr/bin/env bash
-# Issue 30's and 32's GPU runs on one nvidia-h200-x2 (or h100-x2) lease, both GPUs busy at once. SmolLM2 staged first
-# (scripts/device_model.sh: calls 1..N-1), then, in call N after `source .carry/N/assemble.sh`:
+# Issue 30's GPU runs at today's code on one nvidia-h200-x2 (or h100-x2) lease, both GPUs busy at once. SmolLM2 staged
+# first (scripts/device_model.sh: calls 1..N-1), then, in call N after `source .carry/N/assemble.sh`:
 #   PART=start bash scripts/device_x2_plan.sh     # two chains under setsid, returns at once:
 #                                                 #   GPU 1: the serving runs (1M among 64 chats and the 128K mixed
-#                                                 #   load, paced 40 ms; the 128K load unpaced), then `mixeddeep`
-#                                                 #   GPU 0: `batch16` (16 x 128K, 8B shape, fp8, offloaded)
+#                                                 #   load, paced 40 ms; the 128K load unpaced), `mixeddeep`, then
+#                                                 #   the 10-minute soak (64 streams)
+#                                                 #   GPU 0: `default8b` (issue 31's 128K row, GPU work only), then
+#                                                 #   `batch16` (16 x 128K, 8B shape, fp8, offloaded: host-heavy, so
+#                                                 #   it starts after the serving runs' latency-bound parts)
 # and in the next calls, back to back (the machine goes back after ~30 s idle):
-#   PART=collect WAIT_S=560 bash scripts/device_x2_plan.sh   # wait for both chains, copy what they wrote to $OUT
-#   PART=tp bash scripts/device_x2_plan.sh        # then on both GPUs: batch16tp2, tp2bench (no model needed)
-# Files: $OUT/gpu1.tgz (the serve-bench archives, mixeddeep's JSON and log), $OUT/gpu0.tgz (batch16's), $OUT/tp/.
+#   PART=collect WAIT_S=560 bash scripts/device_x2_plan.sh   # wait for both chains (again until both are done),
+#                                                 # copy what they wrote so far to $OUT
+#   PART=tp bash scripts/device_x2_plan.sh        # on both GPUs: batch16tp2, tp2bench (no model needed; issue 32)
+# Files: $OUT/gpu1.tgz (the serve-bench archives, mixeddeep's JSON and log, the soak's), $OUT/gpu0.tgz, $OUT/tp/.
 set -u
 out=${OUT:-out}
 case ${PART:-start} in
 start)
-    mkdir -p /tmp/x2/gpu0 /tmp/x2/gpu1
+    mkdir -p /tmp/x2/gpu0 /tmp/x2/gpu1 /tmp/soak
     CUDA_VISIBLE_DEVICES=1 setsid nohup bash -c '
         OUT=/tmp/x2/gpu1 PARTS="long1m mixed128k" EXTRA="--mixed-step-target-ms 40" TAG=-paced40 \
             bash scripts/device_serve_bench.sh
         OUT=/tmp/x2/gpu1 PARTS=mixed128k PORT=8012 bash scripts/device_serve_bench.sh
         OUT=/tmp/x2/gpu1 bash scripts/device_runs.sh mixeddeep
+        OUT=/tmp/x2/gpu1/soak PARTS=soak_run PORT=8013 bash scripts/device_serve_bench.sh
         touch /tmp/x2/gpu1/done' > /tmp/x2/gpu1/driver.log 2>&1 < /dev/null &
     CUDA_VISIBLE_DEVICES=0 setsid nohup bash -c '
-        OUT=/tmp/x2/gpu0 bash scripts/device_runs.sh batch16
+        OUT=/tmp/x2/gpu0 bash scripts/device_runs.sh default8b batch16
         touch /tmp/x2/gpu0/done' > /tmp/x2/gpu0/driver.log 2>&1 < /dev/null &
     nvidia-smi --query-gpu=name,memory.total --format=csv,noheader
-    echo "started: GPU 1 serving runs + mixeddeep, GPU 0 batch16 (/tmp/x2); collect with PART=collect" ;;
+    echo "started: GPU 1 serving runs + mixeddeep + soak, GPU 0 default8b + batch16 (/tmp/x2); collect with PART=collect" ;;
 collect)
     for _ in $(seq "${WAIT_S:-560}"); do
         [ -e /tmp/x2/gpu0/done ] && [ -e /tmp/x2/gpu1/done ] && break
