@@ -80,6 +80,7 @@ for part in ${PARTS:-mixed128k}; do
         fi
         cp "$out"/* /tmp/soak/ 2> /dev/null; touch /tmp/soak/done ;;
     soak_collect)
+        [ -d /tmp/soak ] || { echo "no /tmp/soak: this machine did not start the soak (the lease was lost)"; exit 3; }
         for _ in $(seq ${WAIT_S:-560}); do [ -e /tmp/soak/done ] && break; sleep 1; done
         [ -e /tmp/soak/done ] || echo "soak not done yet"
         cp /tmp/soak/*.json /tmp/soak/*.log "$out"/ 2> /dev/null; tail -30 /tmp/soak/driver.log ;;

@@ -31,6 +31,8 @@ start)
     nvidia-smi --query-gpu=name,memory.total --format=csv,noheader
     echo "started: GPU 1 serving runs + mixeddeep + soak, GPU 0 default8b + batch16 (/tmp/x2); collect with PART=collect" ;;
 collect)
+    # a fresh machine (the held one went back after ~30 s idle) has nothing to wait for: say so at once
+    [ -d /tmp/x2 ] || { echo "no /tmp/x2: this machine did not run PART=start (the lease was lost)"; exit 3; }
     for _ in $(seq "${WAIT_S:-560}"); do
         [ -e /tmp/x2/gpu0/done ] && [ -e /tmp/x2/gpu1/done ] && break
         sleep 1

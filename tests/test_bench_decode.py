@@ -347,3 +347,27 @@ def test_the_warm_up_captures_the_engines_graphs_before_the_timed_run(tmp_path, 
                                                                "attention_config": SMALL},
         decode_tokens=4, dense_lengths=[], out_path=str(tmp_path / "b.json"), warmup_tokens=0)
     assert calls == [260]  # no warm-up asked: nothing captured either
+
+
+@pytest.mark.skipif("kv_offloading_size" not in EngineConfig.field_names(), reason="needs the KV offload store")
+def test_a_batch_is_timed_decoding_together_after_every_prompt_is_prefilled(tmp_path):
+    """An offloaded batch alternates prefill steps with decode steps of the prompts already done: those steps (fewer
+    rows than the batch) are left out as `prefill_pending`, the first requests decode catch-up tokens meanwhile, and
+    the rate counts `decode_tokens - 1` steps of every row after the last prompt is prefilled. Mixed steps (no
+    offload) carry the early decodes inside prefill steps: the same count, all rows."""
+    from longreach.tools.bench.decode import run
+    from longreach.tools.bench.decode_steps import catch_up_tokens
+    from longreach.tools.eval.common import parse_methods
+
+    assert catch_up_tokens(1, 384, {}) == 0 and catch_up_tokens(3, 384, {"max_num_batched_tokens": 128}) == 3 * 12
+    base = {"device": "cpu", "dtype": "float32", "attention_config": SMALL, "max_num_batched_tokens": 128}
+    for extra, interleaved in (({}, False), ({"kv_offloading_size": 0.01, "kv_cache_memory_gb": 0.0005}, True)):
+        r = run("random:tiny", [384], parse_methods(["infinitehip"]), {**base, **extra}, batch=3, decode_tokens=6,
+                dense_lengths=[], out_path=str(tmp_path / "b.json"))
+        x = r["runs"][0]
+        assert "error" not in x, x
+        pending = x["steps_excluded"].get("prefill_pending", [])
+        assert bool(pending) == interleaved, x["steps_excluded"]
+        assert x["decode_steps"] - len(pending) == 5  # decode_tokens - 1 steps after the last prompt's prefill
+        assert x["counted_rows_min"] == 3 and x["preemptions"] == 0
+        assert x["steps_counted"] == 5 - sum(i not in pending for i in x["steps_excluded"].get("first_eager", []))

@@ -2,9 +2,14 @@
 
 Default model: `random:llama-3.1-8b`, random bf16 weights in the Llama-3.1-8B shape (models/random_init.py); every
 report made with a random model says so. For each context length and attention method the engine is built with
-max_model_len = context + decode tokens, `batch` prompts of random token ids of that length are prefilled and each
-decodes `decode_tokens` tokens (ignore_eos). Reported per run:
-  prefill    seconds from the first prefill step to the last (every step timed between torch.cuda.synchronize());
+max_model_len = context + decode tokens (+ the catch-up tokens of a batch, below), `batch` prompts of random token
+ids of that length are prefilled and decode `decode_tokens` tokens together (ignore_eos). A batch's first prompts
+done decode while the others are prefilled (in mixed steps, or in decode steps alternating with an offloaded
+prefill's): those requests may generate up to `catch_up_tokens` more, the rate counts only the `decode_tokens - 1`
+steps after the last prompt is prefilled (every row of the batch in each), and the requests are aborted after them
+(bench/decode_steps.py). Reported per run:
+  prefill    seconds of the prefill steps, the first to the last (every step timed between torch.cuda.synchronize();
+             an offloaded batch's decode steps between them are decode steps, left out as `prefill_pending`);
              the first run of a process also pays for compiling its prefill kernels (`prefill_first_step_s`);
              kernels compiled inside the timed prefill (a length bucket the warm-up prompt did not reach) are
              counted, timed and named in `prefill_jit`, and a note says so (bench/jit_watch.py);
@@ -56,7 +61,7 @@ from .decode_memory import (
     _weights_bytes,
 )
 from .decode_report import _fill_dense_column, _fmt_len, _one_line, _summary, format_table
-from .decode_steps import _drive, _note, _prompts, _sync, _text_ids, _warmup_len, steps_excluded
+from .decode_steps import _drive, _note, _prompts, _sync, _text_ids, _warmup_len, catch_up_tokens, steps_excluded
 
 WORKSPACE_MARGIN = 2 * GiB  # activations of a prefill chunk, CUDA graphs, allocator slack (dense fit estimate)
 ANCHOR = 4096  # a short dense context, so that two dense points fix the extrapolation's slope
@@ -73,7 +78,8 @@ def _measure(model: str, context: int, spec, engine_kwargs: dict, batch: int, de
 
     label = f"{_fmt_len(context)} {spec.label}"
     _note(f"{label}: building the engine")
-    llm = LLM(model, attention=spec.name, preset=spec.preset, max_model_len=context + decode_tokens,
+    catch_up = catch_up_tokens(batch, context, engine_kwargs)
+    llm = LLM(model, attention=spec.name, preset=spec.preset, max_model_len=context + decode_tokens + catch_up,
               max_num_seqs=batch, **engine_kwargs)
     try:
         engine = llm.engine
@@ -97,7 +103,7 @@ def _measure(model: str, context: int, spec, engine_kwargs: dict, batch: int, de
             torch.cuda.reset_peak_memory_stats(dev)
         reads0 = engine.backend.decode_reads()
         run = _drive(engine, prompts, decode_tokens, label, state.get("profile_steps") or 0,
-                     state.get("profile_prefill_steps") or 0)
+                     state.get("profile_prefill_steps") or 0, catch_up=catch_up)
         reads = reads_between(reads0, engine.backend.decode_reads())
         from .profile import format_report
 
@@ -134,6 +140,8 @@ def _measure(model: str, context: int, spec, engine_kwargs: dict, batch: int, de
             # what the rates count: decode_tok_s the steps not excluded (decode_steps.EXCLUDED: {reason: indices});
             # prefill_tok_s every prefill step, compilations inside them included (prefill_jit)
             "steps_counted": len(steady), "steps_excluded": steps_excluded(steps),
+            # rows of the counted steps: the batch in each, unless a request ran out of catch-up tokens
+            "counted_rows_min": min((s["tokens"] for s in steady), default=None),
             "prefill_steps_counted": run["prefill_steps"],
             "step_s_mean": steady_s / len(steady) if steady else None,
             "step_s_median": statistics.median(s["s"] for s in steady) if steady else None,
@@ -154,6 +162,9 @@ def _measure(model: str, context: int, spec, engine_kwargs: dict, batch: int, de
             "offload_stats": _offload_summary(run["snaps"], steps, run["prefill_before"], steady_s),
             "profile": run["profile"], "prefill_profile": run["prefill_profile"],
         }
+        if steady and row["counted_rows_min"] < batch:
+            _note(f"WARNING: {label}: a counted decode step had {row['counted_rows_min']} rows of the batch's {batch} "
+                  f"(a request finished its catch-up tokens before the last prompt was prefilled)")
     finally:
         llm = engine = None  # drop the engine (KV, graphs) before the next one is built
         _free()
@@ -270,14 +281,14 @@ def run(model: str, lengths: list[int], methods: list, engine_kwargs: dict, batc
             kw = {**engine_kwargs, "attention_config": method_config(spec, engine_kwargs.get("attention_config")),
                   **decode_kwargs(spec, engine_kwargs.get("attention_config"))}  # "A+B": B decodes
             mc = state.get("model_config")
-            need = None if mc is None else _kv_budget_gb(_kv_need_bytes(mc, context, decode_tokens, batch, kw,
-                                                                        run_dtype))
+            extra = decode_tokens + catch_up_tokens(batch, context, kw)  # what each request may generate
+            need = None if mc is None else _kv_budget_gb(_kv_need_bytes(mc, context, extra, batch, kw, run_dtype))
             if kw.get("kv_offloading_size") and need is not None:  # pin what this context needs, at most the flag
                 kw["kv_offloading_size"] = min(kw["kv_offloading_size"], need)
             elif device.type == "cuda" and kw.get("kv_cache_memory_gb") is None and need is not None:
                 kw["kv_cache_memory_gb"] = need  # the KV sized to the context, so the memory split means something
             if need is not None:
-                _warn_short_kv(kw, need, mc.num_kv_heads, context, batch, decode_tokens)
+                _warn_short_kv(kw, need, mc.num_kv_heads, context, batch, extra)
             try:
                 row = _measure(model, context, spec, kw, batch, decode_tokens, engine_kwargs.get("seed", 0), state)
             except Exception as e:  # noqa: BLE001 - record it and go on with the next context / method
@@ -288,7 +299,8 @@ def run(model: str, lengths: list[int], methods: list, engine_kwargs: dict, batc
             _note(_summary(row))
             save()
         if context in dense_lengths:
-            kw, why = _dense_plan(context, batch, decode_tokens, engine_kwargs, state, device, run_dtype)
+            kw, why = _dense_plan(context, batch, decode_tokens + catch_up_tokens(batch, context, engine_kwargs),
+                                  engine_kwargs, state, device, run_dtype)
             entry = {"context": context, "attention": "dense", "batch": batch}
             if kw is None:
                 entry.update(status="does not fit", reason=why)

@@ -4,7 +4,14 @@ device synchronisations and says of each decode step whether it counts in the ra
   graph_capture  a CUDA-graph variant was captured in the step;
   jit            a Triton kernel compiled in it (bench/jit_watch.py);
   first_eager    without CUDA graphs, the first decode step (its kernels' first launch);
-  profiled       it ran under torch.profiler (--profile-steps).
+  profiled       it ran under torch.profiler (--profile-steps);
+  prefill_pending  a step of the sequences already prefilled while the batch's other prompts were still waiting or
+                 part-way through theirs (an offloaded store, which mixes no decode rows into prefill steps,
+                 alternates such steps with the prefill's): fewer rows than the batch, no steady batch step.
+A batch decodes together only once every prompt is prefilled, and the first prompts done decode meanwhile (one token
+per prefill step in a mixed step, or per alternating decode step): each request may generate `catch_up_tokens` more
+than `decode_tokens`, and the run stops (aborting the requests) after `decode_tokens - 1` decode steps counted from
+the moment no prompt was left to prefill, so every batch has that many steps of all its rows.
 """
 from __future__ import annotations
 
@@ -12,7 +19,20 @@ import time
 
 from .decode_memory import _kv_stats
 
-EXCLUDED = ("graph_capture", "jit", "first_eager", "profiled")  # why a decode step is left out of the rate
+EXCLUDED = ("graph_capture", "jit", "first_eager", "profiled", "prefill_pending")  # why a decode step is left out
+
+
+def catch_up_tokens(batch: int, context: int, engine_kwargs: dict) -> int:
+    """Tokens a request of a `batch` of `context`-token prompts may decode while the others are still prefilled: at
+    most one per prefill step, and a prefill step carries at least one chunk of min(budget, long-prefill threshold)
+    tokens or a prompt's last piece, so there are at most batch x ceil(context / that) of them (0 alone)."""
+    if batch <= 1:
+        return 0
+    from ...config import EngineConfig
+
+    budget = engine_kwargs.get("max_num_batched_tokens") or EngineConfig().max_num_batched_tokens
+    chunk = max(1, min(budget, engine_kwargs.get("long_prefill_token_threshold") or max(budget // 4, 1)))
+    return batch * -(-context // chunk)
 
 
 def _sync(device) -> None:
@@ -68,19 +88,20 @@ def _note(msg: str) -> None:
 
 
 def _drive(engine, prompts: list[list[int]], decode_tokens: int, label: str, profile_steps: int = 0,
-           profile_prefill_steps: int = 0, timed: bool = True) -> dict:
+           profile_prefill_steps: int = 0, timed: bool = True, catch_up: int = 0) -> dict:
     """Prefill and decode every prompt through `engine`, one timed step at a time; the last `profile_steps` decode
     steps run under the profiler (bench/profile.py) and are left out of the rate; so do the prefill steps from the
     second one on, `profile_prefill_steps` of them (their time stays in the prefill seconds, profiler overhead
     included: a run that profiles its prefill says where the time goes, not how much there is). `timed`: False for
-    the warm-up run (no note about what compiled in it)."""
+    the warm-up run (no note about what compiled in it). `catch_up`: the tokens each request may decode beyond
+    `decode_tokens` while others still prefill (`catch_up_tokens`; the engine's max_model_len must allow them)."""
     from ...progress import Progress
     from ...sampling_params import SamplingParams
     from .jit_watch import JitWatch
     from .profile import StepProfiler
 
     dev, runner = engine.device, engine.runner
-    params = SamplingParams(temperature=0, max_tokens=decode_tokens, ignore_eos=True)
+    params = SamplingParams(temperature=0, max_tokens=decode_tokens + catch_up, ignore_eos=True)
     ids = [f"bench-decode-{i}" for i in range(len(prompts))]
     for rid, p in zip(ids, prompts):
         engine.add_request(rid, p, params)
@@ -93,13 +114,16 @@ def _drive(engine, prompts: list[list[int]], decode_tokens: int, label: str, pro
     decode_progress = None
     prof, prof_prefill = StepProfiler(dev), StepProfiler(dev)
     prefill_steps = 0
+    together = 0  # decode steps since no prompt was left to prefill (the batch decoding together)
     jit, prefill_jit = JitWatch(), None
     try:
         jit.start()
-        while engine.has_unfinished_requests():
+        while engine.has_unfinished_requests() and together < decode_tokens - 1:
             n_graphs, prev = len(runner._graphs), engine.last_step
-            profiled = profile_steps > 0 and engine.last_step is not None and not engine.last_step.is_prefill \
-                and len(steps) >= decode_tokens - 1 - profile_steps  # the prefill samples the first token
+            pending = engine.scheduler.prefill_pending()
+            profiled = profile_steps > 0 and not pending and engine.last_step is not None \
+                and not engine.last_step.is_prefill \
+                and together >= decode_tokens - 1 - profile_steps  # the prefill samples the first token
             profiled_prefill = prefill_tokens < total and 1 <= prefill_steps <= profile_prefill_steps
             if profiled:
                 prof.start()
@@ -137,12 +161,17 @@ def _drive(engine, prompts: list[list[int]], decode_tokens: int, label: str, pro
             if not snaps:
                 snaps.append(before)
             why = [name for name, hit in zip(EXCLUDED, (len(runner._graphs) > n_graphs, compiled,
-                                                         not runner.decode_graphs and not steps, profiled)) if hit]
+                                                         not runner.decode_graphs and not steps, profiled, pending))
+                   if hit]
+            together += not pending
             if profiled:
                 prof.record(dt)
             steps.append({"s": dt, "tokens": st.num_tokens, "warmup": bool(why), "profiled": profiled,
                           "excluded": why})
             snaps.append(snap)
+        if engine.has_unfinished_requests():  # the batch's counted steps are done; the catch-up tokens are not wanted
+            for rid in ids:
+                engine.abort_request(rid)
     except BaseException:
         for rid in ids:
             engine.abort_request(rid)
