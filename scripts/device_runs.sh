@@ -8,6 +8,7 @@
 #   bash scripts/device_runs.sh decode128k  # the same at 128K: infinitehip and psa with a profile, dense 4K/128K
 #   bash scripts/device_runs.sh engine      # needs /tmp/m/model.gguf (scripts/device_model.sh): tests/gpu engine
 #   bash scripts/device_runs.sh engine2     # needs the model: tests/gpu's offload, Quest and paged-prefill engine tests
+#   bash scripts/device_runs.sh bsacheck    # tests/gpu/test_kernels.py's block-sparse attention (bf16, prefill split-K)
 #   bash scripts/device_runs.sh kerneltests # the kernels group's tests alone (no timings: fine beside a ladder)
 #   bash scripts/device_runs.sh smollm1m    # needs the model: SmolLM2 at 1M, offloaded (2 GiB pool) vs not
 #   bash scripts/device_runs.sh serve       # needs the model: scripts/device_serve_bench.sh
@@ -61,6 +62,7 @@
 #                                           # one, in one call: the earlier code is the same-call baseline. Make the
 #                                           # earlier tree here with `mkdir -p .carry/old && git archive C longreach |
 #                                           # tar -x -C .carry/old` and carry .carry/old (1.5 MB)
+#   OLD=.carry/old OLD_COMMIT=C bash scripts/device_runs.sh abdeep  # abmixed, 4 steps profiled at 90% of the prompt
 #   OLD=.carry/old OLD_COMMIT=C bash scripts/device_runs.sh ab8b  # 8B shape, bf16: bench decode at 128K, infinitehip pruned vs
 #                                           # dense, in the earlier tree and in this one (issue 31's small kernels)
 #   bash scripts/device_runs.sh calib32k    # needs the model: MInference's Qwen patterns calibrated at 32K, then the
@@ -134,17 +136,19 @@ pagedprefill)
             --attention dense --long-prefill-token-threshold 256 --profile-steps 4 --dense-prefill "$m" \
             --out "$out/bench-mixed-128k-chunk256-prefill-$m.json"
     done ;;
-abmixed|ab8b)  # the same command in the tree at $OLD, then in this one
+abmixed|abdeep|ab8b)  # the same command in the tree at $OLD, then in this one (abdeep: abmixed with 4 steps
+    # profiled at 90% of the prompt, infinitehip's deep chunks)
     : "${OLD:?OLD=the earlier tree (see the usage above)}"
     for tree in old new; do  # python -m imports from the working directory first: each tree runs from its own
         dir=$PWD commit=${LONGREACH_COMMIT:-}
         [ "$tree" = old ] && dir=$(cd "$OLD" && pwd) commit=${OLD_COMMIT:?OLD_COMMIT: the commit of the earlier tree}
         path="$dir:$(printf %s "${PYTHONPATH:-}" | tr ':' '\n' | grep -vx "$PWD" | paste -sd: -)"
         e=(env -C "$dir" PYTHONPATH="$path" LONGREACH_COMMIT="$commit")
-        if [ "$group" = abmixed ]; then
+        if [ "$group" != ab8b ]; then
+            deep=(); [ "$group" = abdeep ] && deep=(--profile-steps 4 --profile-at 0.9)
             run "mixed_paced_$tree" 280 "${e[@]}" python3 -m longreach bench mixed --model "$model" \
                 --context 131072 --decodes 32 --attention dense infinitehip --long-prefill-token-threshold 256 \
-                --out "$out/bench-mixed-128k-chunk256-$tree.json"
+                "${deep[@]}" --out "$out/bench-mixed-128k-chunk256-$tree.json"
         else
             run "decode_8b_128k_$tree" 280 "${e[@]}" python3 -m longreach bench decode --lengths 128k \
                 --attention infinitehip@pruned --attention-config '{"infinitehip@pruned": {"dense_below": null}}' \
@@ -222,6 +226,8 @@ calib32k)  # needs the model: MInference's patterns for Qwen 0.5B calibrated at 
 variants)  # needs the model: --share-prefill's decode variants against an engine of each (tests/gpu/test_eval_variants.py)
     gpu_tests gpu_check_variants 300 tests/gpu/test_eval_variants.py --gpu-model "$model"
     ;;
+bsacheck)  # the block-sparse attention kernel against its reference at real sizes (split-K in prefill too)
+    gpu_tests gpu_check_bsa 150 tests/gpu/test_kernels.py -k block_sparse_attention ;;
 kerneltests)  # the kernels group's tests without its timings: correct beside other work on the GPU
     gpu_tests gpu_check_kernels 560 tests/gpu -k "not box and not gemma3"
     ;;

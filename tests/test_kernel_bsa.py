@@ -40,6 +40,7 @@ BSA_CASES = [  # Hq, Hkv, D, page, n_sink, n_window, block_q, block_k, groups, s
     (8, 2, 32, 16, 4, 16, 16, 2, 8, 1),  # per-head selections
     (4, 4, 16, 8, 2, 1, 1, 8, 1, 3),  # decode rows, MHA, split-K
     (9, 3, 64, 16, 8, 32, 64, 8, 3, 1),  # SmolLM2's shape, GQA 3
+    (9, 3, 64, 16, 8, 32, 64, 8, 3, 4),  # ... a prefill chunk split four ways (prefill_splits: a paced chunk)
     (8, 1, 16, 4, 0, 0, 8, 4, 1, 2),  # GQA 8, no sink / window, split
     (4, 1, 128, 16, 5, 7, 4, 16, 1, 1),  # head dim 128, GQA 4
 ]
@@ -151,3 +152,20 @@ def test_topk_kernel_matches_reference(rows, C, k):
         if valid[r].sum() > k:
             worst_kept = scores[r][torch.isin(ids[r], kept)].min()
             assert (scores[r][valid[r] & ~torch.isin(ids[r], kept)] <= worst_kept).all()
+
+
+def test_prefill_splits_fill_the_gpu_for_a_short_chunk_only():
+    """A 256-token chunk at 118K (5 query blocks, SmolLM2's 9 heads / 3 KV heads: 30 programs) splits its key tiles to
+    fill 132 SMs about twice; a 2,048-token chunk needs fewer splits and an 8,192-token one none; each split walks at
+    least 4 tiles (a short context has few)."""
+    from longreach.kernels.bsa import prefill_splits
+
+    def splits(qlen, ctx, per_group_blocks=256):
+        qb = QueryBlocks.build([qlen], [ctx], 64)
+        blocks = torch.zeros(qb.num_blocks, 3, per_group_blocks, dtype=torch.int32)
+        idx = SparseIndex(64, 8, 256, 1024, 3, qb, blocks, torch.zeros(qb.num_blocks, 3, dtype=torch.int32))
+        return prefill_splits(idx, 9, 3, 132)
+
+    assert splits(256, 118000) == 9  # ceil(264 / 30), under 53 tiles / 4
+    assert splits(2048, 118000) == 2 and splits(8192, 118000) == 1
+    assert splits(256, 118000, per_group_blocks=0) == 5  # sink + window: 21 tiles, 4 each at least

@@ -9,8 +9,9 @@ Grid: (query block, (selection group, KV head) pair x head subset, split). A pro
 all of those heads (a KV block is read once per head group when the group fits one program: decode always, prefill
 when heads x block_q <= 128). It walks one list of key tiles: sink tiles, then the selected key blocks packed into
 tiles of BLOCK_N tokens (token -> logical block -> page through the block table), then the window span, keeping an
-online softmax in base 2. Prefill uses one split per query block; decode splits the tile list over `num_splits`
-programs (flash-decoding) and `combine.py` merges the partial results with their log-sum-exps.
+online softmax in base 2. Decode, and a prefill chunk of a few query blocks (`prefill_splits`), split the tile list
+over `num_splits` programs (flash-decoding) and `combine.py` merges the partial results with their log-sum-exps; a
+long prefill chunk has programs enough and uses one split per query block.
 
 Returns out (T, H_q, D) in q's dtype and lse (T, H_q) fp32, natural log, -inf for a row that reads no key.
 Limits: head_dim a power of two in [16, 256]; selection groups 1, H_kv or H_q. Tested: CPU interpreter
@@ -24,7 +25,7 @@ import math
 import torch
 
 from ..rope.strategies import RopeArgs, attend_code
-from .combine import combine_splits_triton
+from .combine import combine_splits_triton, split_count
 from .index_types import QueryBlocks, SparseIndex, head_pairs
 from .paged import kv_args, load_kv, page_slots, row_base
 from .rope import rotate_rows, swap_halves
@@ -193,6 +194,31 @@ def _pair_tensors(num_heads: int, num_kv_heads: int, groups: int, device) -> tup
     return _PAIRS[key]
 
 
+def _program_shape(hpp: int, block_q: int, block_m: int | None = None) -> tuple[int, int, int, int]:
+    """(padded query rows per block, rows per program, heads per program, programs per (group, KV head) pair)."""
+    bq_pad = 1 << max(0, block_q - 1).bit_length()  # next power of two
+    if block_m is None:
+        block_m = max(16, min(128, 1 << max(0, hpp * bq_pad - 1).bit_length()))
+    block_m = max(block_m, bq_pad, 16)
+    heads_per_prog = max(1, block_m // bq_pad)
+    return bq_pad, block_m, heads_per_prog, -(-hpp // heads_per_prog)
+
+
+def prefill_splits(index: SparseIndex, num_heads: int, num_kv_heads: int, num_sms: int, block_n: int = 64,
+                   most: int = 16) -> int:
+    """Split-K for a prefill launch whose programs do not fill the GPU: a chunk of a few query blocks (a paced
+    256-token chunk beside decodes is 4 blocks: with SmolLM2's 3 KV heads, 24 programs on 132 SMs, each walking
+    ~53 key tiles at 128K) is latency-bound on its tile walk, while a long chunk has programs enough and keeps one
+    split. Each split walks at least 4 tiles of the longest list (sink, the padded selection, the window span);
+    at most `most` splits. A function of the launch's shape only (the host knows it), as decode's split_count."""
+    pairs, hpp = head_pairs(num_heads, num_kv_heads, index.groups)
+    programs = index.queries.num_blocks * len(pairs) * _program_shape(hpp, index.block_q)[3]
+    selected = index.blocks.shape[-1] * index.block_k if index.blocks.dim() == 3 else 0
+    tiles = (-(-index.n_sink // block_n) + -(-selected // block_n)
+             + -(-(index.block_q + index.n_window - 1) // block_n))
+    return split_count(programs, num_sms, max(1, min(most, tiles // 4)))
+
+
 class BSAPlan:
     """The device-side tensors of a SparseIndex (built once per index, reused by every launch).
 
@@ -233,12 +259,7 @@ def block_sparse_attention_triton(q, k_cache, v_cache, block_tables, index: Spar
     lse = torch.empty(T, Hq, dtype=torch.float32, device=q.device) if lse is None else lse
     if nqb == 0:
         return out, lse
-    bq_pad = max(1, triton.next_power_of_2(index.block_q))
-    if block_m is None:
-        block_m = max(16, min(128, triton.next_power_of_2(plan.hpp * bq_pad)))
-    block_m = max(block_m, bq_pad, 16)
-    heads_per_prog = max(1, block_m // bq_pad)
-    n_hsub = -(-plan.hpp // heads_per_prog)
+    bq_pad, block_m, heads_per_prog, n_hsub = _program_shape(plan.hpp, index.block_q, block_m)
     split = num_splits > 1
     if split:
         out_p, lse_p = workspace if workspace is not None else (

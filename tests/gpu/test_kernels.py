@@ -78,7 +78,7 @@ def test_block_sparse_attention(detail):
                 for mode in (("none", "st", "il", "de") if groups == Hkv else ("none",)):
                     rope = None if mode == "none" else RopeArgs(mode, llama_inv_freq(D), rope_from=0, group=4)
                     ref, _ = block_sparse_attention(q, kc, vc, tables, idx, D ** -0.5, rope=rope)
-                    for splits in ((1, 8, 32) if decode else (1,)):
+                    for splits in ((1, 8, 32) if decode else (1, 4, 9)):  # prefill: kernels/bsa.py prefill_splits
                         out = torch.full_like(q, float("nan"))
                         block_sparse_attention_triton(q, kc, vc, tables, idx, D ** -0.5, num_splits=splits, out=out,
                                                       rope=rope)
@@ -88,7 +88,8 @@ def test_block_sparse_attention(detail):
                             raise AssertionError(f"H={Hq}/{Hkv} D={D} groups={groups} decode={decode} "
                                                  f"splits={splits} rope={mode}: rel err {err:.2e}")
                         worst = max(worst, err)
-    detail(f"{n} cases (prefill + decode, groups 1/H_kv/H_q, RoPE none/st/il/de), worst relative error {worst:.2e} "
+    detail(f"{n} cases (prefill + decode, split-K in both, groups 1/H_kv/H_q, RoPE none/st/il/de), worst relative error "
+           f"{worst:.2e} "
            "vs fp32 reference")
 
 

@@ -232,11 +232,13 @@ class SparseBackend(AttentionBackend):
             meta.page_reads.append(PageReads(layer, meta.block_tables, seq, pos, pos + qlen - 1, block_q, blocks,
                                              m.block_k, self.config.n_sink, self.config.n_window))
         if use_kernels(q):
-            from ...kernels.bsa import BSAPlan, block_sparse_attention_triton
+            from ...kernels.bsa import BSAPlan, block_sparse_attention_triton, prefill_splits
 
-            # split-K in decode (kernels/combine.py): the selected keys are a few thousand per sequence
-            splits = 1 if meta.is_prefill else split_count(qb.num_blocks * max(self.model_config.num_kv_heads,
-                                                                               m.groups), self._num_sms, 32)
+            # split-K (kernels/combine.py) in decode, where the selected keys are a few thousand per sequence, and in
+            # a prefill chunk of a few query blocks (a paced chunk beside decodes), whose programs do not fill the GPU
+            mc = self.model_config
+            splits = prefill_splits(index, mc.num_heads, mc.num_kv_heads, self._num_sms) if meta.is_prefill else \
+                split_count(qb.num_blocks * max(mc.num_kv_heads, m.groups), self._num_sms, 32)
             plan = BSAPlan(index, self.model_config.num_heads, self.model_config.num_kv_heads, q.device, plan_queries)
             out, _ = block_sparse_attention_triton(q, k_cache, v_cache, meta.block_tables, index, self.scale,
                                                    num_splits=splits, plan=plan, rope=rope)
