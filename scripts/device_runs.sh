@@ -62,7 +62,7 @@
 #                                           # one, in one call: the earlier code is the same-call baseline. Make the
 #                                           # earlier tree here with `mkdir -p .carry/old && git archive C longreach |
 #                                           # tar -x -C .carry/old` and carry .carry/old (1.5 MB)
-#   OLD=.carry/old OLD_COMMIT=C bash scripts/device_runs.sh abdeep  # abmixed, 4 steps profiled at 90% of the prompt
+#   OLD=.carry/old OLD_COMMIT=C bash scripts/device_runs.sh abdeep  # abmixed's infinitehip, 4 steps profiled at 90%
 #   OLD=.carry/old OLD_COMMIT=C bash scripts/device_runs.sh ab8b  # 8B shape, bf16: bench decode at 128K, infinitehip pruned vs
 #                                           # dense, in the earlier tree and in this one (issue 31's small kernels)
 #   bash scripts/device_runs.sh calib32k    # needs the model: MInference's Qwen patterns calibrated at 32K, then the
@@ -136,8 +136,8 @@ pagedprefill)
             --attention dense --long-prefill-token-threshold 256 --profile-steps 4 --dense-prefill "$m" \
             --out "$out/bench-mixed-128k-chunk256-prefill-$m.json"
     done ;;
-abmixed|abdeep|ab8b)  # the same command in the tree at $OLD, then in this one (abdeep: abmixed with 4 steps
-    # profiled at 90% of the prompt, infinitehip's deep chunks)
+abmixed|abdeep|ab8b)  # the same command in the tree at $OLD, then in this one (abdeep: abmixed's infinitehip
+    # alone, 4 steps profiled at 90% of the prompt: its deep chunks)
     : "${OLD:?OLD=the earlier tree (see the usage above)}"
     for tree in old new; do  # python -m imports from the working directory first: each tree runs from its own
         dir=$PWD commit=${LONGREACH_COMMIT:-}
@@ -145,9 +145,10 @@ abmixed|abdeep|ab8b)  # the same command in the tree at $OLD, then in this one (
         path="$dir:$(printf %s "${PYTHONPATH:-}" | tr ':' '\n' | grep -vx "$PWD" | paste -sd: -)"
         e=(env -C "$dir" PYTHONPATH="$path" LONGREACH_COMMIT="$commit")
         if [ "$group" != ab8b ]; then
-            deep=(); [ "$group" = abdeep ] && deep=(--profile-steps 4 --profile-at 0.9)
+            methods=(dense infinitehip) deep=()
+            [ "$group" = abdeep ] && methods=(infinitehip) deep=(--profile-steps 4 --profile-at 0.9)
             run "mixed_paced_$tree" 280 "${e[@]}" python3 -m longreach bench mixed --model "$model" \
-                --context 131072 --decodes 32 --attention dense infinitehip --long-prefill-token-threshold 256 \
+                --context 131072 --decodes 32 --attention "${methods[@]}" --long-prefill-token-threshold 256 \
                 "${deep[@]}" --out "$out/bench-mixed-128k-chunk256-$tree.json"
         else
             run "decode_8b_128k_$tree" 280 "${e[@]}" python3 -m longreach bench decode --lengths 128k \
