@@ -239,7 +239,7 @@ def _fire_compile(name: str) -> None:
 def test_jit_watch_times_compilations_chains_earlier_hooks_and_restores_them():
     from triton import knobs
 
-    from longreach.tools.bench.jit_watch import JitWatch
+    from longreach.kernels.jit_watch import JitWatch
 
     seen = []
     before = lambda **kw: seen.append(("before", kw["fn"].name))  # noqa: E731

@@ -5,6 +5,7 @@ exit status is 1. And the scoring queue's admission rules (a seat and pages for 
 from __future__ import annotations
 
 import asyncio
+import re
 import threading
 import time
 from types import SimpleNamespace
@@ -183,3 +184,39 @@ def test_scoring_queue_keeps_a_seat_and_waits_for_pages():
     queue.add(ScoringJob("r1", None, out, 0, 0))
     job, error = queue.advance()  # an idle engine and still no room: it can never fit
     assert isinstance(error, ValueError) and "cannot hold" in str(error) and not queue
+
+
+def test_a_triton_compilation_inside_a_step_is_logged_with_the_step(caplog):
+    """After the warm-up, a kernel that compiles inside a step stalls every stream: the loop names it (Triton's
+    compile hooks, kernels/jit_watch.py) with the iteration's time and the step's rows, so the warm-up can be taught
+    the shape."""
+    knobs = pytest.importorskip("triton").knobs
+    engine = FakeEngine()
+    state = make_state(engine, ServerConfig())
+    loop = state.loop
+
+    def compiling_step(original=engine.step):
+        hooks = knobs.runtime
+        if hooks.jit_cache_hook is not None and not engine.requests.get("compiled"):
+            hooks.jit_cache_hook(fn=None)
+            time.sleep(0.01)
+            hooks.jit_post_compile_hook(fn=SimpleNamespace(name="_bsa_kernel"))
+            engine.requests["compiled"] = 0  # once
+        engine.last_step = SimpleNamespace(num_tokens=260, num_decode_tokens=4, seconds=0.02)
+        return original()
+
+    engine.step = compiling_step
+    async def scenario():
+        loop.submit(Submission(False), [_prompt()])
+        return await asyncio.to_thread(
+            wait_until, lambda: any("Triton compiled" in r.getMessage() for r in caplog.records), 5)
+
+    with caplog.at_level("WARNING", logger="longreach"):
+        loop.start()
+        assert asyncio.run(scenario())
+    line = next(r.getMessage() for r in caplog.records if "Triton compiled" in r.getMessage())
+    assert re.match(r"Triton compiled 1 kernel\(s\) in \d+\.\d\d s inside a step while serving \(_bsa_kernel x1\)",
+                    line), line
+    assert "with 4 decode rows and 256 prefill tokens" in line
+    loop.stop()
+    assert knobs.runtime.jit_cache_hook is None  # the hooks are put back when the loop ends

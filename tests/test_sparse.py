@@ -433,7 +433,9 @@ def test_prefill_graphs_captured_up_front_cover_the_real_chunks(tiny):
 @pytest.mark.parametrize("method", ["infinitehip-box", "hip"])
 def test_warm_decode_variants_are_the_ones_a_long_sequence_uses(tiny, method):
     """`capture_warm_variants` (the server's warm-up) captures, for one and two long rows, every variant a long
-    sequence's decode then uses, at the smallest batch size and at 16 rows: the decode adds none (CPU, graphs emulated), and its tokens are the eager run's."""
+    sequence's decode then uses, at the smallest batch size and at 16 rows, and the variants of short rows alone at
+    every batch size: neither a batch of chats nor the long decode adds one (CPU, graphs emulated), and their tokens
+    are the eager run's."""
     from longreach import SamplingParams
     from longreach.engine.llm import LLM
 
@@ -450,10 +452,20 @@ def test_warm_decode_variants_are_the_ones_a_long_sequence_uses(tiny, method):
     runner.capture_graphs(emulate=True)
     warm = runner.capture_warm_variants()
     keys = {key for _, key in runner._graphs}
-    assert warm == len(runner._graphs) and {k[0] for k in keys} == {128, 256, 512, 1024, 1280}
+    long = {k for k in keys if k[3] > 0}  # rows that select (k[3]: how many, a power of two)
+    assert warm == len(runner._graphs) and {k[0] for k in long} == {128, 256, 512, 1024, 1280}
     # each at its smallest batch size and at the smallest multiple of 16 (Triton's other specialisation)
-    assert {n for n, _ in runner._graphs} == {1, 2, 16} and {k for n, k in runner._graphs if n == 16} == keys
+    assert {n for n, k in runner._graphs if k in long} == {1, 2, 16}
+    assert {k for n, k in runner._graphs if n == 16} == keys
+    # short rows alone (within dense_below 100: buckets 64 and 128), at every graph size: any batch of chats
+    assert {k[0] for k in keys - long} == {64, 128} and all(k[2] == (True,) for k in keys - long)
+    assert {n for n, k in runner._graphs if k not in long} == set(runner._graph_sizes)
     assert runner.capture_warm_variants() == 0  # nothing new the second time
+    chats = [torch.randint(3, 256, (n,), generator=torch.Generator().manual_seed(n)).tolist() for n in (40, 90, 7)]
+    short = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
+    want = [o.token_ids for o in make(True).generate([{"prompt_token_ids": c} for c in chats], short, use_tqdm=False)]
+    assert [o.token_ids for o in llm.generate([{"prompt_token_ids": c} for c in chats], short, use_tqdm=False)] == want
+    assert {key for _, key in runner._graphs} == keys  # chats of up to 98 tokens found their variants warm
     replays, replay = [], runner._replay
     runner._replay = lambda batch: replays.append(1) or replay(batch)
     got = llm.generate({"prompt_token_ids": prompt}, params, use_tqdm=False)[0].token_ids

@@ -350,7 +350,8 @@ class LLMEngine:
     def capture_warm_graphs(self) -> None:
         """Before serving or timing: the backend's prefill-selection graphs for the scheduler's chunk sizes (a prompt
         alone, beside others, and each paced size) at every context length up to max_model_len, and its decode
-        variants of one and two long rows (ModelRunner.capture_warm_variants), so that their kernels compile now and
+        variants of short rows alone and of one and two long rows (ModelRunner.capture_warm_variants), so that their
+        kernels compile now and
         not inside the first long request. With tensor parallelism each rank captures its own at first use instead
         (rank 0 alone would capture them here). The server's warm-up and `bench decode` call it after their warm-up
         request."""
@@ -368,9 +369,9 @@ class LLMEngine:
         t0 = time.perf_counter()
         n = self.runner.capture_warm_variants()
         if n:
-            logger.info("warm-up: %d decode-graph variants of long sequences captured (one and two long rows, alone "
-                        "and in a batch of 16, every context length and refresh level) in %.1f s", n,
-                        time.perf_counter() - t0)
+            logger.info("warm-up: %d decode-graph variants captured (short rows alone at every batch size; one and "
+                        "two long rows, alone and in a batch of 16, every context length and refresh level) in %.1f s",
+                        n, time.perf_counter() - t0)
 
     def prompt_logits(self, token_ids: list[int], return_logits: bool = True) -> torch.Tensor | None:
         """fp32 logits (T, V) of every position, by chunked prefill outside the scheduler (engine/scoring.py)."""

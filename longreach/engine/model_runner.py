@@ -247,7 +247,8 @@ class ModelRunner:
     @torch.inference_mode()
     def capture_warm_variants(self) -> int:
         """The decode variants the backend names for a warm-up (`graph_warm_keys`), each captured now at the smallest
-        graph batch size that holds its rows and at the smallest one that is a multiple of 16: a long sequence's
+        graph batch size that holds its rows and at the smallest one that is a multiple of 16 (rows 0: a variant of
+        short rows, which any batch may be, at every graph size): a long sequence's
         first decode steps then find their kernels compiled. Triton compiles a kernel once per specialisation of its
         integer arguments (1, a multiple of 16, anything else), and a batch of 16 rows or more (a long prompt
         joining a server's chats) is the other one: captured on first use it stalled every stream for ~1.4 s (the
@@ -258,7 +259,7 @@ class ModelRunner:
         todo = []
         for rows, key in self.backend.graph_warm_keys():
             size = self._graph_sizes[min(bisect.bisect_left(self._graph_sizes, rows), len(self._graph_sizes) - 1)]
-            for n in (size, *sixteens[:1]):
+            for n in (self._graph_sizes if rows == 0 else (size, *sixteens[:1])):  # rows 0: any batch meets it
                 if n >= rows and (n, key) not in self._graphs and (n, key) not in todo:
                     todo.append((n, key))
         for size, key in todo:

@@ -28,11 +28,12 @@ import itertools
 import logging
 import threading
 import time
-from collections import deque
+from collections import Counter, deque
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from ..engine.outputs import CompletionOutput, RequestOutput
+from ..kernels.jit_watch import JitWatch
 from ..sampling_params import SamplingParams
 from .metrics import ServerMetrics, ThroughputLog, device_memory, kv_cache_stats
 from .scoring_jobs import ScoredSample, ScoringJob, ScoringQueue
@@ -132,6 +133,7 @@ class EngineLoop:
         self._scoring = ScoringQueue(engine)
         self._outbox: list[tuple[Submission, Update]] = []  # sent after the state is published (see _flush)
         self._log = ThroughputLog()
+        self._jit = JitWatch()  # Triton compilations inside the loop's steps (after the warm-up): logged, see _run
         self._kv: dict = {}
         self._thread = threading.Thread(target=self._run, name="longreach-engine", daemon=True)
 
@@ -186,6 +188,7 @@ class EngineLoop:
 
     # ---- engine thread ---------------------------------------------------------------------------------------------
     def _run(self) -> None:
+        self._jit.start()
         try:
             self._publish()
             while True:
@@ -197,6 +200,7 @@ class EngineLoop:
                 if stopping:
                     break
                 began = time.perf_counter()
+                compiled = len(self._jit.events)
                 self.engine.check_workers()  # a dead tensor-parallel rank kills the loop even while it idles
                 for op, rid, live in inbox:
                     self._deferred.append((rid, live)) if op == "add" else self._abort(rid)
@@ -212,6 +216,8 @@ class EngineLoop:
                     took = time.perf_counter() - began
                     self.metrics.iteration.observe(took)
                     self._log.on_iteration(took, self.engine.last_step)
+                    if len(self._jit.events) > compiled:
+                        self._log_compiles(self._jit.events[compiled:], took)
         except Exception as e:  # noqa: BLE001 -- the engine is broken: die loudly (see the module docstring)
             logger.exception("the engine loop stopped on an unexpected error; the server can no longer generate and "
                              "exits once the requests in flight have their errors")
@@ -221,6 +227,18 @@ class EngineLoop:
                                      "supervisor restarts it: retry shortly")
         finally:
             self._close()
+
+    def _log_compiles(self, events: list[tuple[str, float]], took: float) -> None:
+        """Triton compiled kernels inside this iteration: every stream waited for it. Say which, so that the warm-up
+        (server/app.py warm_up) can be taught the shape."""
+        step = self.engine.last_step
+        what = ", ".join(f"{name} x{n}" for name, n in Counter(name for name, _ in events).items())
+        rows = "" if step is None else (f" with {step.num_decode_tokens} decode rows and "
+                                        f"{step.num_tokens - step.num_decode_tokens} prefill tokens")
+        logger.warning("Triton compiled %d kernel(s) in %.2f s inside a step while serving (%s): the iteration took "
+                       "%.1f ms%s; a shape the warm-up did not reach", len(events), sum(s for _, s in events), what,
+                       1e3 * took, rows)
+        self._log.on_compiles(len(events))
 
     def _has_work(self) -> bool:
         return bool(self.engine.has_unfinished_requests() or self._scoring or self._deferred)
@@ -392,5 +410,6 @@ class EngineLoop:
             self._fail_all(ran, waited)
             self._flush()
         finally:
+            self._jit.stop()
             if self.dead and self.on_dead is not None:
                 self.on_dead()

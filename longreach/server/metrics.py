@@ -224,6 +224,7 @@ class ThroughputLog:
         self._prompt = self._gen = 0
         self._iters: list[float] = []
         self._worst: tuple[float, object] = (0.0, None)  # the longest iteration and its step
+        self._compiles = 0  # Triton kernels compiled inside the interval's steps (engine_loop.py logs each)
 
     def on_step(self, step) -> None:
         if step is None:
@@ -237,6 +238,10 @@ class ThroughputLog:
         if seconds > self._worst[0]:
             self._worst = (seconds, step)
 
+    def on_compiles(self, n: int) -> None:
+        """`n` Triton kernels compiled inside the last iteration's step."""
+        self._compiles += n
+
     def _iterations(self) -> str:
         if not self._iters:
             return ""
@@ -246,8 +251,9 @@ class ThroughputLog:
             parts = (f" (its step {1e3 * step.seconds:.1f} ms: {step.num_decode_tokens} decode rows, "
                      f"{step.num_tokens - step.num_decode_tokens} prefill tokens)")
         over = sum(t > 0.1 for t in self._iters)
+        compiled = f", kernels compiled in steps: {self._compiles}" if self._compiles else ""
         return (f"; Iterations: {len(self._iters)}, median {1e3 * statistics.median(self._iters):.1f} ms, max "
-                f"{1e3 * worst:.1f} ms{parts}, over 100 ms: {over}")
+                f"{1e3 * worst:.1f} ms{parts}, over 100 ms: {over}{compiled}")
 
     def maybe_log(self, running: int, waiting: int, kv: dict) -> None:
         now = time.monotonic()
@@ -263,5 +269,5 @@ class ThroughputLog:
             logger.info("Avg prompt throughput: %.1f tokens/s, Avg generation throughput: %.1f tokens/s, Running: %d "
                         "reqs, Waiting: %d reqs, KV cache usage: %.1f%%%s%s", self._prompt / dt, self._gen / dt,
                         running, waiting, 100 * kv.get("gpu_pages_used", 0) / total, extra, self._iterations())
-        self._iters, self._worst = [], (0.0, None)
+        self._iters, self._worst, self._compiles = [], (0.0, None), 0
         self._t0, self._prompt, self._gen = now, 0, 0

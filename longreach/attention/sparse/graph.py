@@ -72,8 +72,8 @@ class GraphDecoder:
         return None
 
     def warm_keys(self) -> list[tuple[int, tuple]]:
-        """The variants one or two long sequences decoding among short ones meet, for a warm-up to capture before
-        serving, as (rows, key): one and two long rows (select 1 and 2), every refresh level, at every bucket past the
+        """The variants a server's batches meet, for a warm-up to capture before serving, as (rows, key): short rows
+        alone (below); one and two long rows (select 1 and 2), every refresh level, at every bucket past the
         largest dense limit up to max_model_len. Capturing them compiles the selection kernels of every bucket class
         on the spot, which a first-use capture otherwise pays while others wait (1.5-4.3 s on an H200 at 140K; with
         the one-row variants warm, 3.0 s for the first step that selected for two long rows; docs/serving.md)."""
@@ -81,9 +81,17 @@ class GraphDecoder:
         limits = fb.limits(True)
         if not fb.sparse_layers():
             return []
+        # rows all within every decode limit (a server's chats): no selection, one variant per bucket, met at any
+        # batch size (rows 0: ModelRunner.capture_warm_variants takes every graph size); from 64 tokens up to the
+        # bucket holding the shortest limit. Captured on first use, 9 of them stalled a 1M run's 64 chats for up to
+        # 0.5 s each (docs/serving.md, run 7).
+        keys, shortest, power = [], min(limits), 64
+        while power // 2 < shortest and power // 2 < self.max_model_len:  # a longest row in (power / 2, power]
+            keys.append((0, (min(power, self.max_model_len), self._num_stages(), tuple(True for _ in limits), 0,
+                             False)))
+            power *= 2
         power = 1 << max(limits[-1], 1).bit_length()  # the first bucket past every limit (`step`'s rule)
         dense = tuple(False for _ in limits)
-        keys = []
         while True:
             bucket = min(power, self.max_model_len)
             keys += [(select, (bucket, level, dense, select, False)) for select in (1, 2)

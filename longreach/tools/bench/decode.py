@@ -12,7 +12,7 @@ steps after the last prompt is prefilled (every row of the batch in each), and t
              an offloaded batch's decode steps between them are decode steps, left out as `prefill_pending`);
              the first run of a process also pays for compiling its prefill kernels (`prefill_first_step_s`);
              kernels compiled inside the timed prefill (a length bucket the warm-up prompt did not reach) are
-             counted, timed and named in `prefill_jit`, and a note says so (bench/jit_watch.py);
+             counted, timed and named in `prefill_jit`, and a note says so (kernels/jit_watch.py);
   decode     tok/s = generated tokens / wall time of the decode steps, leaving out warm-up steps: those in which a
              CUDA-graph variant was captured (sparse methods capture theirs on first use, e.g. at steps 0, 1, 8 and
              16 for infinitehip 3k-fast), those in which a Triton kernel compiled (`decode_jit`) and, without
@@ -131,7 +131,7 @@ def _measure(model: str, context: int, spec, engine_kwargs: dict, batch: int, de
             "prefill_s": run["prefill_s"], "prefill_tok_s": run["prefill_tokens"] / run["prefill_s"],
             "prefill_first_step_s": run["prefill_first_step_s"],
             # Triton compilations inside the timed prefill (its seconds include them) and decode (those steps are
-            # warm-up steps, left out of the rate): {"count", "seconds", "kernels"} (bench/jit_watch.py)
+            # warm-up steps, left out of the rate): {"count", "seconds", "kernels"} (kernels/jit_watch.py)
             "prefill_jit": run["prefill_jit"], "decode_jit": run["decode_jit"],
             "warmup_tokens": warm, "warmup_s": warmup_s,
             "decode_tok_s": sum(s["tokens"] for s in steady) / steady_s if steady_s else None,

@@ -2,7 +2,7 @@
 prompts, the untimed warm-up's length, and `_drive`, which prefills and decodes a batch timing every step between
 device synchronisations and says of each decode step whether it counts in the rate, and if not, why:
   graph_capture  a CUDA-graph variant was captured in the step;
-  jit            a Triton kernel compiled in it (bench/jit_watch.py);
+  jit            a Triton kernel compiled in it (kernels/jit_watch.py);
   first_eager    without CUDA graphs, the first decode step (its kernels' first launch);
   profiled       it ran under torch.profiler (--profile-steps);
   prefill_pending  a step of the sequences already prefilled while the batch's other prompts were still waiting or
@@ -97,7 +97,7 @@ def _drive(engine, prompts: list[list[int]], decode_tokens: int, label: str, pro
     `decode_tokens` while others still prefill (`catch_up_tokens`; the engine's max_model_len must allow them)."""
     from ...progress import Progress
     from ...sampling_params import SamplingParams
-    from .jit_watch import JitWatch
+    from ...kernels.jit_watch import JitWatch
     from .profile import StepProfiler
 
     dev, runner = engine.device, engine.runner

@@ -1,4 +1,6 @@
-"""Which Triton kernels compile while a benchmark times something, and for how long.
+"""Which Triton kernels compile while something is timed, and for how long: inside a benchmark's timed steps
+(`bench decode`), or inside a server's steps after its warm-up (server/engine_loop.py logs each such step, since
+a compilation there stalls every stream).
 
 A kernel specialised by a length bucket (a power of two of the candidate count, a stage width) compiles the first
 time a run reaches that bucket. `bench decode` warms each engine up on a prompt of one prefill chunk + 4K tokens, so a
