@@ -53,6 +53,7 @@
 #                                           # (what --mixed-step-target-ms chose for infinitehip), profiled (issue 30)
 #   bash scripts/device_runs.sh mixeddeep   # needs the model: bench mixed as in `paced`, 4 steps profiled (device and
 #                                           # host) at 90% of the prompt, where infinitehip's chunks select (issue 30)
+#   bash scripts/device_runs.sh mixeddeep2k # needs the model: the same with 2,048-token chunks (the unpaced server's)
 #   bash scripts/device_runs.sh chunkgraphs # needs the model: tests/gpu's chunk-graph and box tests; then `paced` again
 #                                           # (prefill chunks through piecewise CUDA graphs now) (issue 30)
 #   bash scripts/device_runs.sh pagedprefill # needs the model: tests/gpu's paged-prefill test; then bench mixed at
@@ -186,6 +187,10 @@ mixeddeep)  # issue 30: where a 256-token chunk's step goes at 90% of a 128K pro
     run mixed_deep 420 python3 -m longreach bench mixed --model "$model" --context 131072 --decodes 32 \
         --attention dense infinitehip --long-prefill-token-threshold 256 --profile-steps 4 --profile-at 0.9 \
         --cprofile --out "$out/bench-mixed-128k-chunk256-deep-profile.json" ;;
+mixeddeep2k)  # issue 30: the unpaced default's 2,048-token chunks at 90% of a 128K prompt beside 32 decodes (its 1.41x)
+    run mixed_deep_2k 420 python3 -m longreach bench mixed --model "$model" --context 131072 --decodes 32 \
+        --attention dense infinitehip --long-prefill-token-threshold 2048 --profile-steps 4 --profile-at 0.9 \
+        --out "$out/bench-mixed-128k-chunk2048-deep-profile.json" ;;
 paced)
     run mixed_paced 420 python3 -m longreach bench mixed --model "$model" --context 131072 --decodes 32 \
         --attention dense infinitehip --long-prefill-token-threshold 256 --profile-steps 4 \

@@ -1,35 +1,38 @@
 #!/usr/bin/env bash
-# Issue 30's GPU runs at today's code on one nvidia-h200-x2 (or h100-x2) lease, both GPUs busy at once. SmolLM2 staged
-# first (scripts/device_model.sh: calls 1..N-1), then, in call N after `source .carry/N/assemble.sh`:
+# Issue 30's GPU runs on one nvidia-h200-x2 (or h100-x2) lease, both GPUs busy at once. SmolLM2 staged first
+# (scripts/device_model.sh: calls 1..N-1), then, in call N after `source .carry/N/assemble.sh`:
 #   PART=start bash scripts/device_x2_plan.sh     # two chains under setsid, returns at once:
-#                                                 #   GPU 1: the serving runs (1M among 64 chats and the 128K mixed
-#                                                 #   load, paced 40 ms; the 128K load unpaced), `mixeddeep`, then
-#                                                 #   the 10-minute soak (64 streams)
-#                                                 #   GPU 0: `default8b` (issue 31's 128K row, GPU work only), then
-#                                                 #   `batch16` (16 x 128K, 8B shape, fp8, offloaded: host-heavy, so
-#                                                 #   it starts after the serving runs' latency-bound parts)
-# and in the next calls, back to back (the machine goes back after ~30 s idle):
+#                                                 #   GPU 1: `bsacheck` (the prefill split-K kernel at real sizes),
+#                                                 #   the serving runs (1M among 64 chats and the 128K mixed load,
+#                                                 #   paced 40 ms; the 128K load unpaced), `mixeddeep` and
+#                                                 #   `mixeddeep2k` (256- and 2,048-token chunks profiled at 90%)
+#                                                 #   GPU 0: `batch16` (16 x 128K, 8B shape, fp8, offloaded: host-heavy,
+#                                                 #   beside the serving runs' latency-bound parts: say so), then the
+#                                                 #   10-minute soak (64 streams)
+# and in the next calls, back to back (the machine goes back after ~30 s idle; a collect on a fresh machine says so
+# and stops at once):
 #   PART=collect WAIT_S=560 bash scripts/device_x2_plan.sh   # wait for both chains (again until both are done),
 #                                                 # copy what they wrote so far to $OUT
 #   PART=tp bash scripts/device_x2_plan.sh        # on both GPUs: batch16tp2, tp2bench (no model needed; issue 32)
-# Files: $OUT/gpu1.tgz (the serve-bench archives, mixeddeep's JSON and log, the soak's), $OUT/gpu0.tgz, $OUT/tp/.
+# Files: $OUT/gpu1.tgz, $OUT/gpu0.tgz (serve-bench archives, JSON, logs; the soak's in gpu0's soak/), $OUT/tp/.
 set -u
 out=${OUT:-out}
 case ${PART:-start} in
 start)
     mkdir -p /tmp/x2/gpu0 /tmp/x2/gpu1 /tmp/soak
     CUDA_VISIBLE_DEVICES=1 setsid nohup bash -c '
+        OUT=/tmp/x2/gpu1 bash scripts/device_runs.sh bsacheck
         OUT=/tmp/x2/gpu1 PARTS="long1m mixed128k" EXTRA="--mixed-step-target-ms 40" TAG=-paced40 \
             bash scripts/device_serve_bench.sh
         OUT=/tmp/x2/gpu1 PARTS=mixed128k PORT=8012 bash scripts/device_serve_bench.sh
-        OUT=/tmp/x2/gpu1 bash scripts/device_runs.sh mixeddeep
-        OUT=/tmp/x2/gpu1/soak PARTS=soak_run PORT=8013 bash scripts/device_serve_bench.sh
+        OUT=/tmp/x2/gpu1 bash scripts/device_runs.sh mixeddeep mixeddeep2k
         touch /tmp/x2/gpu1/done' > /tmp/x2/gpu1/driver.log 2>&1 < /dev/null &
     CUDA_VISIBLE_DEVICES=0 setsid nohup bash -c '
-        OUT=/tmp/x2/gpu0 bash scripts/device_runs.sh default8b batch16
+        OUT=/tmp/x2/gpu0 bash scripts/device_runs.sh batch16
+        OUT=/tmp/x2/gpu0/soak PARTS=soak_run PORT=8013 bash scripts/device_serve_bench.sh
         touch /tmp/x2/gpu0/done' > /tmp/x2/gpu0/driver.log 2>&1 < /dev/null &
     nvidia-smi --query-gpu=name,memory.total --format=csv,noheader
-    echo "started: GPU 1 serving runs + mixeddeep + soak, GPU 0 default8b + batch16 (/tmp/x2); collect with PART=collect" ;;
+    echo "started: GPU 1 bsacheck + serving runs + mixeddeep(2k), GPU 0 batch16 + soak (/tmp/x2); collect with PART=collect" ;;
 collect)
     # a fresh machine (the held one went back after ~30 s idle) has nothing to wait for: say so at once
     [ -d /tmp/x2 ] || { echo "no /tmp/x2: this machine did not run PART=start (the lease was lost)"; exit 3; }
