@@ -5,7 +5,7 @@
 #                                           # then bench attention (prefill and decode vs cuDNN, 128K-1M)
 #   bash scripts/device_runs.sh recheck     # tests/gpu: the fused and psa kernels only
 #   bash scripts/device_runs.sh decode1m    # bench decode, Llama-3.1-8B shape, fp8 + offload: 1M, infinitehip
-#   bash scripts/device_runs.sh prefill1m8b # the default at 1M (8B shape, fp8 + offload), 2 prefill steps profiled
+#   bash scripts/device_runs.sh prefill1m8b # the default at 1M (8B shape, fp8 + offload), 2 prefill steps from 85% profiled
 #   bash scripts/device_runs.sh decode128k  # the same at 128K: infinitehip and psa with a profile, dense 4K/128K
 #   bash scripts/device_runs.sh engine      # needs /tmp/m/model.gguf (scripts/device_model.sh): tests/gpu engine
 #   bash scripts/device_runs.sh engine2     # needs the model: tests/gpu's offload, Quest and paged-prefill engine tests
@@ -209,10 +209,11 @@ decode1m)
     run decode_1m 570 $bd --kv-offloading-size 76 --lengths 1M --attention infinitehip:3k-flash --dense-lengths \
         --out "$out/bench-decode-1m.json"
     ;;
-prefill1m8b)  # issue 31: where the default's 1M prefill goes (8B shape, fp8 + offload; prefill steps 2-3 profiled:
+prefill1m8b)  # issue 31: where the default's 1M prefill goes (8B shape, fp8 + offload; 2 steps from 85% profiled:
     # selection vs attention vs the staging gathers vs matmuls), then its decode
     run prefill_1m_8b 580 $bd --kv-offloading-size 76 --lengths 1M --attention infinitehip --dense-lengths \
-        --decode-tokens 32 --profile-prefill-steps 2 --out "$out/bench-decode-1m-prefill-profile-8b.json" ;;
+        --decode-tokens 32 --profile-prefill-steps 2 --profile-prefill-at 0.85 \
+        --out "$out/bench-decode-1m-prefill-profile-8b.json" ;;
 decode128k)
     run decode_128k 300 $bd --kv-offloading-size 12 --lengths 128k --attention infinitehip:3k-flash psa \
         --dense-lengths 4k 128k --profile-steps 8 --out "$out/bench-decode-128k.json"

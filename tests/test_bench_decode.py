@@ -217,7 +217,16 @@ def test_profile_prefill_steps_profile_prefill_steps_two_on(tmp_path, capsys):
     assert "error" not in row, row
     prof = row["prefill_profile"]
     assert prof["steps"] == 2 and prof["clock"] == "cpu" and prof["top"] and row["profile"] is None
-    assert prof["wall_ms_per_step"] > 0 and row["decode_steps"] == 3
+    assert prof["wall_ms_per_step"] > 0 and row["decode_steps"] == 3 and row["prefill_profiled_from_token"] == 128
+    # --profile-prefill-at: from the first step that starts past that share of the prompt (here the last, 384 of 512)
+    late = run("random:tiny", [512], [RunSpec("streaming", None, "streaming")],
+               {"device": "cpu", "kv_cache_memory_gb": 0.01, "max_num_batched_tokens": 128}, decode_tokens=4,
+               dense_lengths=[], out_path=str(tmp_path / "bd2.json"), warmup_tokens=0, profile_prefill_steps=2,
+               profile_prefill_at=0.6)["runs"][0]
+    assert late["prefill_profile"]["steps"] == 1 and late["prefill_profiled_from_token"] == 384
+    assert main(["bench", "decode", "--model", "random:tiny", "--lengths", "256", "--profile-prefill-at", "1",
+                 "--device", "cpu"]) == 2
+    assert "--profile-prefill-at is a share of the prompt tokens in [0, 1), got 1.0" in capsys.readouterr().err
     assert main(["bench", "decode", "--model", "random:tiny", "--lengths", "256", "--profile-prefill-steps", "-1",
                  "--device", "cpu"]) == 2
     assert "--profile-prefill-steps must be >= 0, got -1" in capsys.readouterr().err

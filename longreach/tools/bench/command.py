@@ -112,6 +112,10 @@ def add_arguments(p) -> None:
     dc.add_argument("--profile-prefill-steps", type=int, default=0, metavar="N",
                     help="run prefill steps 2..N+1 of each run under torch.profiler and print their top kernels "
                          "(their seconds stay in the prefill time, profiler overhead included) (default: 0)")
+    dc.add_argument("--profile-prefill-at", type=float, default=0.0, metavar="F",
+                    help="with --profile-prefill-steps: profile the N prefill steps from the first one that starts "
+                         "past this share of the prompt tokens, e.g. 0.9 for the long prefixes of a 1M prefill "
+                         "(default: 0, steps 2..N+1)")
     src = dc.add_mutually_exclusive_group()
     src.add_argument("--text-file", metavar="PATH", help="prompt: this text repeated to each length (default: random "
                      "token ids; a text needs a model with a tokenizer)")
@@ -198,6 +202,8 @@ def _decode(args) -> int:
                          f"first token comes from the prefill), got {args.profile_steps}")
     if args.profile_prefill_steps < 0:
         raise ValueError(f"--profile-prefill-steps must be >= 0, got {args.profile_prefill_steps}")
+    if not 0 <= args.profile_prefill_at < 1:
+        raise ValueError(f"--profile-prefill-at is a share of the prompt tokens in [0, 1), got {args.profile_prefill_at}")
     if is_random_model(args.model):
         random_shape(args.model)  # an unknown shape fails here, before any engine is built
     # a bad preset or --attention-config fails here (the decode side of "A+B" too), not after an hour of runs
@@ -216,5 +222,5 @@ def _decode(args) -> int:
                  dense_lengths=args.dense_lengths, out_path=args.out,
                  command=command_line(args), text=text, text_label=label,
                  warmup_tokens=args.warmup_tokens, profile_steps=args.profile_steps,
-                 profile_prefill_steps=args.profile_prefill_steps)
+                 profile_prefill_steps=args.profile_prefill_steps, profile_prefill_at=args.profile_prefill_at)
     return 1 if any("error" in r for r in report["runs"]) else 0

@@ -103,7 +103,8 @@ def _measure(model: str, context: int, spec, engine_kwargs: dict, batch: int, de
             torch.cuda.reset_peak_memory_stats(dev)
         reads0 = engine.backend.decode_reads()
         run = _drive(engine, prompts, decode_tokens, label, state.get("profile_steps") or 0,
-                     state.get("profile_prefill_steps") or 0, catch_up=catch_up)
+                     state.get("profile_prefill_steps") or 0, catch_up=catch_up,
+                     profile_prefill_at=state.get("profile_prefill_at") or 0.0)
         reads = reads_between(reads0, engine.backend.decode_reads())
         from .profile import format_report
 
@@ -161,6 +162,7 @@ def _measure(model: str, context: int, spec, engine_kwargs: dict, batch: int, de
             "host": _host_memory(),
             "offload_stats": _offload_summary(run["snaps"], steps, run["prefill_before"], steady_s),
             "profile": run["profile"], "prefill_profile": run["prefill_profile"],
+            "prefill_profiled_from_token": run["prefill_profiled_from_token"],
         }
         if steady and row["counted_rows_min"] < batch:
             _note(f"WARNING: {label}: a counted decode step had {row['counted_rows_min']} rows of the batch's {batch} "
@@ -225,7 +227,7 @@ def _warn_short_kv(kw: dict, need_gb: float, kv_heads: int, context: int, batch:
 def run(model: str, lengths: list[int], methods: list, engine_kwargs: dict, batch: int = 1, decode_tokens: int = 128,
         dense_lengths: list[int] | None = None, out_path: str | None = None, command: str = "",
         text: str | None = None, text_label: str | None = None, warmup_tokens: int | None = None,
-        profile_steps: int = 0, profile_prefill_steps: int = 0) -> dict:
+        profile_steps: int = 0, profile_prefill_steps: int = 0, profile_prefill_at: float = 0.0) -> dict:
     """Every (context, method) of `lengths` x `methods` (eval.common.RunSpec), then dense at `dense_lengths`
     (None: `lengths` plus the 4K anchor below them; []: no dense). `engine_kwargs`: EngineConfig fields other than
     model / attention / preset / max_model_len / max_num_seqs; its `attention_config` (a dict, or its JSON text) may
@@ -248,7 +250,7 @@ def run(model: str, lengths: list[int], methods: list, engine_kwargs: dict, batc
     device = resolve_device(engine_kwargs.get("device", "auto"))
     run_dtype = resolve_dtype(engine_kwargs.get("dtype", "auto"), device)
     state: dict = {"text": text, "warmup_tokens": warmup_tokens, "profile_steps": profile_steps,
-                   "profile_prefill_steps": profile_prefill_steps}
+                   "profile_prefill_steps": profile_prefill_steps, "profile_prefill_at": profile_prefill_at}
     if is_random_model(model):
         state["model_config"] = random_shape(model).config
     specs = [*methods, *([RunSpec("dense", None, "dense")] if dense_lengths else [])]

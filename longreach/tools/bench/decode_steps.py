@@ -88,11 +88,13 @@ def _note(msg: str) -> None:
 
 
 def _drive(engine, prompts: list[list[int]], decode_tokens: int, label: str, profile_steps: int = 0,
-           profile_prefill_steps: int = 0, timed: bool = True, catch_up: int = 0) -> dict:
+           profile_prefill_steps: int = 0, timed: bool = True, catch_up: int = 0,
+           profile_prefill_at: float = 0.0) -> dict:
     """Prefill and decode every prompt through `engine`, one timed step at a time; the last `profile_steps` decode
     steps run under the profiler (bench/profile.py) and are left out of the rate; so do the prefill steps from the
-    second one on, `profile_prefill_steps` of them (their time stays in the prefill seconds, profiler overhead
-    included: a run that profiles its prefill says where the time goes, not how much there is). `timed`: False for
+    second one on (or from the first that starts past `profile_prefill_at` of the prompt tokens),
+    `profile_prefill_steps` of them (their time stays in the prefill seconds, profiler overhead included: a run that
+    profiles its prefill says where the time goes, not how much there is). `timed`: False for
     the warm-up run (no note about what compiled in it). `catch_up`: the tokens each request may decode beyond
     `decode_tokens` while others still prefill (`catch_up_tokens`; the engine's max_model_len must allow them)."""
     from ...progress import Progress
@@ -114,6 +116,7 @@ def _drive(engine, prompts: list[list[int]], decode_tokens: int, label: str, pro
     decode_progress = None
     prof, prof_prefill = StepProfiler(dev), StepProfiler(dev)
     prefill_steps = 0
+    first_profiled, profiled_from = None, None  # the first profiled prefill step, the prompt tokens before it
     together = 0  # decode steps since no prompt was left to prefill (the batch decoding together)
     jit, prefill_jit = JitWatch(), None
     try:
@@ -124,7 +127,11 @@ def _drive(engine, prompts: list[list[int]], decode_tokens: int, label: str, pro
             profiled = profile_steps > 0 and not pending and engine.last_step is not None \
                 and not engine.last_step.is_prefill \
                 and together >= decode_tokens - 1 - profile_steps  # the prefill samples the first token
-            profiled_prefill = prefill_tokens < total and 1 <= prefill_steps <= profile_prefill_steps
+            if first_profiled is None and prefill_steps >= 1 and prefill_tokens >= profile_prefill_at * total:
+                first_profiled = prefill_steps  # past the first step (compilation) and `profile_prefill_at`
+                profiled_from = prefill_tokens
+            profiled_prefill = prefill_tokens < total and first_profiled is not None \
+                and first_profiled <= prefill_steps < first_profiled + profile_prefill_steps
             if profiled:
                 prof.start()
             if profiled_prefill:
@@ -144,7 +151,7 @@ def _drive(engine, prompts: list[list[int]], decode_tokens: int, label: str, pro
                 prefill_steps += 1
                 if profiled_prefill:
                     prof_prefill.record(dt)
-                    if prefill_steps > profile_prefill_steps:
+                    if prefill_steps >= first_profiled + profile_prefill_steps:
                         prof_prefill.stop()
                 prefill_s += dt
                 prefill_tokens += st.num_tokens
@@ -192,6 +199,7 @@ def _drive(engine, prompts: list[list[int]], decode_tokens: int, label: str, pro
             "prefill_steps": prefill_steps,
             "steps": steps, "snaps": snaps, "prefill_before": prefill_before, "profile": profile,
             "prefill_profile": prefill_profile, "prefill_jit": prefill_jit,
+            "prefill_profiled_from_token": profiled_from if profile_prefill_steps else None,
             "decode_jit": jit.since(prefill_jit["count"])}
 
 
