@@ -147,11 +147,11 @@ abmixed|abdeep|ab8b)  # the same command in the tree at $OLD, then in this one (
         path="$dir:$(printf %s "${PYTHONPATH:-}" | tr ':' '\n' | grep -vx "$PWD" | paste -sd: -)"
         e=(env -C "$dir" PYTHONPATH="$path" LONGREACH_COMMIT="$commit")
         if [ "$group" != ab8b ]; then
-            methods=(dense infinitehip) deep=()
-            [ "$group" = abdeep ] && methods=(infinitehip) deep=(--profile-steps 4 --profile-at 0.9)
-            run "mixed_paced_$tree" 280 "${e[@]}" python3 -m longreach bench mixed --model "$model" \
+            methods=(dense infinitehip) deep=() tag=
+            [ "$group" = abdeep ] && methods=(infinitehip) deep=(--profile-steps 4 --profile-at 0.9) tag=-deep
+            run "mixed_paced${tag}_$tree" 280 "${e[@]}" python3 -m longreach bench mixed --model "$model" \
                 --context 131072 --decodes 32 --attention "${methods[@]}" --long-prefill-token-threshold 256 \
-                "${deep[@]}" --out "$out/bench-mixed-128k-chunk256-$tree.json"
+                ${deep[@]+"${deep[@]}"} --out "$out/bench-mixed-128k-chunk256$tag-$tree.json"
         else
             run "decode_8b_128k_$tree" 280 "${e[@]}" python3 -m longreach bench decode --lengths 128k \
                 --attention infinitehip@pruned --attention-config '{"infinitehip@pruned": {"dense_below": null}}' \

@@ -227,6 +227,9 @@ def test_profile_prefill_steps_profile_prefill_steps_two_on(tmp_path, capsys):
     assert main(["bench", "decode", "--model", "random:tiny", "--lengths", "256", "--profile-prefill-at", "1",
                  "--device", "cpu"]) == 2
     assert "--profile-prefill-at is a share of the prompt tokens in [0, 1), got 1.0" in capsys.readouterr().err
+    assert main(["bench", "decode", "--model", "random:tiny", "--lengths", "256", "--profile-prefill-at", "0.5",
+                 "--device", "cpu"]) == 2
+    assert "it needs --profile-prefill-steps N" in capsys.readouterr().err
     assert main(["bench", "decode", "--model", "random:tiny", "--lengths", "256", "--profile-prefill-steps", "-1",
                  "--device", "cpu"]) == 2
     assert "--profile-prefill-steps must be >= 0, got -1" in capsys.readouterr().err
@@ -369,6 +372,9 @@ def test_a_batch_is_timed_decoding_together_after_every_prompt_is_prefilled(tmp_
     from longreach.tools.eval.common import parse_methods
 
     assert catch_up_tokens(1, 384, {}) == 0 and catch_up_tokens(3, 384, {"max_num_batched_tokens": 128}) == 3 * 12
+    # paced chunks may fall to the pacer's 256 tokens: 16 x 128K at a 65,536-token budget may take 16 x 512 steps
+    assert catch_up_tokens(16, 131072, {"max_num_batched_tokens": 65536}) == 16 * 8
+    assert catch_up_tokens(16, 131072, {"max_num_batched_tokens": 65536, "mixed_step_target_ms": 40}) == 16 * 512
     base = {"device": "cpu", "dtype": "float32", "attention_config": SMALL, "max_num_batched_tokens": 128}
     for extra, interleaved in (({}, False), ({"kv_offloading_size": 0.01, "kv_cache_memory_gb": 0.0005}, True)):
         r = run("random:tiny", [384], parse_methods(["infinitehip"]), {**base, **extra}, batch=3, decode_tokens=6,
@@ -380,3 +386,9 @@ def test_a_batch_is_timed_decoding_together_after_every_prompt_is_prefilled(tmp_
         assert x["decode_steps"] - len(pending) == 5  # decode_tokens - 1 steps after the last prompt's prefill
         assert x["counted_rows_min"] == 3 and x["preemptions"] == 0
         assert x["steps_counted"] == 5 - sum(i not in pending for i in x["steps_excluded"].get("first_eager", []))
+        if interleaved:  # the counters of the counted steps are their own (the prefill steps between are not in them)
+            assert x["offload_stats"]["prefill"]["bytes_h2d"] >= 0 and x["offload_stats"]["decode"]
+            bad = run("random:tiny", [384], parse_methods(["infinitehip"]), {**base, **extra}, batch=3,
+                      decode_tokens=6, dense_lengths=[], out_path=str(tmp_path / "c.json"), profile_prefill_steps=1,
+                      warmup_tokens=0)["runs"][0]
+            assert "profile the prefill with --batch 1" in bad["error"]  # the row says why, the others go on

@@ -211,12 +211,14 @@ def test_a_triton_compilation_inside_a_step_is_logged_with_the_step(caplog):
         return await asyncio.to_thread(
             wait_until, lambda: any("Triton compiled" in r.getMessage() for r in caplog.records), 5)
 
-    with caplog.at_level("WARNING", logger="longreach"):
-        loop.start()
-        assert asyncio.run(scenario())
+    try:
+        with caplog.at_level("WARNING", logger="longreach"):
+            loop.start()
+            assert asyncio.run(scenario())
+    finally:
+        loop.stop()
     line = next(r.getMessage() for r in caplog.records if "Triton compiled" in r.getMessage())
     assert re.match(r"Triton compiled 1 kernel\(s\) in \d+\.\d\d s inside a step while serving \(_bsa_kernel x1\)",
                     line), line
     assert "with 4 decode rows and 256 prefill tokens" in line
-    loop.stop()
     assert knobs.runtime.jit_cache_hook is None  # the hooks are put back when the loop ends

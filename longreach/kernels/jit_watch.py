@@ -15,6 +15,12 @@ import time
 from collections import Counter
 
 
+def summarize(events: list[tuple[str, float]]) -> dict:
+    """{"count", "seconds", "kernels": {name: count}} of (kernel name, seconds) compilation events."""
+    return {"count": len(events), "seconds": round(sum(s for _, s in events), 3),
+            "kernels": dict(Counter(name for name, _ in events))}
+
+
 class JitWatch:
     """Context manager: `events` gets (kernel name, seconds) for each Triton compilation while active. Hooks that
     were installed before are chained (called after ours, their return value kept: a hook may veto a compile). A
@@ -32,9 +38,7 @@ class JitWatch:
 
     def since(self, mark: int) -> dict:
         """Summary of the events from index `mark` on: {"count", "seconds", "kernels": {name: count}}."""
-        ev = self.events[mark:]
-        return {"count": len(ev), "seconds": round(sum(s for _, s in ev), 3),
-                "kernels": dict(Counter(name for name, _ in ev))}
+        return summarize(self.events[mark:])
 
     def __enter__(self) -> JitWatch:
         return self.start()
@@ -43,7 +47,9 @@ class JitWatch:
         self.stop()
 
     def start(self) -> JitWatch:
-        """Install the hooks (what `with` does on entry)."""
+        """Install the hooks (what `with` does on entry); a second start while installed does nothing."""
+        if self._knobs is not None:
+            return self
         try:
             from triton import knobs
             runtime = knobs.runtime
@@ -55,9 +61,11 @@ class JitWatch:
         return self
 
     def stop(self) -> None:
-        """Put the earlier hooks back (what `with` does on exit)."""
+        """Put the earlier hooks back (what `with` does on exit), only where ours are still the installed ones: a
+        watch started after this one (another server loop, a benchmark) keeps its own."""
         if self._knobs is not None:
-            self._knobs.jit_cache_hook, self._knobs.jit_post_compile_hook = self._prev
+            if self._knobs.jit_cache_hook == self._before:
+                self._knobs.jit_cache_hook, self._knobs.jit_post_compile_hook = self._prev
             self._knobs = None
 
     def _before(self, **kw):

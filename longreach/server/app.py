@@ -218,11 +218,11 @@ def make_state(engine, config: ServerConfig) -> ServerState:
 
 
 def warm_up(engine, tokens: int | None) -> None:
-    """Run one untimed request through `engine` before the server listens, twice: its prefill chunks (the first one
-    and, past one chunk, one with a prefix) and a few decode steps, with one short request and then 16 decoding beside
-    its chunks (mixed steps), compile the kernels the first clients would otherwise wait for; then the backend's
-    graphs for every context length (`LLMEngine.capture_warm_graphs`). `tokens` None: one chunk + 1024 on a GPU (at most
-    max_model_len - 8), nothing on a CPU (0 skips both)."""
+    """Run one untimed request through `engine` before the server listens, twice (once where max_num_seqs is 1 or 2):
+    its prefill chunks (the first one and, past one chunk, one with a prefix) and a few decode steps, with one short
+    request and then up to 16 decoding beside its chunks (mixed steps), compile the kernels the first clients would
+    otherwise wait for; then the backend's graphs for every context length (`LLMEngine.capture_warm_graphs`).
+    `tokens` None: one chunk + 1024 on a GPU (at most max_model_len - 8), nothing on a CPU (0 skips both)."""
     from ..sampling_params import SamplingParams
 
     cfg = engine.config
@@ -234,19 +234,21 @@ def warm_up(engine, tokens: int | None) -> None:
     t0 = time.perf_counter()
     vocab = engine.model_config.vocab_size
     ids = [100 + (i * 7919) % max(1, vocab - 100) for i in range(tokens)]  # ordinary ids, no special tokens
-    # the long request alone with one short request decoding beside its chunks, then again with a batch of them:
-    # mixed steps of 1 decode row, then of 16, 15, 14, ... (Triton specialises an integer argument on 1, on
-    # multiples of 16 and on the rest; run 7's 1M server stalled 0.5-2.4 s in its first mixed steps with 16, 44 and
-    # 64 rows, most likely compilations: docs/serving.md)
-    for shorts in (1, min(16, max(1, cfg.max_num_seqs - 1))):
-        engine.add_request("longreach-warmup", ids, SamplingParams(temperature=0, max_tokens=4, ignore_eos=True))
-        for i in range(shorts):  # decoding while the long one still prefills; in a batch, one more token each
+    # Mixed steps of 1 decode row, then of 16, 15, 14, ...: Triton specialises an integer argument on 1, on multiples
+    # of 16 and on the rest (run 7's 1M server stalled 0.5-2.4 s in its first mixed steps with 16, 44 and 64 rows,
+    # most likely compilations: docs/serving.md). The short requests go first and take a step, so that every chunk of
+    # the long one, its first included, has them decoding beside it (a store that mixes no decode rows into prefill
+    # steps, offloading, alternates the two kinds of step instead).
+    for shorts in sorted({1, min(16, cfg.max_num_seqs - 1)} - {0}):
+        for i in range(shorts):  # in a batch, one more token each: the rows fall 16, 15, 14, ...
             engine.add_request(f"longreach-warmup-short-{i}", ids[:64 if shorts == 1 else 16], SamplingParams(
                 temperature=0, max_tokens=16 if shorts == 1 else 2 + i, ignore_eos=True))
+        engine.step()
+        engine.add_request("longreach-warmup", ids, SamplingParams(temperature=0, max_tokens=4, ignore_eos=True))
         while engine.has_unfinished_requests():
             engine.step()
-    logger.info("warm-up: a request of %d prompt tokens, twice, in %.1f s (kernels compiled before listening; "
-                "--warmup-tokens 0 skips it)", tokens, time.perf_counter() - t0)
+    logger.info("warm-up: a request of %d prompt tokens beside short ones in %.1f s (kernels compiled before "
+                "listening; --warmup-tokens 0 skips it)", tokens, time.perf_counter() - t0)
     engine.capture_warm_graphs()
 
 

@@ -112,6 +112,11 @@ class _Live:
         return cls(sub, slot, prompt, [0] * n, [0] * n, [False] * n, max((len(s) for s in stops), default=1) - 1)
 
 
+def _names(events: list[tuple[str, float]]) -> str:
+    """'kernel xN, ...' of Triton compilation events (kernels/jit_watch.py)."""
+    return ", ".join(f"{name} x{n}" for name, n in Counter(name for name, _ in events).items())
+
+
 class EngineLoop:
     def __init__(self, engine, metrics: ServerMetrics, max_queued: int):
         self.engine = engine
@@ -200,24 +205,31 @@ class EngineLoop:
                 if stopping:
                     break
                 began = time.perf_counter()
-                compiled = len(self._jit.events)
                 self.engine.check_workers()  # a dead tensor-parallel rank kills the loop even while it idles
                 for op, rid, live in inbox:
                     self._deferred.append((rid, live)) if op == "add" else self._abort(rid)
                 self._admit()
                 stepped = self.engine.has_unfinished_requests()
+                compiled = len(self._jit.events)
                 if stepped:
                     self._step()
+                step_compiles = self._jit.events[compiled:]  # a scoring pass's are logged on their own below
                 if self._scoring:
+                    compiled = len(self._jit.events)
                     self._score_chunk()
+                    if len(self._jit.events) > compiled:
+                        logger.warning("Triton compiled %d kernel(s) in %.2f s inside a logprobs scoring pass while "
+                                       "serving (%s)", len(self._jit.events) - compiled,
+                                       sum(t for _, t in self._jit.events[compiled:]),
+                                       _names(self._jit.events[compiled:]))
                 self._publish()
                 self._flush()
                 if stepped:  # the gap every running request saw between two of its tokens (metrics.ThroughputLog)
                     took = time.perf_counter() - began
                     self.metrics.iteration.observe(took)
                     self._log.on_iteration(took, self.engine.last_step)
-                    if len(self._jit.events) > compiled:
-                        self._log_compiles(self._jit.events[compiled:], took)
+                    if step_compiles:
+                        self._log_compiles(step_compiles, took)
         except Exception as e:  # noqa: BLE001 -- the engine is broken: die loudly (see the module docstring)
             logger.exception("the engine loop stopped on an unexpected error; the server can no longer generate and "
                              "exits once the requests in flight have their errors")
@@ -232,7 +244,7 @@ class EngineLoop:
         """Triton compiled kernels inside this iteration: every stream waited for it. Say which, so that the warm-up
         (server/app.py warm_up) can be taught the shape."""
         step = self.engine.last_step
-        what = ", ".join(f"{name} x{n}" for name, n in Counter(name for name, _ in events).items())
+        what = _names(events)
         rows = "" if step is None else (f" with {step.num_decode_tokens} decode rows and "
                                         f"{step.num_tokens - step.num_decode_tokens} prefill tokens")
         logger.warning("Triton compiled %d kernel(s) in %.2f s inside a step while serving (%s): the iteration took "

@@ -38,6 +38,9 @@ from ..index import QueryBlocks
 from .selection import BlockQueries, KeptBoxes, SelectionMethod, SequenceKeys, use_kernels
 
 
+SHORT_WARM_MAX = 32768  # the longest short-row batch whose decode variants a warm-up captures (warm_keys)
+
+
 class GraphDecoder:
     """The graph-decode half of a `SparseBackend`: host bookkeeping, static buffers, and each variant's selection.
 
@@ -83,9 +86,10 @@ class GraphDecoder:
             return []
         # rows all within every decode limit (a server's chats): no selection, one variant per bucket, met at any
         # batch size (rows 0: ModelRunner.capture_warm_variants takes every graph size); from 64 tokens up to the
-        # bucket holding the shortest limit. Captured on first use, 9 of them stalled a 1M run's 64 chats for up to
-        # 0.5 s each (docs/serving.md, run 7).
-        keys, shortest, power = [], min(limits), 64
+        # bucket holding the shortest limit, at most SHORT_WARM_MAX (a model trained to 128K would otherwise add 12
+        # buckets x every batch size to the warm-up). Captured on first use, 9 of them stalled a 1M run's 64 chats
+        # for up to 0.5 s each (docs/serving.md, run 7).
+        keys, shortest, power = [], min(min(limits), SHORT_WARM_MAX), 64
         while power // 2 < shortest and power // 2 < self.max_model_len:  # a longest row in (power / 2, power]
             keys.append((0, (min(power, self.max_model_len), self._num_stages(), tuple(True for _ in limits), 0,
                              False)))

@@ -204,6 +204,13 @@ def _decode(args) -> int:
         raise ValueError(f"--profile-prefill-steps must be >= 0, got {args.profile_prefill_steps}")
     if not 0 <= args.profile_prefill_at < 1:
         raise ValueError(f"--profile-prefill-at is a share of the prompt tokens in [0, 1), got {args.profile_prefill_at}")
+    if args.profile_prefill_steps and args.batch > 1 and args.kv_offloading_size:
+        raise ValueError("--profile-prefill-steps with --batch > 1 and --kv-offloading-size: an offloaded batch "
+                         "alternates decode steps with its prefill steps, which the profile would take in; profile "
+                         "the prefill with --batch 1")
+    if args.profile_prefill_at and not args.profile_prefill_steps:
+        raise ValueError("--profile-prefill-at says where the profiled prefill steps start: it needs "
+                         "--profile-prefill-steps N")
     if is_random_model(args.model):
         random_shape(args.model)  # an unknown shape fails here, before any engine is built
     # a bad preset or --attention-config fails here (the decode side of "A+B" too), not after an hour of runs

@@ -160,7 +160,7 @@ def _measure(model: str, context: int, spec, engine_kwargs: dict, batch: int, de
                 "gpu_total_bytes": torch.cuda.mem_get_info(dev)[1] if dev.type == "cuda" else None,
             },
             "host": _host_memory(),
-            "offload_stats": _offload_summary(run["snaps"], steps, run["prefill_before"], steady_s),
+            "offload_stats": _offload_summary(run["snaps"], steps, run["prefill_kv"], steady_s),
             "profile": run["profile"], "prefill_profile": run["prefill_profile"],
             "prefill_profiled_from_token": run["prefill_profiled_from_token"],
         }

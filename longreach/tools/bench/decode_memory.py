@@ -57,16 +57,17 @@ def _counter_deltas(before: dict | None, after: dict | None) -> dict | None:
             and isinstance(before.get(k), (int, float))}
 
 
-def _offload_summary(snaps: list, steps: list[dict], prefill_before: dict | None, seconds: float) -> dict | None:
-    """Counters over the steady decode steps (`snaps[i]` is the snapshot before decode step i, `snaps[-1]` after
-    the last) and over the prefill."""
+def _offload_summary(snaps: list, steps: list[dict], prefill_kv: dict | None, seconds: float) -> dict | None:
+    """Counters over the steady decode steps (each step's `kv`: its snapshots before and after it; an offloaded
+    batch's prefill steps may fall between decode steps) and over the prefill steps (`prefill_kv`, their deltas
+    summed); `snaps`: the snapshots before decode step 0 and after each decode step (gauges: pages used)."""
     if not snaps or snaps[0] is None:
         return None
     total: dict = {}
-    for i, step in enumerate(steps):
+    for step in steps:
         if step["warmup"]:
             continue
-        for k, v in (_counter_deltas(snaps[i], snaps[i + 1]) or {}).items():
+        for k, v in (_counter_deltas(*step["kv"]) or {}).items():
             total[k] = total.get(k, 0) + v
     hit, miss = total.get("pages_hit"), total.get("pages_missed")
     h2d = total.get("bytes_h2d")
@@ -74,7 +75,7 @@ def _offload_summary(snaps: list, steps: list[dict], prefill_before: dict | None
         "decode": total,
         "hit_ratio": hit / (hit + miss) if hit is not None and miss is not None and hit + miss else None,
         "h2d_gb_s": h2d / seconds / 1e9 if h2d is not None and seconds > 0 else None,
-        "prefill": _counter_deltas(prefill_before, snaps[0]),
+        "prefill": prefill_kv,
         "max_gpu_pages_used": max((x.get("gpu_pages_used", 0) for x in snaps), default=None),
         "max_host_pages_used": max((x.get("host_pages_used", 0) for x in snaps), default=None),
         "final": snaps[-1],

@@ -24,15 +24,20 @@ EXCLUDED = ("graph_capture", "jit", "first_eager", "profiled", "prefill_pending"
 
 def catch_up_tokens(batch: int, context: int, engine_kwargs: dict) -> int:
     """Tokens a request of a `batch` of `context`-token prompts may decode while the others are still prefilled: at
-    most one per prefill step, and a prefill step carries at least one chunk of min(budget, long-prefill threshold)
-    tokens or a prompt's last piece, so there are at most batch x ceil(context / that) of them (0 alone)."""
+    most one per prefill step, and a prefill step carries at least one chunk of min(budget less the other rows,
+    long-prefill threshold) tokens (with --mixed-step-target-ms, the pacer's smallest chunk) or a prompt's last
+    piece, so there are at most batch x ceil(context / that) of them (0 alone). A prefill that cannot get pages or
+    staging room for a step is not bounded by it: `counted_rows_min` then says the counted steps lacked rows."""
     if batch <= 1:
         return 0
     from ...config import EngineConfig
+    from ...engine.pacing import MIN_CHUNK
 
     budget = engine_kwargs.get("max_num_batched_tokens") or EngineConfig().max_num_batched_tokens
-    chunk = max(1, min(budget, engine_kwargs.get("long_prefill_token_threshold") or max(budget // 4, 1)))
-    return batch * -(-context // chunk)
+    chunk = min(budget - (batch - 1), engine_kwargs.get("long_prefill_token_threshold") or max(budget // 4, 1))
+    if engine_kwargs.get("mixed_step_target_ms"):
+        chunk = min(chunk, MIN_CHUNK)
+    return batch * -(-context // max(1, chunk))
 
 
 def _sync(device) -> None:
@@ -99,10 +104,15 @@ def _drive(engine, prompts: list[list[int]], decode_tokens: int, label: str, pro
     `decode_tokens` while others still prefill (`catch_up_tokens`; the engine's max_model_len must allow them)."""
     from ...progress import Progress
     from ...sampling_params import SamplingParams
-    from ...kernels.jit_watch import JitWatch
+    from ...kernels.jit_watch import JitWatch, summarize
+    from .decode_memory import _counter_deltas
     from .profile import StepProfiler
 
     dev, runner = engine.device, engine.runner
+    if profile_prefill_steps and len(prompts) > 1 and not engine.scheduler.mixed:
+        raise ValueError("--profile-prefill-steps profiles consecutive prefill steps, and this batch's store does not "
+                         "mix decode rows into prefill steps (offloading): its decode steps would run between them "
+                         "under the profiler; profile the prefill with --batch 1")
     params = SamplingParams(temperature=0, max_tokens=decode_tokens + catch_up, ignore_eos=True)
     ids = [f"bench-decode-{i}" for i in range(len(prompts))]
     for rid, p in zip(ids, prompts):
@@ -111,14 +121,16 @@ def _drive(engine, prompts: list[list[int]], decode_tokens: int, label: str, pro
     prefill_s, prefill_tokens, first_step = 0.0, 0, None
     steps: list[dict] = []
     snaps: list = []  # offload counters before decode step 0, then after each decode step
-    prefill_before = snap = _kv_stats(engine)
+    snap = _kv_stats(engine)
+    prefill_kv: dict | None = None  # the offload counters' deltas summed over the prefill steps
+    prefill_compiles, decode_compiles = [], []  # (kernel, seconds) of the compilations inside each kind of step
     prefill_progress = Progress(total, f"bench decode {label} prefill").follow_layers(engine.model, dev)
     decode_progress = None
     prof, prof_prefill = StepProfiler(dev), StepProfiler(dev)
     prefill_steps = 0
     first_profiled, profiled_from = None, None  # the first profiled prefill step, the prompt tokens before it
     together = 0  # decode steps since no prompt was left to prefill (the batch decoding together)
-    jit, prefill_jit = JitWatch(), None
+    jit = JitWatch()
     try:
         jit.start()
         while engine.has_unfinished_requests() and together < decode_tokens - 1:
@@ -142,29 +154,33 @@ def _drive(engine, prompts: list[list[int]], decode_tokens: int, label: str, pro
             engine.step()
             _sync(dev)
             dt = time.perf_counter() - t0
-            compiled = len(jit.events) > compiled  # a Triton kernel compiled inside this step
+            new_compiles = jit.events[compiled:]
+            compiled = bool(new_compiles)  # a Triton kernel compiled inside this step
             st = engine.last_step
             if st is prev:
                 raise RuntimeError("the engine scheduled nothing: the KV cache cannot hold the batch")
             before, snap = snap, _kv_stats(engine)
             if st.is_prefill:
                 prefill_steps += 1
+                prefill_compiles += new_compiles
+                delta = _counter_deltas(before, snap)
+                if delta is not None:
+                    prefill_kv = {k: (prefill_kv or {}).get(k, 0) + v for k, v in delta.items()}
                 if profiled_prefill:
                     prof_prefill.record(dt)
                     if prefill_steps >= first_profiled + profile_prefill_steps:
                         prof_prefill.stop()
                 prefill_s += dt
-                prefill_tokens += st.num_tokens
+                prefill_tokens += st.num_tokens - st.num_decode_tokens  # prompt tokens (a mixed step decodes too)
                 first_step = dt if first_step is None else first_step
-                prefill_progress.update(st.num_tokens)
+                prefill_progress.update(st.num_tokens - st.num_decode_tokens)
                 continue
+            decode_compiles += new_compiles
             if decode_progress is None:
                 prefill_progress.close()
                 decode_progress = Progress(len(prompts) * (decode_tokens - 1), f"bench decode {label} decode")
             decode_progress.update(st.num_tokens)
             prof_prefill.stop()  # a decode step: the prefill's profile ends, whatever it had
-            if prefill_jit is None:
-                prefill_jit = jit.since(0)
             if not snaps:
                 snaps.append(before)
             why = [name for name, hit in zip(EXCLUDED, (len(runner._graphs) > n_graphs, compiled,
@@ -174,7 +190,7 @@ def _drive(engine, prompts: list[list[int]], decode_tokens: int, label: str, pro
             if profiled:
                 prof.record(dt)
             steps.append({"s": dt, "tokens": st.num_tokens, "warmup": bool(why), "profiled": profiled,
-                          "excluded": why})
+                          "excluded": why, "kv": (before, snap)})
             snaps.append(snap)
         if engine.has_unfinished_requests():  # the batch's counted steps are done; the catch-up tokens are not wanted
             for rid in ids:
@@ -189,7 +205,10 @@ def _drive(engine, prompts: list[list[int]], decode_tokens: int, label: str, pro
         if decode_progress is not None:
             decode_progress.close()
         profile, prefill_profile = prof.report(), prof_prefill.report()
-    prefill_jit = prefill_jit or jit.since(0)
+    prefill_jit = summarize(prefill_compiles)
+    if profile_prefill_steps and first_profiled is None and timed:
+        _note(f"{label}: no prefill step after the first started past {profile_prefill_at:.0%} of the prompt "
+              f"tokens: no prefill step was profiled (--profile-prefill-at)")
     if prefill_jit["count"] and timed:  # the warm-up run is there to compile
         _note(f"{label}: {prefill_jit['count']} Triton kernel compilation(s) inside the timed prefill "
               f"({prefill_jit['seconds']:.1f} s of its {prefill_s:.1f} s: "
@@ -197,10 +216,10 @@ def _drive(engine, prompts: list[list[int]], decode_tokens: int, label: str, pro
               f"them (a repeat in the same process, METHOD@2, runs warm)")
     return {"prefill_s": prefill_s, "prefill_tokens": prefill_tokens, "prefill_first_step_s": first_step,
             "prefill_steps": prefill_steps,
-            "steps": steps, "snaps": snaps, "prefill_before": prefill_before, "profile": profile,
+            "steps": steps, "snaps": snaps, "prefill_kv": prefill_kv, "profile": profile,
             "prefill_profile": prefill_profile, "prefill_jit": prefill_jit,
             "prefill_profiled_from_token": profiled_from if profile_prefill_steps else None,
-            "decode_jit": jit.since(prefill_jit["count"])}
+            "decode_jit": summarize(decode_compiles)}
 
 
 def steps_excluded(steps: list[dict]) -> dict[str, list[int]]:
