@@ -218,7 +218,6 @@ def test_a_triton_compilation_inside_a_step_is_logged_with_the_step(caplog):
     finally:
         loop.stop()
     line = next(r.getMessage() for r in caplog.records if "Triton compiled" in r.getMessage())
-    assert re.match(r"Triton compiled 1 kernel\(s\) in \d+\.\d\d s inside a step while serving \(_bsa_kernel x1\)",
-                    line), line
-    assert "with 4 decode rows and 256 prefill tokens" in line
+    assert re.match(r"Triton compiled 1 kernel\(s\) in \d+\.\d\d s inside a step \(the iteration took \d+\.\d ms "
+                    r"with 4 decode rows and 256 prefill tokens\) while serving \(_bsa_kernel x1\)", line), line
     assert knobs.runtime.jit_cache_hook is None  # the hooks are put back when the loop ends

@@ -112,11 +112,6 @@ class _Live:
         return cls(sub, slot, prompt, [0] * n, [0] * n, [False] * n, max((len(s) for s in stops), default=1) - 1)
 
 
-def _names(events: list[tuple[str, float]]) -> str:
-    """'kernel xN, ...' of Triton compilation events (kernels/jit_watch.py)."""
-    return ", ".join(f"{name} x{n}" for name, n in Counter(name for name, _ in events).items())
-
-
 class EngineLoop:
     def __init__(self, engine, metrics: ServerMetrics, max_queued: int):
         self.engine = engine
@@ -218,10 +213,7 @@ class EngineLoop:
                     compiled = len(self._jit.events)
                     self._score_chunk()
                     if len(self._jit.events) > compiled:
-                        logger.warning("Triton compiled %d kernel(s) in %.2f s inside a logprobs scoring pass while "
-                                       "serving (%s)", len(self._jit.events) - compiled,
-                                       sum(t for _, t in self._jit.events[compiled:]),
-                                       _names(self._jit.events[compiled:]))
+                        self._log_compiles(self._jit.events[compiled:], "a logprobs scoring pass")
                 self._publish()
                 self._flush()
                 if stepped:  # the gap every running request saw between two of its tokens (metrics.ThroughputLog)
@@ -229,7 +221,11 @@ class EngineLoop:
                     self.metrics.iteration.observe(took)
                     self._log.on_iteration(took, self.engine.last_step)
                     if step_compiles:
-                        self._log_compiles(step_compiles, took)
+                        step = self.engine.last_step
+                        rows = "" if step is None else (f" with {step.num_decode_tokens} decode rows and "
+                                                        f"{step.num_tokens - step.num_decode_tokens} prefill tokens")
+                        self._log_compiles(step_compiles, f"a step (the iteration took {1e3 * took:.1f} ms{rows})")
+                        self._log.on_compiles(len(step_compiles))
         except Exception as e:  # noqa: BLE001 -- the engine is broken: die loudly (see the module docstring)
             logger.exception("the engine loop stopped on an unexpected error; the server can no longer generate and "
                              "exits once the requests in flight have their errors")
@@ -240,17 +236,13 @@ class EngineLoop:
         finally:
             self._close()
 
-    def _log_compiles(self, events: list[tuple[str, float]], took: float) -> None:
-        """Triton compiled kernels inside this iteration: every stream waited for it. Say which, so that the warm-up
-        (server/app.py warm_up) can be taught the shape."""
-        step = self.engine.last_step
-        what = _names(events)
-        rows = "" if step is None else (f" with {step.num_decode_tokens} decode rows and "
-                                        f"{step.num_tokens - step.num_decode_tokens} prefill tokens")
-        logger.warning("Triton compiled %d kernel(s) in %.2f s inside a step while serving (%s): the iteration took "
-                       "%.1f ms%s; a shape the warm-up did not reach", len(events), sum(s for _, s in events), what,
-                       1e3 * took, rows)
-        self._log.on_compiles(len(events))
+    @staticmethod
+    def _log_compiles(events: list[tuple[str, float]], inside: str) -> None:
+        """Triton compiled kernels inside `inside` (a step, a scoring pass) after the warm-up: every stream waited
+        for them. Say which, so that the warm-up (server/app.py warm_up) can be taught the shape."""
+        names = ", ".join(f"{name} x{n}" for name, n in Counter(name for name, _ in events).items())
+        logger.warning("Triton compiled %d kernel(s) in %.2f s inside %s while serving (%s); a shape the warm-up did "
+                       "not reach", len(events), sum(s for _, s in events), inside, names)
 
     def _has_work(self) -> bool:
         return bool(self.engine.has_unfinished_requests() or self._scoring or self._deferred)
