@@ -492,6 +492,36 @@ suite_qwen15() {  # issue 28's 1.5B rows: passkey and niah_single_2 at 32K (dens
     pk_1m 1
     rl_1m niah_single_2 1
 }
+suite_gemma() {  # issue 33's ladder on Gemma 3 270M (MODEL=/tmp/m/gemma3-270m.gguf; trained to 32K, window 512):
+    # dense against the default (infinitehip, its sparse attention on the 3 global layers only) inside the window,
+    # then the default beyond it, passkey in the essays first (the goal's task), then RULER niah_single_1 and 2
+    local m t
+    for m in dense infinitehip; do
+        job "passkey__paul-graham__${m}__8k-16k-32k" passkey --haystack paul-graham --lengths 8k 16k 32k \
+            --attention "$m"
+    done
+    job "passkey__paul-graham__infinitehip__64k-128k" passkey --haystack paul-graham --lengths 64k 128k \
+        --attention infinitehip
+    job "passkey__paul-graham__infinitehip__256k" passkey --haystack paul-graham --lengths 256k --attention infinitehip
+    job "passkey__paul-graham__infinitehip__512k" passkey --haystack paul-graham --lengths 512k --seeds 2 \
+        --attention infinitehip
+    for t in 1 5 9; do  # 1M: one job per depth (a deadline cuts little), 2 keys each
+        job "passkey__paul-graham__infinitehip__1M-d$t" passkey --haystack paul-graham --lengths 1M --seeds 2 \
+            --depths "0.$t" --attention infinitehip
+    done
+    for t in niah_single_1 niah_single_2; do
+        for m in dense infinitehip; do
+            job "ruler__${t}__${m}__8k-16k-32k" ruler --tasks "$t" --lengths 8k 16k 32k --samples 20 --attention "$m"
+        done
+        job "ruler__${t}__infinitehip__64k-128k" ruler --tasks "$t" --lengths 64k 128k --samples 20 \
+            --attention infinitehip
+    done
+    job "passkey__paul-graham__dense__64k" passkey --haystack paul-graham --lengths 64k --seeds 2 --attention dense
+    for t in 3 7; do
+        job "passkey__paul-graham__infinitehip__1M-d$t" passkey --haystack paul-graham --lengths 1M --seeds 2 \
+            --depths "0.$t" --attention infinitehip
+    done
+}
 suite_"${SUITE:-smollm2}"
 if [ -n "${LIST:-}" ]; then printf '%s\n' "${JOBS[@]}"; exit 0; fi  # LIST=1: print the suite's jobs, run nothing
 if [ -n "${BG:-}" ]; then  # a run longer than one call: under setsid it outlives the call (until the machine goes back)

@@ -73,6 +73,8 @@
 #                                           # prefill == an engine of each, bf16, graphs; issue 28's --share-prefill)
 #   bash scripts/device_runs.sh gemma3      # no model: tests/gpu/test_gemma3.py (a random Gemma 3 on CUDA: the ring,
 #                                           # the banded prefill, graphs, infinitehip on the global layer; issue 33)
+#   bash scripts/device_runs.sh gemma12b    # no model: bench decode at 1M, Gemma-3-12B shape then Llama-3.1-8B shape
+#                                           # (fp8 KV offloaded, the default; issue 33's KV memory and decode rows)
 #   bash scripts/device_runs.sh tp2         # needs nvidia-h100-x2 / h200-x2 and the model: tests/gpu/test_tensor_parallel.py
 #                                           # (TP=2 over NCCL vs TP=1); then bench decode, 8B shape, bf16, 128K,
 #                                           # infinitehip pruned vs dense, TP=1 then TP=2 (issue 32's scaling row)
@@ -102,7 +104,7 @@ bd="python3 -m longreach bench decode --kv-cache-dtype fp8 --kv-cache-memory-gb 
 for group in "$@"; do
 case "$group" in
 batch16)  # the host tier holds all 16 x 131,136 tokens (fp8 pages with their scales: ~145 GiB; 132 GiB preempted one)
-    run batch16 1500 $bd --kv-cache-memory-gb 40 --kv-offloading-size 150 --batch 16 --lengths 128k \
+    run batch16 800 $bd --kv-cache-memory-gb 40 --kv-offloading-size 150 --batch 16 --lengths 128k \
         --attention infinitehip --dense-lengths 4k --decode-tokens 64 --profile-steps 4 \
         --out "$out/bench-decode-16x128k.json" ;;
 batch16tp2)  # the same 16 x 128K on two GPUs without offload (76 GiB of fp8 KV per rank; 72 preempted one)
@@ -160,6 +162,15 @@ abmixed|abdeep|ab8b)  # the same command in the tree at $OLD, then in this one (
     done ;;
 gemma3)
     gpu_tests gpu_check_gemma3 240 tests/gpu/test_gemma3.py ;;
+gemma12b)  # issue 33: the Gemma-3-12B shape's KV per token and 1M decode beside the Llama-3.1-8B shape's (random
+    # weights, fp8 KV offloaded to an 80 GiB host tier, 4 GiB GPU pool, the default method): Gemma's 40 sliding layers
+    # prefill under a banded mask over 8K-token chunks (a 64K chunk's mask would cost ~8x the FLOPs); the Llama runs
+    # decode1m's command (65,536-token chunks)
+    run gemma12b_1m 420 python3 -m longreach bench decode --model random:gemma-3-12b --kv-cache-dtype fp8 \
+        --kv-cache-memory-gb 4 --kv-offloading-size 80 --max-num-batched-tokens 8192 --lengths 1M \
+        --attention infinitehip --dense-lengths 4k --decode-tokens 64 --out "$out/bench-decode-1m-gemma3-12b.json"
+    run llama8b_1m 500 $bd --kv-offloading-size 80 --lengths 1M --attention infinitehip --dense-lengths 4k \
+        --decode-tokens 64 --out "$out/bench-decode-1m-llama8b-beside-gemma.json" ;;
 tp2)
     gpu_tests gpu_check_tp2 300 tests/gpu/test_tensor_parallel.py --gpu-model "$model"
     bash "$0" tp2bench ;;

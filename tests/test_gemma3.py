@@ -158,6 +158,9 @@ def test_sparse_methods_attend_the_global_layers_only(tmp_path):
         if not graphs:
             assert selected and {a[0] for a in selected} == {2}  # the layer, select's first argument
     assert runs[0] == runs[1]
+    # the default's stage 0 keeps chunk boxes, for the selecting layer only (not for the three sliding ones)
+    boxes = _engine(path, attention="infinitehip").backend.boxes
+    assert boxes.slots == {2: 0} and boxes.num_layers == 1
     dense = LLM(path, device="cpu", dtype="float32", max_model_len=256, kv_cache_memory_gb=0.02, block_size=4)
     assert runs[0] != [o.token_ids for o in dense.generate(prompts, params, use_tqdm=False)]  # the pruning acted
 

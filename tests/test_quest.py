@@ -211,7 +211,10 @@ def test_decode_after_another_prefill_and_the_kv_budget_of_both_halves(tiny, mon
     both = LLM(tiny, attention="quest", attention_config=PAGED, decode_attention="psa", **ENGINE_KW).engine.backend
     per_page = both.kv_needs(torch.float32).page_state_bytes
     assert per_page == both.prefill.page_state_bytes(torch.float32) + both.decode.page_state_bytes(torch.float32)
-    assert both.prefill.page_state_bytes(torch.float32) == 3 * 2 * 2 * 16 * 4  # layers x (c, r) x H_kv x D x fp32
+    # the layers that select keep boxes, the always-dense ones none: layers x (c, r) x H_kv x D x fp32
+    selecting = both.prefill.fallback.sparse_layers()
+    assert 0 < len(selecting) < 3 and both.prefill.boxes.shape[0] == len(selecting)
+    assert both.prefill.page_state_bytes(torch.float32) == len(selecting) * 2 * 2 * 16 * 4
     other = LLM(tiny, attention="quest", attention_config=PAGED.replace('"page_size": 16', '"page_size": 8'),
                 **ENGINE_KW)
     assert other.engine.backend.boxes is None and "page_size 8 is not --block-size 16" in caplog.text

@@ -190,3 +190,22 @@ def test_gemma3_12b_shape_per_token_bytes_half_llama_8b():
     assert gemma_token == 64 * 1024 and llama_token == 2 * gemma_token
     # at 1M tokens: 64 GiB of global pages + 0.625 GiB of ring vs Llama's 128 GiB
     assert (2**20 * gemma_token + ring) / (2**20 * llama_token) < 0.51
+
+
+@pytest.mark.parametrize("kv_dtype", ["fp8", "auto"])
+def test_bench_decode_sizes_a_windowed_model_by_its_stores(kv_dtype):
+    """bench decode's KV need for the Gemma-3-12B shape: the global layers' pages (as the paged store lays them out)
+    plus the ring of `batch` slots and the scratch one (as ring_plan makes it), not every layer per token."""
+    from longreach.engine.llm_engine import resolve_kv_dtype
+    from longreach.kvcache.build import ring_plan
+    from longreach.models.random_init import random_shape
+    from longreach.tools.bench.decode_memory import _kv_bytes_per_token, _kv_need_bytes
+
+    mc = random_shape("random:gemma-3-12b").config
+    dt = resolve_kv_dtype(kv_dtype, torch.bfloat16)
+    G, slots, ring = ring_plan(EngineConfig(model="x", device="cpu", max_num_seqs=2), mc, dt, 200 * GiB)
+    assert (G, slots) == (8, 2)
+    assert _kv_bytes_per_token(mc, kv_dtype, torch.bfloat16) * 16 == PagedKVCache.bytes_per_block(G, 16, 8, 256, dt)
+    need = _kv_need_bytes(mc, 2**20, 64, 2, {"kv_cache_dtype": kv_dtype}, torch.bfloat16)
+    pages = 2 * -(-(2**20 + 64) // 16)
+    assert need == pages * PagedKVCache.bytes_per_block(G, 16, 8, 256, dt) + ring

@@ -26,6 +26,13 @@ from ..kernels.key_boxes import build_boxes_reference, build_boxes_triton
 logger = logging.getLogger("longreach")
 
 
+def layer_slots(layers) -> dict[int, int]:
+    """Model layer -> its index in a box store that keeps `layers` (an int n: layers 0 .. n-1; or the layers that
+    select, ascending: a model's always-dense layers, e.g. Gemma 3's sliding-window ones, keep no boxes)."""
+    layers = range(layers) if isinstance(layers, int) else layers
+    return {layer: i for i, layer in enumerate(layers)}
+
+
 class BoxSteps:
     """Which units (`unit` tokens each) of each sequence longer than `min_len` are boxed; subclasses give the store.
 
@@ -187,15 +194,17 @@ class PageBoxes(BoxSteps):
     steps too. Not with KV offloading, whose prefill attends on a staging area with page ids of its own (the boxes
     are then built at the first decode step, and a prefill selection reads none: `build` returns None)."""
 
-    def __init__(self, name: str, num_layers: int, num_kv_heads: int, head_dim: int, block_size: int, kind: str,
+    def __init__(self, name: str, layers, num_kv_heads: int, head_dim: int, block_size: int, kind: str,
                  partial: bool, prefill: bool, max_seqs: int, device: torch.device, min_len: int = 0,
                  move: tuple[torch.Tensor, int] | None = None):
+        """layers: the model layers that keep boxes (`layer_slots`)."""
         super().__init__(block_size, kind, min_len, partial, max_seqs, device)
         self.name, self.move, self.prefill = name, move, prefill
-        self.shape = (num_layers, 2, num_kv_heads, head_dim)
+        self.slots = layer_slots(layers)
+        self.shape = (len(self.slots), 2, num_kv_heads, head_dim)
 
     def page_state_bytes(self, dtype: torch.dtype, block_size: int | None = None) -> int:
-        """GPU bytes of boxes per KV page (all layers): the engine counts them in the KV budget."""
+        """GPU bytes of boxes per KV page (the layers that keep boxes): the engine counts them in the KV budget."""
         L, two, H, D = self.shape
         return L * two * H * D * torch.empty((), dtype=dtype).element_size()
 
@@ -217,7 +226,7 @@ class PageBoxes(BoxSteps):
 
     def layer(self, layer: int) -> torch.Tensor:
         """The boxes of `layer`, (pages, 2, H_kv, D) by page id."""
-        return self.pool[layer]
+        return self.pool[self.slots[layer]]
 
     def build(self, layer, q, k_cache, meta, rope=None, graph: tuple[int, bool] | None = None) -> torch.Tensor | None:
         """Box this step's new pages of `layer` (before any selection reads them); returns the rows' box tables (the
@@ -226,8 +235,8 @@ class PageBoxes(BoxSteps):
         if meta.is_prefill and not self.prefill:
             return None
         self.ensure((k_cache.shape[0] - 1) * k_cache.shape[1], q.dtype)  # no-op once bind_kv_cache made it
-        return self.build_into(self.pool[layer][:, None], 1, q, k_cache, meta, graph, self.move)
+        return self.build_into(self.pool[self.slots[layer]][:, None], 1, q, k_cache, meta, graph, self.move)
 
     def seq_boxes(self, layer: int, tables: torch.Tensor, row: int) -> tuple[torch.Tensor, torch.Tensor, int]:
         """SequenceKeys.boxes of batch row `row` in `layer`: (the layer's store, one flavour; its block table; 1)."""
-        return self.pool[layer][:, None], tables[row], 1
+        return self.pool[self.slots[layer]][:, None], tables[row], 1

@@ -24,5 +24,5 @@ class InfiniteHiPBackend(SparseBackend):
             return None
         mc, ec = self.model_config, self.engine_config
         min_len = self.shortest_dense_below()
-        return BoxPool(mc.num_layers, *spec, mc.num_kv_heads, mc.head_dim, min_len, ec.max_num_seqs,
+        return BoxPool(self.fallback.sparse_layers(), *spec, mc.num_kv_heads, mc.head_dim, min_len, ec.max_num_seqs,
                        ec.max_model_len, self.device)

@@ -38,7 +38,7 @@ import logging
 import torch
 
 from ...kernels.chunk_box import box_move
-from ..box_store import BoxSteps
+from ..box_store import BoxSteps, layer_slots
 
 logger = logging.getLogger("longreach")
 
@@ -46,10 +46,12 @@ PER_PAGE = 16  # chunks per box page
 
 
 class BoxPool(BoxSteps):
-    def __init__(self, num_layers: int, chunk: int, kind: str, num_kv_heads: int, head_dim: int, min_len: int,
+    def __init__(self, layers, chunk: int, kind: str, num_kv_heads: int, head_dim: int, min_len: int,
                  max_seqs: int, max_model_len: int, device: torch.device):
+        """layers: the model layers that keep boxes (box_store.py `layer_slots`: an int n is layers 0 .. n-1)."""
         super().__init__(chunk, kind, min_len, True, max_seqs, device)
-        self.num_layers, self.chunk = num_layers, chunk
+        self.slots = layer_slots(layers)
+        self.num_layers, self.chunk = len(self.slots), chunk
         self.shape = (2, 2, num_kv_heads, head_dim)
         self.per = PER_PAGE
         self.width = -(-max_model_len // (self.per * chunk))  # box pages of the longest sequence
@@ -139,7 +141,7 @@ class BoxPool(BoxSteps):
 
     def seq_boxes(self, layer: int, tables: torch.Tensor, row: int) -> tuple[torch.Tensor, torch.Tensor, int]:
         """SequenceKeys.boxes of batch row `row` in `layer`: (the layer's pool, its box table row, chunks per page)."""
-        return self.pool[layer], tables[row], self.per
+        return self.pool[self.slots[layer]], tables[row], self.per
 
     def scratch_boxes(self, layer: int) -> tuple[torch.Tensor, torch.Tensor, int]:
         """SequenceKeys.boxes of the scratch row (it points at page 0 and is never a sequence's)."""
@@ -151,4 +153,5 @@ class BoxPool(BoxSteps):
         static buffer (`graph_load`); None: the eager step's, assigned at its first forward."""
         if self.pool is None:  # made by bind_kv_cache in the engine; a forward before it (the memory probe) makes it
             self.ensure(k_cache.shape[0] * k_cache.shape[1], q.dtype)
-        return self.build_into(self.pool[layer], self.per, q, k_cache, meta, graph, box_move(rope), self.tables)
+        return self.build_into(self.pool[self.slots[layer]], self.per, q, k_cache, meta, graph, box_move(rope),
+                               self.tables)

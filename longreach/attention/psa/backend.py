@@ -37,8 +37,9 @@ class PSABackend(AttentionBackend):
         self.fallback = DenseFallback(model_config, engine_config, device, self.config.dense_layers)
         mc, ec = model_config, engine_config
         rope = self.method.rope()  # rope "rank": boxes of the keys moved to position 0
-        self.boxes = PageBoxes("psa", mc.num_layers, mc.num_kv_heads, mc.head_dim, ec.block_size, self.config.metadata,
-                               partial=False, prefill=False, max_seqs=ec.max_num_seqs, device=device,
+        self.boxes = PageBoxes("psa", self.fallback.sparse_layers(), mc.num_kv_heads, mc.head_dim, ec.block_size,
+                               self.config.metadata, partial=False, prefill=False, max_seqs=ec.max_num_seqs,
+                               device=device,
                                move=None if rope is None else (rope[0], 0))
         # graph decode: (max_num_seqs,) int32, 1 for a real row (0: padding, capture scratch), for the read meter
         self._real: torch.Tensor | None = None

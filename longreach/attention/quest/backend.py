@@ -33,5 +33,6 @@ class QuestBackend(SparseBackend):
                            self.config.page_size, ec.block_size)
             return None
         min_len = self.shortest_dense_below()
-        return PageBoxes("quest", mc.num_layers, mc.num_kv_heads, mc.head_dim, ec.block_size, "minmax", partial=True,
-                         prefill=not ec.offload, max_seqs=ec.max_num_seqs, device=self.device, min_len=min_len)
+        return PageBoxes("quest", self.fallback.sparse_layers(), mc.num_kv_heads, mc.head_dim, ec.block_size, "minmax",
+                         partial=True, prefill=not ec.offload, max_seqs=ec.max_num_seqs, device=self.device,
+                         min_len=min_len)

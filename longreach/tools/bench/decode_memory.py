@@ -83,19 +83,37 @@ def _offload_summary(snaps: list, steps: list[dict], prefill_kv: dict | None, se
 
 
 def _kv_bytes_per_token(mc, kv_cache_dtype: str, run_dtype) -> int:
-    """KV bytes per token, all layers, as the engine stores them: K and V rows (fp8 rows carry their scale in 16
-    bytes after the values, kvcache/fp8.py)."""
+    """KV bytes per token as the engine stores them: K and V rows (fp8 rows carry their scale in 16 bytes after the
+    values, kvcache/fp8.py) of every layer that keeps pages, i.e. the global layers of a model with sliding-window
+    layers (their ring is fixed: `_ring_bytes`)."""
     from ...engine.llm_engine import resolve_kv_dtype
     from ...kvcache.fp8 import row_bytes
+    from ...kvcache.window import layer_split
 
-    return 2 * mc.num_layers * mc.num_kv_heads * row_bytes(mc.head_dim, resolve_kv_dtype(kv_cache_dtype, run_dtype))
+    layers = len(layer_split(mc)[0]) if mc.has_layer_windows else mc.num_layers
+    return 2 * layers * mc.num_kv_heads * row_bytes(mc.head_dim, resolve_kv_dtype(kv_cache_dtype, run_dtype))
+
+
+def _ring_bytes(mc, batch: int, kv_cache_dtype: str, run_dtype) -> int:
+    """The sliding-window layers' ring for `batch` sequences and the scratch slot (kvcache/build.py `ring_plan`,
+    max_num_seqs = batch as bench decode runs it); 0 for a model without sliding layers."""
+    if not mc.has_layer_windows:
+        return 0
+    from ...engine.llm_engine import resolve_kv_dtype
+    from ...kvcache.window import layer_split, ring_bytes_per_slot
+
+    per_slot = ring_bytes_per_slot(len(layer_split(mc)[1]), mc.sliding_window, mc.num_kv_heads, mc.head_dim,
+                                   resolve_kv_dtype(kv_cache_dtype, run_dtype))
+    return (batch + 1) * per_slot
 
 
 def _kv_need_bytes(mc, context: int, decode_tokens: int, batch: int, kw: dict, run_dtype) -> int:
-    """KV bytes that `batch` sequences of context + decode tokens occupy, in whole pages."""
+    """KV bytes that `batch` sequences of context + decode tokens occupy, in whole pages, plus the sliding layers'
+    ring where the model has one."""
     block = kw.get("block_size", 16)
     pages = batch * -(-(context + decode_tokens) // block)
-    return pages * block * _kv_bytes_per_token(mc, kw.get("kv_cache_dtype", "auto"), run_dtype)
+    dtype = kw.get("kv_cache_dtype", "auto")
+    return pages * block * _kv_bytes_per_token(mc, dtype, run_dtype) + _ring_bytes(mc, batch, dtype, run_dtype)
 
 
 def _kv_budget_gb(need: int) -> float:
