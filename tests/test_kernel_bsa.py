@@ -169,3 +169,22 @@ def test_prefill_splits_fill_the_gpu_for_a_short_chunk_only():
     assert splits(256, 118000) == 9  # ceil(264 / 30), under 53 tiles / 4
     assert splits(2048, 118000) == 2 and splits(8192, 118000) == 1
     assert splits(256, 118000, per_group_blocks=0) == 5  # sink + window: 21 tiles, 4 each at least
+
+
+@pytest.mark.parametrize("module, kernel, ints, pointers", [
+    ("bsa", "_bsa_kernel", "STEP_INTS", "STEP_POINTERS"),
+    ("key_boxes", "_box_build_kernel", "BUILD_STEP_INTS", "BUILD_STEP_POINTERS"),
+    ("combine", "_combine_kernel", "STEP_INTS", "STEP_POINTERS"),
+])
+def test_unspecialised_arguments_are_the_kernels_own(module, kernel, ints, pointers):
+    """The arguments a kernel does not specialise (they change with the step: Triton would compile a variant per
+    value class while serving) name its parameters: Triton ignores an unknown name silently. Integers are not data
+    pointers, and vice versa (by the kernels' naming: strides and counts in lower case, tensors capitalised)."""
+    import importlib
+    import inspect
+
+    mod = importlib.import_module(f"longreach.kernels.{module}")
+    fn = getattr(mod, kernel)
+    params = list(inspect.signature(getattr(fn, "fn", fn)).parameters)
+    assert set(getattr(mod, ints)) <= set(params) and set(getattr(mod, pointers)) <= set(params)
+    assert all(n[0].islower() for n in getattr(mod, ints)) and all(n[0].isupper() for n in getattr(mod, pointers))

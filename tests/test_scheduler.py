@@ -371,3 +371,28 @@ def test_the_server_warm_up_runs_a_mixed_step_and_freezes_the_heap(tiny, caplog)
         assert "frozen out of garbage collection" in caplog.text
     finally:
         gc.unfreeze()
+
+
+def test_the_default_warm_up_prefills_a_whole_chunk_past_the_dense_limit(tiny):
+    """On a GPU the warm-up request goes one chunk + 1024 tokens past the longest context a sparse method attends
+    densely at (its dense_below), so that a full-size chunk runs the method's own kernels
+    before the first client (run 8 compiled them while serving); dense has no such limit; a CPU warms nothing up."""
+    import types
+
+    from longreach.server.app import default_warmup_tokens
+
+    def engine(**kw):
+        eng = LLMEngine(EngineConfig(model=tiny, device="cpu", dtype="float32", kv_cache_memory_gb=0.01,
+                                     max_num_batched_tokens=256, max_model_len=4096, **kw))
+        assert default_warmup_tokens(eng) == 0  # on the CPU
+        return types.SimpleNamespace(device=torch.device("cuda"), config=eng.config, backend=eng.backend)
+
+    assert default_warmup_tokens(engine()) == 256 + 1024
+    ihip = engine(attention="infinitehip")  # dense_below "trained": the larger of the trained 512 and the budget
+    limit = max(ihip.backend.dense_below(layer) for layer in ihip.backend.fallback.sparse_layers())
+    assert limit >= 512 and ihip.backend.warm_context() == limit
+    assert default_warmup_tokens(ihip) == limit + 256 + 1024
+    pruned = engine(attention="infinitehip", attention_config='{"dense_below": 0}')
+    assert pruned.backend.warm_context() == 0
+    composed = engine(attention="dense", decode_attention="infinitehip")
+    assert composed.backend.warm_context() == limit  # the decode method's

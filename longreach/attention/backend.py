@@ -213,6 +213,12 @@ class AttentionBackend(ABC):
     def begin_step(self, meta: AttentionMetadata) -> None:
         """Once per forward pass, before layer 0."""
 
+    def warm_context(self) -> int:
+        """The longest context at which some layer still attends densely because the context is short (a sparse
+        method's `dense_below`); the server's warm-up prefills a whole chunk past it, so that the method's own
+        kernels run once in full-size chunks before the first client. Default: 0 (no such limit)."""
+        return 0
+
     def capture_prefill(self, kv_cache, chunk_rows: list[int]) -> int:
         """Capture up front what this backend would capture at a prefill chunk's first use (chunks of these row
         counts, at every context length), so that the first long prompts do not pay for it; returns how many graphs.

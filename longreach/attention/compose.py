@@ -108,6 +108,9 @@ class ComposedBackend(AttentionBackend):
     def capture_prefill(self, kv_cache, chunk_rows: list[int]) -> int:
         return self.prefill.capture_prefill(kv_cache, chunk_rows)
 
+    def warm_context(self) -> int:
+        return max(self.prefill.warm_context(), self.decode.warm_context())
+
     def bind_kv_cache(self, capacity_tokens: int, dtype) -> None:
         self.prefill.bind_kv_cache(capacity_tokens, dtype)
         self.decode.bind_kv_cache(capacity_tokens, dtype)

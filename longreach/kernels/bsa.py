@@ -38,9 +38,20 @@ except ImportError:  # pragma: no cover - CPU installs without Triton use the re
     triton = None
 
 
+# Arguments that change with the step (the batch's rows and lengths, the split count, the selection's width) are
+# not specialised: Triton would otherwise compile a variant per value class (== 1, a multiple of 16, a 16-byte
+# aligned pointer), e.g. the Lse of a prefill part after 9 decode rows, which the server's warm-up cannot all reach
+# (docs/serving.md, run 8: 0.9-1.1 s compilations inside serving steps). The data pointers whose alignment the
+# model's shapes fix (Q, K, V, Out, OutP) stay specialised. Names Triton does not find are ignored silently: tests
+# check them (tests/test_kernel_bsa.py).
+STEP_INTS = ("stride_btb", "stride_bb", "stride_bg", "stride_cb", "stride_pt", "stride_ph", "stride_ps",
+             "stride_lpt", "stride_lph", "num_splits", "n_sink", "n_window", "rope_from", "de_group")
+STEP_POINTERS = ("Slots", "BlockTables", "QbSeq", "QbStart", "QbLen", "QbPos", "Blocks", "Counts", "PairGroup",
+                 "PairKv", "InvFreq", "Lse", "LseP")
+
 if triton is not None:
 
-    @triton.jit
+    @triton.jit(do_not_specialize=STEP_INTS, do_not_specialize_on_alignment=STEP_POINTERS)
     def _bsa_kernel(
         Q, K, V, KH, VH, Slots, BlockTables, QbSeq, QbStart, QbLen, QbPos, Blocks, Counts, PairGroup, PairKv, InvFreq,
         Out, Lse, OutP, LseP,

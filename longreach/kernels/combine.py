@@ -41,9 +41,13 @@ def combine_splits_reference(out_p: torch.Tensor, lse_p: torch.Tensor, dtype: to
     return out.to(dtype), (m + denom.log()).squeeze(-1)
 
 
+# the split count and the rows' outputs change with the step: not specialised (bsa.py's STEP_INTS says why)
+STEP_INTS = ("num_splits", "stride_pr", "stride_ps", "stride_lr", "stride_or")
+STEP_POINTERS = ("LseP", "Lse")
+
 if triton is not None:
 
-    @triton.jit
+    @triton.jit(do_not_specialize=STEP_INTS, do_not_specialize_on_alignment=STEP_POINTERS)
     def _combine_kernel(OutP, LseP, Out, Lse, num_splits,
                         stride_pr, stride_ps, stride_lr, stride_or,
                         S_PAD: tl.constexpr, HEAD_DIM: tl.constexpr):

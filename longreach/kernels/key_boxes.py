@@ -166,6 +166,10 @@ def box_scores_reference(q: torch.Tensor, pool: torch.Tensor, tables: torch.Tens
     return out.masked_fill(~cand[:, None, :], float("-inf"))
 
 
+# the step's rows, lengths and tables are not specialised (bsa.py's STEP_INTS says why)
+BUILD_STEP_INTS = ("stride_btb", "stride_bxb", "move_to")
+BUILD_STEP_POINTERS = ("Slots", "BlockTables", "Lens", "Lo", "Hi", "BoxTables", "InvFreq")
+
 if triton is not None:
 
     @triton.jit
@@ -182,7 +186,7 @@ if triton is not None:
         tl.store(out, centre.to(out.dtype.element_ty), mask=(d < HEAD_DIM) & ok)
         tl.store(out + stride_k, radius.to(out.dtype.element_ty), mask=(d < HEAD_DIM) & ok)
 
-    @triton.jit
+    @triton.jit(do_not_specialize=BUILD_STEP_INTS, do_not_specialize_on_alignment=BUILD_STEP_POINTERS)
     def _box_build_kernel(
         K, KH, Slots, BlockTables, Lens, Lo, Hi, BoxTables, Pool, InvFreq,
         stride_kp, stride_ko, stride_kh, stride_khp, stride_btb, stride_bxb, stride_pr, stride_pf, stride_pk,
@@ -309,6 +313,7 @@ def box_scores_triton(q: torch.Tensor, pool: torch.Tensor, tables: torch.Tensor,
     if nb == 0 or width == 0:
         return out
     rows = R * hpp
+    block_c = min(block_c, max(16, 8192 // D))  # the box tiles (2 x 2 x BLOCK_C x D fp32) fit shared memory at D 256
     _box_score_kernel[(nb, P, triton.cdiv(width, block_c))](
         qq, cand_hi if moved is None else moved.to(torch.int32), pool, tables, cand_hi, out,
         qq.stride(0), qq.stride(1), qq.stride(2), qq.stride(3), pool.stride(0), pool.stride(1), pool.stride(2),

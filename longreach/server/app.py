@@ -217,18 +217,26 @@ def make_state(engine, config: ServerConfig) -> ServerState:
     return ServerState(engine, EngineLoop(engine, metrics, config.max_queued_requests), config, metrics, names)
 
 
+def default_warmup_tokens(engine) -> int:
+    """The warm-up request's prompt tokens where --warmup-tokens is not given (warm_up's docstring)."""
+    if engine.device.type != "cuda":
+        return 0
+    return engine.backend.warm_context() + engine.config.max_num_batched_tokens + 1024
+
+
 def warm_up(engine, tokens: int | None) -> None:
     """Run one untimed request through `engine` before the server listens, twice (once where max_num_seqs is 1 or 2):
     its prefill chunks (the first one and, past one chunk, one with a prefix) and a few decode steps, with one short
     request and then up to 16 decoding beside its chunks (mixed steps), compile the kernels the first clients would
     otherwise wait for; then the backend's graphs for every context length (`LLMEngine.capture_warm_graphs`).
-    `tokens` None: one chunk + 1024 on a GPU (at most max_model_len - 8), nothing on a CPU (0 skips both)."""
+    `tokens` None on a GPU: past the longest context the backend attends densely at (`warm_context`: a sparse
+    method's `dense_below`, e.g. the trained context), one chunk + 1024, so that a whole chunk runs the method's own
+    kernels (run 8 compiled a sparse 8,192-token chunk's kernels while serving: the warm-up's one sparse chunk had
+    been its 1,024-token tail); at most max_model_len - 8; nothing on a CPU (0 skips both)."""
     from ..sampling_params import SamplingParams
 
     cfg = engine.config
-    if tokens is None:
-        tokens = cfg.max_num_batched_tokens + 1024 if engine.device.type == "cuda" else 0
-    tokens = min(tokens, cfg.max_model_len - 8)
+    tokens = min(default_warmup_tokens(engine) if tokens is None else tokens, cfg.max_model_len - 8)
     if tokens <= 0:
         return
     t0 = time.perf_counter()

@@ -36,7 +36,8 @@ class ServerConfig:
                                          "generated) so that kernel compilation happens at startup, not during the "
                                          "first requests (a fresh process compiles for ~30-50 s), then capture a "
                                          "sparse method's prefill-selection graphs and long-context decode variants; "
-                                         "default: on a GPU one prefill chunk + 1024 tokens, on a CPU none; 0: none")
+                                         "default: on a GPU one prefill chunk + 1024 tokens past the longest context a "
+                                         "sparse method attends densely at (its dense_below), on a CPU none; 0: none")
 
     def __post_init__(self) -> None:
         def bad(what: str) -> None:

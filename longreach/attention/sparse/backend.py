@@ -88,6 +88,11 @@ class SparseBackend(AttentionBackend):
         return min([min(self.dense_below(layer), self.dense_below(layer, True))
                     for layer in self.fallback.sparse_layers()] or [0])
 
+    def warm_context(self) -> int:
+        """The longest context any sparse layer attends densely at, prefill or decode (AttentionBackend's)."""
+        return max([max(self.dense_below(layer), self.dense_below(layer, True))
+                    for layer in self.fallback.sparse_layers()] or [0])
+
     def _resolve_decode_below(self) -> int | str | None:
         """`dense_below_decode` as decode steps use it: None gives dense_below's value (today's behaviour); "auto"
         becomes min(trained, the measured crossover) from this key's file (sparse/crossover.py), or dense_below's
