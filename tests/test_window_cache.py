@@ -74,6 +74,42 @@ def test_ring_prefill_matches_transformers_with_any_chunk(gemma):
     eng.blocks.check_integrity()
 
 
+def test_blocked_window_prefill_matches_transformers(gemma, monkeypatch):
+    """A long chunk's sliding-window attention in query blocks (dense.py `_window_blocks`: blocks of the 8-token
+    window here, every chunk over two blocks long): whole prompts and 20-token chunks after a prefix equal
+    transformers' logits."""
+    from longreach.attention import dense
+
+    monkeypatch.setattr(dense, "WINDOW_BLOCK_MIN", 1)
+    calls = []
+    blocked = dense._window_blocks
+    monkeypatch.setattr(dense, "_window_blocks", lambda *a: calls.append(a[0].shape[0]) or blocked(*a))
+    path, hf = gemma
+    eng = _engine(path, block_size=4)
+    prompts = [_ids(60, 5), _ids(37, 6)]
+    for sizes in ([60], [17, 20, 20, 3]):
+        for got, ids in zip(_prefill_in_chunks(eng, prompts, sizes), prompts):
+            assert (got - _hf_logits(hf, ids)).abs().max().item() <= 1e-4
+    assert calls and max(calls) == 60 and min(calls) == 17
+
+
+@pytest.mark.parametrize("n, prefix, window, block, k_start, h_q, h_kv", [
+    (100, 0, 8, 8, 0, 4, 2), (100, 7, 8, 8, 3, 4, 2), (257, 30, 16, 16, 100, 8, 2), (64, 0, 8, 16, 0, 2, 1),
+    (99, 5, 4, 7, 0, 4, 4), (50, 50, 64, 16, 0, 4, 2)])
+def test_window_blocks_equal_one_banded_mask(n, prefix, window, block, k_start, h_q, h_kv):
+    """The blocked layout (front padding where the prefix is shorter than the window, dropped keys where it is longer,
+    a last partial block) gives the single banded mask's attention, fp32."""
+    from longreach.attention.dense import WINDOW_BLOCK_MIN, _window_blocks, window_attention
+
+    g = torch.Generator().manual_seed(n + prefix)
+    q = torch.randn(n, h_q, 32, generator=g)
+    k, v = torch.randn(2, n + prefix, h_kv, 32, generator=g)
+    assert n <= 2 * max(window, WINDOW_BLOCK_MIN)  # window_attention's own path: one mask
+    want = window_attention(q, k, v, 0.2, window, k_start)
+    got = _window_blocks(q, k, v, 0.2, window, block)
+    assert (got - want).abs().max().item() <= 1e-5
+
+
 def test_ring_holds_a_fixed_window_whatever_the_context(gemma):
     """The global layer alone has pages (1 layer of 4 in the paged store), the three sliding layers a ring of
     (max_num_seqs + 1) x 8 rows: a 100-token and a 400-token prompt use the same ring bytes, and pages only in

@@ -61,18 +61,62 @@ def causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: f
 
 
 
+WINDOW_BLOCK_MIN = 256  # query rows per block of a blocked sliding-window prefill, at least (and at least the window)
+
+
 def window_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float, window: int,
                      k_start: int = 0) -> torch.Tensor:
     """`causal_attention` within a sliding window: the query at position p (q's rows are the last n positions) attends
     to keys p - window < k <= p only; k, v (L, H_kv, D) begin at position `k_start` (the keys before it being out of
     every query's window). SDPA under a banded boolean mask (K/V expanded over the GQA group on CUDA, where the
-    kernels that take a mask have no GQA path)."""
+    kernels that take a mask have no GQA path); a chunk of more than two blocks (`WINDOW_BLOCK_MIN`, or the window)
+    runs block by block in one batched call (`_window_blocks`), so its cost grows with n x (block + window), not
+    n x (n + window)."""
     n, L = q.shape[0], k.shape[0]
+    block = max(window, WINDOW_BLOCK_MIN)
+    if n > 2 * block:
+        return _window_blocks(q, k, v, scale, window, block)
     qpos = torch.arange(k_start + L - n, k_start + L, device=q.device)[:, None]
     kpos = torch.arange(k_start, k_start + L, device=q.device)[None, :]
     band = (kpos <= qpos) & (kpos > qpos - window)  # (n, L)
     with _sdpa_context(q.device):
         return _attend(q, k, v, scale, band, gqa=q.device.type != "cuda")
+
+def _window_blocks(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float, window: int,
+                   block: int) -> torch.Tensor:
+    """`window_attention` in query blocks of `block` rows, each against its own block + window - 1 keys, as one SDPA
+    call whose batch is the blocks. The keys are laid out from the window start of the first query (position p0 -
+    window + 1, p0 the first query's): keys before `k_start` there are zero padding (masked), keys before the window
+    start are dropped, and the end is padded to whole blocks; block b's keys are rows b*block .. b*block + block +
+    window - 2 of that layout (an `unfold` view; up to 15 more, masked, so that the mask's rows are whole multiples of
+    16 keys, as the mem-efficient kernel reads them), and its query i sees its keys i .. i + window - 1: a band of
+    exactly `window` keys, the same in every block, less the front padding in the first."""
+    n, L, Hq, D = q.shape[0], k.shape[0], q.shape[1], q.shape[2]
+    lead = (window - 1) - (L - n)  # layout rows before the first key present (< 0: keys to drop)
+    front, nb = max(0, lead), -(-n // block)
+    span = -(-(block + window - 1) // 16) * 16  # a block's keys, rounded up (masked) to whole 16-key rows of the mask
+    total = (nb - 1) * block + span
+
+    def blocks(x: torch.Tensor) -> torch.Tensor:  # (L, H, D) -> (nb, H, span, D)
+        x = x[max(0, -lead):]
+        x = F.pad(x, (0, 0, 0, 0, front, total - front - x.shape[0]))
+        return x.unfold(0, span, block).permute(0, 1, 3, 2)
+
+    kb, vb = blocks(k), blocks(v)
+    g = Hq // k.shape[1]
+    gqa = q.device.type != "cuda"  # as window_attention: the masked kernels on CUDA have no GQA path
+    if g > 1 and not gqa:
+        kb, vb = kb.repeat_interleave(g, dim=1), vb.repeat_interleave(g, dim=1)
+    qb = F.pad(q, (0, 0, 0, 0, 0, nb * block - n)).view(nb, block, Hq, D).transpose(1, 2)  # (nb, H_q, block, D)
+    i = torch.arange(block, device=q.device)[:, None]
+    j = torch.arange(span, device=q.device)[None, :]
+    band = (j >= i) & (j <= i + window - 1)  # (block, span)
+    valid = torch.arange(nb, device=q.device)[:, None] * block + j >= front  # (nb, span): not front padding
+    mask = (band[None] & valid[:, None, :]).unsqueeze(1)  # (nb, 1, block, span)
+    with _sdpa_context(q.device):
+        out = F.scaled_dot_product_attention(qb, kb, vb, attn_mask=mask, scale=scale, enable_gqa=g > 1 and gqa)
+    return out.transpose(1, 2).reshape(nb * block, Hq, D)[:n]
+
 
 def bottom_right_mask(n: int, length: int, device):
     """The causal mask of the last n of `length` positions (query row i sees keys 0 .. length - n + i), as SDPA takes

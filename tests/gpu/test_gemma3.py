@@ -44,6 +44,10 @@ def test_gemma3_ring_on_cuda_matches_transformers_and_graphs_equal_eager(tmp_pat
     got = llm.engine.prompt_logits(ids).float().cpu()
     diff, scale = (got - ref).abs().max().item(), ref.abs().max().item()
     del llm
+    # the whole prompt in one chunk: its sliding layers attend in query blocks (attention/dense.py _window_blocks)
+    llm = LLM(path, dtype="float32", **{**base, "max_num_batched_tokens": 1024})
+    whole = (llm.engine.prompt_logits(ids).float().cpu() - ref).abs().max().item()
+    del llm
     sparse = ('{"n_sink": 16, "n_window": 64, "block_q": 16, "chunk_sizes": [32, 16, 8], "budgets": [256, 128, 64], '
               '"early_layers": 0, "refresh": [4, 2, 1], "dense_below": 0}')
     params = SamplingParams(temperature=0, max_tokens=32, ignore_eos=True)
@@ -57,9 +61,11 @@ def test_gemma3_ring_on_cuda_matches_transformers_and_graphs_equal_eager(tmp_pat
             del llm
     agree = {a: sum(x == y for p, q in zip(tokens[a, "bfloat16", False], tokens[a, "float32", False])
                     for x, y in zip(p, q)) for a in ("dense", "infinitehip")}
-    detail(f"fp32 GPU vs transformers: max |logit diff| {diff:.2e} (logits up to {scale:.1f}); bf16 graph tokens "
+    detail(f"fp32 GPU vs transformers: max |logit diff| {diff:.2e} in 128-token chunks, {whole:.2e} whole (blocked "
+           f"window attention; logits up to {scale:.1f}); bf16 graph tokens "
            f"equal to fp32's: dense {agree['dense']}/96, infinitehip {agree['infinitehip']}/96")
     assert diff <= 2e-3 * scale, f"fp32 logits on the GPU differ from transformers' by {diff:.3e}"
+    assert whole <= 2e-3 * scale, f"fp32 logits of the whole prompt differ from transformers' by {whole:.3e}"
     for attention in ("dense", "infinitehip"):
         assert tokens[attention, "float32", False] == tokens[attention, "float32", True], \
             f"{attention}: the graph run's greedy tokens differ from enforce_eager's"
