@@ -204,7 +204,7 @@ def test_crossover_key_of_lookahead_zero_is_the_measured_one():
 
 
 # ---- through the engine -----------------------------------------------------------------------------------------
-ENGINE_CFG = {  # tests/test_sparse.py's GRAPH_CFG: refreshes that leave steps with no stage recomputed, dense_below 100
+ENGINE_CFG = {  # tests/test_sparse_graphs.py's GRAPH_CFG: no stage recomputed at some steps, dense_below 100
     "infinitehip": {"n_sink": 8, "n_window": 16, "block_q": 8, "chunk_sizes": [32, 8, 2], "budgets": [128, 32, 8],
                     "early_layers": 1, "early_last_budget": 16, "refresh": [6, 3, 2], "dense_below": 100},
     "infinitehip-box": {"n_sink": 8, "n_window": 16, "block_q": 8, "chunk_sizes": [32, 8, 2], "budgets": [64, 32, 8],

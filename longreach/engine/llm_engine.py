@@ -8,6 +8,9 @@ With `tensor_parallel_size` N > 1 the engine built by the user is rank 0: it sta
 each building an `LLMEngine` of its own part of the model, KV heads and backend (under torchrun the ranks exist already
 and rank 0 joins them); rank 0 alone schedules and samples, and sends each step's plan before running it
 (engine/tp_plan.py). `close()` ends the workers.
+
+The setup steps (the fp8 and RoPE changes to the loaded model, the profiling step that sizes the KV cache, the warm-up
+graph capture `capture_warm_graphs`) live in engine/engine_setup.py, in the mixin `EngineSetup` the engine inherits.
 """
 from __future__ import annotations
 
@@ -24,19 +27,18 @@ import torch
 from ..attention.compose import make_backend
 from ..config import EngineConfig
 from ..distributed.group import TPGroup
-from ..kvcache.block_manager import BlockManager
-from ..kvcache.build import GiB, build_kv_cache
-from ..kvcache.window import resident_cache
+from ..kvcache.build import build_kv_cache
 from ..models.loader import load_model
 from ..sampling_params import SamplingParams
 from . import cpu_runtime
 from .chunk_graphs import chunk_graph_sizes
 from .devices import resolve_device, resolve_dtype, resolve_kv_dtype, triton_cache_line
+from .engine_setup import EngineSetup
 from .isolation import canary_runs, execute_alone, sample_isolated
 from .model_runner import ModelRunner
 from .outputs import CompletionOutput, RequestFailure, RequestMetrics, RequestOutput
 from .sampler import Sampler, seeded_generator
-from .scheduler import ScheduledBatch, Scheduler
+from .scheduler import Scheduler
 from .scoring import LogprobsPass, PromptScorer
 from .sequence import Sequence, SequenceStatus
 from .stopping import append_token
@@ -66,7 +68,7 @@ class _Request:
     keep_kv: bool = False  # finished samples keep their pages for `redecode` until `release_kv`
 
 
-class LLMEngine:
+class LLMEngine(EngineSetup):
     def __init__(self, config: EngineConfig, tp: TPGroup | None = None):
         """`tp`: given to the workers of a tensor-parallel engine (their rank's group); the user leaves it out, and with
         `config.tensor_parallel_size` > 1 this engine becomes rank 0 and starts the others."""
@@ -123,7 +125,8 @@ class LLMEngine:
         self.config = config
         # what this rank's attention and KV cache see: its query and KV heads (all of them with one rank)
         self.rank_model_config = rank_mc = self.model.shard.local_config(mc)
-        self.backend = make_backend(rank_mc, config, self.device)  # one backend, or prefill + decode (attention/compose.py)
+        # one backend, or prefill + decode (attention/compose.py)
+        self.backend = make_backend(rank_mc, config, self.device)
         if self.device.type == "cuda":
             logger.info(triton_cache_line())
 
@@ -172,66 +175,10 @@ class LLMEngine:
         self.backend.free_sequence(seq.seq_id)
         self.runner.free_sequence(seq.seq_id)
 
-    def _override_rope(self, override: dict) -> None:
-        """--rope-scaling: replace the checkpoint's RoPE scaling (model config and the rotary module)."""
-        from ..models.config import rope_override
-        from ..rope.scaling import RotaryEmbedding
-
-        mc = self.model_config
-        rope = rope_override(mc.rope, mc.max_position_embeddings, override)
-        self.model_config = dataclasses.replace(mc, rope=rope)
-        self.model.rotary = RotaryEmbedding(rope, mc.head_dim).to(self.device)
-        logger.info("RoPE scaling overridden: %s (the checkpoint's: %s)", rope.rope_type, mc.rope.rope_type)
-
-    def _quantize_fp8(self) -> None:
-        """--quantization fp8: the decoder's projections to e4m3 weights (models/fp8.py), before the KV cache is
-        sized, so that the memory they free goes to it."""
-        from ..models.fp8 import quantize_model_fp8, scaled_mm_supported
-
-        before, after = quantize_model_fp8(self.model, self.tp)  # every rank: the row-parallel scales all-reduce
-        if self.device.type == "cuda":
-            torch.cuda.empty_cache()
-        how = ("the fp8 GEMV kernel for calls of at most 16 rows (decode), torch._scaled_mm above"
-               if scaled_mm_supported(self.device) else
-               "the fp32 references (no fp8 tensor cores here: slower than unquantised)")
-        whose = f" (rank {self.tp.rank}'s share)" if self.tp.world_size > 1 else ""
-        logger.info("fp8 weights: the decoder's linear layers %.2f GB -> %.2f GB%s, through %s", before / 1e9,
-                    after / 1e9, whose, how)
-
     # ---- KV (sized and built in kvcache/build.py) ---------------------------------------------------------------
     def kv_cache_stats(self) -> dict:
         """KV-cache occupancy and, with offloading, the cumulative page counters (kvcache/base.py: occupancy)."""
         return self.kv_cache.occupancy(self.blocks)
-
-    @torch.inference_mode()
-    def _profile_free_gpu_memory(self) -> float:
-        """Bytes left for the KV cache after weights and the activations of a largest prefill step."""
-        cfg, mc = self.config, self.rank_model_config
-        n = min(cfg.max_num_batched_tokens, cfg.max_model_len)
-        layout = self.backend.kv_layout
-        slots = n if layout is None else layout.slots_for(n)
-        ring = 1 if mc.has_layer_windows else None  # sliding-window layers: a ring of one slot (kvcache/window.py)
-        blocks = BlockManager(-(-slots // cfg.block_size), cfg.block_size, slots_for=layout and layout.slots_for,
-                              num_slots=ring)
-        cache = resident_cache(mc, blocks.num_blocks, cfg.block_size, self.kv_dtype, self.device, ring or 0)
-        runner = ModelRunner(self.model, cfg, cache, blocks, self.backend, self.device)
-        probe = Sequence(-1, "profile", 0, [0] * n, SamplingParams(max_tokens=1), frozenset(), 1)
-        blocks.ensure(probe.seq_id, n)
-        torch.cuda.synchronize()
-        torch.cuda.reset_peak_memory_stats(self.device)
-        runner.execute(ScheduledBatch(True, [probe], [n]))
-        torch.cuda.synchronize()
-        peak = torch.cuda.max_memory_allocated(self.device) - cache.nbytes
-        self.backend.free_sequence(probe.seq_id)
-        del cache, runner
-        torch.cuda.empty_cache()
-        free, total = torch.cuda.mem_get_info(self.device)
-        others = total - free - torch.cuda.memory_reserved(self.device)  # other processes on this GPU
-        margin = 512 * 1024**2  # CUDA graphs, sampler buffers, allocator slack
-        budget = total * cfg.gpu_memory_utilization - peak - others - margin
-        logger.info("GPU memory: %.1f GiB total, weights + activations peak %.2f GiB, KV budget %.1f GiB",
-                    total / GiB, peak / GiB, budget / GiB)
-        return max(budget, 0.0)
 
     # ---- requests ------------------------------------------------------------------------------------------------
     def add_request(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
@@ -346,32 +293,6 @@ class LLMEngine:
     def num_unfinished_sequences(self) -> int:
         """Sequences queued or running (a request of n samples counts n until each finishes)."""
         return sum(not s.finished for r in self._requests.values() for s in r.seqs)
-
-    def capture_warm_graphs(self) -> None:
-        """Before serving or timing: the backend's prefill-selection graphs for the scheduler's chunk sizes (a prompt
-        alone, beside others, and each paced size) at every context length up to max_model_len, and its decode
-        variants of short rows alone and of one and two long rows (ModelRunner.capture_warm_variants), so that their
-        kernels compile now and
-        not inside the first long request. With tensor parallelism each rank captures its own at first use instead
-        (rank 0 alone would capture them here). The server's warm-up and `bench decode` call it after their warm-up
-        request."""
-        if self.tp.world_size > 1:
-            logger.info("warm-up: tensor parallelism: the sparse decode variants and prefill-selection graphs are not "
-                        "captured up front (every rank captures each at first use, in the same step)")
-            return
-        t0 = time.perf_counter()
-        sizes = self.scheduler.chunk_sizes()
-        n = self.runner.capture_prefill_graphs(sizes)
-        if n:
-            logger.info("warm-up: %d prefill-selection graphs captured (chunks of %s tokens at every context length "
-                        "up to %d) in %.1f s", n, " and ".join(map(str, sorted(set(sizes)))),
-                        self.config.max_model_len, time.perf_counter() - t0)
-        t0 = time.perf_counter()
-        n = self.runner.capture_warm_variants()
-        if n:
-            logger.info("warm-up: %d decode-graph variants captured (short rows alone at every batch size; one and "
-                        "two long rows, alone and in a batch of 16, every context length and refresh level) in %.1f s",
-                        n, time.perf_counter() - t0)
 
     def prompt_logits(self, token_ids: list[int], return_logits: bool = True) -> torch.Tensor | None:
         """fp32 logits (T, V) of every position, by chunked prefill outside the scheduler (engine/scoring.py)."""
