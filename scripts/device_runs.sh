@@ -221,9 +221,9 @@ decode1m)
         --out "$out/bench-decode-1m.json"
     ;;
 prefill1m8b)  # issue 31: where the default's 1M prefill goes (8B shape, fp8 + offload; 2 steps from 85% profiled:
-    # selection vs attention vs the staging gathers vs matmuls), then its decode
+    # selection vs attention vs the staging gathers vs matmuls), then its decode (4 steps profiled: run 8's 20.5 tok/s)
     run prefill_1m_8b 580 $bd --kv-offloading-size 76 --lengths 1M --attention infinitehip --dense-lengths \
-        --decode-tokens 32 --profile-prefill-steps 2 --profile-prefill-at 0.85 \
+        --decode-tokens 48 --profile-prefill-steps 2 --profile-prefill-at 0.85 --profile-steps 4 \
         --out "$out/bench-decode-1m-prefill-profile-8b.json" ;;
 decode128k)
     run decode_128k 300 $bd --kv-offloading-size 12 --lengths 128k --attention infinitehip:3k-flash psa \
