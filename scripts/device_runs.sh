@@ -78,7 +78,9 @@
 #   bash scripts/device_runs.sh tp2         # needs nvidia-h100-x2 / h200-x2 and the model: tests/gpu/test_tensor_parallel.py
 #                                           # (TP=2 over NCCL vs TP=1); then bench decode, 8B shape, bf16, 128K,
 #                                           # infinitehip pruned vs dense, TP=1 then TP=2 (issue 32's scaling row)
+#   bash scripts/device_runs.sh tp2test     # two GPUs and the model: tests/gpu/test_tensor_parallel.py alone
 #   bash scripts/device_runs.sh tp2bench    # no model: tp2's bench alone (8B shape, 128K, TP=1 then TP=2)
+#   bash scripts/device_runs.sh tp1m        # no model, two GPUs: the 8B shape at 1M, bf16 KV, TP=2 without offload
 #   bash scripts/device_runs.sh default8b   # 8B shape, bf16: bench decode at 128K, the default vs dense, the last 4
 #                                           # steps profiled (issue 31's 2x-dense-at-128K goal)
 #   bash scripts/device_runs.sh profile8b   # 8B shape, bf16: bench decode at 128K, infinitehip pruned vs dense, the
@@ -172,8 +174,9 @@ gemma12b)  # issue 33: the Gemma-3-12B shape's KV per token and 1M decode beside
     run llama8b_1m 500 $bd --kv-offloading-size 80 --lengths 1M --attention infinitehip --dense-lengths 4k \
         --decode-tokens 64 --out "$out/bench-decode-1m-llama8b-beside-gemma.json" ;;
 tp2)
-    gpu_tests gpu_check_tp2 300 tests/gpu/test_tensor_parallel.py --gpu-model "$model"
-    bash "$0" tp2bench ;;
+    bash "$0" tp2test tp2bench ;;
+tp2test)  # needs two GPUs and the model (Qwen2.5-Coder-0.5B: 2 KV heads, one per rank): TP=2 over NCCL vs TP=1
+    gpu_tests gpu_check_tp2 600 tests/gpu/test_tensor_parallel.py --gpu-model "$model" ;;
 tp2bench)  # no model needed: tp2's scaling row alone
     for n in 1 2; do  # the same command, one GPU then two (rank r on cuda:r)
         run "decode_8b_128k_tp$n" 280 python3 -m longreach bench decode --lengths 128k \
@@ -181,6 +184,12 @@ tp2bench)  # no model needed: tp2's scaling row alone
             --dense-lengths 128k --decode-tokens 64 --tensor-parallel-size "$n" \
             --out "$out/bench-decode-128k-8b-tp$n.json"
     done ;;
+tp1m)  # issue 32's 1M row: the 8B shape (random weights), bf16 KV, TP=2 without offload (64 GiB of KV per rank: 66 fits an
+    # H100 beside its 7.5 GiB of weights), the default method, 4 decode steps profiled; TP=1 with offload in the same
+    # session is prefill1m8b (fp8 KV, one GPU)
+    run tp2_1m 580 python3 -m longreach bench decode --lengths 1M --attention infinitehip --dense-lengths 4k \
+        --kv-cache-memory-gb 66 --max-num-batched-tokens 32768 --tensor-parallel-size 2 --decode-tokens 64 \
+        --profile-steps 4 --out "$out/bench-decode-1m-8b-tp2-bf16.json" ;;
 tp2short)  # no model needed: tp2's bench at 32K (8B shape, random weights), whether NCCL captures in CUDA graphs
     for n in 1 2; do
         run "decode_8b_32k_tp$n" 120 python3 -m longreach bench decode --lengths 32k \
