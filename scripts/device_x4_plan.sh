@@ -19,14 +19,18 @@
 set -u
 out=${OUT:-out}
 chains="gpu3 gpu2 gpu01 gpu23"
-chain() {  # chain NAME CUDA_VISIBLE_DEVICES COMMANDS: the commands under setsid (they outlive the call), then NAME/done
+chain() {  # chain NAME CUDA_VISIBLE_DEVICES COMMANDS: the commands under setsid (they outlive the call), then NAME/done;
+    # they run in a copy of the tree (/tmp/x4/tree): every later call re-copies the working tree onto the machine, and
+    # a command starting meanwhile saw half a tree (2026-11-28: the dense server's standalone runs failed on imports)
     mkdir -p "/tmp/x4/$1"
-    CUDA_VISIBLE_DEVICES=$2 setsid nohup bash -c "$3
+    CUDA_VISIBLE_DEVICES=$2 setsid nohup bash -c "cd /tmp/x4/tree || exit 1
+        $3
         touch /tmp/x4/$1/done" > "/tmp/x4/$1/driver.log" 2>&1 < /dev/null &
 }
 case ${PART:-start} in
 start)
     qwen=/tmp/m/qwen2.5-coder-0.5b.gguf
+    mkdir -p /tmp/x4/tree && tar cf - --exclude=./.carry . | tar xf - -C /tmp/x4/tree
     [ -e "$qwen" ] || echo "WARNING: no $qwen (stage it with scripts/device_model.sh): the TP test will fail"
     chain gpu3 3 '
         OUT=/tmp/x4/gpu3 PARTS=mixed128k PORT=8012 bash scripts/device_serve_bench.sh

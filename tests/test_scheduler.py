@@ -351,18 +351,23 @@ def test_the_server_warm_up_runs_a_mixed_step_and_freezes_the_heap(tiny, caplog)
     from longreach.server.app import freeze_heap, warm_up
     eng = LLMEngine(EngineConfig(model=tiny, device="cpu", dtype="float32", kv_cache_memory_gb=0.01,
                                  max_num_batched_tokens=512))
-    mixed = []
+    mixed, alone = [], []
     step = eng.step
 
     def counted():
         out = step()
-        if eng.last_step.is_prefill and eng.last_step.num_decode_tokens > 0:
-            mixed.append(eng.last_step.num_decode_tokens)
+        if eng.last_step.is_prefill:
+            (mixed if eng.last_step.num_decode_tokens > 0 else alone).append(
+                (eng.last_step.num_decode_tokens, eng.last_step.num_tokens - eng.last_step.num_decode_tokens))
         return out
     eng.step = counted
     warm_up(eng, 1000)  # a CPU skips it unless asked (tokens None)
     # mixed steps of one decode row and of 16 and fewer (Triton's integer specialisations: 1, 16, the rest)
-    assert {1, 16} <= set(mixed) and any(n not in (1, 16) for n in mixed), mixed
+    rows = {n for n, _ in mixed}
+    assert {1, 16} <= rows and any(n not in (1, 16) for n in rows), mixed
+    # and the long request alone, in chunks up to the whole budget (its 504 tokens: max_model_len 512 - 8), larger than
+    # a mixed step's, whose chunk is at most the threshold (128 here)
+    assert (0, 504) in alone and max(t for _, t in mixed) <= 128, (alone, mixed)
     assert not eng.has_unfinished_requests()
     try:
         with caplog.at_level("INFO", logger="longreach"):

@@ -50,7 +50,7 @@ def test_warmup_ran_before_listening_and_left_nothing_behind(server, http):
     """--warmup-tokens 100 with 64-token chunks: a first chunk and one with a prefix ran before /health answered;
     the warm-up request is gone (no running or waiting request, every page free) and counts in no metric."""
     log = server.log_text()
-    assert "warm-up: a request of 100 prompt tokens beside short ones" in log
+    assert "warm-up: a request of 100 prompt tokens alone and beside short ones" in log
     assert log.index("warm-up:") < log.index("listening on")
     assert _idle(http)
     assert re.search(r"^longreach:prompt_tokens_total\S* 0\.0$", http.get("/metrics").text, re.M)

@@ -225,10 +225,12 @@ def default_warmup_tokens(engine) -> int:
 
 
 def warm_up(engine, tokens: int | None) -> None:
-    """Run one untimed request through `engine` before the server listens, twice (once where max_num_seqs is 1 or 2):
-    its prefill chunks (the first one and, past one chunk, one with a prefix) and a few decode steps, with one short
-    request and then up to 16 decoding beside its chunks (mixed steps), compile the kernels the first clients would
-    otherwise wait for; then the backend's graphs for every context length (`LLMEngine.capture_warm_graphs`).
+    """Run one untimed request through `engine` before the server listens, three times (twice where max_num_seqs is
+    1 or 2): its prefill chunks (the first one and, past one chunk, one with a prefix) and a few decode steps, alone
+    (whole-budget chunks: run 9's first 128K prompt alone compiled a sparse 8,192-token chunk's `_bsa_kernel` in its
+    step), then with one short request and then up to 16 decoding beside its chunks (mixed steps, chunks of at most
+    --long-prefill-token-threshold), compile the kernels the first clients would otherwise wait for; then the
+    backend's graphs for every context length (`LLMEngine.capture_warm_graphs`).
     `tokens` None on a GPU: past the longest context the backend attends densely at (`warm_context`: a sparse
     method's `dense_below`, e.g. the trained context), one chunk + 1024, so that a whole chunk runs the method's own
     kernels (run 8 compiled a sparse 8,192-token chunk's kernels while serving: the warm-up's one sparse chunk had
@@ -247,15 +249,16 @@ def warm_up(engine, tokens: int | None) -> None:
     # most likely compilations: docs/serving.md). The short requests go first and take a step, so that every chunk of
     # the long one, its first included, has them decoding beside it (a store that mixes no decode rows into prefill
     # steps, offloading, alternates the two kinds of step instead).
-    for shorts in sorted({1, min(16, cfg.max_num_seqs - 1)} - {0}):
+    for shorts in sorted({0, 1, min(16, cfg.max_num_seqs - 1)}):
         for i in range(shorts):  # in a batch, one more token each: the rows fall 16, 15, 14, ...
             engine.add_request(f"longreach-warmup-short-{i}", ids[:64 if shorts == 1 else 16], SamplingParams(
                 temperature=0, max_tokens=16 if shorts == 1 else 2 + i, ignore_eos=True))
-        engine.step()
+        if shorts:
+            engine.step()
         engine.add_request("longreach-warmup", ids, SamplingParams(temperature=0, max_tokens=4, ignore_eos=True))
         while engine.has_unfinished_requests():
             engine.step()
-    logger.info("warm-up: a request of %d prompt tokens beside short ones in %.1f s (kernels compiled before "
+    logger.info("warm-up: a request of %d prompt tokens alone and beside short ones in %.1f s (kernels compiled before "
                 "listening; --warmup-tokens 0 skips it)", tokens, time.perf_counter() - t0)
     engine.capture_warm_graphs()
 
