@@ -88,8 +88,7 @@ class EngineSetup:
         """Before serving or timing: the backend's prefill-selection graphs for the scheduler's chunk sizes (a prompt
         alone, beside others, and each paced size) at every context length up to max_model_len, and its decode
         variants of short rows alone and of one and two long rows (ModelRunner.capture_warm_variants), so that their
-        kernels compile now and
-        not inside the first long request. With tensor parallelism each rank captures its own at first use instead
+        kernels compile now and not inside the first long request. With tensor parallelism each rank captures its own at first use instead
         (rank 0 alone would capture them here). The server's warm-up and `bench decode` call it after their warm-up
         request."""
         if self.tp.world_size > 1:
