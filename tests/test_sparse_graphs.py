@@ -122,7 +122,7 @@ def test_prefill_graphs_captured_up_front_cover_the_real_chunks(tiny):
 @pytest.mark.parametrize("method", ["infinitehip-box", "hip"])
 def test_warm_decode_variants_are_the_ones_a_long_sequence_uses(tiny, method):
     """`capture_warm_variants` (the server's warm-up) captures, for one and two long rows, every variant a long
-    sequence's decode then uses, at the smallest batch size and at 16 rows, and the variants of short rows alone at
+    sequence's decode then uses, at the smallest batch size, at 16 rows and at 64, and the variants of short rows alone at
     every batch size: neither a batch of chats nor the long decode adds one (CPU, graphs emulated), and their tokens
     are the eager run's."""
     from longreach import SamplingParams
@@ -143,8 +143,9 @@ def test_warm_decode_variants_are_the_ones_a_long_sequence_uses(tiny, method):
     keys = {key for _, key in runner._graphs}
     long = {k for k in keys if k[3] > 0}  # rows that select (k[3]: how many, a power of two)
     assert warm == len(runner._graphs) and {k[0] for k in long} == {128, 256, 512, 1024, 1280}
-    # each at its smallest batch size and at the smallest multiple of 16 (Triton's other specialisation)
-    assert {n for n, k in runner._graphs if k in long} == {1, 2, 16}
+    # each at its smallest batch size, the smallest multiple of 16 (Triton's other specialisation) and 64 (16 x 4^k up
+    # to the largest size, max_num_seqs 64 here)
+    assert {n for n, k in runner._graphs if k in long} == {1, 2, 16, 64}
     assert {k for n, k in runner._graphs if n == 16} == keys
     # short rows alone (within dense_below 100: buckets 64 and 128), at every graph size: any batch of chats
     assert {k[0] for k in keys - long} == {64, 128} and all(k[2] == (True,) for k in keys - long)
@@ -160,3 +161,33 @@ def test_warm_decode_variants_are_the_ones_a_long_sequence_uses(tiny, method):
     got = llm.generate({"prompt_token_ids": prompt}, params, use_tqdm=False)[0].token_ids
     assert got == expected and len(replays) == 23  # every decode step but the prefill's token went through a graph
     assert {key for _, key in runner._graphs} == keys  # the decode found every variant it needed
+
+
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.skipif(
+    not torch.cuda.is_available(), reason="needs a GPU"))])
+def test_a_long_row_among_many_chats_replays_a_larger_warm_graph(tiny, device):
+    """A long prompt decoding beside 20 chats (21 rows: the 32-row bucket, whose long-row variants the warm-up does
+    not capture) replays the warm 64-row graph of its variant, padded, and captures nothing inside a step (a server's
+    1M prompt joining 63 chats captured three variants in one 516 ms step, docs/serving.md run 10); every request's
+    tokens are the eager run's (CPU: graphs emulated; GPU: captured and replayed)."""
+    from longreach import SamplingParams
+    from longreach.engine.llm import LLM
+
+    prompt = torch.randint(3, 256, (1000,), generator=torch.Generator().manual_seed(9)).tolist()
+    chats = [torch.randint(3, 256, (20 + n,), generator=torch.Generator().manual_seed(n)).tolist() for n in range(20)]
+    params = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
+    reqs = [{"prompt_token_ids": p} for p in [prompt, *chats]]
+
+    def make(eager):
+        return LLM(tiny, device=device, dtype="float32", kv_cache_memory_gb=0.02, attention="infinitehip",
+                   attention_config=GRAPH_CFG["infinitehip-box"], enforce_eager=eager, max_model_len=1280)
+
+    want = [o.token_ids for o in make(True).generate(reqs, params, use_tqdm=False)]
+    llm = make(False)
+    runner = llm.engine.runner
+    if device == "cpu":
+        runner.capture_graphs(emulate=True)
+    runner.capture_warm_variants()
+    warm = set(runner._graphs)
+    assert [o.token_ids for o in llm.generate(reqs, params, use_tqdm=False)] == want
+    assert set(runner._graphs) == warm and runner.padded_replays > 0

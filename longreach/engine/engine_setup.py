@@ -88,7 +88,8 @@ class EngineSetup:
         """Before serving or timing: the backend's prefill-selection graphs for the scheduler's chunk sizes (a prompt
         alone, beside others, and each paced size) at every context length up to max_model_len, and its decode
         variants of short rows alone and of one and two long rows (ModelRunner.capture_warm_variants), so that their
-        kernels compile now and not inside the first long request. With tensor parallelism each rank captures its own at first use instead
+        kernels compile now and not inside the first long request, and a long row joining any batch replays a warm
+        graph. With tensor parallelism each rank captures its own at first use instead
         (rank 0 alone would capture them here). The server's warm-up and `bench decode` call it after their warm-up
         request."""
         if self.tp.world_size > 1:
@@ -106,5 +107,6 @@ class EngineSetup:
         n = self.runner.capture_warm_variants()
         if n:
             logger.info("warm-up: %d decode-graph variants captured (short rows alone at every batch size; one and "
-                        "two long rows, alone and in a batch of 16, every context length and refresh level) in %.1f s",
+                        "two long rows, alone and in batches of 16, 64, 256, ... and the largest size, every context "
+                        "length and refresh level) in %.1f s",
                         n, time.perf_counter() - t0)

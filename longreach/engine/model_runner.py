@@ -91,6 +91,7 @@ class ModelRunner:
         self.scratch_slot = kv_cache.num_slots if self.window else 0  # the ring's scratch slot (its last)
         self._graphs: dict[tuple, typing.Callable[[], torch.Tensor]] = {}  # (rows, backend variant) -> step
         self._graph_sizes: list[int] = []
+        self.padded_replays = 0  # graph steps that replayed a larger captured size than their bucket (_graph_size)
         self.last_kv_counts: dict | None = None  # the last decode step's page counts, where the store keeps them
         self.chunk_graphs: ChunkGraphs | None = None  # prefill steps' graphs (capture_chunk_graphs)
         self.device_tables: DeviceBlockTables | None = None  # graph decode's device block tables (capture_graphs)
@@ -247,19 +248,26 @@ class ModelRunner:
     @torch.inference_mode()
     def capture_warm_variants(self) -> int:
         """The decode variants the backend names for a warm-up (`graph_warm_keys`), each captured now at the smallest
-        graph batch size that holds its rows and at the smallest one that is a multiple of 16 (rows 0: a variant of
-        short rows, which any batch may be, at every graph size): a long sequence's
-        first decode steps then find their kernels compiled. Triton compiles a kernel once per specialisation of its
-        integer arguments (1, a multiple of 16, anything else), and a batch of 16 rows or more (a long prompt
-        joining a server's chats) is the other one: captured on first use it stalled every stream for ~1.4 s (the
-        serving runs' logs, docs/serving.md). Returns how many were new."""
+        graph batch size that holds its rows, at the smallest one that is a multiple of 16, and at 64, 256, ... and
+        the largest size (rows 0: a variant of short rows, which any batch may be, at every graph size). A long
+        sequence's first decode steps then find their kernels compiled: Triton compiles a kernel once per
+        specialisation of its integer arguments (1, a multiple of 16, anything else), and a batch of 16 rows or more
+        (a long prompt joining a server's chats) is the other one: captured on first use it stalled every stream for
+        ~1.4 s (the serving runs' logs, docs/serving.md). The sizes past 16 give a long prompt joining any number of
+        chats a graph within 4x its rows to replay padded (`_graph_size`) instead of capturing its own inside the
+        step. Returns how many were new."""
         if not self._graph_sizes:
             return 0
-        sixteens = [s for s in self._graph_sizes if s % 16 == 0]
+        sizes = self._graph_sizes
+        sixteens = [s for s in sizes if s % 16 == 0]
+        # a variant with long rows also at 16 x 4^k rows and the largest size: any batch then finds one within 4x its
+        # rows (`_graph_size` replays the smallest captured one that holds it)
+        wide = sorted({s for s in sixteens if (s // 16) & (s // 16 - 1) == 0 and (s // 16).bit_length() % 2 == 1}
+                      | {sizes[-1]})
         todo = []
         for rows, key in self.backend.graph_warm_keys():
-            size = self._graph_sizes[min(bisect.bisect_left(self._graph_sizes, rows), len(self._graph_sizes) - 1)]
-            for n in (self._graph_sizes if rows == 0 else (size, *sixteens[:1])):  # rows 0: any batch meets it
+            size = sizes[min(bisect.bisect_left(sizes, rows), len(sizes) - 1)]
+            for n in (sizes if rows == 0 else (size, *sixteens[:1], *wide)):  # rows 0: any batch meets it
                 if n >= rows and (n, key) not in self._graphs and (n, key) not in todo:
                     todo.append((n, key))
         for size, key in todo:
@@ -437,19 +445,32 @@ class ModelRunner:
             logger.info("captured the decode graph for %d rows, variant %s, in %.2f s", n, key,
                         time.perf_counter() - t0)
 
+    def _graph_size(self, n: int, key) -> int:
+        """The graph a step of `n` rows in variant `key` replays: the smallest size bucket holding n rows, or, where
+        that one is not captured, the smallest captured larger one (its extra rows are padding: the scratch page,
+        length 1, no selection); captured now only when neither exists. A capture inside a step stalls every stream
+        (a server's 1M prompt joining 63 chats captured three variants in one 516 ms step, docs/serving.md run 10),
+        and `capture_warm_variants` captures the long-row variants at sizes no more than 4x apart for this."""
+        i = bisect.bisect_left(self._graph_sizes, n)
+        for size in self._graph_sizes[i:]:
+            if (size, key) in self._graphs:
+                if size != self._graph_sizes[i]:
+                    self.padded_replays += 1
+                return size
+        self._capture(self._graph_sizes[i], key)
+        return self._graph_sizes[i]
+
     def _replay(self, batch: ScheduledBatch) -> torch.Tensor:
         """One graph-decoded step. The rows are fed longest first (a sparse backend then runs its selection only
         for the prefix of rows that need one, attention/sparse/graph.py); the logits come back in batch order."""
         n = len(batch.seqs)
-        size = self._graph_sizes[bisect.bisect_left(self._graph_sizes, n)]
         bs = self.block_size
         order = sorted(range(n), key=lambda i: -batch.seqs[i].num_tokens)  # stable: ties keep the batch order
         seqs = [batch.seqs[i] for i in order]
         ids = [s.last_token for s in seqs]
         pos = [s.num_tokens - 1 for s in seqs]
         key, load = self.backend.graph_step([s.seq_id for s in seqs], [p + 1 for p in pos])
-        if (size, key) not in self._graphs:
-            self._capture(size, key)
+        size = self._graph_size(n, key)
         tables = [self.blocks.table(s.seq_id) for s in seqs]
         rows = self.device_tables.slots([s.seq_id for s in seqs], tables)  # writes only pages added since
         if self._g_copied is not None:
