@@ -96,6 +96,9 @@ class EngineConfig:
                                                 "with --tensor-parallel-size, per rank (each GPU offloads its own KV "
                                                 "heads; the total is N times this); 0 or absent: no offloading "
                                                 "(sparse attention only)")
+    kv_offload_unit: str = _f("page", "with --kv-offloading-size: what one GPU slot holds, 'page' (a page of every "
+                                      "KV head) or 'head' (one KV head's page: a selection that reads one head "
+                                      "installs that head's page only; docs/design-offload-heads.md)")
     enforce_eager: bool = _f(False, "no CUDA graphs: decode, prefill chunks and the sparse methods' prefill selection "
                                     "run eagerly")
     chunk_graph_max_tokens: int = _f(2048, "largest prefill step (tokens) whose work around attention replays from "
@@ -179,6 +182,9 @@ class EngineConfig:
         if self.kv_offloading_size is not None and (isinstance(self.kv_offloading_size, bool) or not isinstance(
                 self.kv_offloading_size, (int, float)) or self.kv_offloading_size < 0):
             bad(f"kv_offloading_size must be a number of GiB >= 0 (0: no offloading), got {self.kv_offloading_size!r}")
+        if self.kv_offload_unit not in ("page", "head"):
+            bad(f"kv_offload_unit must be 'page' or 'head' (what one GPU slot of the offloaded KV holds), got "
+                f"{self.kv_offload_unit!r}")
         self._check_tensor_parallel()
         from .attention.registry import MethodSpec, check_backend_name
 

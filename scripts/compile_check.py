@@ -136,7 +136,9 @@ def all_cases() -> list:
     bf, f32, i32, f8 = "*bf16", "*fp32", "*i32", "*fp8e4nv"
     # each attention kernel as a one-tier cache, through the offloading page table (decode only: prefill reads a
     # staging area), and with fp8 KV (rows with scales), without and with key re-rotation (RoPE strategies)
-    variants = ((" ", bf, False), (" tiered", bf, True), (" fp8", f8, False), (" tiered fp8", f8, True))
+    # TIERED 9: a slot per KV head's page, 8 KV heads (kernels/paged.py's code 1 + H_kv)
+    variants = ((" ", bf, False), (" tiered", bf, True), (" fp8", f8, False), (" tiered fp8", f8, True),
+                (" tiered heads", bf, 9), (" tiered heads fp8", f8, 9))
     for suffix, kv, tiered in variants:
         cases.append(("paged_decode d128 g4" + suffix, paged_decode._paged_decode_kernel,
                       dict(Q=bf, K=kv, V=kv, KH=kv, VH=kv, Slots=i32, BlockTables=i32, SeqLens=i32, OutPartial=f32,
@@ -199,14 +201,17 @@ def all_cases() -> list:
     cases.append(("fused rope d128", fused._rope_kernel, dict(X=bf, Cos=bf, Sin=bf), dict(HALF=64, BLOCK=64), []))
     cases.append(("fused silu_mul", fused._silu_mul_kernel, dict(GU=bf, Out=bf, N="i32"), dict(BLOCK=1024), []))
     for kv, row, fp8 in ((bf, 128, False), (f8, 144, True)):
-        for tiered in (False, True):
-            cases.append((f"kv_store {kv}{' tiered' if tiered else ''}", kv_store._store_kv_kernel,
+        for tiered in (False, True, 9):
+            cases.append((f"kv_store {kv}{' tiered' if tiered else ''}{' heads' if tiered == 9 else ''}",
+                          kv_store._store_kv_kernel,
                           dict(K=bf, V=bf, Slots="*i64", KD=kv, VD=kv, KH=kv, VH=kv, SlotOf=i32),
                           dict(BS=16, H=8, ROW=row, D=128, BLOCK_D=128, FP8=fp8, TIERED=tiered), []))
-    cases.append(("page_reads mark", page_reads._mark_reads_kernel,
-                  dict(Wanted="*u8", Tables=i32, Seq="*i64", First="*i64", Last="*i64", Blocks=i32, P="i32",
-                       W="i32", G="i32", K="i32"),
-                  dict(BS=16, PER=1, SINK_PAGES=4, SPAN=65, BLOCK_SEL=256, BLOCK_FIXED=128), []))
+    for label, units in (("page_reads mark", 1), ("page_reads mark heads", 8)):
+        cases.append((label, page_reads._mark_reads_kernel,
+                      dict(Wanted="*u8", Tables=i32, Seq="*i64", First="*i64", Last="*i64", Blocks=i32, P="i32",
+                           W="i32", G="i32", K="i32"),
+                      dict(BS=16, PER=1, SINK_PAGES=4, SPAN=65, BLOCK_SEL=256, BLOCK_FIXED=128, U=units, HPG=1,
+                           GPH=1), []))
     # the weight-only fp8 GEMV of decode rows (kernels/fp8_gemv.py): bf16 activations, one split and split-K, and fp32
     for label, x, bk, split in (("bf16", bf, 256, False), ("bf16 split", bf, 256, True), ("fp32", f32, 128, False)):
         cases.append((f"fp8_gemv {label}", fp8_gemv._fp8_gemv_kernel,

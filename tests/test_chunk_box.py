@@ -113,7 +113,7 @@ def _build_case(kind, mode, builder, dtype=torch.float32, tiered=False, fp8=Fals
     if tiered:
         from tests.test_psa import _tiered
 
-        cache, _ = _tiered(kc, kc, torch.Generator().manual_seed(9))
+        cache, _ = _tiered(kc, kc, torch.Generator().manual_seed(9), int(tiered))  # tiered 2: head slots
     if builder == "triton":
         build_boxes_triton(cache, tables, lens, lo, hi, box_tables, pool, per, chunk, kind, 12, box_move(rope))
     else:
@@ -146,7 +146,8 @@ def test_build_reference_writes_each_chunk_where_its_table_says(kind, mode):
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
 @pytest.mark.parametrize("case", [("minmax", "rt", False, False), ("cuboid-mean", None, False, False),
-                                  ("minmax", "il", True, False), ("minmax", "rt", True, True)])
+                                  ("minmax", "il", True, False), ("minmax", "rt", True, True),
+                                  ("minmax", "rt", 2, True)])
 def test_build_kernel_matches_the_reference(case, dtype):
     """The Triton kernel (interpreter) against the reference, through a two-tier cache too (resident pages from the
     pool, the rest from host memory) and on fp8 rows (the pool in the run dtype)."""

@@ -38,29 +38,47 @@ def test_one_tier_store_matches_the_pytorch_path(cache_dtype, strided):
     assert torch.equal(got.kv.view(torch.uint8), ref.kv.view(torch.uint8))
 
 
+@pytest.mark.parametrize("unit", ["page", "head"])
 @pytest.mark.parametrize("cache_dtype", [torch.float32, FP8])
-def test_two_tier_store_writes_host_and_resident_slots_only(cache_dtype):
+def test_two_tier_store_writes_host_and_resident_slots_only(cache_dtype, unit):
     """Host rows equal the PyTorch path's; a resident page's slot equals its host page; the slots of other pages
-    and the scratch slot are untouched (the PyTorch path writes non-resident rows to scratch, the kernel skips them)."""
+    and the scratch slot are untouched (the PyTorch path writes non-resident rows to scratch, the kernel skips them).
+    Head units (a slot per KV head's page): some pages with one head resident, one with both."""
     g = torch.Generator().manual_seed(4)
     L, P, S, bs, H, D, T = 2, 12, 5, 4, 2, 32, 17
     k, v = _kv(T, H, D, g, torch.float32, True)
     slots = torch.randperm(P * bs, generator=g)[:T]
-    ref = OffloadedKVCache(L, P, S, bs, H, D, cache_dtype, torch.device("cpu"))
-    got = OffloadedKVCache(L, P, S, bs, H, D, cache_dtype, torch.device("cpu"))
+    ref = OffloadedKVCache(L, P, S, bs, H, D, cache_dtype, torch.device("cpu"), unit=unit)
+    got = OffloadedKVCache(L, P, S, bs, H, D, cache_dtype, torch.device("cpu"), unit=unit)
+    resident = [(2, 0), (5, 3), (7, 1)]  # page, slot (head units: head 0 of 2, head 1 of 5, both heads of 7)
     for c in (ref, got):
         c.host.view(torch.uint8).fill_(5)
         c.pool.view(torch.uint8).fill_(9)
-        c.slot_of[1, torch.tensor([2, 5, 7])] = torch.tensor([0, 3, 1], dtype=torch.int32)
+        if unit == "page":
+            c.slot_of[1, torch.tensor([2, 5, 7])] = torch.tensor([0, 3, 1], dtype=torch.int32)
+        else:
+            c.slot_of[1, 2, 0], c.slot_of[1, 5, 1], c.slot_of[1, 7, 0], c.slot_of[1, 7, 1] = 0, 3, 1, 2
+    if unit == "head":
+        resident.append((7, 2))
     ref.store(1, k, v, slots)
     pool_before = got.pool.clone()
     store_kv(k, v, slots, got.pool[:, 0], got.pool[:, 1], host=(got.host[1, 0], got.host[1, 1]),
-             slot_of=got.slot_of[1])
+             slot_of=got.slot_of[1], head_slots=unit == "head")
     assert torch.equal(got.host.view(torch.uint8), ref.host.view(torch.uint8))
-    for page, slot in ((2, 0), (5, 3), (7, 1)):
+    assert not torch.equal(got.host.view(torch.uint8), torch.full_like(got.host.view(torch.uint8), 5))
+    for page, slot in resident:
         assert torch.equal(got.pool[slot].view(torch.uint8), ref.pool[slot].view(torch.uint8))
-    for slot in (2, 4, S):  # free slots and the scratch slot
+    for slot in sorted({0, 1, 2, 3, 4} - {s for _, s in resident}) + [S]:  # free slots and the scratch slot
         assert torch.equal(got.pool[slot].view(torch.uint8), pool_before[slot].view(torch.uint8))
+    if unit == "head":  # each written row of a resident head: its slot's row equals its home row
+        written = 0
+        for t in slots.tolist():
+            for page, head, slot in ((2, 0, 0), (5, 1, 3), (7, 0, 1), (7, 1, 2)):
+                if t // bs == page:
+                    home = got.host[1, :, page, head, t % bs]
+                    assert torch.equal(got.pool[slot, :, t % bs, 0].view(torch.uint8), home.view(torch.uint8))
+                    written += 1
+        assert written > 0
 
 
 def test_fp8_rows_are_bit_exact_at_every_rounding_boundary():

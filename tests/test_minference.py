@@ -184,7 +184,7 @@ def test_range_kernel_reads_two_tiers_and_fp8_rows():
     one-tier cache; fp8 rows are dequantised on load as the reference does."""
     from longreach.kernels.vertical_slash import range_attention_triton
     from longreach.kvcache.fp8 import quantize
-    from longreach.kvcache.offload import TierView
+    from tier_views import two_tiers
 
     g = torch.Generator().manual_seed(4)
     L, page, B = 70, 4, 16
@@ -199,20 +199,10 @@ def test_range_kernel_reads_two_tiers_and_fp8_rows():
     a, _ = range_attention_triton(q, kc, vc, table[None], idx, D ** -0.5, block_n=B)
     ref, _ = range_attention(q, kc, vc, table[None], idx, D ** -0.5)
     assert (a - ref).abs().max() < 1e-5
-    res = torch.randperm(P, generator=g)[: P // 2]
-    S = res.numel() + 2
-    slot = torch.randperm(S, generator=g)[: res.numel()]
-    slots = torch.full((P,), -1, dtype=torch.int32)
-    slots[res] = slot.int()
-    views = []
-    for x in (kc, vc):
-        pool = quantize(torch.randn(S + 1, page, Hkv, D, generator=g) * 50)
-        pool[slot] = x[res]
-        host = x.clone()
-        host[res] = quantize(torch.randn(res.numel(), page, Hkv, D, generator=g) * 50)  # stale: never read
-        views.append(TierView(pool, host, slots))
-    b, _ = range_attention_triton(q, views[0], views[1], table[None], idx, D ** -0.5, block_n=B)
-    assert torch.equal(a, b)
+    for units in (1, Hkv):  # a slot per page, and per KV head's page
+        views = two_tiers(kc, vc, g, 0.5, units)
+        b, _ = range_attention_triton(q, views[0], views[1], table[None], idx, D ** -0.5, block_n=B)
+        assert torch.equal(a, b), units
 
 
 # ---- through the engine ---------------------------------------------------------------------------------------------

@@ -12,7 +12,8 @@ import torch
 
 from longreach.kvcache.block_manager import BlockManager
 from longreach.kvcache.fp8 import FP8, dequantize, quantize
-from longreach.kvcache.offload import OffloadedKVCache, TierView
+from longreach.kvcache.offload import OffloadedKVCache
+from tier_views import two_tiers
 
 
 # ---- fp8 rows -------------------------------------------------------------------------------------------------------
@@ -52,29 +53,12 @@ def test_copy_kernels_equal_their_references(dtype, monkeypatch):
 
 
 # ---- kernels reading through the page table (interpreter) ---------------------------------------------------------
-def _tiers(kc, vc, share, g):
-    """Two-tier copies of kc/vc (P, page, H, D): `share` of the pages resident at random slots of a pool whose other
-    slots hold junk; the rest only in the host tier."""
-    P = kc.shape[0]
-    res = torch.randperm(P, generator=g)[: int(P * share)]
-    S = res.numel() + 3
-    slot = torch.randperm(S, generator=g)[: res.numel()]
-    slots = torch.full((P,), -1, dtype=torch.int32)
-    slots[res] = slot.int()
-    out = []
-    for c in (kc, vc):
-        pool = (torch.randn(S + 1, *c.shape[1:], generator=g) * 100).to(c.dtype)
-        pool[slot] = c[res]
-        host = c.clone()
-        host[res] = (torch.randn(res.numel(), *c.shape[1:], generator=g) * 100).to(c.dtype)  # stale: must not be read
-        out.append(TierView(pool, host, slots))
-    return out
-
-
+@pytest.mark.parametrize("units", [1, 2])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16, FP8])
-def test_kernels_read_resident_pages_from_the_pool_and_the_rest_from_the_host(dtype):
+def test_kernels_read_resident_pages_from_the_pool_and_the_rest_from_the_host(dtype, units):
     """bsa (decode, split-K), paged decode and chunk scoring give the same bits through the page table as on one
-    tier; the host copies of resident pages are poisoned, so reading the wrong tier shows."""
+    tier; the host copies of resident pages are poisoned, so reading the wrong tier shows. `units` 2: one slot per
+    KV head's page (kvcache/offload.py's head units), some heads of a page resident and others not."""
     from longreach.attention.index import QueryBlocks, SparseIndex
     from longreach.kernels.bsa import block_sparse_attention_triton
     from longreach.kernels.paged_decode import paged_decode
@@ -92,7 +76,9 @@ def test_kernels_read_resident_pages_from_the_pool_and_the_rest_from_the_host(dt
     perm = torch.randperm(P, generator=g).int()
     tables = torch.zeros(2, max(need), dtype=torch.int32)
     tables[0, :need[0]], tables[1, :need[1]] = perm[:need[0]], perm[need[0]:need[0] + need[1]]
-    kt, vt = _tiers(kc, vc, 0.5, g)
+    kt, vt = two_tiers(kc, vc, g, 0.5, units)
+    assert torch.equal(kt.resolve(), kc) or dtype == FP8  # the reference view agrees (fp8: bytes, below)
+    assert torch.equal(kt.resolve().view(torch.uint8), kc.view(torch.uint8))
 
     q = torch.randn(2, Hq, D, generator=g).to(qdt)
     qb = QueryBlocks.build([1, 1], [L[0] - 1, L[1] - 1], 1)
@@ -142,8 +128,9 @@ def test_fp8_kernels_match_the_dequantising_references():
 
 
 # ---- the store's bookkeeping ---------------------------------------------------------------------------------------
-def _store(pages=24, slots=5, layers=2, bs=4, dtype=torch.float32):
-    return OffloadedKVCache(layers, pages + 1, slots, bs, 2, 8, dtype, torch.device("cpu"), staging_pages=pages + 4)
+def _store(pages=24, slots=5, layers=2, bs=4, dtype=torch.float32, unit="page"):
+    return OffloadedKVCache(layers, pages + 1, slots, bs, 2, 8, dtype, torch.device("cpu"), staging_pages=pages + 4,
+                            unit=unit)
 
 
 def test_reads_are_installed_lru_evicts_and_nothing_is_lost():
@@ -173,6 +160,32 @@ def test_reads_are_installed_lru_evicts_and_nothing_is_lost():
     st.check_integrity()
 
 
+def test_head_units_install_only_the_heads_that_read():
+    """With a slot per KV head's page, a selection whose two KV heads read different pages installs each head's
+    own pages, not both heads of each: 1/H_kv of the bytes page units install; the sink and window pages install
+    both heads (every head reads them). Writes reach the resident heads' slots and the host tier."""
+    counts = {}
+    for unit in ("page", "head"):
+        st = _store(slots=40, unit=unit)
+        table = torch.arange(12, dtype=torch.int32)[None]
+        g = torch.Generator().manual_seed(9)
+        st.store(0, torch.randn(48, 2, 8, generator=g), torch.randn(48, 2, 8, generator=g), torch.arange(48))
+        seq, pos = torch.zeros(1, dtype=torch.long), torch.tensor([47])
+        sel = torch.tensor([[[1, 3], [5, 7]]])  # group 0 (KV head 0): pages 1, 3; group 1 (head 1): pages 5, 7
+        st.note_reads(0, table, seq, pos, pos, 1, sel, 4, 4, 4)  # + sink page 0 and window page 11, both heads
+        counts[unit] = (st.end_step(), st.counters["bytes_h2d"])
+        st.check_integrity()
+        if unit == "head":
+            assert (st.slot_of[0, [1, 3], 0] >= 0).all() and (st.slot_of[0, [1, 3], 1] < 0).all()
+            assert (st.slot_of[0, [5, 7], 1] >= 0).all() and (st.slot_of[0, [5, 7], 0] < 0).all()
+            assert (st.slot_of[0, [0, 11]] >= 0).all()
+            st.store(0, torch.randn(1, 2, 8, generator=g), torch.randn(1, 2, 8, generator=g), torch.tensor([4]))
+            st.check_integrity()  # page 1: head 0's slot written through, head 1 at home only
+    assert counts["page"][0] == {"hit": 0, "missed": 6, "evicted": 0, "installed": 6}
+    assert counts["head"][0] == {"hit": 0, "missed": 8, "evicted": 0, "installed": 8}
+    assert counts["head"][1] * 3 == counts["page"][1] * 2  # 8 head-pages of half a page against 6 whole pages
+
+
 def test_a_step_never_evicts_what_it_reads_itself():
     st = _store(slots=3)
     table = torch.arange(12, dtype=torch.int32)[None]
@@ -183,18 +196,20 @@ def test_a_step_never_evicts_what_it_reads_itself():
     st.check_integrity()
 
 
-def test_integrity_check_catches_a_corrupted_table_and_a_stale_slot():
-    st = _store()
+@pytest.mark.parametrize("unit", ["page", "head"])
+def test_integrity_check_catches_a_corrupted_table_and_a_stale_slot(unit):
+    st = _store(unit=unit)
     table = torch.arange(12, dtype=torch.int32)[None]
     st.store(0, torch.randn(4, 2, 8), torch.randn(4, 2, 8), torch.arange(4))
     st.note_reads(0, table, torch.zeros(1, dtype=torch.long), torch.tensor([3]), torch.tensor([3]), 1,
                   torch.tensor([[[0]]]), 4, 0, 0)
     st.end_step()
     st.check_integrity()
-    st.pool[st.slot_of[0, 0].long(), 0, 0, 0, 0] += 1  # a slot that no longer equals its page's home
+    first = st.slot_of[0, 0].reshape(-1)[0].long()
+    st.pool[first, 0, 0, 0, 0] += 1  # a slot that no longer equals its page's home
     with pytest.raises(AssertionError, match="differs from the host copy"):
         st.check_integrity()
-    st.pool[st.slot_of[0, 0].long(), 0, 0, 0, 0] -= 1
+    st.pool[first, 0, 0, 0, 0] -= 1
     st.slot_of[1, 3] = st.slot_of[0, 0]  # two pages on one slot
     with pytest.raises(AssertionError, match="one GPU slot"):
         st.check_integrity()
@@ -210,9 +225,9 @@ def test_page_table_under_random_operations():
                                st_.integers(0, 1)), min_size=1, max_size=40)
 
     @hypothesis.settings(max_examples=60, deadline=None)
-    @hypothesis.given(ops)
-    def run(seq_ops):
-        st = _store(pages=20, slots=4, bs=2)
+    @hypothesis.given(ops, st_.sampled_from(["page", "head"]))
+    def run(seq_ops, unit):
+        st = _store(pages=20, slots=4, bs=2, unit=unit)
         blocks = BlockManager(20, 2, on_free=st.free_pages)
         lens: dict[int, int] = {}
         g = torch.Generator().manual_seed(5)
@@ -231,6 +246,7 @@ def test_page_table_under_random_operations():
                 tab = torch.tensor([blocks.table(sid)], dtype=torch.int32)
                 nblk = -(-L // 2)
                 sel = torch.randperm(nblk, generator=g)[: min(3, nblk)].sort().values[None, None]
+                sel = sel if layer == 0 else torch.cat([sel, sel.flip(-1)], 1)  # layer 1: a group per KV head
                 pos = torch.tensor([L - 1])
                 st.note_reads(layer, tab, torch.zeros(1, dtype=torch.long), pos, pos, 1, sel, 2, 2, 2)
                 c = st.end_step()
@@ -269,9 +285,12 @@ def tiny(tmp_path_factory):
 
 
 def _llm(path, method, offload, **kw):
+    """offload: False (one tier), True or "page" (a slot per page), "head" (a slot per KV head's page)."""
     from longreach.engine.llm import LLM
 
     mem = dict(kv_cache_memory_gb=POOL_GB, kv_offloading_size=0.004) if offload else dict(kv_cache_memory_gb=0.004)
+    if offload == "head":
+        mem["kv_offload_unit"] = "head"
     kw.setdefault("cpu_threads", 1)  # bit-for-bit comparisons: the same threads in both engines, whatever the load
     return LLM(path, device="cpu", dtype="float32", attention=method.removesuffix("-box"),
                attention_config=SMALL.get(method),
@@ -292,8 +311,9 @@ def _record_logits(llm):
     return seen
 
 
+@pytest.mark.parametrize("unit", ["page", "head"])
 @pytest.mark.parametrize("method", ["infinitehip", "infinitehip-box", "hip", "streaming", "quest", "dense"])
-def test_offloaded_engine_gives_the_same_tokens_and_logits_bit_for_bit(tiny, method):
+def test_offloaded_engine_gives_the_same_tokens_and_logits_bit_for_bit(tiny, method, unit):
     """Batch of two prompts of different lengths, chunked prefill (48-token chunks), 12 GPU slots for 3 layers x up
     to 10 pages: every logit of every step equals the one-tier run exactly, and the store stays consistent."""
     from longreach import SamplingParams
@@ -303,7 +323,7 @@ def test_offloaded_engine_gives_the_same_tokens_and_logits_bit_for_bit(tiny, met
     params = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
     runs = {}
     for offload in (False, True):
-        llm = _llm(tiny, method, offload)
+        llm = _llm(tiny, method, unit if offload else False)
         # the same steps in both runs: an offloaded store keeps decode and prefill in steps of their own, so the
         # one-tier run does too here (mixed steps are tests/test_scheduler.py's)
         assert llm.engine.scheduler.mixed != offload
@@ -324,8 +344,9 @@ def test_offloaded_engine_gives_the_same_tokens_and_logits_bit_for_bit(tiny, met
         assert outs[0].metrics.kv_pages_missed > 0 and stats["bytes_h2d"] > 0
 
 
+@pytest.mark.parametrize("unit", ["page", "head"])
 @pytest.mark.parametrize("method", ["infinitehip", "infinitehip-box"])
-def test_offloaded_graph_decode_path_equals_eager_one_tier(tiny, method):
+def test_offloaded_graph_decode_path_equals_eager_one_tier(tiny, method, unit):
     """The static-buffer decode path that CUDA graphs capture, with offloading (emulated on CPU); with a box stage 0
     the boxes are built inside it from both tiers."""
     from longreach import SamplingParams
@@ -335,7 +356,7 @@ def test_offloaded_graph_decode_path_equals_eager_one_tier(tiny, method):
     params = SamplingParams(temperature=0, max_tokens=10, ignore_eos=True)
     expected = [o.token_ids for o in _llm(tiny, method, False, enforce_eager=True).generate(
         prompts, params, use_tqdm=False)]
-    llm = _llm(tiny, method, True)
+    llm = _llm(tiny, method, unit)
     llm.engine.runner.capture_graphs(emulate=True)
     assert [o.token_ids for o in llm.generate(prompts, params, use_tqdm=False)] == expected
     assert llm.engine.kv_cache_stats()["pages_installed"] > 0
@@ -362,8 +383,9 @@ def test_offload_with_preemption_and_fp8(tiny):
     llm.engine.kv_cache.check_integrity()
     short = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True)
     fp8 = {off: _llm(tiny, "infinitehip", off, kv_cache_dtype="fp8", max_model_len=256).generate(
-        prompts, short, use_tqdm=False) for off in (False, True)}
-    assert [o.token_ids for o in fp8[False]] == [o.token_ids for o in fp8[True]]
+        prompts, short, use_tqdm=False) for off in (False, "page", "head")}
+    assert [o.token_ids for o in fp8[False]] == [o.token_ids for o in fp8["page"]] == [
+        o.token_ids for o in fp8["head"]]
 
 
 def test_offload_sizing_errors_name_the_fix(tiny):
@@ -380,12 +402,16 @@ def test_offload_sizing_errors_name_the_fix(tiny):
         EngineConfig(kv_offloading_size=-1)
     with pytest.raises(ValueError, match="kv_cache_dtype must be one of auto, bfloat16, float16, fp8"):
         EngineConfig(kv_cache_dtype="int4")
+    with pytest.raises(ValueError, match="kv_offload_unit must be 'page' or 'head'"):
+        EngineConfig(kv_offload_unit="layer")
 
 
-@pytest.mark.parametrize("block_k,bs,n_sink,n_window,max_rows,chunk", [
-    (8, 16, 4, 64, 1, 1024), (64, 16, 64, 1024, 1, 1024), (16, 16, 0, 0, 1, 1024), (64, 16, 16, 40, 64, 1024),
-    (64, 16, 16, 40, 1, 4), (16, 16, 0, 8, 1, 2)])
-def test_mark_reads_kernel_marks_the_pages_the_pytorch_path_marks(block_k, bs, n_sink, n_window, max_rows, chunk):
+@pytest.mark.parametrize("block_k,bs,n_sink,n_window,max_rows,chunk,unit,G", [
+    (8, 16, 4, 64, 1, 1024, "page", 2), (64, 16, 64, 1024, 1, 1024, "page", 2), (16, 16, 0, 0, 1, 1024, "page", 2),
+    (64, 16, 16, 40, 64, 1024, "page", 2), (64, 16, 16, 40, 1, 4, "page", 2), (16, 16, 0, 8, 1, 2, "page", 2),
+    (8, 16, 4, 64, 1, 1024, "head", 2), (64, 16, 16, 40, 64, 1024, "head", 1), (16, 16, 0, 8, 1, 2, "head", 4)])
+def test_mark_reads_kernel_marks_the_pages_the_pytorch_path_marks(block_k, bs, n_sink, n_window, max_rows, chunk,
+                                                                    unit, G):
     """kernels/page_reads.py (the GPU's note_reads) in the interpreter: the same `wanted` bits as the PyTorch
     note_reads, for random query blocks (several sequences, positions near the start and far in, selections with
     -1 padding, block tables with padding pointing at the scratch page). A small `chunk` spreads a selection over
@@ -393,8 +419,8 @@ def test_mark_reads_kernel_marks_the_pages_the_pytorch_path_marks(block_k, bs, n
     from longreach.kernels.page_reads import mark_reads
 
     g = torch.Generator().manual_seed(block_k + n_window)
-    L, P, W, B, G, K = 3, 200, 40, 3, 2, 6
-    st = OffloadedKVCache(L, P, 4, bs, 2, 8, torch.float32, torch.device("cpu"))
+    L, P, W, B, K = 3, 200, 40, 3, 6
+    st = OffloadedKVCache(L, P, 4, bs, 2, 8, torch.float32, torch.device("cpu"), unit=unit)
     tables = torch.randint(0, P - 1, (B, W), generator=g, dtype=torch.int32)
     tables[2, 30:] = P - 1  # a padded row's tail: the scratch page is never marked
     nb = 64
@@ -413,6 +439,6 @@ def test_mark_reads_kernel_marks_the_pages_the_pytorch_path_marks(block_k, bs, n
         want[-1] = False  # the PyTorch path's trash entry
         got = torch.zeros_like(st.wanted)
         mark_reads(got, 1, P, tables, seq[part], first[part], last[part], max_rows, blocks[part].to(torch.int32),
-                   block_k, bs, n_sink, n_window, chunk)
+                   block_k, bs, n_sink, n_window, chunk, units=st.units)
         assert torch.equal(got, want), (part, got.nonzero().squeeze(1).tolist(), want.nonzero().squeeze(1).tolist())
     assert got.any()

@@ -21,7 +21,7 @@ from longreach.kernels.key_boxes import (
 from longreach.kernels.paged_decode import paged_decode_reference
 from longreach.kernels.psa_decode import psa_decode_reference, psa_decode_triton
 from longreach.kvcache.fp8 import quantize
-from longreach.kvcache.offload import TierView
+from tier_views import two_tiers
 from tests.test_kernel_bsa import _cache as _bsa_cache
 
 
@@ -113,21 +113,10 @@ def _cache(lengths, Hkv, D, page, dtype, g):
     return quantize(kc.nan_to_num(0.0)), quantize(vc.nan_to_num(0.0)), tables
 
 
-def _tiered(kc, vc, g):
-    """Two-tier views of kc/vc: half the pages resident at random pool slots, the host copies of those poisoned."""
-    P = kc.shape[0]
-    res = torch.randperm(P, generator=g)[: P // 2]
-    slot = torch.randperm(res.numel() + 3, generator=g)[: res.numel()]
-    slots = torch.full((P,), -1, dtype=torch.int32)
-    slots[res] = slot.int()
-    out = []
-    for c in (kc, vc):
-        pool = torch.full((res.numel() + 4, *c.shape[1:]), 7.0).to(c.dtype)
-        pool[slot] = c[res]
-        host = c.clone()
-        host[res] = torch.full_like(host[res].float(), -5.0).to(c.dtype)
-        out.append(TierView(pool, host, slots))
-    return out
+def _tiered(kc, vc, g, units=1):
+    """Two-tier views of kc/vc: half the pages (of the KV heads' pages with `units` = H_kv) resident at random pool
+    slots, the host copies of those poisoned (tests/tier_views.py)."""
+    return two_tiers(kc, vc, g, 0.5, units)
 
 
 def _setup(case, dtype, seed):
@@ -182,14 +171,15 @@ def test_decode_kernel_matches_reference(case):
     assert torch.equal(ref_counts.long(), n_cand[:, None].expand_as(ref_counts))  # epsilon 1 reads every candidate
 
 
-@pytest.mark.parametrize("fmt", ["tiered", "fp8", "fp8-tiered"])
+@pytest.mark.parametrize("fmt", ["tiered", "fp8", "fp8-tiered", "tiered-heads", "fp8-tiered-heads"])
 def test_kernels_read_through_the_page_table_and_fp8_rows(fmt):
     """Metadata build, scoring and decode on a two-tier cache (resident pages from the pool, the rest from the host;
     the host copies of resident pages are poisoned) and on fp8 rows give what the references give."""
     dtype = torch.float8_e4m3fn if fmt.startswith("fp8") else torch.float32
     case = (6, 2, 16, 4, 4, [110, 45])
     q, kc, vc, tables, seq_lens, ranked, cand_lo, cand_hi, meta = _setup(case, dtype, 11)
-    kt, vt = _tiered(kc, vc, torch.Generator().manual_seed(12)) if fmt.endswith("tiered") else (kc, vc)
+    kt, vt = _tiered(kc, vc, torch.Generator().manual_seed(12), 2 if fmt.endswith("heads") else 1) \
+        if "tiered" in fmt else (kc, vc)
     ref = psa_decode_reference(q, kc, vc, tables, seq_lens, ranked, cand_lo, cand_hi, 0.95, 4, 0.25)
     got = psa_decode_triton(q, kt, vt, tables, seq_lens, ranked, cand_lo, cand_hi, 0.95, 4, 0.25)
     assert torch.equal(got[2], ref[2]) and (got[0] - ref[0]).abs().max() < 1e-5

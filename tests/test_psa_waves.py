@@ -82,13 +82,14 @@ def test_blocks_past_the_stop_point_are_never_merged():
         assert torch.equal(counts, ref[2]) and (out - ref[0]).abs().max() < 1e-5 and (lse - ref[1]).abs().max() < 1e-4
 
 
-@pytest.mark.parametrize("fmt", ["tiered", "fp8", "fp8-tiered"])
+@pytest.mark.parametrize("fmt", ["tiered", "fp8", "fp8-tiered", "tiered-heads"])
 def test_waves_read_through_the_page_table_and_fp8_rows(fmt):
     """test_psa's two-tier cache (host copies of resident pages poisoned) and fp8 rows."""
     dtype = torch.float8_e4m3fn if fmt.startswith("fp8") else torch.float32
     case = (6, 2, 16, 4, 4, [110, 45])
     q, kc, vc, tables, seq_lens, ranked, cand_lo, cand_hi, _ = _setup(case, dtype, 11)
-    kt, vt = _tiered(kc, vc, torch.Generator().manual_seed(12)) if fmt.endswith("tiered") else (kc, vc)
+    kt, vt = _tiered(kc, vc, torch.Generator().manual_seed(12), 2 if fmt.endswith("heads") else 1) \
+        if "tiered" in fmt else (kc, vc)
     args = (tables, seq_lens, ranked, cand_lo, cand_hi, 0.95, 4, 0.25)
     ref = psa_decode_reference(q, kc, vc, *args)
     loop = psa_decode_triton(q, kt, vt, *args)

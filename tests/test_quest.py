@@ -76,8 +76,9 @@ def test_kept_page_boxes_give_quests_bound_and_selection(granularity, phase):
     assert_same_top(sel, want, 48 // page, 1e-4 * float(want[fin].abs().max()))
 
 
+@pytest.mark.parametrize("units", [1, "heads"])  # a slot per page, per KV head's page
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
-def test_quest_kernels_in_the_interpreter(dtype, monkeypatch):
+def test_quest_kernels_in_the_interpreter(dtype, units, monkeypatch):
     """tests/gpu/test_quest.py's kernel check at small sizes: the page-box build kernel (one tier, two tiers; from
     page 0 and from the middle; partial last pages) == its reference, and Quest's page scores by the score kernel from
     the kept boxes == its reference on them and Quest's bound from the keys, every granularity."""
@@ -85,7 +86,8 @@ def test_quest_kernels_in_the_interpreter(dtype, monkeypatch):
 
     monkeypatch.setattr(key_boxes, "use_triton", lambda *a, **k: True)  # Quest's scores through the kernel on CPU
     worst = check_quest_kernels("cpu", dtype, 611, ((6, 2, 16), (4, 4, 32)), page=8, prefill=(2, 16), budget=64,
-                                tier=lambda kc, g: _tiered(kc, kc, torch.Generator().manual_seed(3))[0])
+                                tier=lambda kc, g: _tiered(kc, kc, torch.Generator().manual_seed(3),
+                                                           kc.shape[2] if units == "heads" else 1)[0])
     fp32 = dtype == torch.float32
     assert worst["box"] <= (1e-6 if fp32 else 1e-3)
     assert worst["kernel"] <= (1e-5 if fp32 else 2e-3)

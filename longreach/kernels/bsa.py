@@ -140,10 +140,11 @@ if triton is not None:
             safe = tl.minimum(tl.maximum(kpos, 0), last_pos)
             page = tl.load(bt_base + safe // PAGE).to(tl.int64)
             off = safe % PAGE
-            slot = page_slots(Slots, page, TIERED)
-            kb = row_base(K, KH, page, slot, stride_kp, stride_khp, TIERED)
+            slot = page_slots(Slots, page, kvh, TIERED)
+            kb = row_base(K, KH, page, slot, kvh, stride_kp, stride_khp, stride_kh, PAGE, TIERED)
             k = load_kv(kb, off, kvh, stride_ko, stride_kh, d, k_ok, HEAD_DIM, FP8).to(q.dtype)
-            v = load_kv(row_base(V, VH, page, slot, stride_vp, stride_vhp, TIERED), off, kvh, stride_vo, stride_vh, d,
+            vb = row_base(V, VH, page, slot, kvh, stride_vp, stride_vhp, stride_vh, PAGE, TIERED)
+            v = load_kv(vb, off, kvh, stride_vo, stride_vh, d,
                         k_ok, HEAD_DIM, FP8).to(q.dtype)
             if ROPE == 4:  # cache: keys stored un-rotated, each rotated at its position; queries arrive rotated
                 k_sw = load_kv(kb, off, kvh, stride_ko, stride_kh, swap_halves(d, HEAD_DIM), k_ok, HEAD_DIM,

@@ -204,7 +204,8 @@ if triton is not None:
         valid = ok & (pos < tl.load(Lens + r))
         count = tl.maximum(tl.sum(valid.to(tl.float32), axis=0), 1.0)
         page = tl.load(BlockTables + r * stride_btb + pos // PAGE, mask=valid, other=0).to(tl.int64)
-        base = row_base(K, KH, page, page_slots(Slots, page, TIERED), stride_kp, stride_khp, TIERED)
+        slot = page_slots(Slots, page, h, TIERED)
+        base = row_base(K, KH, page, slot, h, stride_kp, stride_khp, stride_kh, PAGE, TIERED)
         k = load_kv(base, pos % PAGE, h, stride_ko, stride_kh, d, valid, HEAD_DIM, FP8).to(tl.float32)
         box_page = tl.load(BoxTables + r * stride_bxb + j // PER, mask=ok, other=0).to(tl.int64)
         out = Pool + (box_page * PER + j % PER) * stride_pr + h * stride_ph + d
@@ -267,18 +268,19 @@ def build_boxes_triton(k_cache, block_tables: torch.Tensor, lens: torch.Tensor, 
         raise ValueError(f"box kind must be one of {', '.join(BOX_KINDS)}, got {kind!r}")
     K, KH, slots, stride_khp, tiered = tier_args(k_cache)
     D = pool.shape[-1]
+    Hkv = k_cache.shape[2]  # the view's KV heads (a pool of head slots holds one per slot)
     fp8 = kv_format(K, D)
     if any(x.dtype != torch.int32 for x in (block_tables, lens, lo, hi, box_tables)):
         raise ValueError("block_tables, lens, lo, hi and box_tables must be int32")
-    if pool.shape[1] not in (1, 2) or pool.shape[2:] != (2, K.shape[2], D) or pool.stride(-1) != 1:
-        raise ValueError(f"pool must be (rows, 1 or 2, 2, {K.shape[2]}, {D}) contiguous in D, got {tuple(pool.shape)}")
+    if pool.shape[1] not in (1, 2) or pool.shape[2:] != (2, Hkv, D) or pool.stride(-1) != 1:
+        raise ValueError(f"pool must be (rows, 1 or 2, 2, {Hkv}, {D}) contiguous in D, got {tuple(pool.shape)}")
     if unit < 1 or unit & (unit - 1):
         raise ValueError(f"unit must be a power of two, got {unit}")
     n = lo.shape[0]
     if n == 0 or max_units < 1:
         return
     inv = lens if move is None else move[0].to(device=pool.device, dtype=torch.float32)  # unused without a move
-    _box_build_kernel[(max_units, n, K.shape[2])](
+    _box_build_kernel[(max_units, n, Hkv)](
         K, KH, slots, block_tables, lens, lo, hi, box_tables, pool, inv,
         K.stride(0), K.stride(1), K.stride(2), stride_khp, block_tables.stride(0), box_tables.stride(0),
         pool.stride(0), pool.stride(1), pool.stride(2), pool.stride(3), 0 if move is None else move[1],

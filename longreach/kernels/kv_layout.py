@@ -13,15 +13,25 @@ from .fp8 import values
 
 @dataclass
 class TierView:
-    """One layer's K (or V) across both tiers, as the kernels read it (kernels/paged.py)."""
+    """One layer's K (or V) across both tiers, as the kernels read it (kernels/paged.py).
 
-    pool: torch.Tensor  # (S + 1, block_size, H_kv, D): the slots' K or V
-    host: torch.Tensor  # (P, block_size, H_kv, D): the layer's K or V in the host tier
-    slots: torch.Tensor  # (P,) int32: page -> slot, -1 when not resident
+    Two units of residency (kvcache/offload.py, docs/design-offload-heads.md): a slot holds a page with all its KV
+    heads (`units` 1), or one KV head's page (`units` = H_kv); then the host tier keeps each page's heads one after
+    the other, (P, H_kv, block_size, D), so that one head's page is contiguous, as its slot is, and the page table
+    has one entry per page and head."""
+
+    pool: torch.Tensor  # (S + 1, block_size, H_kv / units, D): the slots' K or V
+    host: torch.Tensor  # (P, block_size, H_kv, D), or (P, H_kv, block_size, D) with head units: the layer's K or V
+    slots: torch.Tensor  # (P,) or (P, H_kv) int32: page (and head) -> slot, -1 when not resident
+    units: int = 1  # slots per page: 1 (a page of every head) or H_kv (one per head)
 
     @property
     def shape(self) -> torch.Size:
-        return self.host.shape
+        """(P, block_size, H_kv, D), whichever the unit."""
+        if self.units == 1:
+            return self.host.shape
+        P, H, bs, D = self.host.shape
+        return torch.Size((P, bs, H, D))
 
     @property
     def dtype(self) -> torch.dtype:
@@ -31,22 +41,28 @@ class TierView:
     def device(self) -> torch.device:
         return self.pool.device
 
+    def _home(self, idx: torch.Tensor) -> torch.Tensor:
+        """Host pages idx as (n, block_size, H_kv, D) on the pool's device."""
+        out = self.host[idx.cpu()].to(self.pool.device)
+        return out if self.units == 1 else out.transpose(1, 2).contiguous()
+
     def pages(self, idx: torch.Tensor) -> torch.Tensor:
-        """Pages idx (n,) as (n, block_size, H_kv, D) on the pool's device, each from its slot or its host home."""
+        """Pages idx (n,) as (n, block_size, H_kv, D) on the pool's device, each (head) from its slot or its home."""
         idx = idx.to(self.slots.device).long()
         slot = self.slots[idx].long()
-        out = self.host[idx.cpu()].to(self.pool.device)
-        res = (slot >= 0).nonzero().squeeze(1)
-        out[res] = self.pool[slot[res]]
+        out = self._home(idx)
+        if self.units == 1:
+            res = (slot >= 0).nonzero().squeeze(1)
+            out[res] = self.pool[slot[res]]
+        else:
+            n, h = (slot >= 0).nonzero().unbind(1)
+            out[n, :, h] = self.pool[slot[n, h], :, 0]
         return out
 
     def resolve(self) -> torch.Tensor:
         """The layer as one (P, block_size, H_kv, D) tensor on the pool's device: resident pages from their slots,
         the rest from the host tier (reference paths; on a GPU this copies the whole layer)."""
-        out = self.host.to(self.pool.device, copy=True)
-        res = (self.slots >= 0).nonzero().squeeze(1)
-        out[res] = self.pool[self.slots[res].long()]
-        return out
+        return self.pages(torch.arange(self.shape[0]))
 
 
 def as_tensor(cache, dtype: torch.dtype = torch.float32) -> torch.Tensor:

@@ -79,7 +79,16 @@ if triton is not None:
         ok = d < D
         k = tl.load(K + t * stride_kt + h * stride_kh + d, mask=ok, other=0.0).to(tl.float32)
         v = tl.load(V + t * stride_vt + h * stride_vh + d, mask=ok, other=0.0).to(tl.float32)
-        if TIERED:
+        if TIERED > 1:  # head slots: a page's heads one after another at home, one head's page per slot
+            hinner = (s % BS) * ROW
+            _write_row(k, KH + page * stride_hp + h * (BS * ROW) + hinner, d, ok, True, D, FP8)
+            _write_row(v, VH + page * stride_hp + h * (BS * ROW) + hinner, d, ok, True, D, FP8)
+            slot = tl.load(SlotOf + page * H + h).to(tl.int64)
+            res = slot >= 0
+            slot = tl.maximum(slot, 0)
+            _write_row(k, KD + slot * stride_dp + hinner, d, ok, res, D, FP8)
+            _write_row(v, VD + slot * stride_dp + hinner, d, ok, res, D, FP8)
+        elif TIERED:
             _write_row(k, KH + page * stride_hp + inner, d, ok, True, D, FP8)
             _write_row(v, VH + page * stride_hp + inner, d, ok, True, D, FP8)
             slot = tl.load(SlotOf + page).to(tl.int64)
@@ -92,39 +101,42 @@ if triton is not None:
             _write_row(v, VD + page * stride_dp + inner, d, ok, True, D, FP8)
 
 
-def _check(k: torch.Tensor, v: torch.Tensor, dst: torch.Tensor) -> None:
+def _check(k: torch.Tensor, v: torch.Tensor, dst: torch.Tensor, heads_per_slot: int) -> None:
     if k.dim() != 3 or k.shape != v.shape or k.stride(-1) != 1 or v.stride(-1) != 1:
         raise ValueError(f"k and v must be (T, H_kv, D) with contiguous rows, got {tuple(k.shape)} / {tuple(v.shape)}")
     if dst.stride(-1) != 1 or not dst[0].is_contiguous():
         raise ValueError("cache pages must be contiguous (block_size, H_kv, row)")
-    if dst.shape[2] != k.shape[1]:
-        raise ValueError(f"the cache has {dst.shape[2]} KV heads, k has {k.shape[1]}")
+    if dst.shape[2] != heads_per_slot:
+        raise ValueError(f"the cache's pages hold {dst.shape[2]} KV heads, expected {heads_per_slot}")
 
 
 def store_kv(k: torch.Tensor, v: torch.Tensor, slot_mapping: torch.Tensor, k_cache: torch.Tensor,
-             v_cache: torch.Tensor, host: tuple | None = None, slot_of: torch.Tensor | None = None) -> None:
+             v_cache: torch.Tensor, host: tuple | None = None, slot_of: torch.Tensor | None = None,
+             head_slots: bool = False) -> None:
     """Write k, v (T, H_kv, D) at token slots `slot_mapping` (T,) = page * block_size + offset.
 
     One tier: k_cache / v_cache (pages, block_size, H_kv, row) are the layer's cache. Two tiers: `host` = (K, V)
     host-tier tensors of the layer (pages, block_size, H_kv, row), pinned; k_cache / v_cache are the GPU pool's K / V
     (slots, block_size, H_kv, row) and `slot_of` (pages,) int32 the layer's page table (-1: not resident).
+    `head_slots` (kvcache/offload.py's head units): the host tensors are (pages, H_kv, block_size, row), the pool's
+    slots (slots, block_size, 1, row) and `slot_of` (pages, H_kv).
     fp8 caches (row = D + 16) get quantised rows. No host sync (graph-capturable)."""
     from .offload_copy import kernel_arg
 
     T, H, D = k.shape
     if T == 0:
         return
-    _check(k, v, k_cache)
+    _check(k, v, k_cache, 1 if head_slots else H)
     fp8 = k_cache.dtype == FP8
     row = k_cache.shape[-1]
     if row != row_elems(D, k_cache.dtype):
         raise ValueError(f"cache rows of {row} elements do not fit head_dim {D} in {k_cache.dtype}")
     if host is None:
         kh = vh = k_cache
-        so, stride_hp, tiered = slot_mapping, 0, False
+        so, stride_hp, tiered = slot_mapping, 0, 0
     else:
         kh, vh = kernel_arg(host[0]), kernel_arg(host[1])
-        so, stride_hp, tiered = slot_of, host[0].stride(0), True
+        so, stride_hp, tiered = slot_of, host[0].stride(0), 1 + H if head_slots and H > 1 else 1
     _store_kv_kernel[(T, H)](
         k, v, slot_mapping, k_cache, v_cache, kh, vh, so,
         k.stride(0), k.stride(1), v.stride(0), v.stride(1), k_cache.stride(0), stride_hp,

@@ -7,6 +7,13 @@ table (page -> slot, -1 when not resident), and `stride_hp`, the host tier's pag
 from its slot, a missing one straight from host memory (zero-copy, over PCIe). The two tiers share the inner layout
 (offset, head, dim), so only the page's base address differs. With `TIERED` false, `X` is the one-tier cache and the
 extra arguments are unused.
+
+`TIERED` is a constexpr code: 0 one tier; 1 two tiers whose slots hold a page of every KV head; 1 + H_kv two tiers
+whose slots hold one KV head's page each (docs/design-offload-heads.md). With head slots the page table is (P, H_kv)
+and the host tier keeps a page's heads one after another, (P, H_kv, block_size, D): `page_slots` and `row_base` take
+the KV head, and `row_base` returns the base such that `base + off * stride_o + head * stride_h` is the row, in the
+slot (whose only head is at offset 0) or at home. No launcher passes anything more: H_kv is in the code, and one
+head's page in the host tier is PAGE rows of the row's stride.
 """
 from __future__ import annotations
 
@@ -24,17 +31,27 @@ except ImportError:  # pragma: no cover
 if triton is not None:
 
     @triton.jit
-    def page_slots(Slots, page, TIERED: tl.constexpr):
-        """GPU slot of each page (N,) int64: -1 when not resident. One-tier caches: the page itself."""
-        if TIERED:
+    def page_slots(Slots, page, head, TIERED: tl.constexpr):
+        """GPU slot of each page (N,) int64 (of `head`'s page with head slots): -1 when not resident. One-tier
+        caches: the page itself."""
+        if TIERED > 1:
+            return tl.load(Slots + page * (TIERED - 1) + head).to(tl.int64)
+        elif TIERED:
             return tl.load(Slots + page).to(tl.int64)
         else:
             return page
 
     @triton.jit
-    def row_base(X, XH, page, slot, stride_p, stride_hp, TIERED: tl.constexpr):
-        """Base pointer of each token's page (N,): its GPU slot in X, or (not resident) its home in the host tier."""
-        if TIERED:
+    def row_base(X, XH, page, slot, head, stride_p, stride_hp, stride_h, PAGE: tl.constexpr, TIERED: tl.constexpr):
+        """Base pointer of each token's page (N,): its GPU slot in X, or (not resident) its home in the host tier.
+        With head slots, less `head * stride_h`: `load_kv` adds it back (module docstring). A head's page at home is
+        PAGE rows of stride_h (= the row) elements: written so, not as stride_hp / H_kv, the compiler keeps the
+        16-element divisibility of the strides and vectorises the loads (a division lost it: 2.5 KB of spills in
+        the block-sparse decode, scripts/compile_check.py)."""
+        if TIERED > 1:
+            home = XH + page * stride_hp + head * (PAGE * stride_h)
+            return tl.where(slot >= 0, X + slot * stride_p, home) - head * stride_h
+        elif TIERED:
             return tl.where(slot >= 0, X + slot * stride_p, XH + page * stride_hp)
         else:
             return X + page * stride_p
@@ -77,8 +94,15 @@ def tier_args(cache) -> tuple:
     from .offload_copy import kernel_arg
 
     if isinstance(cache, TierView):
-        return cache.pool, kernel_arg(cache.host), cache.slots, cache.host.stride(0), True
-    return cache, cache, cache, 0, False
+        return cache.pool, kernel_arg(cache.host), cache.slots, cache.host.stride(0), tier_code(cache)
+    return cache, cache, cache, 0, 0
+
+
+def tier_code(cache) -> int:
+    """The kernels' `TIERED` code of a cache (module docstring): 0, 1, or 1 + H_kv for head slots."""
+    if not isinstance(cache, TierView):
+        return 0
+    return 1 if cache.units == 1 else 1 + cache.units
 
 
 class KVArgs(typing.NamedTuple):
@@ -91,7 +115,7 @@ class KVArgs(typing.NamedTuple):
     slots: object  # page -> slot table (tiered), else unused
     stride_khp: int
     stride_vhp: int
-    tiered: bool
+    tiered: int  # the `TIERED` code
     fp8: bool
     page: int  # tokens per page
     num_kv_heads: int
@@ -109,8 +133,8 @@ def kv_args(q, k_cache, v_cache) -> KVArgs:
         raise ValueError(f"cache shapes {tuple(K.shape)} / {tuple(V.shape)} do not match q {tuple(q.shape)}")
     if D & (D - 1) or not 16 <= D <= 256:
         raise ValueError(f"head_dim must be a power of two in [16, 256], got {D}")
-    if Hq % K.shape[2]:
-        raise ValueError(f"query heads ({Hq}) must be a multiple of KV heads ({K.shape[2]})")
+    if Hq % k_cache.shape[2]:
+        raise ValueError(f"query heads ({Hq}) must be a multiple of KV heads ({k_cache.shape[2]})")
     if q.stride(-1) != 1 or K.stride(-1) != 1 or V.stride(-1) != 1:
         raise ValueError("q and the caches must be contiguous in the head dimension")
-    return KVArgs(K, V, KH, VH, slots, stride_khp, stride_vhp, tiered, fp8, K.shape[1], K.shape[2])
+    return KVArgs(K, V, KH, VH, slots, stride_khp, stride_vhp, tiered, fp8, K.shape[1], k_cache.shape[2])

@@ -93,10 +93,12 @@ if triton is not None:
             nmask = n < seq_len
             page = tl.load(BlockTables + b * stride_btb + n // PAGE, mask=nmask, other=0).to(tl.int64)
             off = n % PAGE
-            slot = page_slots(Slots, page, TIERED)
-            k = load_kv(row_base(K, KH, page, slot, stride_kp, stride_khp, TIERED), off, kvh, stride_ko, stride_kh, d,
+            slot = page_slots(Slots, page, kvh, TIERED)
+            kb = row_base(K, KH, page, slot, kvh, stride_kp, stride_khp, stride_kh, PAGE, TIERED)
+            k = load_kv(kb, off, kvh, stride_ko, stride_kh, d,
                         nmask, HEAD_DIM, FP8).to(q.dtype)
-            v = load_kv(row_base(V, VH, page, slot, stride_vp, stride_vhp, TIERED), off, kvh, stride_vo, stride_vh, d,
+            vb = row_base(V, VH, page, slot, kvh, stride_vp, stride_vhp, stride_vh, PAGE, TIERED)
+            v = load_kv(vb, off, kvh, stride_vo, stride_vh, d,
                         nmask, HEAD_DIM, FP8).to(q.dtype)
             s = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * qk_scale  # (GROUP_PAD, BLOCK_N), log2 units
             s = tl.where(nmask[None, :], s, float("-inf"))

@@ -198,7 +198,8 @@ if triton is not None:
         d = tl.arange(0, HEAD_DIM)
         safe = tl.maximum(pos, 0)
         page = tl.load(bt_base + safe // PAGE, mask=ok, other=0).to(tl.int64)
-        base = row_base(K, KH, page, page_slots(Slots, page, TIERED), stride_kp, stride_khp, TIERED)
+        slot = page_slots(Slots, page, kv, TIERED)
+        base = row_base(K, KH, page, slot, kv, stride_kp, stride_khp, stride_kh, PAGE, TIERED)
         k = load_kv(base, safe % PAGE, kv, stride_ko, stride_kh, d, ok, HEAD_DIM, FP8).to(q.dtype)
         if ROPE != 0:
             k_sw = load_kv(base, safe % PAGE, kv, stride_ko, stride_kh, swap_halves(d, HEAD_DIM), ok & remap,

@@ -188,21 +188,23 @@ if triton is not None:
 
     @triton.jit
     def _keys_at(q, kv, strides, g, page, off, ok, qk_scale, delta, inv, HEAD_DIM: tl.constexpr,
-                 DOT_PRECISION: tl.constexpr, TIERED: tl.constexpr, FP8: tl.constexpr, ROPE: tl.constexpr):
+                 DOT_PRECISION: tl.constexpr, TIERED: tl.constexpr, FP8: tl.constexpr, ROPE: tl.constexpr,
+                 PAGE: tl.constexpr):
         """Scores (BLOCK_M, N) of the group's queries against KV head g's keys at (page, off) (N,), in log2 units and
         -inf outside `ok`, and their values (N, D). kv = (K, V, KH, VH, Slots) and strides as in kernels/paged.py.
         ROPE: each key first rotated by delta (N,) positions (inv: the (D,) inverse frequencies)."""
         K, V, KH, VH, Slots = kv
         stride_kp, stride_ko, stride_kh, stride_vp, stride_vo, stride_vh, stride_khp, stride_vhp = strides
         d = tl.arange(0, HEAD_DIM)
-        slot = page_slots(Slots, page, TIERED)
-        kb = row_base(K, KH, page, slot, stride_kp, stride_khp, TIERED)
+        slot = page_slots(Slots, page, g, TIERED)
+        kb = row_base(K, KH, page, slot, g, stride_kp, stride_khp, stride_kh, PAGE, TIERED)
         k = load_kv(kb, off, g, stride_ko, stride_kh, d, ok, HEAD_DIM, FP8)
         if ROPE:
             k_sw = load_kv(kb, off, g, stride_ko, stride_kh, swap_halves(d, HEAD_DIM), ok, HEAD_DIM, FP8)
             k = rotate_rows(k, k_sw, delta, inv, d, HEAD_DIM)
         k = k.to(q.dtype)
-        v = load_kv(row_base(V, VH, page, slot, stride_vp, stride_vhp, TIERED), off, g, stride_vo, stride_vh, d, ok,
+        vb = row_base(V, VH, page, slot, g, stride_vp, stride_vhp, stride_vh, PAGE, TIERED)
+        v = load_kv(vb, off, g, stride_vo, stride_vh, d, ok,
                     HEAD_DIM, FP8).to(q.dtype)
         s = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * qk_scale
         return tl.where(ok[None, :], s, float("-inf")), v
@@ -230,7 +232,7 @@ if triton is not None:
             page = tl.load(bt + safe // PAGE).to(tl.int64)
             delta = tl.where(idx < S, shift, 0)
             s, v = _keys_at(q, kv, strides, g, page, safe % PAGE, ok, qk_scale, delta, inv, HEAD_DIM, DOT_PRECISION,
-                            TIERED, FP8, ROPE)
+                            TIERED, FP8, ROPE, PAGE)
             m_i, l_i, acc = online_softmax_step(s, v, m_i, l_i, acc, DOT_PRECISION)
         return m_i, l_i, acc
 
@@ -252,7 +254,7 @@ if triton is not None:
         new = tl.maximum(hi * PAGE - (jb + 1) * PAGE + t, p - rope_from + 1 + cand_lo * PAGE)
         delta = tl.where(p >= rope_from, new - (blk * PAGE + t), 0)
         s, v = _keys_at(q, kv, strides, g, page, t, ok, qk_scale, delta, inv, HEAD_DIM, DOT_PRECISION, TIERED, FP8,
-                        ROPE)
+                        ROPE, PAGE)
         s3 = tl.reshape(s, [BLOCK_M, MB, PAGE])
         bmax = tl.max(s3, axis=2)
         bmax = tl.where(bmax == float("-inf"), 0.0, bmax)

@@ -102,10 +102,12 @@ if triton is not None:
             safe = tl.minimum(tl.maximum(kpos, 0), last_pos)  # masked keys still need a readable slot
             page = tl.load(bt_base + safe // PAGE).to(tl.int64)
             off = safe % PAGE
-            slot = page_slots(Slots, page, TIERED)
-            k = load_kv(row_base(K, KH, page, slot, stride_kp, stride_khp, TIERED), off, kvh, stride_ko, stride_kh, d,
+            slot = page_slots(Slots, page, kvh, TIERED)
+            kb = row_base(K, KH, page, slot, kvh, stride_kp, stride_khp, stride_kh, PAGE, TIERED)
+            k = load_kv(kb, off, kvh, stride_ko, stride_kh, d,
                         k_ok, HEAD_DIM, FP8).to(q.dtype)
-            v = load_kv(row_base(V, VH, page, slot, stride_vp, stride_vhp, TIERED), off, kvh, stride_vo, stride_vh, d,
+            vb = row_base(V, VH, page, slot, kvh, stride_vp, stride_vhp, stride_vh, PAGE, TIERED)
+            v = load_kv(vb, off, kvh, stride_vo, stride_vh, d,
                         k_ok, HEAD_DIM, FP8).to(q.dtype)
             s = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * qk_scale  # (BLOCK_M, BLOCK_N), log2 units
             allowed = k_ok[None, :] & row_ok[:, None] & (kpos[None, :] <= p_row[:, None])
@@ -119,10 +121,12 @@ if triton is not None:
             safe = tl.minimum(tl.maximum(kpos, 0), last_pos)
             page = tl.load(bt_base + safe // PAGE).to(tl.int64)
             off = safe % PAGE
-            slot = page_slots(Slots, page, TIERED)
-            k = load_kv(row_base(K, KH, page, slot, stride_kp, stride_khp, TIERED), off, kvh, stride_ko, stride_kh, d,
+            slot = page_slots(Slots, page, kvh, TIERED)
+            kb = row_base(K, KH, page, slot, kvh, stride_kp, stride_khp, stride_kh, PAGE, TIERED)
+            k = load_kv(kb, off, kvh, stride_ko, stride_kh, d,
                         c_ok, HEAD_DIM, FP8).to(q.dtype)
-            v = load_kv(row_base(V, VH, page, slot, stride_vp, stride_vhp, TIERED), off, kvh, stride_vo, stride_vh, d,
+            vb = row_base(V, VH, page, slot, kvh, stride_vp, stride_vhp, stride_vh, PAGE, TIERED)
+            v = load_kv(vb, off, kvh, stride_vo, stride_vh, d,
                         c_ok, HEAD_DIM, FP8).to(q.dtype)
             s = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * qk_scale
             allowed = c_ok[None, :] & row_ok[:, None] & (kpos[None, :] <= p_row[:, None])

@@ -180,14 +180,19 @@ def build_offloaded_cache(cfg, mc, kv_dtype: torch.dtype, device: torch.device, 
             f"max_model_len={cfg.max_model_len} ({longest * per_page / GiB:.2f} GiB at {per_page // bs} bytes per "
             "token); raise --kv-offloading-size or lower --max-model-len")
     staging = longest + -(-cfg.max_num_batched_tokens // bs) + 1
-    per_slot = OffloadedKVCache.bytes_per_slot(bs, H, D, kv_dtype)
-    staging_bytes = staging * per_slot
+    unit = cfg.kv_offload_unit
+    units = H if unit == "head" else 1
+    per_slot = OffloadedKVCache.bytes_per_slot(bs, H, D, kv_dtype, unit)
+    staging_bytes = staging * OffloadedKVCache.bytes_per_slot(bs, H, D, kv_dtype)  # whole pages of one layer
+    # head units' page table (int32) and read marks (bool) have H_kv entries per page: the extra ones come off the
+    # budget (a page unit's share is in the 32 bytes per slot below)
+    table_bytes = L * (host_pages + 1) * (units - 1) * 5
     if cfg.kv_cache_memory_gb is not None:
-        budget = gpu_budget - ring_bytes
+        budget = gpu_budget - ring_bytes - table_bytes
     elif device.type == "cuda":
-        budget = gpu_budget - ring_bytes - staging_bytes - host_pages * page_state_bytes
+        budget = gpu_budget - ring_bytes - staging_bytes - host_pages * page_state_bytes - table_bytes
     else:
-        budget = min(gpu_budget - ring_bytes, host_pages * per_page)
+        budget = min(gpu_budget - ring_bytes - table_bytes, host_pages * per_page)
     slots = int(budget // (per_slot + 32))  # + the page table's share per slot (int32 entry, owner, stamp)
     if slots < 1:
         raise ValueError(f"the GPU page cache gets {budget / GiB:.2f} GiB, less than one page; raise "
@@ -199,7 +204,8 @@ def build_offloaded_cache(cfg, mc, kv_dtype: torch.dtype, device: torch.device, 
                          f"{longest * per_page / GiB:.2f} GiB for max_model_len={cfg.max_model_len})")
     blocks = BlockManager(host_pages, bs, num_slots=ring_slots or None)
     try:
-        store = OffloadedKVCache(L, host_pages + 1, slots, bs, H, D, kv_dtype, device, staging_pages=staging)
+        store = OffloadedKVCache(L, host_pages + 1, slots, bs, H, D, kv_dtype, device, staging_pages=staging,
+                                 unit=unit)
         store.staging()  # allocated now, so that a GPU too small for it fails here and not mid-prefill
         if ring_slots:
             glob, sliding = layer_split(mc)
@@ -216,7 +222,8 @@ def build_offloaded_cache(cfg, mc, kv_dtype: torch.dtype, device: torch.device, 
     kv = str(kv_dtype).replace("torch.", "")
     logger.info("KV cache, host tier: %d pages x %d tokens = %d tokens (%.2f GiB%s, %s)", host_pages, bs,
                 host_pages * bs, store.host_nbytes / GiB, " pinned" if device.type == "cuda" else "", kv)
-    logger.info("KV cache, GPU tier: %d slots of one layer's page = %d tokens per layer on average (%.2f GiB, "
-                "shared by the %d layers it holds); prefill staging %.2f GiB (%d pages)", slots, slots * bs // L,
+    logger.info("KV cache, GPU tier: %d slots of one layer's page%s = %d tokens per layer on average (%.2f GiB, "
+                "shared by the %d layers it holds); prefill staging %.2f GiB (%d pages)", slots,
+                " of one KV head" if units > 1 else "", slots * bs // (L * units),
                 (store.inner if ring_slots else store).nbytes / GiB, L, store.staging_nbytes / GiB, staging)
     return blocks, store

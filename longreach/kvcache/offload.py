@@ -6,8 +6,13 @@ Design (docs/offload.md has the byte budgets and the measurements):
   * **GPU pool**: (S + 1, 2, block_size, H_kv, D) slots shared by *all* layers (PSA's unified pool: a layer that reads
     more pages holds more slots). A slot holds one layer's page (K and V). Slot S is scratch: the PyTorch write path
     sends writes to pages that are not resident there (the GPU's fused write, kernels/kv_store.py, skips them).
-  * **Page table** `slot_of` (L, P) int32 on the GPU: the slot of (layer, page), or -1. `owner` (S,) is its inverse
-    (layer * P + page, or -1 for a free slot); `stamp` (S,) the last decode step the slot was read (LRU).
+  * **Unit** (`unit`, docs/design-offload-heads.md): "page", a slot holds a page of every KV head (above); or "head",
+    a slot holds one KV head's page, (S + 1, 2, block_size, 1, D), the host tier keeps each page's heads one after
+    another, (L, 2, P, H_kv, block_size, D), and every per-page array below has one entry per page and head
+    (`units` = H_kv): a selection that reads one head's 8 tokens installs that head's page, not all 8 heads'.
+  * **Page table** `slot_of` (L, P) int32 on the GPU (head units: (L, P, H_kv)): the slot of (layer, page), or -1.
+    `owner` (S,) is its inverse (the flat index layer * P + page, or (layer * P + page) * H_kv + head; -1 for a free
+    slot); `stamp` (S,) the last decode step the slot was read (LRU).
   * **Writes are write-through**: new K/V goes to the host tier (a kernel writing host memory directly) and, when the
     page is resident, to its slot. Eviction therefore never writes back and never loses anything, and a page's one
     home is always current. This replaces "flush when a page fills" with no dirty state at the cost of writing every
@@ -67,29 +72,38 @@ def pinned_empty(shape: tuple, dtype: torch.dtype, owner: object) -> torch.Tenso
     return t
 
 
+UNITS = ("page", "head")  # what one GPU slot holds: a page of every KV head, or of one
+
+
 class OffloadedKVCache:
     wants_reads = True  # it installs on the GPU the pages decode attention read (`record_reads`, `end_step`)
     window, window_layers = None, frozenset()  # no ring of sliding-window layers here (kvcache/window.py wraps one)
 
     def __init__(self, num_layers: int, num_pages: int, num_slots: int, block_size: int, num_kv_heads: int,
-                 head_dim: int, dtype: torch.dtype, device: torch.device, staging_pages: int = 0):
+                 head_dim: int, dtype: torch.dtype, device: torch.device, staging_pages: int = 0, unit: str = "page"):
         if num_slots < 1:
             raise ValueError(f"the GPU page pool needs at least one slot, got {num_slots}")
-        L, P, S = num_layers, num_pages, num_slots
+        if unit not in UNITS:
+            raise ValueError(f"the offload unit must be one of {', '.join(UNITS)}, got {unit!r}")
+        L, P, S, H = num_layers, num_pages, num_slots, num_kv_heads
         self.num_layers, self.num_pages, self.num_slots = L, P, S
         self.num_blocks, self.block_size = num_pages, block_size  # PagedKVCache's names
+        self.num_kv_heads, self.unit = H, unit
+        self.units = U = H if unit == "head" else 1  # slots a page of one layer can take
         self.device = device
         pin = device.type == "cuda"
         row = row_elems(head_dim, dtype)  # fp8: values + scale (kernels/fp8.py)
-        shape = (L, 2, P, block_size, num_kv_heads, row)
+        shape = (L, 2, P, block_size, H, row) if U == 1 else (L, 2, P, H, block_size, row)
         self.host = pinned_empty(shape, dtype, self) if pin else torch.empty(shape, dtype=dtype)
-        self.pool = torch.zeros(S + 1, 2, block_size, num_kv_heads, row, dtype=dtype, device=device)
-        self.slot_of = torch.full((L, P), -1, dtype=torch.int32, device=device)
+        self.pool = torch.zeros(S + 1, 2, block_size, H // U, row, dtype=dtype, device=device)
+        self.slot_of = torch.full((L, P) if U == 1 else (L, P, U), -1, dtype=torch.int32, device=device)
         self.owner = torch.full((S,), -1, dtype=torch.long, device=device)
         self.stamp = torch.full((S,), -1, dtype=torch.long, device=device)
-        # pages read by this step's attention, flat (layer * P + page), plus one trash entry for masked-out reads
-        self.wanted = torch.zeros(L * P + 1, dtype=torch.bool, device=device)
-        self.page_elems = block_size * num_kv_heads * row  # one page of one layer's K (or V)
+        # units read by this step's attention, flat ((layer * P + page) * U + head), plus one trash entry for
+        # masked-out reads
+        self.wanted = torch.zeros(L * P * U + 1, dtype=torch.bool, device=device)
+        self.page_elems = block_size * H * row  # one page of one layer's K (or V), every head
+        self.slot_elems = self.page_elems // U  # what one slot holds of K (or V)
         self.staging_pages = staging_pages  # capacity of the prefill staging area (allocated on first use)
         self._staging: torch.Tensor | None = None
         self.step = 0
@@ -102,9 +116,15 @@ class OffloadedKVCache:
         return num_layers * 2 * block_size * num_kv_heads * row_bytes(head_dim, dtype)
 
     @staticmethod
-    def bytes_per_slot(block_size: int, num_kv_heads: int, head_dim: int, dtype: torch.dtype) -> int:
-        """GPU bytes of one slot: one layer's page, K and V."""
-        return 2 * block_size * num_kv_heads * row_bytes(head_dim, dtype)
+    def bytes_per_slot(block_size: int, num_kv_heads: int, head_dim: int, dtype: torch.dtype,
+                       unit: str = "page") -> int:
+        """GPU bytes of one slot: one layer's page, K and V (of one KV head with `unit` "head")."""
+        return 2 * block_size * (1 if unit == "head" else num_kv_heads) * row_bytes(head_dim, dtype)
+
+    @property
+    def slot_nbytes(self) -> int:
+        """GPU bytes of one of this store's slots."""
+        return 2 * self.slot_elems * self.pool.element_size()
 
     @property
     def nbytes(self) -> int:
@@ -118,30 +138,44 @@ class OffloadedKVCache:
 
     # ---- the engine's view (PagedKVCache's interface) ---------------------------------------------------------------
     def layer(self, layer: int) -> tuple[TierView, TierView]:
-        return (TierView(self.pool[:, 0], self.host[layer, 0], self.slot_of[layer]),
-                TierView(self.pool[:, 1], self.host[layer, 1], self.slot_of[layer]))
+        U = self.units
+        return (TierView(self.pool[:, 0], self.host[layer, 0], self.slot_of[layer], U),
+                TierView(self.pool[:, 1], self.host[layer, 1], self.slot_of[layer], U))
 
     def store(self, layer: int, k: torch.Tensor, v: torch.Tensor, slot_mapping: torch.Tensor) -> None:
         """Write k, v (T, H_kv, D) at token slots (T,) (page * block_size + offset) of `layer`: into the host tier,
         and into the page's GPU slot when it is resident. No host sync (graph-capturable)."""
         if use_triton(self.pool):  # one kernel: quantise, write through, write the resident slot (kernels/kv_store.py)
             return kv_store.store_kv(k, v, slot_mapping, self.pool[:, 0], self.pool[:, 1],
-                                     host=(self.host[layer, 0], self.host[layer, 1]), slot_of=self.slot_of[layer])
-        P, bs = self.num_pages, self.block_size
+                                     host=(self.host[layer, 0], self.host[layer, 1]), slot_of=self.slot_of[layer],
+                                     head_slots=self.units > 1)
+        P, bs, U = self.num_pages, self.block_size, self.units
         t = slot_mapping.long()
         page, off = t // bs, t % bs
         k, v = encode(k, self.pool.dtype), encode(v, self.pool.dtype)
+        if U == 1:
+            for kv, x in ((0, k), (1, v)):
+                scatter_rows(self.host, ((layer * 2 + kv) * P * bs) + t, x)
+            slot = self.slot_of[layer][page].long()
+            slot = torch.where(slot >= 0, slot, self.num_slots)  # not resident: the scratch slot
+            rows = as_bytes(self.pool).view(-1, *self.pool.shape[3:])  # ((S + 1) * 2 * bs, H_kv, row)
+            rows.index_copy_(0, (slot * 2) * bs + off, as_bytes(k))
+            rows.index_copy_(0, (slot * 2 + 1) * bs + off, as_bytes(v))
+            return
+        # head slots: a row per (token, head), at home ((layer, kv, page, head) pages of bs rows) and in its slot
+        T = k.shape[0]
+        h = torch.arange(U, device=t.device)
+        home = ((page[:, None] * U + h) * bs + off[:, None]).reshape(-1)  # (T * U,) rows of one (layer, kv)
+        slot = self.slot_of[layer][page].long()  # (T, U)
+        slot = torch.where(slot >= 0, slot, self.num_slots).reshape(-1)
+        rows = as_bytes(self.pool).view(-1, *self.pool.shape[4:])  # ((S + 1) * 2 * bs, row)
         for kv, x in ((0, k), (1, v)):
-            scatter_rows(self.host, ((layer * 2 + kv) * P * bs) + t, x)
-        slot = self.slot_of[layer][page].long()
-        slot = torch.where(slot >= 0, slot, self.num_slots)  # not resident: the scratch slot
-        rows = as_bytes(self.pool).view(-1, *self.pool.shape[3:])  # ((S + 1) * 2 * bs, H_kv, row)
-        rows.index_copy_(0, (slot * 2) * bs + off, as_bytes(k))
-        rows.index_copy_(0, (slot * 2 + 1) * bs + off, as_bytes(v))
+            scatter_rows(self.host, (layer * 2 + kv) * P * U * bs + home, x.reshape(T * U, 1, -1))
+            rows.index_copy_(0, (slot * 2 + kv) * bs + off.repeat_interleave(U), as_bytes(x).reshape(T * U, -1))
 
     def gather_pages(self, layer: int, pages: torch.Tensor, dst_pos: torch.Tensor, dst: torch.Tensor) -> None:
-        """dst (2, n, block_size, H_kv, D): dst[:, dst_pos[i]] = the layer's page pages[i], from the host tier (always
-        current). One copy kernel for the whole prefix (prefill staging)."""
+        """dst (2, n, ...) contiguous, n pages of the host tier's layout: dst[:, dst_pos[i]] = the layer's page
+        pages[i], from the host tier (always current). One copy kernel for the whole prefix (prefill staging)."""
         P = self.num_pages
         p = pages.long()
         src = torch.cat([(layer * 2) * P + p, (layer * 2 + 1) * P + p])
@@ -149,10 +183,18 @@ class OffloadedKVCache:
         copy_chunks(self.host, src, dst, torch.cat([d, dst.shape[1] + d]), self.page_elems)
 
     def staging(self) -> torch.Tensor:
-        """The prefill staging area (2, staging_pages, block_size, H_kv, D) on the GPU, allocated on first use."""
+        """The prefill staging area (2, staging_pages, block_size, H_kv, D) on the GPU, allocated on first use. With
+        head units its pages keep the host tier's order, (block_size and H_kv swapped in memory: a strided view), so
+        that the prefix arrives in whole-page copies; the kernels read it through its strides."""
         if self._staging is None:
-            self._staging = torch.empty(2, self.staging_pages, *self.pool.shape[2:], dtype=self.pool.dtype,
-                                        device=self.device)
+            bs, row = self.block_size, self.pool.shape[-1]
+            inner = (bs, self.num_kv_heads, row) if self.units == 1 else (self.num_kv_heads, bs, row)
+            self._staging = torch.empty(2, self.staging_pages, *inner, dtype=self.pool.dtype, device=self.device)
+        return self._staging if self.units == 1 else self._staging.transpose(2, 3)
+
+    def staging_pages_raw(self) -> torch.Tensor:
+        """The staging area's own (contiguous) tensor, pages in the host tier's layout: what `gather_pages` fills."""
+        self.staging()
         return self._staging
 
     @property
@@ -215,10 +257,11 @@ class OffloadedKVCache:
         nb = seq.shape[0]
         if nb == 0:
             return
+        U = self.units
         if use_triton(dev):  # one kernel instead of ~25 small ops (kernels/page_reads.py)
             return page_reads.mark_reads(self.wanted, layer, self.num_pages, block_tables.to(dev), seq.to(dev),
                                          first.to(dev), last.to(dev), max_rows, blocks.to(dev), block_k, bs, n_sink,
-                                         n_window)
+                                         n_window, units=U)
         seq, first, last = seq.long().to(dev), first.long().to(dev), last.long().to(dev)
         last_page = last // bs
         sink = torch.arange(-(-n_sink // bs), device=dev).expand(nb, -1)
@@ -229,8 +272,11 @@ class OffloadedKVCache:
             parts.append(win)
             oks.append(win <= last_page[:, None])
         per = max(1, block_k // bs)  # pages per key block (block_k and bs are powers of two)
+        G = blocks.shape[1]
+        hpg, gph = page_reads.group_heads(G, U)
         b = blocks.long().to(dev).reshape(nb, -1)
         sel = ((b * block_k) // bs)[:, :, None] + torch.arange(per, device=dev)
+        n_fixed = sum(x.shape[1] for x in parts)
         parts.append(sel.reshape(nb, -1))
         oks.append(((b >= 0)[:, :, None] & (sel <= last_page[:, None, None])).reshape(nb, -1))
         ok = torch.cat(oks, dim=1)
@@ -238,8 +284,19 @@ class OffloadedKVCache:
         logical = torch.cat(parts, dim=1).clamp(0, tables.shape[1] - 1)
         phys = tables[seq[:, None], logical].long()
         ok = ok & (phys != self.num_pages - 1)  # the last page is the scratch page of padded graph rows
-        trash = self.num_layers * self.num_pages  # the last entry of `wanted` takes the masked-out reads
-        self.wanted.index_fill_(0, torch.where(ok, layer * self.num_pages + phys, trash).reshape(-1), True)
+        trash = self.num_layers * self.num_pages * U  # the last entry of `wanted` takes the masked-out reads
+        if U == 1:
+            idx = torch.where(ok, layer * self.num_pages + phys, trash)
+        else:  # the sink and window: every head; a group's blocks: its heads (kernels/page_reads.py, group_heads)
+            g = torch.arange(G, device=dev).repeat_interleave(blocks.shape[2] * per)
+            first_head = torch.cat([torch.zeros(n_fixed, dtype=torch.long, device=dev), (g // gph) * hpg])
+            count = torch.cat([torch.full((n_fixed,), U, device=dev), torch.full((g.numel(),), hpg, device=dev)])
+            j = torch.arange(U, device=dev)
+            head = first_head[:, None] + j  # (places, U): the heads each place marks, the first `count`
+            use = ok[:, :, None] & (j < count[:, None])[None]
+            unit = (layer * self.num_pages + phys)[:, :, None] * U + head[None].clamp(max=U - 1)
+            idx = torch.where(use, unit, trash)
+        self.wanted.index_fill_(0, idx.reshape(-1), True)
 
     def end_step(self) -> dict:
         """After a decode step: stamp the hits, install the misses (LRU victims). Returns this step's counts."""
@@ -260,7 +317,7 @@ class OffloadedKVCache:
         c["pages_missed"] += n_miss
         c["pages_evicted"] += evicted
         c["pages_installed"] += installed
-        c["bytes_h2d"] += installed * 2 * self.page_elems * self.pool.element_size()
+        c["bytes_h2d"] += installed * self.slot_nbytes
         self.step += 1
         return {"hit": n_hit, "missed": n_miss, "evicted": evicted, "installed": installed}
 
@@ -277,10 +334,10 @@ class OffloadedKVCache:
         old = self.owner[victims]
         gone = old[old >= 0]
         self.slot_of.view(-1)[gone] = -1
-        P = self.num_pages
-        layer, page = miss // P, miss % P
-        src = torch.cat([(layer * 2) * P + page, (layer * 2 + 1) * P + page])
-        copy_chunks(self.host, src, self.pool, torch.cat([victims * 2, victims * 2 + 1]), self.page_elems)
+        PU = self.num_pages * self.units  # units per layer; a unit's chunk at home: ((layer * 2 + kv) * PU + unit)
+        layer, unit = miss // PU, miss % PU
+        src = torch.cat([(layer * 2) * PU + unit, (layer * 2 + 1) * PU + unit])
+        copy_chunks(self.host, src, self.pool, torch.cat([victims * 2, victims * 2 + 1]), self.slot_elems)
         self.slot_of.view(-1)[miss] = victims.to(torch.int32)
         self.owner[victims] = miss
         self.stamp[victims] = self.step
@@ -292,6 +349,8 @@ class OffloadedKVCache:
             return
         p = torch.tensor(pages, dtype=torch.long, device=self.slot_of.device)
         ids = (torch.arange(self.num_layers, device=p.device)[:, None] * self.num_pages + p[None, :]).reshape(-1)
+        if self.units > 1:
+            ids = (ids[:, None] * self.units + torch.arange(self.units, device=p.device)).reshape(-1)
         slots = self.slot_of.view(-1)[ids].long()
         slots = slots[slots >= 0]
         self.owner[slots] = -1
@@ -320,12 +379,14 @@ class OffloadedKVCache:
             raise AssertionError("a slot claims a page whose table entry points elsewhere")
         if bool(self.wanted.any()):
             raise AssertionError("reads are marked outside a step")
-        P = self.num_pages
+        P, U = self.num_pages, self.units
         pool = self.pool.cpu()
         for s, i in zip(held.tolist(), owner[held].tolist()):
-            home = self.host[i // P, :, i % P]
+            layer, page, head = i // (P * U), i % (P * U) // U, i % U
+            home = self.host[layer, :, page] if U == 1 else self.host[layer, :, page, head][:, :, None]
             if not torch.equal(pool[s].view(torch.uint8), home.view(torch.uint8)):
-                raise AssertionError(f"slot {s} differs from the host copy of layer {i // P} page {i % P}")
+                raise AssertionError(f"slot {s} differs from the host copy of layer {layer} page {page}"
+                                     + (f" head {head}" if U > 1 else ""))
 
 
 class StagedPrefill:
@@ -363,7 +424,9 @@ class StagedPrefill:
         self.slots = torch.from_numpy(np.concatenate(slots)).to(dev)
         self.meta = dataclasses.replace(meta, block_tables=torch.from_numpy(bt).to(dev), slot_mapping=self.slots,
                                         page_reads=None)
-        self.buf = store.staging()
+        self.buf = store.staging()  # as the kernels read it: (2, pages, block_size, H_kv, row), maybe strided
+        self.raw = store.staging_pages_raw()
+        self.page, self.off = self.slots // bs, self.slots % bs
 
     def attention(self, layer: int, q, k, v, backend, cache_layer: int | None = None):
         """Model layer `layer`'s attention on the staging area; `cache_layer`: its layer in the store where that
@@ -371,9 +434,9 @@ class StagedPrefill:
         st, buf = self.store, self.buf
         layer_in_store = layer if cache_layer is None else cache_layer
         if self.src.numel():
-            st.gather_pages(layer_in_store, self.src, self.dst, buf)
-        rows = as_bytes(buf).view(2, -1, *buf.shape[3:])  # (2, pages * block_size, H_kv, row)
-        rows[0].index_copy_(0, self.slots, as_bytes(encode(k, buf.dtype)))
-        rows[1].index_copy_(0, self.slots, as_bytes(encode(v, buf.dtype)))
+            st.gather_pages(layer_in_store, self.src, self.dst, self.raw)
+        rows = as_bytes(buf)  # (2, pages, block_size, H_kv, row bytes)
+        rows[0][self.page, self.off] = as_bytes(encode(k, buf.dtype))
+        rows[1][self.page, self.off] = as_bytes(encode(v, buf.dtype))
         st.store(layer_in_store, k, v, self.meta_in.slot_mapping)
         return backend.forward(layer, q, k, v, buf[0], buf[1], self.meta)
