@@ -37,22 +37,29 @@ def random_paged_kv(dev, g, lengths, page: int, Hkv: int, D: int, dtype=torch.bf
     return kc, vc, tables
 
 
-def two_tier(kc, vc, share, g):
-    """A two-tier copy of one-tier caches kc/vc (P, page, H_kv, D): host pinned, `share` of the pages resident in a
-    pool at random slots (the rest read over PCIe)."""
+def two_tier(kc, vc, share, g, units=1):
+    """A two-tier copy of one-tier caches kc/vc (P, page, H_kv, D): host pinned, `share` of the pages (with `units` =
+    H_kv: of the KV heads' pages, kvcache/offload.py's head units) resident in a pool at random slots (the rest read
+    over PCIe)."""
     from longreach.kvcache.offload import TierView
 
-    P = kc.shape[0]
-    res = torch.randperm(P, device=kc.device, generator=g)[: int(P * share)]
+    P, page, H, D = kc.shape
+    cells = P * units
+    res = torch.randperm(cells, device=kc.device, generator=g)[: int(cells * share)]
     S = res.numel() + 3
     slot = torch.randperm(S, device=kc.device, generator=g)[: res.numel()]
-    slots = torch.full((P,), -1, dtype=torch.int32, device=kc.device)
+    slots = torch.full((cells,), -1, dtype=torch.int32, device=kc.device)
     slots[res] = slot.int()
     views = []
     for c in (kc, vc):
-        pool = torch.randn(S + 1, *c.shape[1:], device=c.device, generator=g).to(c.dtype)  # other slots: junk
-        pool[slot] = c[res]
-        views.append(TierView(pool, c.cpu().pin_memory(), slots))
+        per_cell = c if units == 1 else c.transpose(1, 2).reshape(cells, page, 1, D)
+        pool = torch.randn(S + 1, *per_cell.shape[1:], device=c.device, generator=g).to(c.dtype)  # junk elsewhere
+        pool[slot] = per_cell[res]
+        if units == 1:
+            views.append(TierView(pool, c.cpu().pin_memory(), slots))
+        else:
+            host = c.transpose(1, 2).contiguous().cpu().pin_memory()  # (P, H_kv, page, D)
+            views.append(TierView(pool, host, slots.view(P, H), units))
     return views
 
 

@@ -14,17 +14,14 @@ def test_offload_kernels(detail):
     """Every kernel reading through the page table (resident slots + pinned host pages over UVA) gives bit-identical
     results to the same kernel on the one-tier cache; the copy kernels are bit-exact; a captured graph reads the
     page table's current contents at replay."""
-    from longreach.attention.index import QueryBlocks, SparseIndex
-    from longreach.kernels.bsa import BSAPlan, block_sparse_attention_triton
     from longreach.kernels.offload_copy import copy_chunks, scatter_rows
-    from longreach.kernels.prune_stage import chunk_scores_triton
     from longreach.kvcache.fp8 import encode
 
     dev = "cuda"
     rows = []
     for dtype in (torch.bfloat16, torch.float8_e4m3fn):
         g = torch.Generator(device=dev).manual_seed(3)
-        Hq, Hkv, D, page = 32, 8, 128, 16
+        Hkv, D, page = 8, 128, 16
         L = [131072 + 5, 40000]
         need = [-(-x // page) for x in L]
         P = sum(need) + 2
@@ -34,40 +31,9 @@ def test_offload_kernels(detail):
         perm = torch.randperm(P, device=dev, generator=g).int()
         tables = torch.zeros(2, max(need), dtype=torch.int32, device=dev)
         tables[0, :need[0]], tables[1, :need[1]] = perm[:need[0]], perm[need[0]:need[0] + need[1]]
-        kt, vt = two_tier(kc, vc, 0.3, g)
-        for decode in (True, False):
-            lens_q = [1, 1] if decode else [64, 200]
-            ctx = [x - q for x, q in zip(L, lens_q)]
-            q = torch.randn(sum(lens_q), Hq, D, device=dev, generator=g, dtype=torch.bfloat16)
-            qb = QueryBlocks.build(lens_q, ctx, 1 if decode else 64)
-            sels = [torch.stack([torch.randperm(-(-L[qb.seq[b]] // 64), device=dev, generator=g)[:48]
-                                 for _ in range(Hkv)]) for b in range(qb.num_blocks)]
-            blocks, counts = SparseIndex.pack(sels, dev)
-            idx = SparseIndex(1 if decode else 64, 64, 256, 1024, Hkv, qb, blocks, counts)
-            for splits in ((1, 8) if decode else (1,)):
-                a, _ = block_sparse_attention_triton(q, kc, vc, tables, idx, D ** -0.5, num_splits=splits)
-                b, _ = block_sparse_attention_triton(q, kt, vt, tables, idx, D ** -0.5, num_splits=splits)
-                if not torch.equal(a, b):
-                    raise AssertionError(f"bsa {dtype} decode={decode} splits={splits}: tiered != one-tier")
-        if dtype == torch.bfloat16:
-            from longreach.kernels.paged_decode import paged_decode
-
-            q = torch.randn(2, Hq, D, device=dev, generator=g, dtype=dtype)
-            sl = torch.tensor(L, dtype=torch.int32, device=dev)
-            a, _ = paged_decode(q, kc, vc, tables, sl, D ** -0.5, num_splits=16)
-            b, _ = paged_decode(q, kt, vt, tables, sl, D ** -0.5, num_splits=16)
-            if not torch.equal(a, b):
-                raise AssertionError("paged decode: tiered != one-tier")
-            qs = torch.randn(1, Hq, D, device=dev, generator=g, dtype=dtype)
-            one = torch.zeros(1, dtype=torch.long, device=dev)
-            for exact, chunk in ((False, 64), (True, 32)):
-                i2 = torch.arange(0, L[0] // chunk, device=dev, dtype=torch.int32)[None, None].expand(1, Hkv, -1)
-                a = chunk_scores_triton(qs, kc, tables[0], one, one + 1, torch.tensor([L[0] - 1024], device=dev), i2,
-                                        chunk, exact, 256, Hkv, max_rows=1)
-                b = chunk_scores_triton(qs, kt, tables[0], one, one + 1, torch.tensor([L[0] - 1024], device=dev), i2,
-                                        chunk, exact, 256, Hkv, max_rows=1)
-                if not torch.equal(a, b):
-                    raise AssertionError(f"chunk scores exact={exact}: tiered != one-tier")
+        for units in (1, Hkv):  # a slot per page, per KV head's page
+            _check_tiered(kc, vc, *two_tier(kc, vc, 0.3, g, units), tables, L, dtype, units, g)
+        rows.append(str(dtype).replace("torch.", ""))
         # copy kernels: host pages -> GPU, GPU rows -> host
         src = kc.cpu().pin_memory()
         si = torch.randperm(P, device=dev, generator=g)[:4096]
@@ -83,7 +49,58 @@ def test_offload_kernels(detail):
         torch.cuda.synchronize()
         if not torch.equal(host[r.cpu()].view(torch.uint8), new.cpu().view(torch.uint8)):
             raise AssertionError(f"scatter_rows {dtype} not bit-exact")
-        rows.append(str(dtype).replace("torch.", ""))
+    _check_graph_replay()
+    detail(f"bsa (prefill, decode), paged decode, chunk scores: tiered == one-tier bit for bit ({', '.join(rows)}), "
+           "slots of a page and of one KV head's page; copy kernels exact; graph replay follows the page table")
+
+
+def _check_tiered(kc, vc, kt, vt, tables, L, dtype, units, g):
+    """bsa (decode and prefill), and in bf16 paged decode and chunk scoring: tiered == one tier, bit for bit."""
+    from longreach.attention.index import QueryBlocks, SparseIndex
+    from longreach.kernels.bsa import block_sparse_attention_triton
+    from longreach.kernels.paged_decode import paged_decode
+    from longreach.kernels.prune_stage import chunk_scores_triton
+
+    dev = "cuda"
+    Hq, Hkv, D = 32, kc.shape[2], kc.shape[3]
+    for decode in (True, False):
+        lens_q = [1, 1] if decode else [64, 200]
+        ctx = [x - q for x, q in zip(L, lens_q)]
+        q = torch.randn(sum(lens_q), Hq, D, device=dev, generator=g, dtype=torch.bfloat16)
+        qb = QueryBlocks.build(lens_q, ctx, 1 if decode else 64)
+        sels = [torch.stack([torch.randperm(-(-L[qb.seq[b]] // 64), device=dev, generator=g)[:48]
+                             for _ in range(Hkv)]) for b in range(qb.num_blocks)]
+        blocks, counts = SparseIndex.pack(sels, dev)
+        idx = SparseIndex(1 if decode else 64, 64, 256, 1024, Hkv, qb, blocks, counts)
+        for splits in ((1, 8) if decode else (1,)):
+            a, _ = block_sparse_attention_triton(q, kc, vc, tables, idx, D ** -0.5, num_splits=splits)
+            b, _ = block_sparse_attention_triton(q, kt, vt, tables, idx, D ** -0.5, num_splits=splits)
+            if not torch.equal(a, b):
+                raise AssertionError(f"bsa {dtype} decode={decode} splits={splits}: tiered != one-tier")
+        if dtype == torch.bfloat16:
+            q = torch.randn(2, Hq, D, device=dev, generator=g, dtype=dtype)
+            sl = torch.tensor(L, dtype=torch.int32, device=dev)
+            a, _ = paged_decode(q, kc, vc, tables, sl, D ** -0.5, num_splits=16)
+            b, _ = paged_decode(q, kt, vt, tables, sl, D ** -0.5, num_splits=16)
+            if not torch.equal(a, b):
+                raise AssertionError(f"paged decode, units {units}: tiered != one-tier")
+            qs = torch.randn(1, Hq, D, device=dev, generator=g, dtype=dtype)
+            one = torch.zeros(1, dtype=torch.long, device=dev)
+            for exact, chunk in ((False, 64), (True, 32)):
+                i2 = torch.arange(0, L[0] // chunk, device=dev, dtype=torch.int32)[None, None].expand(1, Hkv, -1)
+                a = chunk_scores_triton(qs, kc, tables[0], one, one + 1, torch.tensor([L[0] - 1024], device=dev), i2,
+                                        chunk, exact, 256, Hkv, max_rows=1)
+                b = chunk_scores_triton(qs, kt, tables[0], one, one + 1, torch.tensor([L[0] - 1024], device=dev), i2,
+                                        chunk, exact, 256, Hkv, max_rows=1)
+                if not torch.equal(a, b):
+                    raise AssertionError(f"chunk scores exact={exact}, units {units}: tiered != one-tier")
+
+
+def _check_graph_replay():
+    from longreach.attention.index import QueryBlocks, SparseIndex
+    from longreach.kernels.bsa import BSAPlan, block_sparse_attention_triton
+
+    dev = "cuda"
     # graph capture: the page table is read at replay
     g = torch.Generator(device=dev).manual_seed(4)
     kc = torch.randn(4000, 16, 8, 128, device=dev, generator=g, dtype=torch.bfloat16)
@@ -106,13 +123,12 @@ def test_offload_kernels(detail):
     torch.cuda.synchronize()
     if not torch.equal(out, ref):
         raise AssertionError("captured tiered bsa differs after the page table changed")
-    detail(f"bsa (prefill, decode), paged decode, chunk scores: tiered == one-tier bit for bit ({', '.join(rows)}); "
-           "copy kernels exact; graph replay follows the page table")
 
 
 def test_offload_engine(gpu_model, detail):
     """SmolLM2 at 128K tokens with infinitehip: offloaded (GPU pool = 1/8 of the KV) == not offloaded, greedy tokens
-    and prompt logits bit for bit; hit ratio and decode tok/s of both; fp8 offloaded beside them."""
+    and prompt logits bit for bit, with a slot per page and per KV head's page; hit ratio, installed bytes and decode
+    tok/s of each; fp8 offloaded beside them."""
     from longreach import LLM, SamplingParams
 
     length = 131072
@@ -121,6 +137,8 @@ def test_offload_engine(gpu_model, detail):
     kv_gb = length * 30 * 3 * 64 * 2 * 2 / 2**30
     for name, kw in (("gpu", {"kv_cache_memory_gb": kv_gb * 1.1 + 0.2}),
                      ("offload", {"kv_cache_memory_gb": kv_gb / 8, "kv_offloading_size": kv_gb * 1.1 + 0.2}),
+                     ("offload-heads", {"kv_cache_memory_gb": kv_gb / 8, "kv_offloading_size": kv_gb * 1.1 + 0.2,
+                                        "kv_offload_unit": "head"}),
                      ("offload-fp8", {"kv_cache_memory_gb": kv_gb / 8, "kv_offloading_size": kv_gb * 1.1 + 0.2,
                                       "kv_cache_dtype": "fp8"})):
         gc.collect()
@@ -148,9 +166,16 @@ def test_offload_engine(gpu_model, detail):
         raise AssertionError(f"offload differs: {same}/{len(a['tokens'])} tokens equal, logits equal "
                              f"{torch.equal(a['logits'], b['logits'])}")
     hit = b["hit"] / max(1, b["hit"] + b["miss"])
+    h = res["offload-heads"]
+    h_same = sum(x == y for x, y in zip(a["tokens"], h["tokens"]))
+    if h_same != len(a["tokens"]) or not torch.equal(a["logits"], h["logits"]):
+        raise AssertionError(f"offload with head slots differs: {h_same}/{len(a['tokens'])} tokens equal")
+    h_hit = h["hit"] / max(1, h["hit"] + h["miss"])
     f8 = res["offload-fp8"]
     f8_same = sum(x == y for x, y in zip(a["tokens"], f8["tokens"]))
     detail(f"fp8 offloaded: {f8_same}/{len(a['tokens'])} greedy tokens as bf16, {f8['tok_s']:.1f} tok/s; "
            f"{length} tokens, pool 1/8 of the KV: tokens {same}/{len(a['tokens'])} and logits equal; prefill "
            f"{a['prefill_s']:.2f} s -> {b['prefill_s']:.2f} s, decode {a['tok_s']:.1f} -> {b['tok_s']:.1f} tok/s, "
-           f"hit ratio {hit:.3f}, installed {b['stats']['pages_installed']} pages")
+           f"hit ratio {hit:.3f}, installed {b['stats']['pages_installed']} pages "
+           f"({b['stats']['bytes_h2d'] / 1e9:.2f} GB); head slots: equal too, {h['tok_s']:.1f} tok/s, hit ratio "
+           f"{h_hit:.3f}, installed {h['stats']['pages_installed']} head-pages ({h['stats']['bytes_h2d'] / 1e9:.2f} GB)")
