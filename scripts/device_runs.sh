@@ -85,6 +85,12 @@
 #                                           # steps profiled (issue 31's 2x-dense-at-128K goal)
 #   bash scripts/device_runs.sh profile8b   # 8B shape, bf16: bench decode at 128K, infinitehip pruned vs dense, the
 #                                           # last 4 steps profiled (where the sparse step's fixed cost goes; issue 31)
+#   bash scripts/device_runs.sh units128k   # no model, one GPU: tests/gpu's offload kernel check (slots of a page and
+#                                           # of a KV head's page), then bench decode at 128K, 8B shape, fp8 offloaded
+#                                           # to a 1 GiB pool, --kv-offload-unit page then head (issue 31's installs)
+#   bash scripts/device_runs.sh units1m     # no model, two GPUs (nvidia-h200-x2: 256 GiB host): the default at 1M
+#                                           # (fp8, 76 GiB host tier, 4 GiB pool), unit page on GPU 0 and head on GPU 1
+#                                           # at once, 4 decode steps profiled each
 # A group's first command compiles kernels (~30-60 s); bench decode runs an untimed warm-up prompt first.
 set -u
 out=${OUT:-out}; mkdir -p "$out"
@@ -234,6 +240,21 @@ prefill1m8b)  # issue 31: where the default's 1M prefill goes (8B shape, fp8 + o
     run prefill_1m_8b 580 $bd --kv-offloading-size 76 --lengths 1M --attention infinitehip --dense-lengths \
         --decode-tokens 48 --profile-prefill-steps 2 --profile-prefill-at 0.85 --profile-steps 4 \
         --out "$out/bench-decode-1m-prefill-profile-8b.json" ;;
+units128k)  # issue 31: a slot per page vs per KV head's page (docs/design-offload-heads.md), same command otherwise
+    gpu_tests gpu_check_offload_kernels 240 tests/gpu/test_offload.py -k kernels
+    for unit in page head; do
+        run "units_128k_$unit" 300 $bd --kv-cache-memory-gb 1 --kv-offloading-size 12 --kv-offload-unit $unit \
+            --lengths 128k --attention infinitehip --dense-lengths 4k --decode-tokens 64 --profile-steps 4 \
+            --out "$out/bench-decode-128k-offload-$unit-8b.json"
+    done ;;
+units1m)  # the same at 1M, both units at once on two GPUs of one host (each its own 76 GiB host tier)
+    for gpu_unit in 0:page 1:head; do
+        gpu=${gpu_unit%%:*} unit=${gpu_unit##*:}
+        CUDA_VISIBLE_DEVICES=$gpu run "units_1m_$unit" 580 $bd --kv-offloading-size 76 --kv-offload-unit $unit \
+            --lengths 1M --attention infinitehip --dense-lengths --decode-tokens 48 --profile-steps 4 \
+            --out "$out/bench-decode-1m-offload-$unit-8b.json" &
+    done
+    wait ;;
 decode128k)
     run decode_128k 300 $bd --kv-offloading-size 12 --lengths 128k --attention infinitehip:3k-flash psa \
         --dense-lengths 4k 128k --profile-steps 8 --out "$out/bench-decode-128k.json"
