@@ -363,6 +363,46 @@ def test_offloaded_graph_decode_path_equals_eager_one_tier(tiny, method, unit):
     llm.engine.kv_cache.check_integrity()
 
 
+@pytest.mark.parametrize("graphs", [False, True])
+def test_stage_probes_are_installed_with_head_units_only(tiny, monkeypatch, graphs):
+    """infinitehip's stages 1-2 report the candidate chunks they scored (`PageReads.probe`) on the eager and the
+    (emulated) graph decode paths; a store of head units marks them for installing, one of page units passes them
+    through uncached (docs/design-offload-heads.md, part 2). Either way the tokens are the one-tier run's."""
+    from longreach import SamplingParams
+    from longreach.kvcache.offload import OffloadedKVCache
+
+    seen = {"probe": 0, "marked": 0}
+    record, note = OffloadedKVCache.record_reads, OffloadedKVCache.note_reads
+
+    def counted_record(self, reads):
+        seen["probe"] += reads.probe
+        return record(self, reads)
+
+    def counted_note(self, *a, **k):
+        seen["marked"] += 1
+        return note(self, *a, **k)
+
+    monkeypatch.setattr(OffloadedKVCache, "record_reads", counted_record)
+    monkeypatch.setattr(OffloadedKVCache, "note_reads", counted_note)
+    g = torch.Generator().manual_seed(8)
+    prompts = [{"prompt_token_ids": torch.randint(3, 256, (n,), generator=g).tolist()} for n in (160, 120)]
+    params = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
+    expected = [o.token_ids for o in _llm(tiny, "infinitehip", False, enforce_eager=True).generate(
+        prompts, params, use_tqdm=False)]
+    marks = {}
+    for unit in ("page", "head"):
+        seen.update(probe=0, marked=0)
+        llm = _llm(tiny, "infinitehip", unit)
+        if graphs:
+            llm.engine.runner.capture_graphs(emulate=True)
+        assert [o.token_ids for o in llm.generate(prompts, params, use_tqdm=False)] == expected
+        llm.engine.kv_cache.check_integrity()
+        assert seen["probe"] > 0
+        marks[unit] = (seen["marked"], seen["probe"])
+    (page_marked, page_probes), (head_marked, head_probes) = marks["page"], marks["head"]
+    assert head_marked - page_marked == head_probes  # head units mark every probe read, page units none
+
+
 def test_offload_with_preemption_and_fp8(tiny):
     """A host tier too small for both requests: one is preempted and recomputed, and both still get the tokens they
     get alone; fp8 KV runs through both tiers and agrees with fp8 on one tier."""

@@ -44,6 +44,9 @@ class PageReads:
     block_k: int
     n_sink: int
     n_window: int
+    # a selection stage's probes (the keys it scored, `blocks` its candidate chunks of `block_k` tokens), not the
+    # attention: a store installs them only where its unit makes room for them (kvcache/offload.py)
+    probe: bool = False
 
 
 @dataclass(frozen=True)

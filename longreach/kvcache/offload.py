@@ -22,9 +22,10 @@ Design (docs/offload.md has the byte budgets and the measurements):
     graph-capturable.
   * **What gets installed**: the pages the block-sparse attention of a decode step reads (sink, window and selected
     blocks: the backend returns the index it attended as `PageReads` and the runner hands it to `record_reads`). After the step, `end_step` stamps the hits and
-    installs the misses into free or least-recently-used slots (never a slot read in this step). Pruning-stage probes
-    and dense reads pass through uncached: a stage-0 refresh touches a few keys of every chunk of the context and
-    would flush the pool for one use.
+    installs the misses into free or least-recently-used slots (never a slot read in this step). Dense reads pass
+    through uncached, and so do the pruning stages' probes with page units (a stage-0 SelectRep refresh touches a few
+    keys of every chunk of the context and would flush the pool for one use); with head units infinitehip's
+    chunk-scored stages report their probes (`PageReads.probe`) and those head-pages are installed too.
   * **Prefill** reads the prefix from a GPU staging area: per layer, the batch's pages are gathered from the host
     tier in one copy (model_runner.py), then the ordinary kernels run on it. The area exists only while prefill work
     is pending: the first decode step releases it (`release_staging`) and the next prefill step allocates it again.
@@ -240,8 +241,13 @@ class OffloadedKVCache:
 
     # ---- decode: what attention read, installs after the step --------------------------------------------------------
     def record_reads(self, reads: PageReads) -> None:
-        """Mark the pages one layer's decode attention read (the index it attended, `PageReads`) for `end_step`."""
+        """Mark the pages one layer's decode attention read (the index it attended, `PageReads`) for `end_step`.
+        A selection stage's probes (`reads.probe`) are marked with head units only: stages 1-2 reread their
+        candidates' keys at every refresh, and one KV head's pages of them fit the pool (8B shape at 1M: 0.6 GB of
+        stage 2's, docs/design-offload-heads.md); whole pages of every head would not, and pass through uncached."""
         r = reads
+        if r.probe and self.units == 1:
+            return
         self.note_reads(r.layer, r.block_tables, r.seq, r.first, r.last, r.max_rows, r.blocks, r.block_k, r.n_sink,
                         r.n_window)
 

@@ -230,6 +230,8 @@ class InfiniteHiP(SelectionMethod):
                 score = self.box_scores(layer, q, blocks, keys, ids, l, cand_end)
             elif needs_scores:
                 score = self.chunk_scores(layer, q, blocks, keys, ids, l, l <= cfg.exact_below, cand_end)
+                if keys.probes is not None and i > 0:  # the keys it just read, for the store (SequenceKeys.probes);
+                    keys.probes(ids, l)  # stage 0's candidates are the whole context: never installed for it
             else:  # every candidate fits the budget
                 _, _, valid = chunk_bounds(ids, l, cfg.n_sink, cand_end)
                 score = torch.where(valid, 0.0, float("-inf"))

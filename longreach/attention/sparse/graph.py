@@ -35,7 +35,7 @@ import torch
 from ..backend import AttentionMetadata
 from ..dense import DenseFallback
 from ..index import QueryBlocks
-from .selection import BlockQueries, KeptBoxes, SelectionMethod, SequenceKeys, use_kernels
+from .selection import BlockQueries, KeptBoxes, SelectionMethod, SequenceKeys, probe_reads, use_kernels
 
 
 SHORT_WARM_MAX = 32768  # the longest short-row batch whose decode variants a warm-up captures (warm_keys)
@@ -276,7 +276,8 @@ class GraphDecoder:
             for i in range(sel):
                 blocks = BlockQueries(g["zero"], g["ones"][:1], ends[i:i + 1], 1, bucket)
                 boxes = None if box_tables is None else self.boxes.seq_boxes(layer, box_tables, i)
-                keys = SequenceKeys(k_cache, meta.block_tables[i], bucket, boxes)
+                keys = SequenceKeys(k_cache, meta.block_tables[i], bucket, boxes,
+                                    probe_reads(meta, layer, g["arange"][i:i + 1], ends[i:i + 1] - 1))
                 outs = m.graph_select(layer, q[i:i + 1], blocks, keys,
                                       [None if c is None else c[i:i + 1] for c in cached], first[i:i + 1], level)
                 for j, o in enumerate(outs):

@@ -26,6 +26,20 @@ from ...rope.strategies import (
 from .config import SparseConfig
 
 
+def probe_reads(meta, layer: int, seq: torch.Tensor, pos: torch.Tensor):
+    """`SequenceKeys.probes` for one decode row (seq (1,) its row of meta.block_tables, pos (1,) its query's
+    position): each call appends the stage's probes to `meta.page_reads` as a `PageReads` with `probe` set, which
+    the runner hands to the store after the layer. None when the step collects no reads (prefill, a one-tier
+    store)."""
+    if meta.is_prefill or meta.page_reads is None:
+        return None
+    from ...kvcache.base import PageReads
+
+    def note(ids: torch.Tensor, chunk: int) -> None:
+        meta.page_reads.append(PageReads(layer, meta.block_tables, seq, pos, pos, 1, ids, chunk, 0, 0, probe=True))
+    return note
+
+
 class SequenceKeys:
     """One sequence's keys as the selection sees them: the paged cache and the sequence's block table.
 
@@ -34,13 +48,16 @@ class SequenceKeys:
     `prune_tables`. One object serves one layer of one step (the keys do not change while it lives). `boxes`: the
     engine's kept key boxes of this sequence in this layer (`KeptBoxes.seq_boxes`: infinitehip's chunk boxes,
     Quest's page boxes): (the layer's store, the sequence's box table row, units per box page), or None (built from
-    the keys when needed).
+    the keys when needed). `probes`: see __init__.
     """
 
     def __init__(self, k_cache: torch.Tensor, block_table: torch.Tensor, length: int,
-                 boxes: tuple[torch.Tensor, torch.Tensor, int] | None = None):
+                 boxes: tuple[torch.Tensor, torch.Tensor, int] | None = None, probes=None):
         self.k_cache, self.block_table, self.length = k_cache, block_table, length
         self.boxes = boxes
+        # probes(ids, chunk): a decode step's stage reports the candidate chunks whose keys it scored (the KV store
+        # may install them: kvcache/offload.py); None when nobody listens (prefill, a one-tier cache)
+        self.probes = probes
         self._dense: torch.Tensor | None = None
         self.prune_tables: dict = {}  # the reference scorer's moved keys, per strategy (valid while this object is)
 
