@@ -399,7 +399,7 @@ def test_stage_probes_are_installed_with_head_units_only(tiny, monkeypatch, grap
         llm.engine.kv_cache.check_integrity()
         assert seen["probe"] > 0
         marks[unit] = (seen["marked"], seen["probe"])
-    (page_marked, page_probes), (head_marked, head_probes) = marks["page"], marks["head"]
+    (page_marked, _), (head_marked, head_probes) = marks["page"], marks["head"]
     assert head_marked - page_marked == head_probes  # head units mark every probe read, page units none
 
 
