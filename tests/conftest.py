@@ -11,6 +11,17 @@ except ImportError:  # pragma: no cover
     _HAS_CUDA = False
 if not _HAS_CUDA:
     os.environ.setdefault("TRITON_INTERPRET", "1")
+    # every kernel module imported now, under the interpreter: Triton decides at decoration time whether a @triton.jit
+    # function is interpreted, and a test that sets TRITON_INTERPRET=0 (PyTorch references, tests/test_tensor_parallel)
+    # would otherwise leave the modules it imports first as real JIT functions, which need a GPU driver in later tests
+    # ("0 active drivers" when test_tensor_parallel.py ran before test_kernel_bsa.py)
+    import importlib
+    import pkgutil
+
+    import longreach.kernels as _kernels
+
+    for _m in pkgutil.iter_modules(_kernels.__path__):
+        importlib.import_module(f"longreach.kernels.{_m.name}")
 
 import torch  # noqa: E402
 
