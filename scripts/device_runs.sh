@@ -85,6 +85,8 @@
 #                                           # steps profiled (issue 31's 2x-dense-at-128K goal)
 #   bash scripts/device_runs.sh profile8b   # 8B shape, bf16: bench decode at 128K, infinitehip pruned vs dense, the
 #                                           # last 4 steps profiled (where the sparse step's fixed cost goes; issue 31)
+#   bash scripts/device_runs.sh tp3m        # no model, two H200s: the 8B shape at 3M, fp8 KV, TP=2, no offload (20+
+#                                           # min: start it detached, see the group)
 #   bash scripts/device_runs.sh units128k   # no model, one GPU: tests/gpu's offload kernel check (slots of a page and
 #                                           # of a KV head's page), then bench decode at 128K, 8B shape, fp8 offloaded
 #                                           # to a 1 GiB pool, --kv-offload-unit page then head (issue 31's installs)
@@ -196,6 +198,14 @@ tp1m)  # issue 32's 1M row: the 8B shape (random weights), bf16 KV, TP=2 without
     run tp2_1m 580 python3 -m longreach bench decode --lengths 1M --attention infinitehip --dense-lengths 4k \
         --kv-cache-memory-gb 66 --max-num-batched-tokens 32768 --tensor-parallel-size 2 --decode-tokens 64 \
         --profile-steps 4 --out "$out/bench-decode-1m-8b-tp2-bf16.json" ;;
+tp3m)  # issue 32's 3M row: the 8B shape, fp8 KV, TP=2 without offload (~103 GiB of KV per rank beside ~8 GiB of
+    # weights on an H200). Estimated 20+ min of prefill (an extrapolation from tp1m's 148 s: the selection grows with
+    # prefix x chunk), past one call's 10 minutes: start it detached from a copy of the tree, e.g.
+    #   cp -r . /tmp/t3 && cd /tmp/t3 && OUT=/tmp/t3/out setsid nohup bash scripts/device_runs.sh tp3m > /tmp/t3.log 2>&1 &
+    # and collect /tmp/t3/out in later calls of the same lease (docs/design-tensor-parallel.md)
+    run tp2_3m 1750 python3 -m longreach bench decode --lengths 3M --attention infinitehip --dense-lengths 4k \
+        --kv-cache-dtype fp8 --kv-cache-memory-gb 106 --max-num-batched-tokens 65536 --tensor-parallel-size 2 \
+        --decode-tokens 32 --profile-steps 4 --out "$out/bench-decode-3m-8b-tp2-fp8.json" ;;
 tp2short)  # no model needed: tp2's bench at 32K (8B shape, random weights), whether NCCL captures in CUDA graphs
     for n in 1 2; do
         run "decode_8b_32k_tp$n" 120 python3 -m longreach bench decode --lengths 32k \
