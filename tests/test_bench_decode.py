@@ -201,6 +201,26 @@ def test_profile_steps_are_profiled_and_left_out_of_the_rate(tmp_path):
     assert prof["steps"] == 3 and prof["clock"] == "cpu" and prof["top"]
     assert prof["top"][0]["ms_per_step"] >= prof["top"][-1]["ms_per_step"] > 0
     assert json.loads(out.read_text())["runs"][0]["profile"]["steps"] == 3
+    parts = prof["breakdown_ms_per_step"]  # the costs sum to the wall time, the device part to the busy time
+    assert sum(parts.values()) == pytest.approx(prof["wall_ms_per_step"])
+    assert sum(v for k, v in parts.items() if k != "host") == pytest.approx(prof["busy_ms_per_step"])
+    assert parts["weights"] > 0  # the model's linear layers (aten::linear on a CPU)
+
+
+def test_profile_breakdown_sorts_kernels_into_the_documented_costs():
+    """Kernel names from a GPU profile (docs/results' 32K and 1M tables) land in their categories, the first match
+    winning; the rest is `other`, wall - device is `host`."""
+    from longreach.tools.bench.profile import breakdown
+
+    rows = [("nvjet_sm90_tst_128x8_64x12_2x1_v_bz_TNT", 1.8), ("_chunk_score_kernel", 0.9), ("_topk_kernel", 0.4),
+            ("_bsa_kernel", 0.5), ("_copy_chunks_kernel", 17.4), ("ncclDevKernel_AllReduce_Sum_bf16_RING_LL", 0.9),
+            ("void cublasLt::splitKreduce_kernel<32, 16, int, float>", 0.1), ("_add_rms_norm_kernel", 0.15),
+            ("_box_build_kernel", 0.2), ("_store_kv_kernel", 0.05)]
+    parts = breakdown([{"name": n, "ms_per_step": t} for n, t in rows], 25.0)
+    assert parts["weights"] == pytest.approx(1.9) and parts["selection"] == pytest.approx(1.5)
+    assert parts["attention"] == pytest.approx(0.5) and parts["kv_movement"] == pytest.approx(17.45)
+    assert parts["communication"] == pytest.approx(0.9) and parts["other"] == pytest.approx(0.15)
+    assert parts["host"] == pytest.approx(25.0 - 22.4) and sum(parts.values()) == pytest.approx(25.0)
 
 
 def test_profile_prefill_steps_profile_prefill_steps_two_on(tmp_path, capsys):

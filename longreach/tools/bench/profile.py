@@ -6,10 +6,41 @@ synchronized), device ms (the sum of every kernel's own device time: kernels rep
 and the top kernels by device time with their calls per step. Wall minus device is what the GPU spent waiting on the
 host (Python, scheduling, host syncs, launches). On a CPU the table ranks operators by their own CPU time instead.
 Profiled steps are left out of the decode rate (the profiler slows them down).
+
+`breakdown` (ms per step) sorts every profiled kernel (or, on a CPU, operator) into the costs the docs discuss, by
+its name (`CATEGORIES`, first match wins): the weights' matmuls, attention, the sparse selection, KV movement
+(installs, staging gathers, writes), communication (NCCL); `other` is the rest of the device time, and `host` is wall
+minus device time (the GPU waiting on the host; negative where streams overlapped). The parts sum to the wall time.
 """
 from __future__ import annotations
 
 TOP = 15
+# (category, substrings of kernel / operator names): the first category with a match takes the kernel
+CATEGORIES = (
+    ("communication", ("nccl", "all_reduce", "allreduce", "all_gather", "broadcast")),
+    ("kv_movement", ("_copy_chunks", "_store_kv", "_scatter_rows", "index_copy", "_mark_reads", "memcpy", "Memcpy")),
+    ("selection", ("_chunk_score", "_topk", "_box_", "_key_mass", "_prune", "topk", "sort", "_cascade_plan")),
+    ("attention", ("_bsa", "_paged_decode", "_paged_prefill", "_combine", "_range_attention", "_psa_", "flash",
+                   "cudnn", "fmha", "sdpa", "scaled_dot_product", "_cascade_insert")),
+    ("weights", ("nvjet", "gemm", "gemv", "cutlass", "splitkreduce", "scaled_mm", "aten::linear", "aten::mm",
+                 "aten::addmm", "aten::matmul", "aten::bmm")),
+)
+
+
+def breakdown(rows: list[dict], wall_ms: float) -> dict:
+    """{category: ms per step} of `rows` (every kernel's ms_per_step), plus `other` (device time in no category) and
+    `host` (wall - device): the values sum to `wall_ms`."""
+    out = {name: 0.0 for name, _ in CATEGORIES}
+    other = 0.0
+    for r in rows:
+        low = r["name"].lower()
+        cat = next((name for name, keys in CATEGORIES if any(k.lower() in low for k in keys)), None)
+        if cat is None:
+            other += r["ms_per_step"]
+        else:
+            out[cat] += r["ms_per_step"]
+    busy = sum(out.values()) + other
+    return {**out, "other": other, "host": wall_ms - busy}
 
 
 class StepProfiler:
@@ -62,13 +93,18 @@ class StepProfiler:
                 rows.append({"name": evt.key, "calls_per_step": evt.count / n, "ms_per_step": us / 1000 / n})
         rows.sort(key=lambda r: -r["ms_per_step"])
         busy = sum(r["ms_per_step"] for r in rows)
+        wall = self.wall_s * 1000 / n
         return {"steps": self.steps, "clock": "device" if self.cuda else "cpu",
-                "wall_ms_per_step": self.wall_s * 1000 / n, "busy_ms_per_step": busy, "top": rows[:TOP]}
+                "wall_ms_per_step": wall, "busy_ms_per_step": busy, "breakdown_ms_per_step": breakdown(rows, wall),
+                "top": rows[:TOP]}
 
 
 def format_report(label: str, rep: dict) -> str:
     lines = [f"{label}: {rep['steps']} profiled steps, wall {rep['wall_ms_per_step']:.2f} ms/step, "
              f"{rep['clock']} busy {rep['busy_ms_per_step']:.2f} ms/step"]
+    if "breakdown_ms_per_step" in rep:
+        lines.append("  breakdown (ms/step): " + ", ".join(f"{k} {v:.2f}" for k, v in
+                                                            rep["breakdown_ms_per_step"].items()))
     for r in rep["top"]:
         lines.append(f"  {r['ms_per_step']:8.3f} ms  {r['calls_per_step']:7.1f}x  {r['name'][:90]}")
     return "\n".join(lines)
