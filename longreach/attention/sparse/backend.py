@@ -214,8 +214,8 @@ class SparseBackend(AttentionBackend):
             else:
                 state = self._state.setdefault((seq_id, layer), {}) if decoding else None
                 boxes = None if box_tables is None else self.boxes.seq_boxes(layer, box_tables, i)
-                probes = probe_reads(meta, layer, torch.tensor([i], device=q.device),
-                                     torch.tensor([length - 1], device=q.device)) if decoding else None
+                probes = None if not decoding or meta.page_reads is None else probe_reads(
+                    meta, layer, torch.tensor([i], device=q.device), torch.tensor([length - 1], device=q.device))
                 keys = SequenceKeys(k_cache, meta.block_tables[i], length, boxes, probes)
                 step = self._decode_step.get(seq_id, 0) if decoding else None
                 if not decoding and self.prefill_graphs.applies(n, keys):  # replayed: see prefill_graph.py

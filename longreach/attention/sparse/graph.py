@@ -276,8 +276,9 @@ class GraphDecoder:
             for i in range(sel):
                 blocks = BlockQueries(g["zero"], g["ones"][:1], ends[i:i + 1], 1, bucket)
                 boxes = None if box_tables is None else self.boxes.seq_boxes(layer, box_tables, i)
-                keys = SequenceKeys(k_cache, meta.block_tables[i], bucket, boxes,
-                                    probe_reads(meta, layer, g["arange"][i:i + 1], ends[i:i + 1] - 1))
+                probes = None if meta.page_reads is None else \
+                    probe_reads(meta, layer, g["arange"][i:i + 1], ends[i:i + 1] - 1)  # no op without a listener
+                keys = SequenceKeys(k_cache, meta.block_tables[i], bucket, boxes, probes)
                 outs = m.graph_select(layer, q[i:i + 1], blocks, keys,
                                       [None if c is None else c[i:i + 1] for c in cached], first[i:i + 1], level)
                 for j, o in enumerate(outs):
