@@ -208,7 +208,7 @@ class InfiniteHiP(SelectionMethod):
         blocks = BlockQueries.build(blocks, dev)
         if isinstance(keys, torch.Tensor):
             keys = SequenceKeys.from_dense(keys)
-        cand_end = self.candidate_end(blocks.ends)  # (nb,) exclusive
+        cand_end = self.candidate_end(blocks.ends) if blocks.cand_end is None else blocks.cand_end  # (nb,) exclusive
         budgets = self.stage_budgets(layer)
         widths = self.stage_widths(layer, blocks.max_end, lookahead)
         nb, G = blocks.num_blocks, self.groups

@@ -273,8 +273,11 @@ class GraphDecoder:
             cached = [c[slot] if i == level - 1 or (i >= level and not m.refreshed_every_step(i)) else None
                       for i, c in enumerate(caches)]
             fresh: list[list[torch.Tensor]] = [[] for _ in caches[level:]]
+            if "cand_end" not in memo:  # the same for every layer of the step: one op, not one per layer
+                memo["cand_end"] = m.candidate_end(ends)
+            cand_end = memo["cand_end"]
             for i in range(sel):
-                blocks = BlockQueries(g["zero"], g["ones"][:1], ends[i:i + 1], 1, bucket)
+                blocks = BlockQueries(g["zero"], g["ones"][:1], ends[i:i + 1], 1, bucket, cand_end[i:i + 1])
                 boxes = None if box_tables is None else self.boxes.seq_boxes(layer, box_tables, i)
                 probes = None if meta.page_reads is None else \
                     probe_reads(meta, layer, g["arange"][i:i + 1], ends[i:i + 1] - 1)  # no op without a listener

@@ -98,6 +98,9 @@ class BlockQueries:
     ends: torch.Tensor  # (nb,) position after each block's last row
     max_rows: int  # >= every len
     max_end: int  # >= every end
+    # the method's `candidate_end(ends)` when the caller made it already (a graph decode step makes it once for all
+    # its layers: sparse/graph.py), else None
+    cand_end: torch.Tensor | None = None
 
     @property
     def num_blocks(self) -> int:
@@ -112,7 +115,8 @@ class BlockQueries:
         return cls(t[:, 0], t[:, 1], t[:, 2], max([b[1] for b in blocks] + [1]), max([b[2] + b[1] for b in blocks] + [0]))
 
     def __getitem__(self, sl: slice) -> "BlockQueries":
-        return BlockQueries(self.starts[sl], self.lens[sl], self.ends[sl], self.max_rows, self.max_end)
+        return BlockQueries(self.starts[sl], self.lens[sl], self.ends[sl], self.max_rows, self.max_end,
+                            None if self.cand_end is None else self.cand_end[sl])
 
 
 class KeptBoxes(Protocol):
