@@ -90,6 +90,7 @@
 #   bash scripts/device_runs.sh units128k   # no model, one GPU: tests/gpu's offload kernel check (slots of a page and
 #                                           # of a KV head's page), then bench decode at 128K, 8B shape, fp8 offloaded
 #                                           # to a 1 GiB pool, --kv-offload-unit page then head (issue 31's installs)
+#   bash scripts/device_runs.sh units128kx2 # the same on two GPUs of one host at once (page on 0, head on 1)
 #   bash scripts/device_runs.sh units1m     # no model, two GPUs (nvidia-h200-x2: 256 GiB host): the default at 1M
 #                                           # (fp8, 76 GiB host tier, 4 GiB pool), unit page on GPU 0 and head on GPU 1
 #                                           # at once, 4 decode steps profiled each
@@ -257,6 +258,15 @@ units128k)  # issue 31: a slot per page vs per KV head's page (docs/design-offlo
             --lengths 128k --attention infinitehip --dense-lengths 4k --decode-tokens 64 --profile-steps 4 \
             --out "$out/bench-decode-128k-offload-$unit-8b.json"
     done ;;
+units128kx2)  # units128k on two GPUs of one host at once: GPU 0 the kernel check then page, GPU 1 head
+    (CUDA_VISIBLE_DEVICES=0 gpu_tests gpu_check_offload_kernels 240 tests/gpu/test_offload.py -k kernels
+     CUDA_VISIBLE_DEVICES=0 run units_128k_page 300 $bd --kv-cache-memory-gb 1 --kv-offloading-size 12 \
+        --kv-offload-unit page --lengths 128k --attention infinitehip --dense-lengths 4k --decode-tokens 64 \
+        --profile-steps 4 --out "$out/bench-decode-128k-offload-page-8b.json") &
+    CUDA_VISIBLE_DEVICES=1 run units_128k_head 300 $bd --kv-cache-memory-gb 1 --kv-offloading-size 12 \
+        --kv-offload-unit head --lengths 128k --attention infinitehip --dense-lengths 4k --decode-tokens 64 \
+        --profile-steps 4 --out "$out/bench-decode-128k-offload-head-8b.json" &
+    wait ;;
 units1m)  # the same at 1M, both units at once on two GPUs of one host (each its own 76 GiB host tier)
     for gpu_unit in 0:page 1:head; do
         gpu=${gpu_unit%%:*} unit=${gpu_unit##*:}
