@@ -96,9 +96,10 @@ class EngineConfig:
                                                 "with --tensor-parallel-size, per rank (each GPU offloads its own KV "
                                                 "heads; the total is N times this); 0 or absent: no offloading "
                                                 "(sparse attention only)")
-    kv_offload_unit: str = _f("page", "with --kv-offloading-size: what one GPU slot holds, 'page' (a page of every "
-                                      "KV head) or 'head' (one KV head's page: a selection that reads one head "
-                                      "installs that head's page only; docs/design-offload-heads.md)")
+    kv_offload_unit: str = _f("head", "with --kv-offloading-size: what one GPU slot holds, 'head' (one KV head's "
+                                      "page: a selection that reads one head installs that head's page only, and "
+                                      "the selection stages' keys are installed too; docs/design-offload-heads.md) "
+                                      "or 'page' (a page of every KV head)")
     enforce_eager: bool = _f(False, "no CUDA graphs: decode, prefill chunks and the sparse methods' prefill selection "
                                     "run eagerly")
     chunk_graph_max_tokens: int = _f(2048, "largest prefill step (tokens) whose work around attention replays from "

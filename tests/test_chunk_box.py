@@ -159,13 +159,15 @@ def test_build_kernel_matches_the_reference(case, dtype):
     assert (got.float() - want.float()).nan_to_num().abs().max() <= tol
 
 
+@pytest.mark.parametrize("rows_tile", [0, 16, 64])
 @pytest.mark.parametrize("dtype, groups, D", [(dt, g, 16) for dt in (torch.float32, torch.float16) for g in (2, 1, 8)]
                          + [(torch.float16, 2, 256)])
-def test_score_kernel_matches_the_torch_scores(dtype, groups, D):
+def test_score_kernel_matches_the_torch_scores(dtype, groups, D, rows_tile):
     """The Triton scorer (interpreter) reads the kept boxes through a scrambled box table and takes each block's
     flavour; the reference gathers them. Blocks of 1-8 rows (decode and prefill), some moved, candidates cut on both
     sides (-inf outside). Head dim 256 (Gemma 3) scores 32 chunks per program (64 would overflow an H100's shared
-    memory), so its 37 chunks take two."""
+    memory), so its 37 chunks take two. rows_tile: 0 the box-tile layout, else the long-prefill layout with tiles of
+    that many rows (16: several per block, combined by atomic max; 64: one)."""
     from longreach.kernels.key_boxes import box_scores_reference, box_scores_triton
 
     g = torch.Generator().manual_seed(groups)
@@ -178,7 +180,8 @@ def test_score_kernel_matches_the_torch_scores(dtype, groups, D):
     pool[:, :, 1] = pool[:, :, 1].abs()
     table = torch.randperm(12, generator=g)[:10].int()
     cand_hi = torch.tensor([n, 20, 3, 30], dtype=torch.int32)  # block 2: no candidate past cand_lo
-    got = box_scores_triton(q32, pool, table, per, 3, cand_hi, n, groups, q_moved, moved)
+    got = box_scores_triton(q32, pool, table, per, 3, cand_hi, n, groups, q_moved, moved, rows_tile=rows_tile,
+                            rows_block_c=16)
     want = box_scores_reference(q32, pool, table, per, 3, cand_hi, n, groups, q_moved, moved, max_bytes=1 << 20)
     P = Hkv if groups != Hq else Hq
     tol = 1e-4 if dtype == torch.float32 else 2e-2

@@ -127,6 +127,12 @@ def test_chunk_score_kernel_matches_reference(dtype, case):
     # a near-tie could differ, so fp16 compares values loosely and fp32 tightly
     tol = 1e-3 if dtype == torch.float32 else 5e-2
     assert (got[finite] - ref[finite]).abs().max() <= tol * max(1.0, ref[finite].abs().max().item())
+    if exact and rows > 1:  # the long-prefill layout: row tiles streaming the chunks, several per block and one
+        for rows_tile in (16, 64):
+            alt = chunk_scores_triton(q, kc, tables[0], starts, lens, cand_end, ids, chunk, exact, n_sink, G,
+                                      rep_per_head=per_head, rows_tile=rows_tile)
+            assert torch.equal(torch.isfinite(alt), finite)
+            assert (alt[finite] - ref[finite]).abs().max() <= tol * max(1.0, ref[finite].abs().max().item())
 
 
 @pytest.mark.parametrize("rows, C, k", [(3, 50, 8), (4, 3000, 256), (2, 10, 16), (5, 40, 40), (2, 1, 4), (3, 5000, 100)])

@@ -289,8 +289,8 @@ def _llm(path, method, offload, **kw):
     from longreach.engine.llm import LLM
 
     mem = dict(kv_cache_memory_gb=POOL_GB, kv_offloading_size=0.004) if offload else dict(kv_cache_memory_gb=0.004)
-    if offload == "head":
-        mem["kv_offload_unit"] = "head"
+    if offload:
+        mem["kv_offload_unit"] = "head" if offload == "head" else "page"
     kw.setdefault("cpu_threads", 1)  # bit-for-bit comparisons: the same threads in both engines, whatever the load
     return LLM(path, device="cpu", dtype="float32", attention=method.removesuffix("-box"),
                attention_config=SMALL.get(method),

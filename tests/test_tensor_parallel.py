@@ -246,8 +246,8 @@ SPARSE = {
 # the KV cache offloaded, each rank its own heads' pages. The sizes are per rank: TP=2 gets half of TP=1's host tier
 # (the same pages, of half the heads) and a GPU tier of the same 12 one-layer page slots (of 2 KV heads against 4:
 # 4096 or 2048 bytes, plus 32 of page table each), so slots churn
-OFFLOAD = {1: dict(kv_offloading_size=0.004, kv_cache_memory_gb=12 * (4096 + 32) / 2**30),
-           2: dict(kv_offloading_size=0.002, kv_cache_memory_gb=12 * (2048 + 32) / 2**30)}
+OFFLOAD = {1: dict(kv_offloading_size=0.004, kv_cache_memory_gb=12 * (4096 + 32) / 2**30, kv_offload_unit="page"),
+           2: dict(kv_offloading_size=0.002, kv_cache_memory_gb=12 * (2048 + 32) / 2**30, kv_offload_unit="page")}
 SPARSE["infinitehip+offload"] = ("infinitehip", SPARSE["infinitehip"][1], OFFLOAD)
 # a GPU slot per KV head's page (docs/design-offload-heads.md): each rank's store of its own heads, the stages'
 # probes installed too; pools of 144 head-pages at TP=1 (4 KV heads) and 35 per rank at TP=2 (2 each; the head units'

@@ -31,6 +31,10 @@ tests/test_chunk_box.py, tests/test_quest.py; bf16 at real sizes: tests/gpu/test
     block, or one per block), -inf outside the block's candidates [cand_lo, cand_hi[b]). Two tensor-core dots per
     tile of rows: exact products in fp32 for bf16/fp16 queries and boxes, tf32 for fp32 queries on a bf16/fp16
     store, ieee for fp32 on fp32.
+  * `_box_score_rows_kernel`, grid (query blocks, pairs, tiles of rows): the same scores for a long prefill step,
+    where the first layout re-read every row of a block (in fp32) once per box tile: each program keeps one tile of
+    rows and streams the block's candidate boxes past it, row tiles combined by atomic max; the queries are
+    rounded to a bf16/fp16 store's dtype (bf16 tensor-core dots, where the first layout runs tf32 on fp32 queries).
 Limits: head_dim a power of two in [16, 256]; unit and block_size powers of two.
 """
 from __future__ import annotations
@@ -54,6 +58,11 @@ except ImportError:  # pragma: no cover - CPU installs without Triton use the re
     triton = None
 
 BOX_KINDS = ("cuboid-mean", "minmax")
+# the score kernel's long-prefill layout (`box_scores_triton`): taken from this many (block, pair, 128-row tile)
+# programs; its row tile and box tile
+ROWS_LAYOUT_PROGRAMS = 2048
+ROWS_TILE = 128
+ROWS_BLOCK_C = 64
 
 
 def box_of_keys(keys: torch.Tensor, kind: str, valid: torch.Tensor | None = None) -> torch.Tensor:
@@ -257,6 +266,52 @@ if triton is not None:
         tl.store(Out + b * stride_ob + p * stride_op + c, tl.where(cand, best, float("-inf")), mask=c < width)
 
 
+    @triton.jit
+    def _box_score_rows_kernel(
+        Q, Moved, Pool, Table, CandHi, Out,
+        stride_qf, stride_qb, stride_qr, stride_qh, stride_pr, stride_pf, stride_pk, stride_ph, stride_tb, stride_ob,
+        stride_op, cand_lo, n_rows,
+        HPP: tl.constexpr, PAIRS_PER_KV: tl.constexpr, PER: tl.constexpr, BLOCK_M: tl.constexpr,
+        BLOCK_C: tl.constexpr, HEAD_DIM: tl.constexpr, MOVED: tl.constexpr, DOT_PRECISION: tl.constexpr,
+        ATOMIC: tl.constexpr, LOWP: tl.constexpr,
+    ):
+        """The long-prefill layout of `_box_score_kernel`: a program keeps one tile of BLOCK_M rows (row of the
+        block * HPP + head of the pair) in registers and streams every candidate box past it, so the queries are
+        read once instead of once per box tile. Several row tiles of a block combine by atomic max into Out, which
+        the launcher fills with -inf first. LOWP: queries rounded to the store's dtype (bf16/fp16 tensor-core dots
+        instead of tf32 on fp32 queries)."""
+        b = tl.program_id(0)
+        p = tl.program_id(1)
+        m = tl.program_id(2) * BLOCK_M + tl.arange(0, BLOCK_M)
+        d = tl.arange(0, HEAD_DIM)
+        if MOVED:
+            f = tl.load(Moved + b).to(tl.int64)
+        else:
+            f = 0
+        mok = m < n_rows
+        q = tl.load(Q + f * stride_qf + b * stride_qb + (m // HPP)[:, None] * stride_qr +
+                    (p * HPP + m % HPP)[:, None] * stride_qh + d[None, :], mask=mok[:, None], other=0.0)
+        if LOWP:
+            q = q.to(Pool.dtype.element_ty)
+        qa = tl.abs(q)
+        hi = tl.load(CandHi + b)
+        kv = (p // PAIRS_PER_KV) * stride_ph
+        for c0 in tl.range((cand_lo // BLOCK_C) * BLOCK_C, hi, BLOCK_C):
+            c = c0 + tl.arange(0, BLOCK_C)
+            cand = (c >= cand_lo) & (c < hi)
+            row = tl.load(Table + b * stride_tb + c // PER, mask=cand, other=0).to(tl.int64) * PER + c % PER
+            base = Pool + row[:, None] * stride_pr + f * stride_pf + kv + d[None, :]
+            cen = tl.load(base, mask=cand[:, None], other=0.0).to(q.dtype)  # (BLOCK_C, D)
+            rad = tl.load(base + stride_pk, mask=cand[:, None], other=0.0).to(q.dtype)
+            s = tl.dot(q, tl.trans(cen), input_precision=DOT_PRECISION)
+            s = tl.dot(qa, tl.trans(rad), s, input_precision=DOT_PRECISION)  # (BLOCK_M, BLOCK_C)
+            best = tl.max(tl.where(mok[:, None], s, float("-inf")), axis=0)
+            if ATOMIC:
+                tl.atomic_max(Out + b * stride_ob + p * stride_op + c, best, mask=cand)
+            else:
+                tl.store(Out + b * stride_ob + p * stride_op + c, best, mask=cand)
+
+
 def build_boxes_triton(k_cache, block_tables: torch.Tensor, lens: torch.Tensor, lo: torch.Tensor, hi: torch.Tensor,
                        box_tables: torch.Tensor, pool: torch.Tensor, per: int, unit: int, kind: str, max_units: int,
                        move: tuple[torch.Tensor, int] | None = None) -> None:
@@ -291,9 +346,16 @@ def build_boxes_triton(k_cache, block_tables: torch.Tensor, lens: torch.Tensor, 
 
 def box_scores_triton(q: torch.Tensor, pool: torch.Tensor, tables: torch.Tensor, per: int, cand_lo: int,
                       cand_hi: torch.Tensor, width: int, groups: int, q_moved: torch.Tensor | None = None,
-                      moved: torch.Tensor | None = None, block_c: int = 64) -> torch.Tensor:
+                      moved: torch.Tensor | None = None, block_c: int = 64, rows_tile: int | None = None,
+                      rows_block_c: int | None = None, rows_warps: int | None = None) -> torch.Tensor:
     """`box_scores_reference` as one launch: the boxes read through the table (no gather, no host sync). q in the
-    store's dtype or fp32."""
+    store's dtype or fp32.
+
+    Two layouts: many programs over box tiles, each reading every row (`_box_score_kernel`: decode, short
+    prefill), or, once there are at least ROWS_LAYOUT_PROGRAMS (block, pair, 128-row tile) programs (a long
+    prefill step), tiles of `rows_tile` rows each streaming every box past its rows (`_box_score_rows_kernel`,
+    queries rounded to a bf16/fp16 store's dtype). rows_tile 0 forces the first, a power of two the second;
+    rows_block_c / rows_warps: the second's box tile and warps (defaults ROWS_BLOCK_C, 8 warps at 128+ rows)."""
     if triton is None:
         raise RuntimeError("box_scores_triton needs Triton")
     nb, R, Hq, D = q.shape
@@ -315,6 +377,24 @@ def box_scores_triton(q: torch.Tensor, pool: torch.Tensor, tables: torch.Tensor,
     if nb == 0 or width == 0:
         return out
     rows = R * hpp
+    if rows_tile is None and nb * P * triton.cdiv(rows, 128) >= ROWS_LAYOUT_PROGRAMS:
+        rows_tile = ROWS_TILE
+    if rows_tile:  # a long prefill: queries stationary, boxes streamed (`_box_score_rows_kernel`)
+        block_m = max(16, min(rows_tile, triton.next_power_of_2(rows)))
+        tiles = triton.cdiv(rows, block_m)
+        out.fill_(float("-inf"))
+        lowp = pool.dtype in (torch.bfloat16, torch.float16)
+        _box_score_rows_kernel[(nb, P, tiles)](
+            qq, cand_hi if moved is None else moved.to(torch.int32), pool, tables, cand_hi, out,
+            qq.stride(0), qq.stride(1), qq.stride(2), qq.stride(3), pool.stride(0), pool.stride(1), pool.stride(2),
+            pool.stride(3), tables.stride(0) if tables.dim() == 2 else 0, out.stride(0), out.stride(1),
+            cand_lo, rows,
+            HPP=hpp, PAIRS_PER_KV=P // Hkv, PER=per, BLOCK_M=block_m, BLOCK_C=rows_block_c or ROWS_BLOCK_C,
+            HEAD_DIM=D, MOVED=moved is not None,
+            DOT_PRECISION="ieee" if q.dtype == pool.dtype == torch.float32 else "tf32", ATOMIC=tiles > 1, LOWP=lowp,
+            num_warps=rows_warps or (8 if block_m >= 128 else 4), num_stages=3,
+        )
+        return out
     block_c = min(block_c, max(16, 8192 // D))  # the box tiles (2 x 2 x BLOCK_C x D fp32) fit shared memory at D 256
     _box_score_kernel[(nb, P, triton.cdiv(width, block_c))](
         qq, cand_hi if moved is None else moved.to(torch.int32), pool, tables, cand_hi, out,

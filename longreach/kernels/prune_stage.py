@@ -33,6 +33,11 @@ from ..rope.strategies import (
 )
 from .index_types import head_pairs
 
+# exact scoring's long-prefill layout (`chunk_scores_triton`): taken from this many (block, pair, 128-row tile)
+# programs; its row tile
+EXACT_ROWS_PROGRAMS = 2048
+EXACT_ROWS_TILE = 128
+
 try:
     import triton
     import triton.language as tl
@@ -235,6 +240,22 @@ if triton is not None:
         return best
 
     @triton.jit
+    def _exact_tile(q, rows_ok, K, KH, Slots, bt_base, kv, a, b, valid, from_end, stride_kp, stride_ko, stride_kh,
+                    stride_khp, inv, remap, de_group, CHUNK: tl.constexpr, BLOCK_C: tl.constexpr, PAGE: tl.constexpr,
+                    HEAD_DIM: tl.constexpr, DOT_PRECISION: tl.constexpr, ROPE: tl.constexpr, TIERED: tl.constexpr,
+                    FP8: tl.constexpr):
+        """Exact scores (BLOCK_C,) of a tile of chunks [a, b): every key of every chunk in one gather and one dot
+        against the rows of q, each chunk's best key."""
+        j = tl.arange(0, CHUNK)
+        pos2 = a[:, None] + j[None, :]
+        ok2 = valid[:, None] & (pos2 < b[:, None])
+        fe2 = from_end[:, None] + j[None, :] * 0
+        s = _probe(q, K, KH, Slots, bt_base, kv, tl.reshape(pos2, [BLOCK_C * CHUNK]), tl.reshape(ok2, [BLOCK_C * CHUNK]),
+                   rows_ok, stride_kp, stride_ko, stride_kh, stride_khp, inv, remap, tl.reshape(fe2, [BLOCK_C * CHUNK]),
+                   de_group, PAGE, HEAD_DIM, DOT_PRECISION, ROPE, 1, TIERED, FP8)
+        return tl.max(tl.reshape(s, [BLOCK_C, CHUNK]), axis=1)
+
+    @triton.jit
     def _load_q(Q, rows, heads, ok, stride_qt, stride_qh, qi, length, blk_end, inv, remap, n_window, de_group,
                 HEAD_DIM: tl.constexpr, ROPE: tl.constexpr):
         """Query rows (R, D); with a pruning strategy, rotated to its query position (rope/strategies.prune_query_pos);
@@ -311,15 +332,9 @@ if triton is not None:
                                          DOT_PRECISION, ROPE, TIERED, FP8)
                         best = tl.maximum(best, hs)
                 elif EXACT:  # every key of every chunk in one gather and one dot
-                    j = tl.arange(0, CHUNK)
-                    pos2 = a[:, None] + j[None, :]
-                    ok2 = valid[:, None] & (pos2 < b[:, None])
-                    fe2 = from_end[:, None] + j[None, :] * 0
-                    s = _probe(q_all, K, KH, Slots, BlockTable, kv, tl.reshape(pos2, [BLOCK_C * CHUNK]),
-                               tl.reshape(ok2, [BLOCK_C * CHUNK]), rows_ok, stride_kp, stride_ko, stride_kh, stride_khp,
-                               inv, remap, tl.reshape(fe2, [BLOCK_C * CHUNK]), de_group,
-                               PAGE, HEAD_DIM, DOT_PRECISION, ROPE, 1, TIERED, FP8)
-                    best = tl.max(tl.reshape(s, [BLOCK_C, CHUNK]), axis=1)
+                    best = _exact_tile(q_all, rows_ok, K, KH, Slots, BlockTable, kv, a, b, valid, from_end, stride_kp,
+                                       stride_ko, stride_kh, stride_khp, inv, remap, de_group, CHUNK, BLOCK_C, PAGE,
+                                       HEAD_DIM, DOT_PRECISION, ROPE, TIERED, FP8)
                 else:  # SelectRep shared by the heads of the pair: one gather per probe
                     best = _select_rep(q_all, K, KH, Slots, BlockTable, kv, a, b, valid, rows_ok, stride_kp, stride_ko,
                                        stride_kh, stride_khp, inv, remap, from_end, de_group, N_ITER, PAGE, HEAD_DIM,
@@ -328,16 +343,71 @@ if triton is not None:
                      mask=c < num_chunks)
 
 
+    @triton.jit
+    def _exact_rows_kernel(
+        Q, K, KH, Slots, BlockTable, QbStart, QbLen, CandEnd, Ids, Scores, InvFreq, NChunk,
+        stride_qt, stride_qh, stride_kp, stride_ko, stride_kh, stride_khp,
+        stride_ib, stride_ig, stride_sb, stride_sp, stride_nb,
+        num_chunks, n_sink, n_window, rope_from, de_group,
+        ROPE: tl.constexpr, HPP: tl.constexpr, PAIRS_PER_GROUP: tl.constexpr, PAIR_KV_DIV: tl.constexpr,
+        CHUNK: tl.constexpr, BQ_PAD: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_C: tl.constexpr,
+        HEAD_DIM: tl.constexpr, PAGE: tl.constexpr, DOT_PRECISION: tl.constexpr, TIERED: tl.constexpr,
+        FP8: tl.constexpr, ATOMIC: tl.constexpr,
+    ):
+        """Exact scoring for a long prefill step: a program keeps one tile of BLOCK_M rows (head of the pair *
+        BQ_PAD + row of the block) and streams every candidate chunk of its block past it, so the rows are loaded
+        once per block instead of once per few chunk tiles, and a block's rows may span several programs (combined
+        by atomic max into Scores, which the launcher fills with -inf first)."""
+        qb = tl.program_id(0)
+        pair = tl.program_id(1)
+        group = pair // PAIRS_PER_GROUP
+        kv = pair // PAIR_KV_DIV
+        start = tl.load(QbStart + qb)
+        length = tl.load(QbLen + qb)
+        cand_end = tl.load(CandEnd + qb)
+        d = tl.arange(0, HEAD_DIM)
+        blk_end = cand_end + n_window
+        remap = blk_end - 1 >= rope_from
+        inv = tl.load(InvFreq + d % (HEAD_DIM // 2)) if ROPE != 0 else d * 0.0
+        n_chunk = tl.load(NChunk + qb * stride_nb + group) if ROPE == 2 else 0
+        r = tl.program_id(2) * BLOCK_M + tl.arange(0, BLOCK_M)
+        hh = r // BQ_PAD
+        qi = r % BQ_PAD
+        rows_ok = (hh < HPP) & (qi < length)
+        q = _load_q(Q, start + qi, pair * HPP + hh, rows_ok, stride_qt, stride_qh, qi, length, blk_end, inv, remap,
+                    n_window, de_group, HEAD_DIM, ROPE)
+        for c0 in tl.range(0, num_chunks, BLOCK_C):
+            c = c0 + tl.arange(0, BLOCK_C)
+            ids = tl.load(Ids + qb * stride_ib + group * stride_ig + c, mask=c < num_chunks, other=-1)
+            a = tl.maximum(ids * CHUNK, n_sink)
+            b = tl.minimum((ids + 1) * CHUNK, cand_end)
+            valid = (ids >= 0) & (a < b)
+            if tl.max(valid.to(tl.int32), axis=0) > 0:  # the -1 padding of a larger bucket's variant reads nothing
+                best = _exact_tile(q, rows_ok, K, KH, Slots, BlockTable, kv, a, b, valid, c - (n_chunk - 1),
+                                   stride_kp, stride_ko, stride_kh, stride_khp, inv, remap, de_group, CHUNK, BLOCK_C,
+                                   PAGE, HEAD_DIM, DOT_PRECISION, ROPE, TIERED, FP8)
+                out = Scores + qb * stride_sb + pair * stride_sp + c
+                if ATOMIC:
+                    tl.atomic_max(out, best, mask=valid)
+                else:
+                    tl.store(out, best, mask=valid)
+
+
 def chunk_scores_triton(q: torch.Tensor, k_cache: torch.Tensor, block_table: torch.Tensor, starts: torch.Tensor,
                         lens: torch.Tensor, cand_end: torch.Tensor, ids: torch.Tensor, chunk: int, exact: bool,
                         n_sink: int, groups: int, rep_per_head: bool = True, max_rows: int | None = None,
                         block_c: int | None = None, tiles: int | None = None,
-                        tile_first: bool = False, rope: RopeArgs | None = None) -> torch.Tensor:
+                        tile_first: bool = False, rope: RopeArgs | None = None, rows_tile: int | None = None,
+                        rows_warps: int | None = None) -> torch.Tensor:
     """Triton version of `chunk_scores_reference` reading keys from the paged cache of one sequence.
 
     q (n, H_q, D) the sequence's queries this step; starts/lens (nb,) each block's rows in q; cand_end (nb,);
     ids (nb, G, C) int; block_table (pages,) int32 of the sequence; max_rows: a bound on lens known on the host
     (without it lens is read back, a host sync). Returns (nb, G, C) fp32.
+
+    Exact scoring of multi-row blocks has a second layout for long prefill steps (`_exact_rows_kernel`, taken from
+    EXACT_ROWS_PROGRAMS (block, pair, 128-row tile) programs): tiles of `rows_tile` rows, each streaming its
+    block's candidate chunks (block_c at a time, `rows_warps` warps). rows_tile 0 forces the first layout.
     """
     if triton is None:
         raise RuntimeError("chunk_scores_triton needs Triton")
@@ -367,6 +437,28 @@ def chunk_scores_triton(q: torch.Tensor, k_cache: torch.Tensor, block_table: tor
     tile_rows = bq_pad if per_head else hpp_pad * bq_pad
     if block_c is None:  # the fastest widths on the GPU (docs/kernel-notes.md v2-v4)
         block_c = max(1, 128 // chunk) if exact else (64 if tile_rows <= 64 else 32)
+    mode = PRUNE_CODES[rope.mode] if rope is not None else 0
+    inv_freq = rope.inv_freq.to(device=q.device, dtype=torch.float32) if mode else scores  # unused when mode 0
+    n_chunk = (ids32 >= 0).sum(-1, dtype=torch.int32) if mode == PRUNE_CODES["ci"] else ids32
+    if exact and rows > 1 and rows_tile is None and nb * P * triton.cdiv(tile_rows, 128) >= EXACT_ROWS_PROGRAMS:
+        rows_tile = EXACT_ROWS_TILE
+    if exact and rows > 1 and rows_tile:
+        block_m = max(16, min(rows_tile, tile_rows))
+        n_row_tiles = triton.cdiv(tile_rows, block_m)
+        scores.fill_(float("-inf"))
+        _exact_rows_kernel[(nb, P, n_row_tiles)](
+            q, k_cache, KH, slots, block_table, starts.to(torch.int32), lens.to(torch.int32),
+            cand_end.to(torch.int32), ids32, scores, inv_freq, n_chunk,
+            q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), stride_khp,
+            ids32.stride(0), ids32.stride(1), scores.stride(0), scores.stride(1), n_chunk.stride(0),
+            C, n_sink, rope.n_window if mode else 0, rope.rope_from if mode else 0, rope.group if mode else 1,
+            ROPE=mode, HPP=hpp, PAIRS_PER_GROUP=P // groups,
+            PAIR_KV_DIV=(Hq // Hkv) if groups == Hq and Hq != Hkv else 1, CHUNK=chunk, BQ_PAD=bq_pad,
+            BLOCK_M=block_m, BLOCK_C=block_c, HEAD_DIM=D, PAGE=page,
+            DOT_PRECISION="ieee" if q.dtype == torch.float32 else "tf32", TIERED=tiered, FP8=fp8,
+            ATOMIC=n_row_tiles > 1, num_warps=rows_warps or (8 if block_m >= 128 else 4), num_stages=2,
+        )
+        return scores if P == groups else scores.reshape(nb, groups, P // groups, C).amax(dim=2)
     # exact scoring with plenty of programs (long prefill): each walks 4 chunk tiles so its query tile is loaded once;
     # SelectRep is latency-bound and loses from it, and decode keeps every tile a program of its own (the timings:
     # docs/kernel-notes.md v4)
@@ -374,9 +466,6 @@ def chunk_scores_triton(q: torch.Tensor, k_cache: torch.Tensor, block_table: tor
         tiles = 4 if exact and rows > 1 and nb * P * triton.cdiv(C, block_c) >= 8192 else 1
     n_tiles = triton.cdiv(C, block_c * tiles)
     grid = (n_tiles, P, nb) if tile_first else (nb, P, n_tiles)
-    mode = PRUNE_CODES[rope.mode] if rope is not None else 0
-    inv_freq = rope.inv_freq.to(device=q.device, dtype=torch.float32) if mode else scores  # unused when mode 0
-    n_chunk = (ids32 >= 0).sum(-1, dtype=torch.int32) if mode == PRUNE_CODES["ci"] else ids32
     _chunk_score_kernel[grid](
         q, k_cache, KH, slots, block_table, starts.to(torch.int32), lens.to(torch.int32), cand_end.to(torch.int32),
         ids32, scores, inv_freq, n_chunk,

@@ -179,6 +179,11 @@ def build_offloaded_cache(cfg, mc, kv_dtype: torch.dtype, device: torch.device, 
             f"kv_offloading_size={cfg.kv_offloading_size} GiB holds {host_pages * bs} tokens, fewer than "
             f"max_model_len={cfg.max_model_len} ({longest * per_page / GiB:.2f} GiB at {per_page // bs} bytes per "
             "token); raise --kv-offloading-size or lower --max-model-len")
+    available = host_memory_available()
+    if available is not None and host_pages * per_page > 0.9 * available:
+        raise ValueError(f"kv_offloading_size={cfg.kv_offloading_size} GiB does not fit the host: "
+                         f"{available / GiB:.1f} GiB of memory is available; lower --kv-offloading-size (it needs "
+                         f"{longest * per_page / GiB:.2f} GiB for max_model_len={cfg.max_model_len})")
     staging = longest + -(-cfg.max_num_batched_tokens // bs) + 1
     unit = cfg.kv_offload_unit
     units = H if unit == "head" else 1
@@ -195,13 +200,9 @@ def build_offloaded_cache(cfg, mc, kv_dtype: torch.dtype, device: torch.device, 
         budget = min(gpu_budget - ring_bytes - table_bytes, host_pages * per_page)
     slots = int(budget // (per_slot + 32))  # + the page table's share per slot (int32 entry, owner, stamp)
     if slots < 1:
-        raise ValueError(f"the GPU page cache gets {budget / GiB:.2f} GiB, less than one page; raise "
-                         "--kv-cache-memory-gb or --gpu-memory-utilization")
-    available = host_memory_available()
-    if available is not None and host_pages * per_page > 0.9 * available:
-        raise ValueError(f"kv_offloading_size={cfg.kv_offloading_size} GiB does not fit the host: "
-                         f"{available / GiB:.1f} GiB of memory is available; lower --kv-offloading-size (it needs "
-                         f"{longest * per_page / GiB:.2f} GiB for max_model_len={cfg.max_model_len})")
+        table = f" after the per-head page table's {table_bytes / GiB:.2f} GiB" if table_bytes else ""
+        raise ValueError(f"the GPU page cache gets {budget / GiB:.2f} GiB{table}, less than one page; raise "
+                         "--kv-cache-memory-gb or --gpu-memory-utilization, or lower --kv-offloading-size")
     blocks = BlockManager(host_pages, bs, num_slots=ring_slots or None)
     try:
         store = OffloadedKVCache(L, host_pages + 1, slots, bs, H, D, kv_dtype, device, staging_pages=staging,

@@ -32,7 +32,7 @@ def test_offload_kernels(detail):
         tables = torch.zeros(2, max(need), dtype=torch.int32, device=dev)
         tables[0, :need[0]], tables[1, :need[1]] = perm[:need[0]], perm[need[0]:need[0] + need[1]]
         for units in (1, Hkv):  # a slot per page, per KV head's page
-            _check_tiered(kc, vc, *two_tier(kc, vc, 0.3, g, units), tables, L, dtype, units, g)
+            _check_tiered(kc, vc, *two_tier(kc, vc, 0.3, g, units), tables, L, dtype, units, g, D)
         rows.append(str(dtype).replace("torch.", ""))
         # copy kernels: host pages -> GPU, GPU rows -> host
         src = kc.cpu().pin_memory()
@@ -54,15 +54,16 @@ def test_offload_kernels(detail):
            "slots of a page and of one KV head's page; copy kernels exact; graph replay follows the page table")
 
 
-def _check_tiered(kc, vc, kt, vt, tables, L, dtype, units, g):
-    """bsa (decode and prefill), and in bf16 paged decode and chunk scoring: tiered == one tier, bit for bit."""
+def _check_tiered(kc, vc, kt, vt, tables, L, dtype, units, g, D):
+    """bsa (decode and prefill), and in bf16 paged decode and chunk scoring: tiered == one tier, bit for bit. D: the
+    head dim (an fp8 cache's rows are wider: D values and their scale)."""
     from longreach.attention.index import QueryBlocks, SparseIndex
     from longreach.kernels.bsa import block_sparse_attention_triton
     from longreach.kernels.paged_decode import paged_decode
     from longreach.kernels.prune_stage import chunk_scores_triton
 
     dev = "cuda"
-    Hq, Hkv, D = 32, kc.shape[2], kc.shape[3]
+    Hq, Hkv = 32, kc.shape[2]
     for decode in (True, False):
         lens_q = [1, 1] if decode else [64, 200]
         ctx = [x - q for x, q in zip(L, lens_q)]
