@@ -87,6 +87,8 @@
 #                                           # last 4 steps profiled (where the sparse step's fixed cost goes; issue 31)
 #   bash scripts/device_runs.sh tp3m        # no model, two H200s: the 8B shape at 3M, fp8 KV, TP=2, no offload (20+
 #                                           # min: start it detached, see the group)
+#   bash scripts/device_runs.sh scoresweep  # no model, one GPU: the scoring kernels' layouts timed at the 1M prefill's
+#                                           # shape (scripts/score_kernels_sweep.py), then their GPU tests
 #   bash scripts/device_runs.sh units128k   # no model, one GPU: tests/gpu's offload kernel check (slots of a page and
 #                                           # of a KV head's page), then bench decode at 128K, 8B shape, fp8 offloaded
 #                                           # to a 1 GiB pool, --kv-offload-unit page then head (issue 31's installs)
@@ -251,6 +253,11 @@ prefill1m8b)  # issue 31: where the default's 1M prefill goes (8B shape, fp8 + o
     run prefill_1m_8b 580 $bd --kv-offloading-size 76 --lengths 1M --attention infinitehip --dense-lengths \
         --decode-tokens 48 --profile-prefill-steps 2 --profile-prefill-at 0.85 --profile-steps 4 \
         --out "$out/bench-decode-1m-prefill-profile-8b.json" ;;
+scoresweep)  # issue 31's prefill: the stage scoring kernels' two layouts at the 1M profile's shape
+    # (scripts/score_kernels_sweep.py), then their GPU checks (bf16, real sizes) and the offload kernels' (fp8 too)
+    run score_sweep 300 python3 scripts/score_kernels_sweep.py "$out/score-kernels-sweep.json"
+    gpu_tests gpu_check_scoring 280 tests/gpu/test_kernels.py tests/gpu/test_box.py tests/gpu/test_offload.py \
+        -k "chunk_scores or box_kernels or offload_kernels" ;;
 units128k)  # issue 31: a slot per page vs per KV head's page (docs/design-offload-heads.md), same command otherwise
     gpu_tests gpu_check_offload_kernels 240 tests/gpu/test_offload.py -k kernels
     for unit in page head; do
