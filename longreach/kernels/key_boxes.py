@@ -61,7 +61,7 @@ BOX_KINDS = ("cuboid-mean", "minmax")
 # the score kernel's long-prefill layout (`box_scores_triton`): taken from this many (block, pair, 128-row tile)
 # programs; its row tile and box tile
 ROWS_LAYOUT_PROGRAMS = 2048
-ROWS_TILE = 128
+ROWS_TILE = 256
 ROWS_BLOCK_C = 64
 
 

@@ -36,7 +36,7 @@ from .index_types import head_pairs
 # exact scoring's long-prefill layout (`chunk_scores_triton`): taken from this many (block, pair, 128-row tile)
 # programs; its row tile
 EXACT_ROWS_PROGRAMS = 2048
-EXACT_ROWS_TILE = 128
+EXACT_ROWS_TILE = 256
 
 try:
     import triton
