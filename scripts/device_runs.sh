@@ -261,7 +261,7 @@ scoresweep)  # issue 31's prefill: the stage scoring kernels' two layouts at the
 asynccheck)  # needs the model: the offloaded engine on the GPU (SmolLM2 128K, bit for bit, head slots with probe
     # installs on the side stream), then the default's 1M run with its profiles (prefill1m8b's command)
     gpu_tests gpu_check_offload_engine 240 tests/gpu/test_offload.py -k engine --gpu-model "$model"
-    run prefill_1m_8b 340 $bd --kv-offloading-size 76 --lengths 1M --attention infinitehip --dense-lengths \
+    run prefill_1m_8b 400 $bd --kv-offloading-size 76 --lengths 1M --attention infinitehip --dense-lengths \
         --decode-tokens 48 --profile-prefill-steps 2 --profile-prefill-at 0.85 --profile-steps 4 \
         --out "$out/bench-decode-1m-prefill-profile-8b.json" ;;
 units128k)  # issue 31: a slot per page vs per KV head's page (docs/design-offload-heads.md), same command otherwise
