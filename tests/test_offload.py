@@ -285,23 +285,16 @@ def tiny(tmp_path_factory):
 
 
 def _llm(path, method, offload, **kw):
-    """offload: False (one tier), True or "page" (a slot per page), "head" (a slot per KV head's page), "head-late"
-    (head units whose probe installs land 2 steps late: the GPU's side-stream copies emulated, OffloadedKVCache's
-    CPU_LAG)."""
+    """offload: False (one tier), True or "page" (a slot per page), "head" (a slot per KV head's page)."""
     from longreach.engine.llm import LLM
 
-    # head-late: a pool with room for the probes beside the attention's reads (with POOL_GB those fill it)
-    pool = POOL_GB * (1.5 if offload == "head-late" else 1)
-    mem = dict(kv_cache_memory_gb=pool, kv_offloading_size=0.004) if offload else dict(kv_cache_memory_gb=0.004)
+    mem = dict(kv_cache_memory_gb=POOL_GB, kv_offloading_size=0.004) if offload else dict(kv_cache_memory_gb=0.004)
     if offload:
-        mem["kv_offload_unit"] = "head" if str(offload).startswith("head") else "page"
+        mem["kv_offload_unit"] = "head" if offload == "head" else "page"
     kw.setdefault("cpu_threads", 1)  # bit-for-bit comparisons: the same threads in both engines, whatever the load
-    OffloadedKVCache.CPU_LAG = 2 if offload == "head-late" else None
-    try:
-        return LLM(path, device="cpu", dtype="float32", attention=method.removesuffix("-box"),
-                   attention_config=SMALL.get(method), max_num_batched_tokens=48, **mem, **kw)
-    finally:
-        OffloadedKVCache.CPU_LAG = None
+    return LLM(path, device="cpu", dtype="float32", attention=method.removesuffix("-box"),
+               attention_config=SMALL.get(method),
+               max_num_batched_tokens=48, **mem, **kw)
 
 
 def _record_logits(llm):
@@ -318,9 +311,8 @@ def _record_logits(llm):
     return seen
 
 
-@pytest.mark.parametrize("method, unit", [(m, u) for m in ("infinitehip", "infinitehip-box", "hip", "streaming",
-                                                             "quest", "dense") for u in ("page", "head")]
-                         + [("infinitehip", "head-late"), ("infinitehip-box", "head-late")])  # the methods with probes
+@pytest.mark.parametrize("unit", ["page", "head"])
+@pytest.mark.parametrize("method", ["infinitehip", "infinitehip-box", "hip", "streaming", "quest", "dense"])
 def test_offloaded_engine_gives_the_same_tokens_and_logits_bit_for_bit(tiny, method, unit):
     """Batch of two prompts of different lengths, chunked prefill (48-token chunks), 12 GPU slots for 3 layers x up
     to 10 pages: every logit of every step equals the one-tier run exactly, and the store stays consistent."""
@@ -350,11 +342,9 @@ def test_offloaded_engine_gives_the_same_tokens_and_logits_bit_for_bit(tiny, met
     if method != "dense":  # dense reads pass through the host tier uncached
         assert stats["pages_missed"] > 0 and stats["pages_hit"] > 0 and stats["pages_evicted"] > 0
         assert outs[0].metrics.kv_pages_missed > 0 and stats["bytes_h2d"] > 0
-    # probe installs on the side: infinitehip's stages report probes; copies landing late leave every logit as is
-    assert (stats["pages_installed_aside"] > 0) == (unit == "head-late" and method.startswith("infinitehip"))
 
 
-@pytest.mark.parametrize("unit", ["page", "head", "head-late"])
+@pytest.mark.parametrize("unit", ["page", "head"])
 @pytest.mark.parametrize("method", ["infinitehip", "infinitehip-box"])
 def test_offloaded_graph_decode_path_equals_eager_one_tier(tiny, method, unit):
     """The static-buffer decode path that CUDA graphs capture, with offloading (emulated on CPU); with a box stage 0

@@ -87,4 +87,4 @@ def resident_occupancy(blocks) -> dict:
     used = blocks.num_blocks - blocks.num_free_blocks
     return {"offload": False, "gpu_pages_total": blocks.num_blocks, "gpu_pages_used": used, "host_pages_total": 0,
             "host_pages_used": 0, "pages_hit": 0, "pages_missed": 0, "pages_evicted": 0, "pages_installed": 0,
-            "bytes_h2d": 0, "pages_installed_aside": 0}
+            "bytes_h2d": 0}

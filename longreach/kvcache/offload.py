@@ -26,15 +26,6 @@ Design (docs/offload.md has the byte budgets and the measurements):
     through uncached, and so do the pruning stages' probes with page units (a stage-0 SelectRep refresh touches a few
     keys of every chunk of the context and would flush the pool for one use); with head units infinitehip's
     chunk-scored stages report their probes (`PageReads.probe`) and those head-pages are installed too.
-  * **Probe installs overlap decode** (head units on a GPU): the probes' misses (the stages' candidates: complete
-    pages before every query's window, never written while allocated) are copied on a side stream while the next
-    steps run. Two tables make that safe: `slot_book`, the bookkeeping (hit or miss, owner), updated at once, and
-    `slot_of`, what kernels read, where the side stream publishes a page only after its copy; until then kernels
-    read it from the host. A slot whose copy is in flight (`busy`) is no victim until its copy is seen done, and
-    `free_pages` and `check_integrity` wait for every copy. The attention's misses (sink, window, selected blocks:
-    the window's page is being written) install at once as before. After a stage-0 refresh the new candidates'
-    pages (~1.8 GB at 1M on the 8B shape) were copied inside the step: a step of ~100 ms every 8 where the others
-    take ~10 ms (docs/benchmarks.md).
   * **Prefill** reads the prefix from a GPU staging area: per layer, the batch's pages are gathered from the host
     tier in one copy (model_runner.py), then the ordinary kernels run on it. The area exists only while prefill work
     is pending: the first decode step releases it (`release_staging`) and the next prefill step allocates it again.
@@ -85,59 +76,8 @@ def pinned_empty(shape: tuple, dtype: torch.dtype, owner: object) -> torch.Tenso
 UNITS = ("page", "head")  # what one GPU slot holds: a page of every KV head, or of one
 
 
-class SideCopies:
-    """Where asynchronous installs run: a CUDA side stream that waits for the main stream's work so far, or, on a
-    CPU (`lag` end_steps later, tests), a queue run between steps, which a GPU's copy may equal at worst."""
-
-    def __init__(self, device: torch.device, lag: int = 0):
-        self.stream = torch.cuda.Stream(device) if device.type == "cuda" else None
-        self.lag, self.queue = lag, []  # CPU: [steps left, work, token]
-
-    def run(self, work, tensors: tuple) -> object:
-        """Start `work()` after everything issued so far; returns a token for `done`."""
-        if self.stream is None:
-            token = [False]
-            self.queue.append([self.lag, work, token])
-            return token
-        start = torch.cuda.Event()
-        start.record()
-        with torch.cuda.stream(self.stream):
-            self.stream.wait_event(start)
-            work()
-            done = torch.cuda.Event()
-            done.record(self.stream)
-        for t in tensors:  # allocated on the main stream, used on the side one
-            t.record_stream(self.stream)
-        return done
-
-    def tick(self) -> None:
-        """A step has ended (CPU: run what is due)."""
-        for item in self.queue:
-            item[0] -= 1
-        while self.queue and self.queue[0][0] < 0:
-            _, work, token = self.queue.pop(0)
-            work()
-            token[0] = True
-
-    def done(self, token) -> bool:
-        return token[0] if isinstance(token, list) else token.query()
-
-    def flush(self) -> None:
-        """Everything started has finished before the main stream's next work."""
-        if self.stream is None:
-            while self.queue:
-                _, work, token = self.queue.pop(0)
-                work()
-                token[0] = True
-        else:
-            torch.cuda.current_stream().wait_stream(self.stream)
-
-
 class OffloadedKVCache:
     wants_reads = True  # it installs on the GPU the pages decode attention read (`record_reads`, `end_step`)
-    # probe installs on a side stream (module docstring): on with head units on a GPU; CPU_LAG: on a CPU too, each
-    # copy published that many steps late (tests emulate the GPU's overlap with it); None: off on a CPU
-    CPU_LAG: int | None = None
     window, window_layers = None, frozenset()  # no ring of sliding-window layers here (kvcache/window.py wraps one)
 
     def __init__(self, num_layers: int, num_pages: int, num_slots: int, block_size: int, num_kv_heads: int,
@@ -163,20 +103,13 @@ class OffloadedKVCache:
         # units read by this step's attention, flat ((layer * P + page) * U + head), plus one trash entry for
         # masked-out reads
         self.wanted = torch.zeros(L * P * U + 1, dtype=torch.bool, device=device)
-        side = U > 1 and (device.type == "cuda" or self.CPU_LAG is not None)
-        self.side = SideCopies(device, self.CPU_LAG or 0) if side else None
-        # with side copies: the stages' probes, installed on the side; the bookkeeping's table; slots in flight
-        self.wanted_probe = torch.zeros_like(self.wanted) if side else self.wanted
-        self.slot_book = self.slot_of.clone() if side else self.slot_of
-        self.busy = torch.zeros(S, dtype=torch.bool, device=device)
-        self._inflight: list = []  # (token, victims)
         self.page_elems = block_size * H * row  # one page of one layer's K (or V), every head
         self.slot_elems = self.page_elems // U  # what one slot holds of K (or V)
         self.staging_pages = staging_pages  # capacity of the prefill staging area (allocated on first use)
         self._staging: torch.Tensor | None = None
         self.step = 0
         self.counters = {"pages_hit": 0, "pages_missed": 0, "pages_evicted": 0, "pages_installed": 0,
-                         "bytes_h2d": 0, "pages_installed_aside": 0}  # aside: of the installed, on the side stream
+                         "bytes_h2d": 0}
 
     @staticmethod
     def bytes_per_page(num_layers: int, block_size: int, num_kv_heads: int, head_dim: int, dtype: torch.dtype) -> int:
@@ -197,10 +130,8 @@ class OffloadedKVCache:
     @property
     def nbytes(self) -> int:
         """GPU bytes: the pool and the page-table arrays."""
-        side = self.side is not None  # the bookkeeping's table and the probes' marks
-        return (self.pool.numel() * self.pool.element_size() + self.slot_of.numel() * 4 * (1 + side)
-                + (self.owner.numel() + self.stamp.numel()) * 8 + self.wanted.numel() * (1 + side)
-                + self.busy.numel())
+        return (self.pool.numel() * self.pool.element_size() + self.slot_of.numel() * 4
+                + (self.owner.numel() + self.stamp.numel()) * 8 + self.wanted.numel())
 
     @property
     def host_nbytes(self) -> int:
@@ -306,8 +237,7 @@ class OffloadedKVCache:
         st = self.stats()
         return {"offload": True, "gpu_pages_total": st["gpu_slots_total"], "gpu_pages_used": st["gpu_slots_used"],
                 "host_pages_total": blocks.num_blocks, "host_pages_used": blocks.num_blocks - blocks.num_free_blocks,
-                **{k: st[k] for k in ("pages_hit", "pages_missed", "pages_evicted", "pages_installed", "bytes_h2d",
-                                      "pages_installed_aside")}}
+                **{k: st[k] for k in ("pages_hit", "pages_missed", "pages_evicted", "pages_installed", "bytes_h2d")}}
 
     # ---- decode: what attention read, installs after the step --------------------------------------------------------
     def record_reads(self, reads: PageReads) -> None:
@@ -319,25 +249,23 @@ class OffloadedKVCache:
         if r.probe and self.units == 1:
             return
         self.note_reads(r.layer, r.block_tables, r.seq, r.first, r.last, r.max_rows, r.blocks, r.block_k, r.n_sink,
-                        r.n_window, self.wanted_probe if r.probe else self.wanted)
+                        r.n_window)
 
     def note_reads(self, layer: int, block_tables: torch.Tensor, seq: torch.Tensor, first: torch.Tensor,
                    last: torch.Tensor, max_rows: int, blocks: torch.Tensor, block_k: int, n_sink: int,
-                   n_window: int, wanted: torch.Tensor | None = None) -> None:
+                   n_window: int) -> None:
         """Record the pages that block-sparse attention reads in `layer` (device ops, no host sync: graph-capturable).
 
         Per query block: seq (nb,) its row of block_tables (B, W); first / last (nb,) the positions of its first and
         last query (last - first < max_rows); blocks (nb, G, K) the selected key blocks of block_k tokens (-1
-        padded). The block also reads keys [0, n_sink) and its window [first - n_window + 1, last]. `wanted`: the
-        marks to set (default the attention's; `wanted_probe` for a stage's probes)."""
-        wanted = self.wanted if wanted is None else wanted
-        bs, dev = self.block_size, wanted.device
+        padded). The block also reads keys [0, n_sink) and its window [first - n_window + 1, last]."""
+        bs, dev = self.block_size, self.wanted.device
         nb = seq.shape[0]
         if nb == 0:
             return
         U = self.units
         if use_triton(dev):  # one kernel instead of ~25 small ops (kernels/page_reads.py)
-            return page_reads.mark_reads(wanted, layer, self.num_pages, block_tables.to(dev), seq.to(dev),
+            return page_reads.mark_reads(self.wanted, layer, self.num_pages, block_tables.to(dev), seq.to(dev),
                                          first.to(dev), last.to(dev), max_rows, blocks.to(dev), block_k, bs, n_sink,
                                          n_window, units=U)
         seq, first, last = seq.long().to(dev), first.long().to(dev), last.long().to(dev)
@@ -374,96 +302,57 @@ class OffloadedKVCache:
             use = ok[:, :, None] & (j < count[:, None])[None]
             unit = (layer * self.num_pages + phys)[:, :, None] * U + head[None].clamp(max=U - 1)
             idx = torch.where(use, unit, trash)
-        wanted.index_fill_(0, idx.reshape(-1), True)
+        self.wanted.index_fill_(0, idx.reshape(-1), True)
 
     def end_step(self) -> dict:
-        """After a decode step: stamp the hits, install the misses (LRU victims), the probes' on the side stream when
-        there is one. Returns this step's counts."""
-        side = self.side
-        if side is not None:
-            side.tick()
-            while self._inflight and side.done(self._inflight[0][0]):  # copies seen done: their slots may go
-                self.busy[self._inflight.pop(0)[1]] = False
+        """After a decode step: stamp the hits, install the misses (LRU victims). Returns this step's counts."""
         self.wanted[-1] = False
         ids = self.wanted.nonzero().squeeze(1)  # a host sync: the step's logits are read right after anyway
+        if ids.numel() == 0:
+            self.step += 1
+            return {"hit": 0, "missed": 0, "evicted": 0, "installed": 0}
         self.wanted[ids] = False
-        probe = torch.zeros(0, dtype=torch.long, device=ids.device)
-        if side is not None:
-            self.wanted_probe[-1] = False
-            self.wanted_probe[ids] = False  # read by the attention too: installed with its reads
-            probe = self.wanted_probe.nonzero().squeeze(1)
-            self.wanted_probe[probe] = False
-        counts, aside = {"hit": 0, "missed": 0, "evicted": 0, "installed": 0}, 0
-        for units, later in ((ids, False), (probe, True)):
-            if units.numel() == 0:
-                continue
-            slots = self.slot_book.view(-1)[units]
-            hit = slots >= 0  # a page whose copy is in flight is booked: a hit, read from the host until it lands
-            self.stamp[slots[hit].long()] = self.step
-            miss = units[~hit]
-            evicted, installed = self._install(miss, later) if miss.numel() else (0, 0)
-            counts["hit"] += units.numel() - miss.numel()
-            counts["missed"] += miss.numel()
-            counts["evicted"] += evicted
-            counts["installed"] += installed
-            aside += installed if later and self.side is not None else 0
+        slots = self.slot_of.view(-1)[ids]
+        hit = slots >= 0
+        self.stamp[slots[hit].long()] = self.step
+        miss = ids[~hit]
+        n_hit, n_miss = ids.numel() - miss.numel(), miss.numel()
+        evicted, installed = self._install(miss) if n_miss else (0, 0)
         c = self.counters
-        for name in counts:
-            c[f"pages_{name}"] += counts[name]
-        c["pages_installed_aside"] += aside
-        c["bytes_h2d"] += counts["installed"] * self.slot_nbytes
+        c["pages_hit"] += n_hit
+        c["pages_missed"] += n_miss
+        c["pages_evicted"] += evicted
+        c["pages_installed"] += installed
+        c["bytes_h2d"] += installed * self.slot_nbytes
         self.step += 1
-        return counts
+        return {"hit": n_hit, "missed": n_miss, "evicted": evicted, "installed": installed}
 
-    def _install(self, miss: torch.Tensor, later: bool = False) -> tuple[int, int]:
+    def _install(self, miss: torch.Tensor) -> tuple[int, int]:
         """Copy the missed (layer * P + page) ids into free or least-recently-used slots, never a slot read in this
-        step nor one whose copy is in flight (if those fill the pool, the rest stay on the host and are read from
-        there). `later`: on the side stream, published to the kernels' table when copied."""
-        free = (self.stamp != self.step) & ~self.busy
-        key = torch.where(free, self.stamp, torch.iinfo(torch.long).max)
-        k = min(miss.numel(), int(free.sum()))
+        step (if the step's own pages fill the pool, the rest stay on the host and are read from there)."""
+        key = torch.where(self.stamp == self.step, torch.iinfo(torch.long).max, self.stamp)
+        room = int((self.stamp != self.step).sum())
+        k = min(miss.numel(), room)
         if k == 0:
             return 0, 0
         victims = torch.topk(key, k, largest=False).indices  # free slots (stamp -1) first, then the oldest
         miss = miss[:k]
         old = self.owner[victims]
         gone = old[old >= 0]
-        self.slot_book.view(-1)[gone] = -1
-        if self.slot_of is not self.slot_book:
-            self.slot_of.view(-1)[gone] = -1  # published before: nothing in flight is a victim
+        self.slot_of.view(-1)[gone] = -1
         PU = self.num_pages * self.units  # units per layer; a unit's chunk at home: ((layer * 2 + kv) * PU + unit)
         layer, unit = miss // PU, miss % PU
         src = torch.cat([(layer * 2) * PU + unit, (layer * 2 + 1) * PU + unit])
-        dst = torch.cat([victims * 2, victims * 2 + 1])
-        slot32 = victims.to(torch.int32)
-        self.slot_book.view(-1)[miss] = slot32
+        copy_chunks(self.host, src, self.pool, torch.cat([victims * 2, victims * 2 + 1]), self.slot_elems)
+        self.slot_of.view(-1)[miss] = victims.to(torch.int32)
         self.owner[victims] = miss
         self.stamp[victims] = self.step
-
-        def copy():
-            copy_chunks(self.host, src, self.pool, dst, self.slot_elems)
-            if self.slot_of is not self.slot_book:
-                self.slot_of.view(-1)[miss] = slot32
-
-        if later and self.side is not None:
-            self.busy[victims] = True
-            self._inflight.append((self.side.run(copy, (src, dst, miss, slot32)), victims))
-        else:
-            copy()
         return gone.numel(), k
-
-    def settle(self) -> None:
-        """Wait for every copy in flight (the kernels' table then equals the bookkeeping's)."""
-        if self.side is not None and self._inflight:
-            self.side.flush()
-            self.busy.zero_()
-            self._inflight.clear()
 
     def free_pages(self, pages: list[int]) -> None:
         """Pages returned to the block manager (a finished or preempted sequence): drop their slots."""
         if not pages:
             return
-        self.settle()  # a freed page may be written by its next owner: no copy of it may land later
         p = torch.tensor(pages, dtype=torch.long, device=self.slot_of.device)
         ids = (torch.arange(self.num_layers, device=p.device)[:, None] * self.num_pages + p[None, :]).reshape(-1)
         if self.units > 1:
@@ -473,8 +362,6 @@ class OffloadedKVCache:
         self.owner[slots] = -1
         self.stamp[slots] = -1
         self.slot_of.view(-1)[ids] = -1
-        if self.slot_book is not self.slot_of:
-            self.slot_book.view(-1)[ids] = -1
 
     # ---- introspection ---------------------------------------------------------------------------------------------
     def stats(self) -> dict:
@@ -483,11 +370,7 @@ class OffloadedKVCache:
 
     def check_integrity(self) -> None:
         """The page table and its inverse agree, every resident page's slot holds exactly its host bytes (nothing
-        was lost or mixed up), and nothing is marked read between steps. Waits for the copies in flight. Raises
-        AssertionError."""
-        self.settle()
-        if not torch.equal(self.slot_book, self.slot_of):
-            raise AssertionError("the bookkeeping's page table differs from the kernels' with no copy in flight")
+        was lost or mixed up), and nothing is marked read between steps. Raises AssertionError."""
         owner = self.owner.cpu()
         table = self.slot_of.view(-1).cpu()
         res = (table >= 0).nonzero().squeeze(1)
@@ -500,7 +383,7 @@ class OffloadedKVCache:
         held = (owner >= 0).nonzero().squeeze(1)
         if not bool((table[owner[held]] == held.to(torch.int32)).all()):
             raise AssertionError("a slot claims a page whose table entry points elsewhere")
-        if bool(self.wanted.any()) or bool(self.wanted_probe.any()):
+        if bool(self.wanted.any()):
             raise AssertionError("reads are marked outside a step")
         P, U = self.num_pages, self.units
         pool = self.pool.cpu()
