@@ -258,8 +258,8 @@ scoresweep)  # issue 31's prefill: the stage scoring kernels' two layouts at the
     run score_sweep 300 python3 scripts/score_kernels_sweep.py "$out/score-kernels-sweep.json"
     gpu_tests gpu_check_scoring 280 tests/gpu/test_kernels.py tests/gpu/test_box.py tests/gpu/test_offload.py \
         -k "chunk_scores or box_kernels or offload_kernels" ;;
-asynccheck)  # needs the model: the offloaded engine on the GPU (SmolLM2 128K, bit for bit, head slots with probe
-    # installs on the side stream), then the default's 1M run with its profiles (prefill1m8b's command)
+offloadcheck)  # needs the model: the offloaded engine on the GPU (SmolLM2 128K, bit for bit, page and head slots),
+    # then the default's 1M run with its profiles (prefill1m8b's command)
     gpu_tests gpu_check_offload_engine 240 tests/gpu/test_offload.py -k engine --gpu-model "$model"
     run prefill_1m_8b 400 $bd --kv-offloading-size 76 --lengths 1M --attention infinitehip --dense-lengths \
         --decode-tokens 48 --profile-prefill-steps 2 --profile-prefill-at 0.85 --profile-steps 4 \

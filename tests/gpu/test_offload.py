@@ -128,9 +128,8 @@ def _check_graph_replay():
 
 def test_offload_engine(gpu_model, detail):
     """SmolLM2 at 128K tokens with infinitehip: offloaded (GPU pool = 1/8 of the KV) == not offloaded, greedy tokens
-    and prompt logits bit for bit, with a slot per page and per KV head's page (the default; the stages' probes
-    installed on a side stream while decode goes on); hit ratio, installed bytes and decode tok/s of each; fp8
-    offloaded beside them."""
+    and prompt logits bit for bit, with a slot per page and per KV head's page (the default); hit ratio, installed
+    bytes and decode tok/s of each; fp8 offloaded beside them."""
     from longreach import LLM, SamplingParams
 
     length = 131072
@@ -181,7 +180,4 @@ def test_offload_engine(gpu_model, detail):
            f"{a['prefill_s']:.2f} s -> {b['prefill_s']:.2f} s, decode {a['tok_s']:.1f} -> {b['tok_s']:.1f} tok/s, "
            f"hit ratio {hit:.3f}, installed {b['stats']['pages_installed']} pages "
            f"({b['stats']['bytes_h2d'] / 1e9:.2f} GB); head slots: equal too, {h['tok_s']:.1f} tok/s, hit ratio "
-           f"{h_hit:.3f}, installed {h['stats']['pages_installed']} head-pages ({h['stats']['bytes_h2d'] / 1e9:.2f} GB, "
-           f"{h['stats']['pages_installed_aside']} of them on the side stream)")
-    if h["stats"]["pages_installed_aside"] == 0:
-        raise AssertionError("head slots installed no probe on the side stream: the overlap was not exercised")
+           f"{h_hit:.3f}, installed {h['stats']['pages_installed']} head-pages ({h['stats']['bytes_h2d'] / 1e9:.2f} GB)")
