@@ -258,6 +258,10 @@ scoresweep)  # issue 31's prefill: the stage scoring kernels' two layouts at the
     run score_sweep 300 python3 scripts/score_kernels_sweep.py "$out/score-kernels-sweep.json"
     gpu_tests gpu_check_scoring 280 tests/gpu/test_kernels.py tests/gpu/test_box.py tests/gpu/test_offload.py \
         -k "chunk_scores or box_kernels or offload_kernels" ;;
+refresh1m)  # issue 31: the default's 1M decode with a stage-0 refresh step among the 4 profiled (steps 37-40;
+    # the schedule (8, 4, 1) refreshes stage 0 at every 8th step): what the ~100 ms refresh steps spend
+    run refresh_1m_8b 420 $bd --kv-offloading-size 76 --lengths 1M --attention infinitehip --dense-lengths \
+        --decode-tokens 42 --profile-steps 4 --out "$out/bench-decode-1m-refresh-profile-8b.json" ;;
 offloadcheck)  # needs the model: the offloaded engine on the GPU (SmolLM2 128K, bit for bit, page and head slots),
     # then the default's 1M run with its profiles (prefill1m8b's command)
     gpu_tests gpu_check_offload_engine 240 tests/gpu/test_offload.py -k engine --gpu-model "$model"
