@@ -262,6 +262,8 @@ refresh1m)  # issue 31: the default's 1M decode with a stage-0 refresh step amon
     # the schedule (8, 4, 1) refreshes stage 0 at every 8th step): what the ~100 ms refresh steps spend
     run refresh_1m_8b 420 $bd --kv-offloading-size 76 --lengths 1M --attention infinitehip --dense-lengths \
         --decode-tokens 42 --profile-steps 4 --out "$out/bench-decode-1m-refresh-profile-8b.json" ;;
+offloadengine)  # needs the model: tests/gpu/test_offload.py's engine test alone (SmolLM2 128K, page and head slots)
+    gpu_tests gpu_check_offload_engine 300 tests/gpu/test_offload.py -k engine --gpu-model "$model" ;;
 offloadcheck)  # needs the model: the offloaded engine on the GPU (SmolLM2 128K, bit for bit, page and head slots),
     # then the default's 1M run with its profiles (prefill1m8b's command)
     gpu_tests gpu_check_offload_engine 240 tests/gpu/test_offload.py -k engine --gpu-model "$model"
