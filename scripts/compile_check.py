@@ -186,6 +186,20 @@ def all_cases() -> list:
                                    PER_HEAD=per_head, N_ITER=max(0, (chunk - 1).bit_length()), BQ_PAD=bq_pad,
                                    HPP_PAD=hpp_pad, BLOCK_C=block_c, TILES=tiles, TILE_FIRST=False, HEAD_DIM=128,
                                    PAGE=16, ROPE=rope, DOT_PRECISION="tf32", TIERED=tiered, FP8=kv == f8), []))
+    # exact scoring's long-prefill layout (one-tier staging only: decode keeps the first layout): 256-row tiles of
+    # stage 1 (32-token chunks, 4 a tile) and stage 2 (8-token chunks, 16 a tile), as stored and moved (rt, ci), one
+    # row tile per block and several (atomic max)
+    for label, chunk, block_c, block_m in (("prune rows stage1 exact", 32, 4, 256),
+                                           ("prune rows stage2 exact", 8, 16, 256),
+                                           ("prune rows stage2 exact m128 atomic", 8, 16, 128)):
+        for suffix, kv in ((" ", bf), (" fp8", f8)):
+            for rope in (0, 1, 2):
+                cases.append((label + suffix + f" rope {rope}", prune_stage._exact_rows_kernel,
+                              dict(Q=bf, K=kv, KH=kv, Slots=i32, BlockTable=i32, QbStart=i32, QbLen=i32, CandEnd=i32,
+                                   Ids=i32, Scores=f32, InvFreq=f32, NChunk=i32),
+                              dict(ROPE=rope, HPP=4, PAIRS_PER_GROUP=1, PAIR_KV_DIV=1, CHUNK=chunk, BQ_PAD=64,
+                                   BLOCK_M=block_m, BLOCK_C=block_c, HEAD_DIM=128, PAGE=16, DOT_PRECISION="tf32",
+                                   TIERED=False, FP8=kv == f8, ATOMIC=block_m < 256), []))
     cases.append(("topk single tile", topk._topk_kernel,
                   dict(Ids=i32, Scores=f32, Out=i32, Counts=i32, C="i32", K="i32"), dict(BLOCK=4096, SINGLE=True), []))
     cases.append(("topk tiled", topk._topk_kernel, dict(Ids=i32, Scores=f32, Out=i32, Counts=i32, C="i32", K="i32"),
@@ -253,6 +267,13 @@ def all_cases() -> list:
                       dict(Q=q, Moved=i32, Pool=bf, Table=i32, CandHi=i32, Out=f32),
                       dict(HPP=4, PAIRS_PER_KV=1, PER=per, BLOCK_M=block_m, BLOCK_C=64, HEAD_DIM=128, MOVED=moved,
                            DOT_PRECISION=precision), []))
+    # the box score kernel's long-prefill layout: 256-row tiles of fp32 queries (two flavours) rounded to the bf16
+    # store's dtype, one tile per block and two (atomic max)
+    for block_m, atomic in ((256, False), (128, True)):
+        cases.append((f"key_boxes score rows d128 g4 m{block_m}", key_boxes._box_score_rows_kernel,
+                      dict(Q=f32, Moved=i32, Pool=bf, Table=i32, CandHi=i32, Out=f32),
+                      dict(HPP=4, PAIRS_PER_KV=1, PER=16, BLOCK_M=block_m, BLOCK_C=64, HEAD_DIM=128, MOVED=True,
+                           DOT_PRECISION="tf32", ATOMIC=atomic, LOWP=True), []))
     # psa: the progressive decode loop and the parallel waves (Llama-8B's GQA 4, pages of 16 and 32), each as stored
     # and with `rope: rank`'s key rotation (ROPE); its metadata build and block scoring are the key-box cases above
     for suffix, kv, tiered in variants:
