@@ -29,6 +29,7 @@ import time
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
+sys.path.insert(0, str(ROOT / "tests"))
 
 import torch  # noqa: E402
 
@@ -41,21 +42,14 @@ EXACT_CONFIGS = [(0, None, None), (64, None, 4), (128, None, 8), (128, None, 4),
 
 
 def median_ms(fn, reps: int = 5) -> float:
-    if not torch.cuda.is_available():  # the interpreter's smoke run: one wall-clock call
+    """tests/gpu/common.py's CUDA-event median in ms; in the interpreter's smoke run, one wall-clock call."""
+    if not torch.cuda.is_available():
         t = time.perf_counter()
         fn()
         return (time.perf_counter() - t) * 1e3
-    fn()
-    torch.cuda.synchronize()
-    times = []
-    for _ in range(reps):
-        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        a.record()
-        fn()
-        b.record()
-        torch.cuda.synchronize()
-        times.append(a.elapsed_time(b))
-    return sorted(times)[reps // 2]
+    from gpu.common import median_us
+
+    return median_us(fn, reps) / 1e3
 
 
 def compare(got: torch.Tensor, ref: torch.Tensor, k: int) -> tuple[float, float]:

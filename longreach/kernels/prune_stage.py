@@ -440,6 +440,14 @@ def chunk_scores_triton(q: torch.Tensor, k_cache: torch.Tensor, block_table: tor
     mode = PRUNE_CODES[rope.mode] if rope is not None else 0
     inv_freq = rope.inv_freq.to(device=q.device, dtype=torch.float32) if mode else scores  # unused when mode 0
     n_chunk = (ids32 >= 0).sum(-1, dtype=torch.int32) if mode == PRUNE_CODES["ci"] else ids32
+    args = (  # both layouts' tensors, strides and scalars
+        q, k_cache, KH, slots, block_table, starts.to(torch.int32), lens.to(torch.int32), cand_end.to(torch.int32),
+        ids32, scores, inv_freq, n_chunk,
+        q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), stride_khp,
+        ids32.stride(0), ids32.stride(1), scores.stride(0), scores.stride(1), n_chunk.stride(0),
+        C, n_sink, rope.n_window if mode else 0, rope.rope_from if mode else 0, rope.group if mode else 1)
+    pair_kv_div = (Hq // Hkv) if groups == Hq and Hq != Hkv else 1
+    precision = "ieee" if q.dtype == torch.float32 else "tf32"
     if exact and rows > 1 and rows_tile is None and nb * P * triton.cdiv(tile_rows, 128) >= EXACT_ROWS_PROGRAMS:
         rows_tile = EXACT_ROWS_TILE
     if exact and rows > 1 and rows_tile:
@@ -447,16 +455,10 @@ def chunk_scores_triton(q: torch.Tensor, k_cache: torch.Tensor, block_table: tor
         n_row_tiles = triton.cdiv(tile_rows, block_m)
         scores.fill_(float("-inf"))
         _exact_rows_kernel[(nb, P, n_row_tiles)](
-            q, k_cache, KH, slots, block_table, starts.to(torch.int32), lens.to(torch.int32),
-            cand_end.to(torch.int32), ids32, scores, inv_freq, n_chunk,
-            q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), stride_khp,
-            ids32.stride(0), ids32.stride(1), scores.stride(0), scores.stride(1), n_chunk.stride(0),
-            C, n_sink, rope.n_window if mode else 0, rope.rope_from if mode else 0, rope.group if mode else 1,
-            ROPE=mode, HPP=hpp, PAIRS_PER_GROUP=P // groups,
-            PAIR_KV_DIV=(Hq // Hkv) if groups == Hq and Hq != Hkv else 1, CHUNK=chunk, BQ_PAD=bq_pad,
-            BLOCK_M=block_m, BLOCK_C=block_c, HEAD_DIM=D, PAGE=page,
-            DOT_PRECISION="ieee" if q.dtype == torch.float32 else "tf32", TIERED=tiered, FP8=fp8,
-            ATOMIC=n_row_tiles > 1, num_warps=rows_warps or (8 if block_m >= 128 else 4), num_stages=2,
+            *args, ROPE=mode, HPP=hpp, PAIRS_PER_GROUP=P // groups, PAIR_KV_DIV=pair_kv_div, CHUNK=chunk,
+            BQ_PAD=bq_pad, BLOCK_M=block_m, BLOCK_C=block_c, HEAD_DIM=D, PAGE=page, DOT_PRECISION=precision,
+            TIERED=tiered, FP8=fp8, ATOMIC=n_row_tiles > 1, num_warps=rows_warps or (8 if block_m >= 128 else 4),
+            num_stages=2,
         )
         return scores if P == groups else scores.reshape(nb, groups, P // groups, C).amax(dim=2)
     # exact scoring with plenty of programs (long prefill): each walks 4 chunk tiles so its query tile is loaded once;
@@ -467,15 +469,10 @@ def chunk_scores_triton(q: torch.Tensor, k_cache: torch.Tensor, block_table: tor
     n_tiles = triton.cdiv(C, block_c * tiles)
     grid = (n_tiles, P, nb) if tile_first else (nb, P, n_tiles)
     _chunk_score_kernel[grid](
-        q, k_cache, KH, slots, block_table, starts.to(torch.int32), lens.to(torch.int32), cand_end.to(torch.int32),
-        ids32, scores, inv_freq, n_chunk,
-        q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), stride_khp,
-        ids32.stride(0), ids32.stride(1), scores.stride(0), scores.stride(1), n_chunk.stride(0),
-        C, n_sink, rope.n_window if mode else 0, rope.rope_from if mode else 0, rope.group if mode else 1,
-        ROPE=mode, HPP=hpp, PAIRS_PER_GROUP=P // groups, PAIR_KV_DIV=(Hq // Hkv) if groups == Hq and Hq != Hkv else 1,
+        *args, ROPE=mode, HPP=hpp, PAIRS_PER_GROUP=P // groups, PAIR_KV_DIV=pair_kv_div,
         CHUNK=chunk, EXACT=exact, PER_HEAD=per_head, N_ITER=max(0, math.ceil(math.log2(chunk))),
         BQ_PAD=bq_pad, HPP_PAD=hpp_pad, BLOCK_C=block_c, TILES=tiles, TILE_FIRST=tile_first, HEAD_DIM=D,
-        PAGE=page, DOT_PRECISION="ieee" if q.dtype == torch.float32 else "tf32", TIERED=tiered, FP8=fp8,
-        num_warps=8 if tile_rows >= 128 else 4, num_stages=2,
+        PAGE=page, DOT_PRECISION=precision, TIERED=tiered, FP8=fp8, num_warps=8 if tile_rows >= 128 else 4,
+        num_stages=2,
     )
     return scores if P == groups else scores.reshape(nb, groups, P // groups, C).amax(dim=2)
