@@ -104,7 +104,7 @@ def cascading_cases(bf: str, f32: str, i32: str) -> list:
                            Out=bf, Lse=f32, OutP=f32, LseP=f32),
                       dict(HPP=4, HEADS_PER_PROG=max(1, bm // bq), N_HSUB=max(1, 4 // max(1, bm // bq)), BQ_PAD=bq,
                            BLOCK_M=bm, BLOCK_N=64, HEAD_DIM=128, BK=64, PAGE=1, SPLIT=split, ROPE=4,
-                           DOT_PRECISION="tf32", TIERED=False, FP8=False), ["qk_scale"]))
+                           DOT_PRECISION="tf32", TIERED=False, FP8=False, HALVES=True), ["qk_scale"]))
     for label, hpp, hpp_pad, rows, d in (("key_mass d128 g4 prefill", 4, 4, 16, 128),
                                          ("key_mass d64 g3 prefill", 3, 4, 16, 64),
                                          ("key_mass d128 g4 decode", 4, 4, 4, 128)):
@@ -155,7 +155,8 @@ def all_cases() -> list:
                                    InvFreq=f32, Out=bf, Lse=f32, OutP=f32, LseP=f32),
                               dict(HPP=4, HEADS_PER_PROG=max(1, bm // bq), N_HSUB=max(1, 4 // max(1, bm // bq)),
                                    BQ_PAD=bq, BLOCK_M=bm, BLOCK_N=64, HEAD_DIM=128, BK=8, PAGE=16, SPLIT=split,
-                                   ROPE=rope, DOT_PRECISION="tf32", TIERED=tiered, FP8=kv == f8), ["qk_scale"]))
+                                   ROPE=rope, DOT_PRECISION="tf32", TIERED=tiered, FP8=kv == f8, HALVES=rope != 0),
+                              ["qk_scale"]))
     # minference: key ranges + gathered columns, per head (64 rows) and per KV group (2 heads x 64 rows)
     for suffix, kv, tiered in variants:
         for label, hpp, bm in (("minference range per-head bq64", 1, 64), ("minference range kv-group bq64", 4, 128)):
@@ -185,7 +186,8 @@ def all_cases() -> list:
                               dict(HPP=4, PAIRS_PER_GROUP=1, PAIR_KV_DIV=1, CHUNK=chunk, EXACT=exact,
                                    PER_HEAD=per_head, N_ITER=max(0, (chunk - 1).bit_length()), BQ_PAD=bq_pad,
                                    HPP_PAD=hpp_pad, BLOCK_C=block_c, TILES=tiles, TILE_FIRST=False, HEAD_DIM=128,
-                                   PAGE=16, ROPE=rope, DOT_PRECISION="tf32", TIERED=tiered, FP8=kv == f8), []))
+                                   PAGE=16, ROPE=rope, DOT_PRECISION="tf32", TIERED=tiered, FP8=kv == f8,
+                                   HALVES=exact and rope != 0), []))
     # exact scoring's long-prefill layout (one-tier staging only: decode keeps the first layout): 256-row tiles of
     # stage 1 (32-token chunks, 4 a tile) and stage 2 (8-token chunks, 16 a tile), as stored and moved (rt, ci), one
     # row tile per block and several (atomic max)
@@ -199,7 +201,7 @@ def all_cases() -> list:
                                    Ids=i32, Scores=f32, InvFreq=f32, NChunk=i32),
                               dict(ROPE=rope, HPP=4, PAIRS_PER_GROUP=1, PAIR_KV_DIV=1, CHUNK=chunk, BQ_PAD=64,
                                    BLOCK_M=block_m, BLOCK_C=block_c, HEAD_DIM=128, PAGE=16, DOT_PRECISION="tf32",
-                                   TIERED=False, FP8=kv == f8, ATOMIC=block_m < 256), []))
+                                   TIERED=False, FP8=kv == f8, ATOMIC=block_m < 256, HALVES=rope != 0), []))
     cases.append(("topk single tile", topk._topk_kernel,
                   dict(Ids=i32, Scores=f32, Out=i32, Counts=i32, C="i32", K="i32"), dict(BLOCK=4096, SINGLE=True), []))
     cases.append(("topk tiled", topk._topk_kernel, dict(Ids=i32, Scores=f32, Out=i32, Counts=i32, C="i32", K="i32"),

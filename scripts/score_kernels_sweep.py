@@ -1,7 +1,7 @@
 """Time the selection stages' scoring kernels of a long prefill step in both layouts, on a GPU; print a table, write
 JSON.
 
-    python scripts/score_kernels_sweep.py OUT.json [--prefix 891289] [--step 65536]
+    python scripts/score_kernels_sweep.py OUT.json [--prefix 891289] [--step 65536] [--stages 0 1 2]
     TRITON_INTERPRET=1 python scripts/score_kernels_sweep.py OUT.json --device cpu --prefix 3000 --step 128 \
         --candidates 16  # a smoke run
 
@@ -73,6 +73,7 @@ def main() -> None:
     ap.add_argument("--step", type=int, default=65536)
     ap.add_argument("--device", default="cuda")
     ap.add_argument("--candidates", type=int, default=1024, help="candidate chunks per block in stages 1 and 2")
+    ap.add_argument("--stages", type=int, nargs="+", default=[0, 1, 2], choices=[0, 1, 2], help="the stages to time")
     args = ap.parse_args()
     from longreach.kernels.chunk_box import box_move, box_queries
     from longreach.kernels.fp8 import encode
@@ -146,9 +147,12 @@ def main() -> None:
         return box_scores_triton(q32, pool, box_table, per, 0, every, n_chunks, HKV, q_moved, moved,
                                  rows_tile=rt, rows_block_c=bc, rows_warps=w)
 
-    run("stage 0 (boxes)", box, BOX_CONFIGS, 32768 // chunk0)
+    if 0 in args.stages:
+        run("stage 0 (boxes)", box, BOX_CONFIGS, 32768 // chunk0)
     # stages 1 and 2: 1,024 candidate chunks per block and KV head, scored exactly with rt positions
-    for stage, chunk, k in (("stage 1 (exact, 32)", 32, 8192), ("stage 2 (exact, 8)", 8, 2048)):
+    for i, stage, chunk, k in ((1, "stage 1 (exact, 32)", 32, 8192), (2, "stage 2 (exact, 8)", 8, 2048)):
+        if i not in args.stages:
+            continue
         hi_c = (cand_end // chunk).long()
         ids = (torch.rand(nb, HKV, args.candidates, device=dev, generator=g) * hi_c[:, None, None]).long()
         ids = ids.sort(dim=-1).values.int()

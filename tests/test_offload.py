@@ -58,14 +58,18 @@ def test_copy_kernels_equal_their_references(dtype, monkeypatch):
 def test_kernels_read_resident_pages_from_the_pool_and_the_rest_from_the_host(dtype, units):
     """bsa (decode, split-K), paged decode and chunk scoring give the same bits through the page table as on one
     tier; the host copies of resident pages are poisoned, so reading the wrong tier shows. `units` 2: one slot per
-    KV head's page (kvcache/offload.py's head units), some heads of a page resident and others not."""
+    KV head's page (kvcache/offload.py's head units), some heads of a page resident and others not. Head dim 32:
+    exact scoring with a pruning strategy then keeps its rows as two halves (kernels/prune_stage.py, HALVES)."""
     from longreach.attention.index import QueryBlocks, SparseIndex
     from longreach.kernels.bsa import block_sparse_attention_triton
     from longreach.kernels.paged_decode import paged_decode
     from longreach.kernels.prune_stage import chunk_scores_triton
+    from longreach.models.config import RopeConfig
+    from longreach.rope.scaling import rope_inv_freq
+    from longreach.rope.strategies import RopeArgs
 
     g = torch.Generator().manual_seed(2)
-    Hq, Hkv, D, page = 4, 2, 16, 4
+    Hq, Hkv, D, page = 4, 2, 32, 4
     L = [70, 45]
     need = [-(-x // page) for x in L]
     P = sum(need) + 2
@@ -94,12 +98,15 @@ def test_kernels_read_resident_pages_from_the_pool_and_the_rest_from_the_host(dt
     b, _ = paged_decode(q, kt, vt, tables, sl, D ** -0.5, num_splits=2)
     assert torch.equal(a, b)
     one = torch.zeros(1, dtype=torch.long)
-    for exact, chunk in ((False, 8), (True, 4)):
+    rt = RopeArgs("rt", rope_inv_freq(RopeConfig(theta=10000.0), D)[0], rope_from=16, n_window=8)
+    for exact, chunk, rope in ((False, 8, None), (True, 4, None), (True, 4, rt)):
         ids = torch.arange(L[0] // chunk, dtype=torch.int32)[None, None].expand(1, Hkv, -1)
         end = torch.tensor([L[0] - 8])
-        a = chunk_scores_triton(q[:1], kc, tables[0], one, one + 1, end, ids, chunk, exact, 4, Hkv, max_rows=1)
-        b = chunk_scores_triton(q[:1], kt, tables[0], one, one + 1, end, ids, chunk, exact, 4, Hkv, max_rows=1)
-        assert torch.equal(a, b), exact
+        a = chunk_scores_triton(q[:1], kc, tables[0], one, one + 1, end, ids, chunk, exact, 4, Hkv, max_rows=1,
+                                rope=rope)
+        b = chunk_scores_triton(q[:1], kt, tables[0], one, one + 1, end, ids, chunk, exact, 4, Hkv, max_rows=1,
+                                rope=rope)
+        assert torch.equal(a, b), (exact, rope)
 
 
 def test_fp8_kernels_match_the_dequantising_references():

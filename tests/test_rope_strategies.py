@@ -128,9 +128,11 @@ def test_bsa_kernel_with_rope_matches_reference(dtype, mode, decode):
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
 @pytest.mark.parametrize("mode", ["rt", "ci", "il", "de"])
-@pytest.mark.parametrize("exact, per_head", [(False, True), (False, False), (True, False)])
-def test_chunk_score_kernel_with_rope_matches_reference(dtype, mode, exact, per_head):
-    Hq, Hkv, D, page, rows, chunk, G = 6, 2, 16, 4, 8, 4 if exact else 8, 2
+# exact scoring at head dim 32 keeps rows as two halves (kernels/prune_stage.py `_exact_tile`, HALVES), at 16 not
+@pytest.mark.parametrize("exact, per_head, D", [(False, True, 16), (False, False, 16), (True, False, 16),
+                                                (True, False, 32)])
+def test_chunk_score_kernel_with_rope_matches_reference(dtype, mode, exact, per_head, D):
+    Hq, Hkv, page, rows, chunk, G = 6, 2, 4, 8, 4 if exact else 8, 2
     g = torch.Generator().manual_seed(11)
     L, W = 211, 10
     kc, _, tables = _cache([L], Hkv, D, page, dtype, g)

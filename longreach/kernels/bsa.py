@@ -28,7 +28,7 @@ from ..rope.strategies import RopeArgs, attend_code
 from .combine import combine_splits_triton, split_count
 from .index_types import QueryBlocks, SparseIndex, head_pairs
 from .paged import kv_args, load_kv, page_slots, row_base
-from .rope import rotate_rows, swap_halves
+from .rope import rotate_halves, rotate_rows, swap_halves
 from .softmax import online_softmax_finish, online_softmax_step
 
 try:
@@ -70,7 +70,7 @@ if triton is not None:
         ROPE: tl.constexpr, HPP: tl.constexpr, HEADS_PER_PROG: tl.constexpr, N_HSUB: tl.constexpr,
         BQ_PAD: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, HEAD_DIM: tl.constexpr,
         BK: tl.constexpr, PAGE: tl.constexpr, SPLIT: tl.constexpr, DOT_PRECISION: tl.constexpr,
-        TIERED: tl.constexpr, FP8: tl.constexpr,
+        TIERED: tl.constexpr, FP8: tl.constexpr, HALVES: tl.constexpr,
     ):
         qb = tl.program_id(0)
         pair = tl.program_id(1) // N_HSUB
@@ -93,22 +93,33 @@ if triton is not None:
         row = start + qi
         p_row = pos0 + qi  # absolute position of each row
         d = tl.arange(0, HEAD_DIM)
-        q = tl.load(Q + row[:, None] * stride_qt + head[:, None] * stride_qh + d[None, :], mask=row_ok[:, None],
-                    other=0.0)
+        h = tl.arange(0, HEAD_DIM // 2)
+        q_ptr = Q + row[:, None] * stride_qt + head[:, None] * stride_qh
+        if HALVES:  # the rows as two halves (R, D/2): a dot per half (rope.py's rotate_halves)
+            q = tl.load(q_ptr + h[None, :], mask=row_ok[:, None], other=0.0)
+            q_hi = tl.load(q_ptr + HEAD_DIM // 2 + h[None, :], mask=row_ok[:, None], other=0.0)
+        else:
+            q = tl.load(q_ptr + d[None, :], mask=row_ok[:, None], other=0.0)
+            q_hi = q
 
         if ROPE != 0:
-            inv = tl.load(InvFreq + d % (HEAD_DIM // 2))
+            inv = tl.load(InvFreq + h) if HALVES else tl.load(InvFreq + d % (HEAD_DIM // 2))
             if ROPE != 4:  # far keys and the queries facing them move (rope/strategies.py); the window keeps its own
                 remap = pos0 + length - 1 >= rope_from
-                q_sw = tl.load(Q + row[:, None] * stride_qt + head[:, None] * stride_qh
-                               + swap_halves(d, HEAD_DIM)[None, :], mask=row_ok[:, None], other=0.0)
                 if ROPE == 1:  # st: one past the selected keys plus the window
                     new_q = p_row * 0 + (n_sink + count * BK + n_window - 1)
                 elif ROPE == 2:  # il
                     new_q = p_row * 0 + (n_sink + n_window)
                 else:  # de
                     new_q = p_row // de_group + n_window - n_window // de_group
-                q_far = rotate_rows(q, q_sw, tl.where(remap, new_q - p_row, 0), inv, d, HEAD_DIM).to(q.dtype)
+                dq = tl.where(remap, new_q - p_row, 0)
+                if HALVES:
+                    q_far, q_far_hi = rotate_halves(q, q_hi, dq, inv)
+                    q_far, q_far_hi = q_far.to(q.dtype), q_far_hi.to(q.dtype)
+                else:
+                    q_sw = tl.load(q_ptr + swap_halves(d, HEAD_DIM)[None, :], mask=row_ok[:, None], other=0.0)
+                    q_far = rotate_rows(q, q_sw, dq, inv, d, HEAD_DIM).to(q.dtype)
+                    q_far_hi = q_far
 
         n_win = tl.where(n_window > 0, length + n_window - 1, 0)
         sink_tiles = tl.cdiv(n_sink, BLOCK_N)
@@ -142,30 +153,43 @@ if triton is not None:
             off = safe % PAGE
             slot = page_slots(Slots, page, kvh, TIERED)
             kb = row_base(K, KH, page, slot, kvh, stride_kp, stride_khp, stride_kh, PAGE, TIERED)
-            k = load_kv(kb, off, kvh, stride_ko, stride_kh, d, k_ok, HEAD_DIM, FP8).to(q.dtype)
+            if HALVES:
+                k = load_kv(kb, off, kvh, stride_ko, stride_kh, h, k_ok, HEAD_DIM, FP8).to(q.dtype)
+                k_hi = load_kv(kb, off, kvh, stride_ko, stride_kh, h + HEAD_DIM // 2, k_ok, HEAD_DIM, FP8).to(q.dtype)
+            else:
+                k = load_kv(kb, off, kvh, stride_ko, stride_kh, d, k_ok, HEAD_DIM, FP8).to(q.dtype)
             vb = row_base(V, VH, page, slot, kvh, stride_vp, stride_vhp, stride_vh, PAGE, TIERED)
             v = load_kv(vb, off, kvh, stride_vo, stride_vh, d,
                         k_ok, HEAD_DIM, FP8).to(q.dtype)
-            if ROPE == 4:  # cache: keys stored un-rotated, each rotated at its position; queries arrive rotated
-                k_sw = load_kv(kb, off, kvh, stride_ko, stride_kh, swap_halves(d, HEAD_DIM), k_ok, HEAD_DIM,
-                               FP8).to(q.dtype)
-                k = rotate_rows(k, k_sw, kpos, inv, d, HEAD_DIM).to(q.dtype)
+            if ROPE == 0:
                 qq = q
-            elif ROPE != 0:
-                far = (is_sink | is_sel) & remap
-                if ROPE == 1:
-                    new_k = tl.where(is_sink, j_sink, n_sink + j_sel)
-                elif ROPE == 2:
-                    new_k = tl.where(is_sink, j_sink, n_sink)
-                else:
-                    new_k = kpos // de_group
-                k_sw = load_kv(kb, off, kvh, stride_ko, stride_kh, swap_halves(d, HEAD_DIM), k_ok & far,
-                               HEAD_DIM, FP8).to(q.dtype)
-                k = rotate_rows(k, k_sw, tl.where(far, new_k - kpos, 0), inv, d, HEAD_DIM).to(q.dtype)
-                qq = tl.where(far, q_far, q)
             else:
-                qq = q
-            s = tl.dot(qq, tl.trans(k), input_precision=DOT_PRECISION) * qk_scale  # (BLOCK_M, BLOCK_N), log2 units
+                if ROPE == 4:  # cache: keys stored un-rotated, each rotated at its position; queries arrive rotated
+                    dk = kpos
+                    qq, qq_hi = q, q_hi
+                    k_sw_ok = k_ok
+                else:
+                    far = (is_sink | is_sel) & remap
+                    if ROPE == 1:
+                        new_k = tl.where(is_sink, j_sink, n_sink + j_sel)
+                    elif ROPE == 2:
+                        new_k = tl.where(is_sink, j_sink, n_sink)
+                    else:
+                        new_k = kpos // de_group
+                    dk = tl.where(far, new_k - kpos, 0)
+                    qq, qq_hi = tl.where(far, q_far, q), tl.where(far, q_far_hi, q_hi)
+                    k_sw_ok = k_ok & far
+                if HALVES:
+                    k, k_hi = rotate_halves(k, k_hi, dk, inv)
+                    k, k_hi = k.to(q.dtype), k_hi.to(q.dtype)
+                else:
+                    k_sw = load_kv(kb, off, kvh, stride_ko, stride_kh, swap_halves(d, HEAD_DIM), k_sw_ok, HEAD_DIM,
+                                   FP8).to(q.dtype)
+                    k = rotate_rows(k, k_sw, dk, inv, d, HEAD_DIM).to(q.dtype)
+            s = tl.dot(qq, tl.trans(k), input_precision=DOT_PRECISION)  # (BLOCK_M, BLOCK_N)
+            if HALVES:
+                s = tl.dot(qq_hi, tl.trans(k_hi), s, input_precision=DOT_PRECISION)
+            s = s * qk_scale  # log2 units
             kp = kpos[None, :]
             pr = p_row[:, None]
             m_sink = kp <= pr
@@ -301,7 +325,7 @@ def block_sparse_attention_triton(q, k_cache, v_cache, block_tables, index: Spar
         ROPE=mode, HPP=plan.hpp, HEADS_PER_PROG=heads_per_prog, N_HSUB=n_hsub, BQ_PAD=bq_pad, BLOCK_M=block_m,
         BLOCK_N=block_n, HEAD_DIM=D, BK=index.block_k, PAGE=page, SPLIT=split,
         DOT_PRECISION="ieee" if q.dtype == torch.float32 else "tf32", TIERED=tiered, FP8=fp8,
-        num_warps=num_warps or (8 if block_m >= 128 else 4), num_stages=2,
+        HALVES=mode != 0 and D >= 32, num_warps=num_warps or (8 if block_m >= 128 else 4), num_stages=2,
     )
     if split:
         combine_splits_triton(out_p, lse_p, out, lse)

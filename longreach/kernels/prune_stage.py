@@ -43,7 +43,7 @@ try:
     import triton.language as tl
 
     from .paged import kv_format, load_kv, page_slots, row_base, tier_args
-    from .rope import rotate_rows, swap_halves
+    from .rope import rotate_halves, rotate_rows, swap_halves
 except ImportError:  # pragma: no cover
     triton = None
 
@@ -195,20 +195,27 @@ if triton is not None:
             return pos // de_group
 
     @triton.jit
+    def _key_rows(K, KH, Slots, bt_base, kv, pos, ok, stride_kp, stride_kh, stride_khp, PAGE: tl.constexpr,
+                  TIERED: tl.constexpr):
+        """(base, offset in its page) of the key at each position (N,): what `load_kv` reads the rows from."""
+        safe = tl.maximum(pos, 0)
+        page = tl.load(bt_base + safe // PAGE, mask=ok, other=0).to(tl.int64)
+        base = row_base(K, KH, page, page_slots(Slots, page, kv, TIERED), kv, stride_kp, stride_khp, stride_kh, PAGE,
+                        TIERED)
+        return base, safe % PAGE
+
+    @triton.jit
     def _probe(q, K, KH, Slots, bt_base, kv, pos, ok, row_ok, stride_kp, stride_ko, stride_kh, stride_khp, inv, remap,
                from_end, de_group, PAGE: tl.constexpr, HEAD_DIM: tl.constexpr, DOT_PRECISION: tl.constexpr,
                ROPE: tl.constexpr, RIGHT: tl.constexpr, TIERED: tl.constexpr, FP8: tl.constexpr):
         """max over the valid rows of q of <q_row, k[pos]>, for a vector of key positions: (BLOCK_C,), -inf if not ok.
         With a pruning strategy (ROPE > 0) each key is first moved to its strategy position."""
         d = tl.arange(0, HEAD_DIM)
-        safe = tl.maximum(pos, 0)
-        page = tl.load(bt_base + safe // PAGE, mask=ok, other=0).to(tl.int64)
-        slot = page_slots(Slots, page, kv, TIERED)
-        base = row_base(K, KH, page, slot, kv, stride_kp, stride_khp, stride_kh, PAGE, TIERED)
-        k = load_kv(base, safe % PAGE, kv, stride_ko, stride_kh, d, ok, HEAD_DIM, FP8).to(q.dtype)
+        base, off = _key_rows(K, KH, Slots, bt_base, kv, pos, ok, stride_kp, stride_kh, stride_khp, PAGE, TIERED)
+        k = load_kv(base, off, kv, stride_ko, stride_kh, d, ok, HEAD_DIM, FP8).to(q.dtype)
         if ROPE != 0:
-            k_sw = load_kv(base, safe % PAGE, kv, stride_ko, stride_kh, swap_halves(d, HEAD_DIM), ok & remap,
-                           HEAD_DIM, FP8).to(q.dtype)
+            k_sw = load_kv(base, off, kv, stride_ko, stride_kh, swap_halves(d, HEAD_DIM), ok & remap, HEAD_DIM,
+                           FP8).to(q.dtype)
             dk = tl.where(remap, _new_key_pos(pos, from_end, de_group, ROPE, RIGHT) - pos, 0)
             k = rotate_rows(k, k_sw, dk, inv, d, HEAD_DIM).to(q.dtype)
         s = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION)  # (rows, BLOCK_C)
@@ -240,20 +247,57 @@ if triton is not None:
         return best
 
     @triton.jit
-    def _exact_tile(q, rows_ok, K, KH, Slots, bt_base, kv, a, b, valid, from_end, stride_kp, stride_ko, stride_kh,
-                    stride_khp, inv, remap, de_group, CHUNK: tl.constexpr, BLOCK_C: tl.constexpr, PAGE: tl.constexpr,
-                    HEAD_DIM: tl.constexpr, DOT_PRECISION: tl.constexpr, ROPE: tl.constexpr, TIERED: tl.constexpr,
-                    FP8: tl.constexpr):
+    def _exact_tile(qa, qb, rows_ok, K, KH, Slots, bt_base, kv, a, b, valid, from_end, stride_kp, stride_ko,
+                    stride_kh, stride_khp, inv, remap, de_group, CHUNK: tl.constexpr, BLOCK_C: tl.constexpr,
+                    PAGE: tl.constexpr, HEAD_DIM: tl.constexpr, DOT_PRECISION: tl.constexpr, ROPE: tl.constexpr,
+                    HALVES: tl.constexpr, TIERED: tl.constexpr, FP8: tl.constexpr):
         """Exact scores (BLOCK_C,) of a tile of chunks [a, b): every key of every chunk in one gather and one dot
-        against the rows of q, each chunk's best key."""
+        against the query rows, each chunk's best key.
+
+        HALVES (a pruning strategy, head_dim >= 32): qa, qb are the rows' two halves (R, D/2) and `inv` the D/2
+        frequencies; each key is loaded as its two halves, moved to its pruning position (`rotate_halves`) and
+        scored by a dot over each half. Else qa holds the rows (R, D), qb is unused and `inv` has D entries (`_probe`:
+        the rows of each key loaded as stored and with halves swapped)."""
         j = tl.arange(0, CHUNK)
-        pos2 = a[:, None] + j[None, :]
-        ok2 = valid[:, None] & (pos2 < b[:, None])
-        fe2 = from_end[:, None] + j[None, :] * 0
-        s = _probe(q, K, KH, Slots, bt_base, kv, tl.reshape(pos2, [BLOCK_C * CHUNK]), tl.reshape(ok2, [BLOCK_C * CHUNK]),
-                   rows_ok, stride_kp, stride_ko, stride_kh, stride_khp, inv, remap, tl.reshape(fe2, [BLOCK_C * CHUNK]),
-                   de_group, PAGE, HEAD_DIM, DOT_PRECISION, ROPE, 1, TIERED, FP8)
+        pos = tl.reshape(a[:, None] + j[None, :], [BLOCK_C * CHUNK])
+        ok = tl.reshape(valid[:, None] & (a[:, None] + j[None, :] < b[:, None]), [BLOCK_C * CHUNK])
+        fe = tl.reshape(from_end[:, None] + j[None, :] * 0, [BLOCK_C * CHUNK])
+        if HALVES:
+            h = tl.arange(0, HEAD_DIM // 2)
+            base, off = _key_rows(K, KH, Slots, bt_base, kv, pos, ok, stride_kp, stride_kh, stride_khp, PAGE, TIERED)
+            k1 = load_kv(base, off, kv, stride_ko, stride_kh, h, ok, HEAD_DIM, FP8).to(qa.dtype)
+            k2 = load_kv(base, off, kv, stride_ko, stride_kh, h + HEAD_DIM // 2, ok, HEAD_DIM, FP8).to(qa.dtype)
+            k1, k2 = rotate_halves(k1, k2, tl.where(remap, _new_key_pos(pos, fe, de_group, ROPE, 1) - pos, 0), inv)
+            s = tl.dot(qa, tl.trans(k1.to(qa.dtype)), input_precision=DOT_PRECISION)  # (rows, BLOCK_C * CHUNK)
+            s = tl.dot(qb, tl.trans(k2.to(qa.dtype)), s, input_precision=DOT_PRECISION)
+            s = tl.max(tl.where(rows_ok[:, None], s, float("-inf")), axis=0)
+            s = tl.where(ok, s, float("-inf"))
+        else:
+            s = _probe(qa, K, KH, Slots, bt_base, kv, pos, ok, rows_ok, stride_kp, stride_ko, stride_kh, stride_khp,
+                       inv, remap, fe, de_group, PAGE, HEAD_DIM, DOT_PRECISION, ROPE, 1, TIERED, FP8)
         return tl.max(tl.reshape(s, [BLOCK_C, CHUNK]), axis=1)
+
+    @triton.jit
+    def _query_pos(p, n_window, de_group, ROPE: tl.constexpr):
+        """rope/strategies.prune_query_pos for a vector of query positions."""
+        if ROPE == 1:  # rt
+            return p * 0 + n_window + 1
+        elif ROPE == 4:  # de
+            return p // de_group + n_window - n_window // de_group
+        else:  # ci, il
+            return p * 0 + n_window
+
+    @triton.jit
+    def _load_q_halves(Q, rows, heads, ok, stride_qt, stride_qh, qi, length, blk_end, inv_half, remap, n_window,
+                       de_group, HEAD_DIM: tl.constexpr, ROPE: tl.constexpr):
+        """`_load_q` (with a pruning strategy) as the rows' two halves (R, D/2) each; inv_half: the D/2 frequencies."""
+        h = tl.arange(0, HEAD_DIM // 2)
+        ptr = Q + rows[:, None] * stride_qt + heads[:, None] * stride_qh + h[None, :]
+        q1 = tl.load(ptr, mask=ok[:, None], other=0.0)
+        q2 = tl.load(ptr + HEAD_DIM // 2, mask=ok[:, None], other=0.0)
+        p = blk_end - length + qi
+        q1r, q2r = rotate_halves(q1, q2, tl.where(remap, _query_pos(p, n_window, de_group, ROPE) - p, 0), inv_half)
+        return q1r.to(q1.dtype), q2r.to(q1.dtype)
 
     @triton.jit
     def _load_q(Q, rows, heads, ok, stride_qt, stride_qh, qi, length, blk_end, inv, remap, n_window, de_group,
@@ -267,13 +311,8 @@ if triton is not None:
             q_sw = tl.load(Q + rows[:, None] * stride_qt + heads[:, None] * stride_qh + swap_halves(d, HEAD_DIM)[None, :],
                            mask=ok[:, None], other=0.0)
             p = blk_end - length + qi
-            if ROPE == 1:  # rt
-                new_q = p * 0 + n_window + 1
-            elif ROPE == 4:  # de
-                new_q = p // de_group + n_window - n_window // de_group
-            else:  # ci, il
-                new_q = p * 0 + n_window
-            q = rotate_rows(q, q_sw, tl.where(remap, new_q - p, 0), inv, d, HEAD_DIM).to(q.dtype)
+            q = rotate_rows(q, q_sw, tl.where(remap, _query_pos(p, n_window, de_group, ROPE) - p, 0), inv, d,
+                            HEAD_DIM).to(q.dtype)
         return q
 
     @triton.jit
@@ -286,7 +325,7 @@ if triton is not None:
         CHUNK: tl.constexpr, EXACT: tl.constexpr, PER_HEAD: tl.constexpr, N_ITER: tl.constexpr,
         BQ_PAD: tl.constexpr, HPP_PAD: tl.constexpr, BLOCK_C: tl.constexpr, TILES: tl.constexpr,
         TILE_FIRST: tl.constexpr, HEAD_DIM: tl.constexpr, PAGE: tl.constexpr, DOT_PRECISION: tl.constexpr,
-        TIERED: tl.constexpr, FP8: tl.constexpr,
+        TIERED: tl.constexpr, FP8: tl.constexpr, HALVES: tl.constexpr,
     ):
         # TILE_FIRST: consecutive programs take consecutive chunk tiles of one query block (its queries stay in L2);
         # otherwise consecutive programs take the same chunk tile of consecutive query blocks (keys stay in L2)
@@ -308,8 +347,15 @@ if triton is not None:
             hh = r // BQ_PAD
             qi = r % BQ_PAD
             rows_ok = (hh < HPP) & (qi < length)
-            q_all = _load_q(Q, start + qi, pair * HPP + hh, rows_ok, stride_qt, stride_qh, qi, length, blk_end, inv,
-                            remap, n_window, de_group, HEAD_DIM, ROPE)
+            if EXACT and HALVES:
+                inv_h = tl.load(InvFreq + tl.arange(0, HEAD_DIM // 2))
+                q_all, q_hi = _load_q_halves(Q, start + qi, pair * HPP + hh, rows_ok, stride_qt, stride_qh, qi,
+                                             length, blk_end, inv_h, remap, n_window, de_group, HEAD_DIM, ROPE)
+            else:
+                inv_h = inv
+                q_all = _load_q(Q, start + qi, pair * HPP + hh, rows_ok, stride_qt, stride_qh, qi, length, blk_end,
+                                inv, remap, n_window, de_group, HEAD_DIM, ROPE)
+                q_hi = q_all
         for t in tl.static_range(TILES):
             c = (tile0 * TILES + t) * BLOCK_C + tl.arange(0, BLOCK_C)
             ids = tl.load(Ids + qb * stride_ib + group * stride_ig + c, mask=c < num_chunks, other=-1)
@@ -332,9 +378,9 @@ if triton is not None:
                                          DOT_PRECISION, ROPE, TIERED, FP8)
                         best = tl.maximum(best, hs)
                 elif EXACT:  # every key of every chunk in one gather and one dot
-                    best = _exact_tile(q_all, rows_ok, K, KH, Slots, BlockTable, kv, a, b, valid, from_end, stride_kp,
-                                       stride_ko, stride_kh, stride_khp, inv, remap, de_group, CHUNK, BLOCK_C, PAGE,
-                                       HEAD_DIM, DOT_PRECISION, ROPE, TIERED, FP8)
+                    best = _exact_tile(q_all, q_hi, rows_ok, K, KH, Slots, BlockTable, kv, a, b, valid, from_end,
+                                       stride_kp, stride_ko, stride_kh, stride_khp, inv_h, remap, de_group, CHUNK,
+                                       BLOCK_C, PAGE, HEAD_DIM, DOT_PRECISION, ROPE, HALVES, TIERED, FP8)
                 else:  # SelectRep shared by the heads of the pair: one gather per probe
                     best = _select_rep(q_all, K, KH, Slots, BlockTable, kv, a, b, valid, rows_ok, stride_kp, stride_ko,
                                        stride_kh, stride_khp, inv, remap, from_end, de_group, N_ITER, PAGE, HEAD_DIM,
@@ -352,7 +398,7 @@ if triton is not None:
         ROPE: tl.constexpr, HPP: tl.constexpr, PAIRS_PER_GROUP: tl.constexpr, PAIR_KV_DIV: tl.constexpr,
         CHUNK: tl.constexpr, BQ_PAD: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_C: tl.constexpr,
         HEAD_DIM: tl.constexpr, PAGE: tl.constexpr, DOT_PRECISION: tl.constexpr, TIERED: tl.constexpr,
-        FP8: tl.constexpr, ATOMIC: tl.constexpr,
+        FP8: tl.constexpr, ATOMIC: tl.constexpr, HALVES: tl.constexpr,
     ):
         """Exact scoring for a long prefill step: a program keeps one tile of BLOCK_M rows (head of the pair *
         BQ_PAD + row of the block) and streams every candidate chunk of its block past it, so the rows are loaded
@@ -374,8 +420,14 @@ if triton is not None:
         hh = r // BQ_PAD
         qi = r % BQ_PAD
         rows_ok = (hh < HPP) & (qi < length)
-        q = _load_q(Q, start + qi, pair * HPP + hh, rows_ok, stride_qt, stride_qh, qi, length, blk_end, inv, remap,
-                    n_window, de_group, HEAD_DIM, ROPE)
+        if HALVES:
+            inv = tl.load(InvFreq + tl.arange(0, HEAD_DIM // 2))
+            q, q_hi = _load_q_halves(Q, start + qi, pair * HPP + hh, rows_ok, stride_qt, stride_qh, qi, length,
+                                     blk_end, inv, remap, n_window, de_group, HEAD_DIM, ROPE)
+        else:
+            q = _load_q(Q, start + qi, pair * HPP + hh, rows_ok, stride_qt, stride_qh, qi, length, blk_end, inv,
+                        remap, n_window, de_group, HEAD_DIM, ROPE)
+            q_hi = q
         for c0 in tl.range(0, num_chunks, BLOCK_C):
             c = c0 + tl.arange(0, BLOCK_C)
             ids = tl.load(Ids + qb * stride_ib + group * stride_ig + c, mask=c < num_chunks, other=-1)
@@ -383,9 +435,9 @@ if triton is not None:
             b = tl.minimum((ids + 1) * CHUNK, cand_end)
             valid = (ids >= 0) & (a < b)
             if tl.max(valid.to(tl.int32), axis=0) > 0:  # the -1 padding of a larger bucket's variant reads nothing
-                best = _exact_tile(q, rows_ok, K, KH, Slots, BlockTable, kv, a, b, valid, c - (n_chunk - 1),
+                best = _exact_tile(q, q_hi, rows_ok, K, KH, Slots, BlockTable, kv, a, b, valid, c - (n_chunk - 1),
                                    stride_kp, stride_ko, stride_kh, stride_khp, inv, remap, de_group, CHUNK, BLOCK_C,
-                                   PAGE, HEAD_DIM, DOT_PRECISION, ROPE, TIERED, FP8)
+                                   PAGE, HEAD_DIM, DOT_PRECISION, ROPE, HALVES, TIERED, FP8)
                 out = Scores + qb * stride_sb + pair * stride_sp + c
                 if ATOMIC:
                     tl.atomic_max(out, best, mask=valid)
@@ -438,6 +490,7 @@ def chunk_scores_triton(q: torch.Tensor, k_cache: torch.Tensor, block_table: tor
     if block_c is None:  # the fastest widths on the GPU (docs/kernel-notes.md v2-v4)
         block_c = max(1, 128 // chunk) if exact else (64 if tile_rows <= 64 else 32)
     mode = PRUNE_CODES[rope.mode] if rope is not None else 0
+    halves = mode != 0 and D >= 32  # exact scoring keeps rows as halves (a dot of D/2 >= 16 per half)
     inv_freq = rope.inv_freq.to(device=q.device, dtype=torch.float32) if mode else scores  # unused when mode 0
     n_chunk = (ids32 >= 0).sum(-1, dtype=torch.int32) if mode == PRUNE_CODES["ci"] else ids32
     args = (  # both layouts' tensors, strides and scalars
@@ -457,7 +510,7 @@ def chunk_scores_triton(q: torch.Tensor, k_cache: torch.Tensor, block_table: tor
         _exact_rows_kernel[(nb, P, n_row_tiles)](
             *args, ROPE=mode, HPP=hpp, PAIRS_PER_GROUP=P // groups, PAIR_KV_DIV=pair_kv_div, CHUNK=chunk,
             BQ_PAD=bq_pad, BLOCK_M=block_m, BLOCK_C=block_c, HEAD_DIM=D, PAGE=page, DOT_PRECISION=precision,
-            TIERED=tiered, FP8=fp8, ATOMIC=n_row_tiles > 1, num_warps=rows_warps or (8 if block_m >= 128 else 4),
+            TIERED=tiered, FP8=fp8, ATOMIC=n_row_tiles > 1, HALVES=halves, num_warps=rows_warps or (8 if block_m >= 128 else 4),
             num_stages=2,
         )
         return scores if P == groups else scores.reshape(nb, groups, P // groups, C).amax(dim=2)
@@ -472,7 +525,8 @@ def chunk_scores_triton(q: torch.Tensor, k_cache: torch.Tensor, block_table: tor
         *args, ROPE=mode, HPP=hpp, PAIRS_PER_GROUP=P // groups, PAIR_KV_DIV=pair_kv_div,
         CHUNK=chunk, EXACT=exact, PER_HEAD=per_head, N_ITER=max(0, math.ceil(math.log2(chunk))),
         BQ_PAD=bq_pad, HPP_PAD=hpp_pad, BLOCK_C=block_c, TILES=tiles, TILE_FIRST=tile_first, HEAD_DIM=D,
-        PAGE=page, DOT_PRECISION=precision, TIERED=tiered, FP8=fp8, num_warps=8 if tile_rows >= 128 else 4,
+        PAGE=page, DOT_PRECISION=precision, TIERED=tiered, FP8=fp8, HALVES=halves and exact and not per_head,
+        num_warps=8 if tile_rows >= 128 else 4,
         num_stages=2,
     )
     return scores if P == groups else scores.reshape(nb, groups, P // groups, C).amax(dim=2)

@@ -2,7 +2,9 @@
 
 A row rotated at position p becomes one rotated at p + delta by a second rotation of `delta`. The kernel loads the
 row twice — as stored and with its halves swapped (`swap_halves` gives the column offsets) — so the rotate-half
-layout needs no register shuffles: out = x * cos + sign * x_swapped * sin, sign = -1 on the first half.
+layout needs no register shuffles: out = x * cos + sign * x_swapped * sin, sign = -1 on the first half. A kernel
+that can keep its rows as two halves (`rotate_halves`: a dot over each half, summed) loads each element once and
+computes each angle once.
 """
 from __future__ import annotations
 
@@ -28,14 +30,27 @@ if triton is not None:
         return (d + HEAD_DIM // 2) % HEAD_DIM
 
     @triton.jit
+    def cos_sin(delta, inv_freq):
+        """cos and sin (N, F) fp32 of the angles delta (N,) x inv_freq (F,), each reduced to [-pi, pi] first."""
+        ang = delta.to(tl.float32)[:, None] * inv_freq[None, :]
+        ang = ang - 6.283185307179586 * tl.floor(ang * 0.15915494309189535 + 0.5)
+        if FAST_TRIG:
+            return libdevice.fast_cosf(ang), libdevice.fast_sinf(ang)
+        else:
+            return tl.cos(ang), tl.sin(ang)
+
+    @triton.jit
     def rotate_rows(x, x_sw, delta, inv_freq, d, HEAD_DIM: tl.constexpr):
         """Rotate rows x (N, D) by delta (N,) positions; x_sw: the same rows with halves swapped; inv_freq (D,) (each
         frequency twice, column d uses inv_freq[d % (D/2)]). fp32 out. The angle is reduced to [-pi, pi] first."""
-        ang = delta.to(tl.float32)[:, None] * inv_freq[None, :]
-        ang = ang - 6.283185307179586 * tl.floor(ang * 0.15915494309189535 + 0.5)
+        cos, sin = cos_sin(delta, inv_freq)
         sign = tl.where(d < HEAD_DIM // 2, -1.0, 1.0)
-        if FAST_TRIG:
-            cos, sin = libdevice.fast_cosf(ang), libdevice.fast_sinf(ang)
-        else:
-            cos, sin = tl.cos(ang), tl.sin(ang)
         return x.to(tl.float32) * cos + sign[None, :] * x_sw.to(tl.float32) * sin
+
+    @triton.jit
+    def rotate_halves(x1, x2, delta, inv_half):
+        """`rotate_rows` on rows held as their two halves x1, x2 (N, D/2), inv_half (D/2,) the frequencies once each:
+        one load of each element and half the sines and cosines. fp32 halves out."""
+        cos, sin = cos_sin(delta, inv_half)
+        x1, x2 = x1.to(tl.float32), x2.to(tl.float32)
+        return x1 * cos - x2 * sin, x2 * cos + x1 * sin
