@@ -316,6 +316,49 @@ if triton is not None:
         return q
 
     @triton.jit
+    def _block_of(QbStart, QbLen, CandEnd, InvFreq, NChunk, qb, pair, stride_nb, n_window, rope_from,
+                  PAIRS_PER_GROUP: tl.constexpr, PAIR_KV_DIV: tl.constexpr, HEAD_DIM: tl.constexpr, ROPE: tl.constexpr):
+        """What a program of (query block qb, KV-head pair) knows of its block: (group, kv head, first row, rows,
+        candidate end, block end, whether the block is moved by the strategy, the D frequencies (each twice; zeros
+        without a strategy), ci's candidate count)."""
+        group = pair // PAIRS_PER_GROUP
+        cand_end = tl.load(CandEnd + qb)
+        d = tl.arange(0, HEAD_DIM)
+        blk_end = cand_end + n_window
+        inv = tl.load(InvFreq + d % (HEAD_DIM // 2)) if ROPE != 0 else d * 0.0
+        n_chunk = tl.load(NChunk + qb * stride_nb + group) if ROPE == 2 else 0
+        return (group, pair // PAIR_KV_DIV, tl.load(QbStart + qb), tl.load(QbLen + qb), cand_end, blk_end,
+                blk_end - 1 >= rope_from, inv, n_chunk)
+
+    @triton.jit
+    def _pair_rows(Q, InvFreq, r, pair, start, length, stride_qt, stride_qh, blk_end, inv, remap, n_window, de_group,
+                   HPP: tl.constexpr, BQ_PAD: tl.constexpr, HEAD_DIM: tl.constexpr, ROPE: tl.constexpr,
+                   HALVES: tl.constexpr):
+        """Rows r (head of the pair * BQ_PAD + row of the block) as the exact scoring takes them: (qa, qb, rows_ok,
+        the frequencies `_exact_tile` takes): with HALVES the rows' two halves and the D/2 frequencies, else the rows
+        (qb the same) and `inv`."""
+        hh = r // BQ_PAD
+        qi = r % BQ_PAD
+        rows_ok = (hh < HPP) & (qi < length)
+        if HALVES:
+            inv_h = tl.load(InvFreq + tl.arange(0, HEAD_DIM // 2))
+            qa, qb = _load_q_halves(Q, start + qi, pair * HPP + hh, rows_ok, stride_qt, stride_qh, qi, length,
+                                    blk_end, inv_h, remap, n_window, de_group, HEAD_DIM, ROPE)
+            return qa, qb, rows_ok, inv_h
+        else:
+            qa = _load_q(Q, start + qi, pair * HPP + hh, rows_ok, stride_qt, stride_qh, qi, length, blk_end, inv,
+                         remap, n_window, de_group, HEAD_DIM, ROPE)
+            return qa, qa, rows_ok, inv
+
+    @triton.jit
+    def _candidates(Ids, qb, group, c, stride_ib, stride_ig, num_chunks, n_sink, cand_end, CHUNK: tl.constexpr):
+        """Candidates c of the block's list: their first key, end and whether any key of theirs is selectable."""
+        ids = tl.load(Ids + qb * stride_ib + group * stride_ig + c, mask=c < num_chunks, other=-1)
+        a = tl.maximum(ids * CHUNK, n_sink)
+        b = tl.minimum((ids + 1) * CHUNK, cand_end)
+        return a, b, (ids >= 0) & (a < b)
+
+    @triton.jit
     def _chunk_score_kernel(
         Q, K, KH, Slots, BlockTable, QbStart, QbLen, CandEnd, Ids, Scores, InvFreq, NChunk,
         stride_qt, stride_qh, stride_kp, stride_ko, stride_kh, stride_khp,
@@ -332,36 +375,16 @@ if triton is not None:
         qb = tl.program_id(2) if TILE_FIRST else tl.program_id(0)
         tile0 = tl.program_id(0) if TILE_FIRST else tl.program_id(2)
         pair = tl.program_id(1)
-        group = pair // PAIRS_PER_GROUP
-        kv = pair // PAIR_KV_DIV
-        start = tl.load(QbStart + qb)
-        length = tl.load(QbLen + qb)
-        cand_end = tl.load(CandEnd + qb)
-        d = tl.arange(0, HEAD_DIM)
-        blk_end = cand_end + n_window
-        remap = blk_end - 1 >= rope_from
-        inv = tl.load(InvFreq + d % (HEAD_DIM // 2)) if ROPE != 0 else d * 0.0
-        n_chunk = tl.load(NChunk + qb * stride_nb + group) if ROPE == 2 else 0
+        group, kv, start, length, cand_end, blk_end, remap, inv, n_chunk = _block_of(
+            QbStart, QbLen, CandEnd, InvFreq, NChunk, qb, pair, stride_nb, n_window, rope_from, PAIRS_PER_GROUP,
+            PAIR_KV_DIV, HEAD_DIM, ROPE)
         if not PER_HEAD:  # every head of the pair in one query tile, loaded once for all the program's chunk tiles
-            r = tl.arange(0, HPP_PAD * BQ_PAD)
-            hh = r // BQ_PAD
-            qi = r % BQ_PAD
-            rows_ok = (hh < HPP) & (qi < length)
-            if EXACT and HALVES:
-                inv_h = tl.load(InvFreq + tl.arange(0, HEAD_DIM // 2))
-                q_all, q_hi = _load_q_halves(Q, start + qi, pair * HPP + hh, rows_ok, stride_qt, stride_qh, qi,
-                                             length, blk_end, inv_h, remap, n_window, de_group, HEAD_DIM, ROPE)
-            else:
-                inv_h = inv
-                q_all = _load_q(Q, start + qi, pair * HPP + hh, rows_ok, stride_qt, stride_qh, qi, length, blk_end,
-                                inv, remap, n_window, de_group, HEAD_DIM, ROPE)
-                q_hi = q_all
+            q_all, q_hi, rows_ok, inv_h = _pair_rows(Q, InvFreq, tl.arange(0, HPP_PAD * BQ_PAD), pair, start, length,
+                                                     stride_qt, stride_qh, blk_end, inv, remap, n_window, de_group,
+                                                     HPP, BQ_PAD, HEAD_DIM, ROPE, EXACT and HALVES)
         for t in tl.static_range(TILES):
             c = (tile0 * TILES + t) * BLOCK_C + tl.arange(0, BLOCK_C)
-            ids = tl.load(Ids + qb * stride_ib + group * stride_ig + c, mask=c < num_chunks, other=-1)
-            a = tl.maximum(ids * CHUNK, n_sink)
-            b = tl.minimum((ids + 1) * CHUNK, cand_end)
-            valid = (ids >= 0) & (a < b)
+            a, b, valid = _candidates(Ids, qb, group, c, stride_ib, stride_ig, num_chunks, n_sink, cand_end, CHUNK)
             # a tile with no real candidate (the -1 padding of a graph variant sized for a larger context bucket,
             # attention/sparse/prefill_graph.py) scores nothing: its -inf is stored without reading keys
             best = tl.full([BLOCK_C], float("-inf"), tl.float32)
@@ -406,34 +429,15 @@ if triton is not None:
         by atomic max into Scores, which the launcher fills with -inf first)."""
         qb = tl.program_id(0)
         pair = tl.program_id(1)
-        group = pair // PAIRS_PER_GROUP
-        kv = pair // PAIR_KV_DIV
-        start = tl.load(QbStart + qb)
-        length = tl.load(QbLen + qb)
-        cand_end = tl.load(CandEnd + qb)
-        d = tl.arange(0, HEAD_DIM)
-        blk_end = cand_end + n_window
-        remap = blk_end - 1 >= rope_from
-        inv = tl.load(InvFreq + d % (HEAD_DIM // 2)) if ROPE != 0 else d * 0.0
-        n_chunk = tl.load(NChunk + qb * stride_nb + group) if ROPE == 2 else 0
-        r = tl.program_id(2) * BLOCK_M + tl.arange(0, BLOCK_M)
-        hh = r // BQ_PAD
-        qi = r % BQ_PAD
-        rows_ok = (hh < HPP) & (qi < length)
-        if HALVES:
-            inv = tl.load(InvFreq + tl.arange(0, HEAD_DIM // 2))
-            q, q_hi = _load_q_halves(Q, start + qi, pair * HPP + hh, rows_ok, stride_qt, stride_qh, qi, length,
-                                     blk_end, inv, remap, n_window, de_group, HEAD_DIM, ROPE)
-        else:
-            q = _load_q(Q, start + qi, pair * HPP + hh, rows_ok, stride_qt, stride_qh, qi, length, blk_end, inv,
-                        remap, n_window, de_group, HEAD_DIM, ROPE)
-            q_hi = q
+        group, kv, start, length, cand_end, blk_end, remap, inv, n_chunk = _block_of(
+            QbStart, QbLen, CandEnd, InvFreq, NChunk, qb, pair, stride_nb, n_window, rope_from, PAIRS_PER_GROUP,
+            PAIR_KV_DIV, HEAD_DIM, ROPE)
+        q, q_hi, rows_ok, inv = _pair_rows(Q, InvFreq, tl.program_id(2) * BLOCK_M + tl.arange(0, BLOCK_M), pair,
+                                           start, length, stride_qt, stride_qh, blk_end, inv, remap, n_window,
+                                           de_group, HPP, BQ_PAD, HEAD_DIM, ROPE, HALVES)
         for c0 in tl.range(0, num_chunks, BLOCK_C):
             c = c0 + tl.arange(0, BLOCK_C)
-            ids = tl.load(Ids + qb * stride_ib + group * stride_ig + c, mask=c < num_chunks, other=-1)
-            a = tl.maximum(ids * CHUNK, n_sink)
-            b = tl.minimum((ids + 1) * CHUNK, cand_end)
-            valid = (ids >= 0) & (a < b)
+            a, b, valid = _candidates(Ids, qb, group, c, stride_ib, stride_ig, num_chunks, n_sink, cand_end, CHUNK)
             if tl.max(valid.to(tl.int32), axis=0) > 0:  # the -1 padding of a larger bucket's variant reads nothing
                 best = _exact_tile(q, q_hi, rows_ok, K, KH, Slots, BlockTable, kv, a, b, valid, c - (n_chunk - 1),
                                    stride_kp, stride_ko, stride_kh, stride_khp, inv, remap, de_group, CHUNK, BLOCK_C,
