@@ -29,10 +29,9 @@ HQ, HKV, D, PAGE, PREFIX, STEP = 32, 8, 128, 16, 891289, 65536
 
 
 def measure(out: pathlib.Path, tag: str) -> None:
-    from gpu.common import median_us
+    from gpu.common import median_us, random_fp8_key_pages
     from longreach.attention.index import QueryBlocks, SparseIndex
     from longreach.kernels.bsa import block_sparse_attention_triton
-    from longreach.kernels.fp8 import encode
     from longreach.kernels.prune_stage import chunk_scores_triton
     from longreach.models.config import RopeConfig
     from longreach.rope.scaling import rope_inv_freq
@@ -40,12 +39,7 @@ def measure(out: pathlib.Path, tag: str) -> None:
 
     dev = "cuda"
     g = torch.Generator(device=dev).manual_seed(0)
-    pages = -(-(PREFIX + STEP) // PAGE)
-    table = torch.randperm(pages, device=dev, generator=g).int()
-    kc = torch.empty(pages, PAGE, HKV, D + 16, dtype=torch.float8_e4m3fn, device=dev)
-    for i in range(0, pages, 4096):  # fp8 rows with their scales, written in slices
-        kc[i:i + 4096] = encode(torch.randn(min(4096, pages - i), PAGE, HKV, D, device=dev, generator=g),
-                                torch.float8_e4m3fn)
+    kc, table = random_fp8_key_pages(dev, g, PREFIX + STEP, PAGE, HKV, D)
     inv = rope_inv_freq(RopeConfig(theta=500000.0), D)[0].to(dev)
     ms, outs = {}, {}
 

@@ -76,7 +76,7 @@ def main() -> None:
     ap.add_argument("--stages", type=int, nargs="+", default=[0, 1, 2], choices=[0, 1, 2], help="the stages to time")
     args = ap.parse_args()
     from longreach.kernels.chunk_box import box_move, box_queries
-    from longreach.kernels.fp8 import encode
+    from gpu.common import random_fp8_key_pages
     from longreach.kernels.key_boxes import box_scores_triton, build_boxes_triton
     from longreach.kernels.prune_stage import chunk_scores_triton
     from longreach.models.config import RopeConfig
@@ -85,13 +85,7 @@ def main() -> None:
 
     dev = args.device
     g = torch.Generator(device=dev).manual_seed(0)
-    total = args.prefix + args.step
-    pages = -(-total // PAGE)
-    table = torch.randperm(pages, device=dev, generator=g).int()
-    kc = torch.empty(pages, PAGE, HKV, D + 16, dtype=torch.float8_e4m3fn, device=dev)
-    for i in range(0, pages, 4096):  # fp8 rows with their scales, written in slices
-        kc[i:i + 4096] = encode(torch.randn(min(4096, pages - i), PAGE, HKV, D, device=dev, generator=g),
-                                torch.float8_e4m3fn)
+    kc, table = random_fp8_key_pages(dev, g, args.prefix + args.step, PAGE, HKV, D)
     inv = rope_inv_freq(RopeConfig(theta=500000.0), D)[0].to(dev)
     rope = RopeArgs("rt", inv, rope_from=131072, n_window=N_WINDOW)
     nb = args.step // BQ

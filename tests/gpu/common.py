@@ -37,6 +37,21 @@ def random_paged_kv(dev, g, lengths, page: int, Hkv: int, D: int, dtype=torch.bf
     return kc, vc, tables
 
 
+def random_fp8_key_pages(dev, g, tokens: int, page: int, Hkv: int, D: int):
+    """Random fp8 key rows with their scales (kernels/fp8.py's layout) for `tokens` tokens in pages scattered at
+    random, and the one sequence's block table: (kc (P, page, H_kv, D + 16) float8_e4m3fn, table (P,) int32). The
+    scoring scripts' 1M shape (scripts/score_kernels_sweep.py, scripts/rotation_ab.py)."""
+    from longreach.kernels.fp8 import encode
+
+    pages = -(-tokens // page)
+    table = torch.randperm(pages, device=dev, generator=g).int()
+    kc = torch.empty(pages, page, Hkv, D + 16, dtype=torch.float8_e4m3fn, device=dev)
+    for i in range(0, pages, 4096):  # written in slices
+        kc[i:i + 4096] = encode(torch.randn(min(4096, pages - i), page, Hkv, D, device=dev, generator=g),
+                                torch.float8_e4m3fn)
+    return kc, table
+
+
 def two_tier(kc, vc, share, g, units=1):
     """A two-tier copy of one-tier caches kc/vc (P, page, H_kv, D): host pinned, `share` of the pages (with `units` =
     H_kv: of the KV heads' pages, kvcache/offload.py's head units) resident in a pool at random slots (the rest read
