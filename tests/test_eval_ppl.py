@@ -148,3 +148,26 @@ def test_hotpotqa_text_is_long_deduplicated_natural_text():
     assert HOTPOTQA_CHARS <= len(text) < HOTPOTQA_CHARS + 20_000
     assert len(set(titles)) == len(titles) > 1000
     assert paragraphs[0].startswith("Ed Wood (film)\nEd Wood is a 1994 American")
+
+
+def test_cli_quantization_fp8_reaches_the_engine(tiny, tmp_path, monkeypatch):
+    """--quantization fp8 builds every method's engine with fp8 weights (the eval compares weight formats by running
+    twice): the scores move, by little, and the provenance's command line records the flag."""
+    from longreach.models import fp8
+
+    quantized = []
+    real = fp8.quantize_model_fp8
+    monkeypatch.setattr(fp8, "quantize_model_fp8", lambda *a, **k: quantized.append(1) or real(*a, **k))
+    text_file = tmp_path / "text.txt"
+    text_file.write_text(TEXT)
+    reports = {}
+    for flag in ([], ["--quantization", "fp8"]):
+        out = tmp_path / f"ppl{len(flag)}.json"
+        assert cli.main(["eval", "ppl", "--model", tiny, "--text-file", str(text_file), "--lengths", "128",
+                         "--tail", "32", "--attention", "dense", "--device", "cpu", "--plot", str(tmp_path / "p.png"),
+                         "--out", str(out), *flag]) == 0
+        reports[len(flag)] = json.loads(out.read_text())
+    assert quantized == [1]  # only the second run quantised
+    bf, q8 = (reports[n]["methods"]["dense"]["128"]["ppl_all"] for n in (0, 2))
+    assert bf != q8 and q8 == pytest.approx(bf, rel=0.05)
+    assert "--quantization fp8" in reports[2]["provenance"]["command"]

@@ -112,8 +112,8 @@ def test_eval_ruler_end_to_end(smollm2, tmp_path, capsys, monkeypatch):
     def session_llm(model, spec, attention_config, device, dtype, max_model_len, **engine_kwargs):  # the loaded
         assert (model, spec.label, device, dtype, max_model_len) == ("smollm2", "dense", "cpu", "float32", 512)  # model
         assert engine_kwargs == {"kv_cache_memory_gb": None, "enforce_eager": False, "kv_cache_dtype": "auto",
-                                 "kv_offloading_size": None, "max_num_batched_tokens": 8192, "rope_scaling": None,
-                                 "cpu_threads": None}
+                                 "kv_offloading_size": None, "quantization": None, "max_num_batched_tokens": 8192,
+                                 "rope_scaling": None, "cpu_threads": None}
         llm = LLM.__new__(LLM)
         llm.engine, llm.config = smollm2, smollm2.config
         return llm

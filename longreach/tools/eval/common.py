@@ -21,8 +21,8 @@ def add_share_prefill_arg(p: argparse.ArgumentParser) -> None:
 
 def add_method_args(p: argparse.ArgumentParser, default_methods: tuple[str, ...] = ("dense", "infinitehip")) -> None:
     """--model, --attention METHOD[:PRESET]..., --preset, --attention-config, --device, --dtype,
-    --kv-cache-memory-gb, --kv-cache-dtype, --kv-offloading-size, --rope-scaling, --max-num-batched-tokens,
-    --enforce-eager, --cpu-threads, --out, --plot."""
+    --kv-cache-memory-gb, --kv-cache-dtype, --kv-offloading-size, --quantization, --rope-scaling,
+    --max-num-batched-tokens, --enforce-eager, --cpu-threads, --out, --plot."""
     p.add_argument("--model", default="smollm2", help="model (default: smollm2)")
     p.add_argument("--attention", nargs="+", default=list(default_methods), metavar="METHOD[:PRESET]",
                    help=f"methods to run side by side (default: {' '.join(default_methods)}); e.g. dense "
@@ -40,6 +40,10 @@ def add_method_args(p: argparse.ArgumentParser, default_methods: tuple[str, ...]
                    help="KV cache element type (default: auto, the run dtype); fp8 = e4m3 with per-token scales")
     p.add_argument("--kv-offloading-size", type=float, default=None, metavar="GiB",
                    help="host-memory tier of the KV cache (default: none); --kv-cache-memory-gb is then the GPU tier")
+    p.add_argument("--quantization", default=None, choices=("fp8",),
+                   help="weights of every method's engine: fp8 = the decoder's linear layers in float8 e4m3 with a "
+                        "scale per output channel (default: the run dtype); run the eval with and without it to "
+                        "compare the two")
     p.add_argument("--rope-scaling", default=None, metavar="JSON",
                    help="override the model's RoPE scaling for every method, e.g. '{\"rope_type\": \"yarn\", "
                         "\"factor\": 4}' (dense + YaRN: what users try first past the trained length)")
@@ -189,7 +193,8 @@ def method_config(spec: RunSpec, attention_config: dict | None) -> dict | None:
 def engine_kwargs(args: argparse.Namespace) -> dict:
     """The engine flags of `add_method_args`, as `LLM` keyword arguments."""
     return {"kv_cache_memory_gb": args.kv_cache_memory_gb, "kv_cache_dtype": args.kv_cache_dtype,
-            "kv_offloading_size": args.kv_offloading_size, "max_num_batched_tokens": args.max_num_batched_tokens,
+            "kv_offloading_size": args.kv_offloading_size, "quantization": args.quantization,
+            "max_num_batched_tokens": args.max_num_batched_tokens,
             "rope_scaling": args.rope_scaling, "enforce_eager": args.enforce_eager, "cpu_threads": args.cpu_threads}
 
 
