@@ -96,6 +96,13 @@
 #   bash scripts/device_runs.sh units1m     # no model, two GPUs (nvidia-h200-x2: 256 GiB host): the default at 1M
 #                                           # (fp8, 76 GiB host tier, 4 GiB pool), unit page on GPU 0 and head on GPU 1
 #                                           # at once, 4 decode steps profiled each
+#   bash scripts/device_runs.sh table8b     # no model: issue 31's table on the 8B shape, one run: the default vs dense
+#                                           # at 32K, 128K and 512K (bf16 KV on the GPU), 4 decode steps profiled each
+#   bash scripts/device_runs.sh table8btests # no model: the GPU tests of the stage scoring and offload kernels
+#   bash scripts/device_runs.sh qwen05table # needs Qwen 0.5B: issue 31's table on it (the same command as table8b's,
+#                                           # one run), then fp8 weights against bf16 (eval ppl and passkey, dense)
+#   bash scripts/device_runs.sh qwen051m    # needs Qwen 0.5B: the default at 1M, fp8 KV offloaded to a 0.4 GiB pool:
+#                                           # each decode step's installs (stage-1 candidates kept between refreshes)
 # A group's first command compiles kernels (~30-60 s); bench decode runs an untimed warm-up prompt first.
 set -u
 out=${OUT:-out}; mkdir -p "$out"
@@ -219,6 +226,30 @@ tp2short)  # no model needed: tp2's bench at 32K (8B shape, random weights), whe
 default8b)  # issue 31: the default at 128K on the 8B shape (bf16, no offload), dense in the same run, 4 steps profiled
     run default_8b_128k 400 python3 -m longreach bench decode --lengths 128k --attention infinitehip \
         --dense-lengths 128k --decode-tokens 64 --profile-steps 4 --out "$out/bench-decode-128k-default-8b.json" ;;
+table8b)  # issue 31: one table per model shape, the same command for each (Qwen: qwen05table)
+    run table_8b 580 python3 -m longreach bench decode --lengths 32k 128k 512k --attention infinitehip \
+        --dense-lengths 32k 128k 512k --decode-tokens 64 --max-num-batched-tokens 32768 --profile-steps 4 \
+        --out "$out/bench-decode-table-8b.json" ;;
+table8btests)
+    gpu_tests gpu_check_scores_offload 300 tests/gpu/test_kernels.py tests/gpu/test_offload.py \
+        -k "chunk_scores or offload_kernels" ;;
+qwen05table)
+    run table_qwen05 330 python3 -m longreach bench decode --model "$model" --text-source paul-graham \
+        --lengths 32k 128k 512k --attention infinitehip --dense-lengths 32k 128k 512k --decode-tokens 64 \
+        --max-num-batched-tokens 32768 --profile-steps 4 --out "$out/bench-decode-table-qwen05.json"
+    for q in bf16 fp8; do  # fp8 weights' quality against bf16: one process each (the engine takes one weight format)
+        flag=(); [ $q = fp8 ] && flag=(--quantization fp8)
+        run "ppl_qwen05_$q" 90 python3 -m longreach eval ppl --model "$model" --text-source paul-graham \
+            --lengths 4k 32k --samples 4 --attention dense --max-num-batched-tokens 32768 ${flag[@]+"${flag[@]}"} \
+            --out "$out/ppl-qwen05-weights-$q.json"
+        run "passkey_qwen05_$q" 100 python3 -m longreach eval passkey --model "$model" --haystack paul-graham \
+            --lengths 8k 32k --depths 0.1 0.3 0.5 0.7 0.9 --seeds 4 --needles classic secret code --attention dense \
+            --max-num-batched-tokens 32768 ${flag[@]+"${flag[@]}"} --out "$out/passkey-qwen05-weights-$q.json"
+    done ;;
+qwen051m)  # stage 1's candidates of a real model between stage-0 refreshes (docs/design-refresh-installs.md, option 1)
+    run qwen05_1m 560 python3 -m longreach bench decode --model "$model" --text-source paul-graham --lengths 1M \
+        --attention infinitehip --kv-cache-dtype fp8 --kv-cache-memory-gb 0.4 --kv-offloading-size 12 \
+        --max-num-batched-tokens 65536 --dense-lengths --decode-tokens 41 --out "$out/bench-decode-1m-qwen05.json" ;;
 profile8b)
     run profile_8b_128k 400 python3 -m longreach bench decode --lengths 128k --attention infinitehip@pruned \
         --attention-config '{"infinitehip@pruned": {"dense_below": null}}' --dense-lengths 128k --decode-tokens 64 \

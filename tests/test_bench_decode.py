@@ -131,6 +131,10 @@ def test_bench_decode_reports_offload_counters(tmp_path):
     off = x["offload_stats"]
     assert off["decode"]["pages_missed"] > 0 and off["decode"]["bytes_h2d"] > 0 and 0 <= off["hit_ratio"] < 1
     assert off["h2d_gb_s"] > 0 and set(off["prefill"]) >= {"pages_hit", "pages_missed", "bytes_h2d"}
+    assert len(off["per_step"]) == len(x["step_s"])  # each step's installs, in step order; the counted ones sum up
+    counted = [s for i, s in enumerate(off["per_step"]) if i not in x["warmup_step_indices"]]
+    assert sum(s["bytes_h2d"] for s in counted) == off["decode"]["bytes_h2d"]
+    assert sum(s["pages_installed"] for s in counted) == off["decode"]["pages_installed"]
     assert x["dense_source"].startswith("not measured")
 
 
