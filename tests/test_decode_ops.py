@@ -58,9 +58,13 @@ def test_default_schedule_never_keeps_its_every_step_stage():
     assert graph["levels"] == [0, 2, 2, 2, 1]
     # level 2 under (16, 8, 4) is <= 13 per layer (the test above); here the last stage's keep (gt, where) and the
     # gather of its cached copy are gone, its sub-chunk ids are one add, and the candidate end is made once per step
-    # (sparse/graph.py), not per layer: 32 in all, 8 per layer
-    assert all(n <= 8 * layers for n in graph["per_step"][1:4]), graph["per_step"]
-    assert graph["by_level"][2]["aten::where"] == 0, graph["by_level"][2]
+    # (sparse/graph.py), not per layer: 32 in all, 8 per layer; then the last stage's top-k writes the attention
+    # index and its counts itself (`graph_last_direct`): no index_copy into the cache, no gather of it by slot, no
+    # count of the index with one row: 16 in all, 4 per layer
+    assert all(n <= 4 * layers for n in graph["per_step"][1:4]), graph["per_step"]
+    level2 = graph["by_level"][2]
+    assert level2["aten::where"] == 0 and level2["aten::index_copy_"] == 0, level2
+    assert level2["aten::index"] <= 3 * layers, level2  # 3 steps: per layer only the cached stage 1 it starts from
 
 
 def test_a_prefill_chunks_attention_launches_few_ops_outside_its_selection_graph():

@@ -135,6 +135,29 @@ def test_chunk_score_kernel_matches_reference(dtype, case):
             assert (alt[finite] - ref[finite]).abs().max() <= tol * max(1.0, ref[finite].abs().max().item())
 
 
+@pytest.mark.parametrize("impl", ["reference", "triton"])
+def test_topk_writes_into_the_first_columns_of_a_wider_buffer(impl):
+    """`out=`: a captured decode step's top-k writes the attention index's rows in place (sparse/graph.py): the ids
+    into the first k columns of (rows, G, W) int32, the counts into (rows, G); the other columns keep their -1."""
+    from longreach.kernels import topk
+
+    fn = topk.topk_ascending_triton if impl == "triton" else topk.topk_ascending_reference
+    g = torch.Generator().manual_seed(3)
+    G, C, k, W = 2, 40, 6, 11
+    ids = (torch.arange(C) * 2).expand(1, G, C).clone().to(DEV)
+    scores = torch.randn(1, G, C, generator=g).to(DEV)
+    want, want_n = topk.topk_ascending_reference(ids, scores, k)
+    index = torch.full((3, G, W), -1, dtype=torch.int32, device=DEV)
+    counts = torch.zeros(3, G, dtype=torch.int32, device=DEV)
+    got = fn(ids, scores, k, out=(index[1:2, :, :k], counts[1:2]))
+    assert got[0].data_ptr() == index[1:2].data_ptr()  # returned: the views it wrote
+    assert torch.equal(index[1, :, :k], want[0]) and torch.equal(counts[1], want_n[0])
+    assert (index[1, :, k:] == -1).all() and (index[[0, 2]] == -1).all() and (counts[[0, 2]] == 0).all()
+    if impl == "triton":
+        with pytest.raises(ValueError, match=r"expected int32 \(1, 2, 6\)"):
+            fn(ids, scores, k, out=(index[1:2, :, :k + 1], counts[1:2]))
+
+
 @pytest.mark.parametrize("rows, C, k", [(3, 50, 8), (4, 3000, 256), (2, 10, 16), (5, 40, 40), (2, 1, 4), (3, 5000, 100)])
 def test_topk_kernel_matches_reference(rows, C, k):
     from longreach.kernels.topk import topk_ascending_reference, topk_ascending_triton

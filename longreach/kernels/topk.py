@@ -21,8 +21,19 @@ except ImportError:  # pragma: no cover
     triton = None
 
 
-def topk_ascending_reference(ids: torch.Tensor, scores: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """ids, scores (..., C) -> (..., k) int32 ascending kept ids (-1 padded) and (...) int32 counts."""
+def _into(out: tuple[torch.Tensor, torch.Tensor] | None, kept: torch.Tensor, counts: torch.Tensor
+          ) -> tuple[torch.Tensor, torch.Tensor]:
+    if out is None:
+        return kept, counts
+    out[0].copy_(kept)
+    out[1].copy_(counts)
+    return out
+
+
+def topk_ascending_reference(ids: torch.Tensor, scores: torch.Tensor, k: int,
+                             out: tuple[torch.Tensor, torch.Tensor] | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """ids, scores (..., C) -> (..., k) int32 ascending kept ids (-1 padded) and (...) int32 counts; `out`: tensors
+    of those shapes to write them into (see `topk_ascending_triton`), returned."""
     C = ids.shape[-1]
     valid = torch.isfinite(scores)
     pos = torch.arange(C, device=ids.device).expand_as(ids)
@@ -34,10 +45,10 @@ def topk_ascending_reference(ids: torch.Tensor, scores: torch.Tensor, k: int) ->
     counts = keep.sum(-1).to(torch.int32)
     key = torch.where(keep, pos, C + pos)  # kept first, in position order
     order = key.sort(dim=-1).indices[..., :k]
-    out = torch.where(torch.gather(keep, -1, order), torch.gather(ids, -1, order), -1).to(torch.int32)
-    if out.shape[-1] < k:
-        out = torch.nn.functional.pad(out, (0, k - out.shape[-1]), value=-1)
-    return out, counts
+    out_ids = torch.where(torch.gather(keep, -1, order), torch.gather(ids, -1, order), -1).to(torch.int32)
+    if out_ids.shape[-1] < k:
+        out_ids = torch.nn.functional.pad(out_ids, (0, k - out_ids.shape[-1]), value=-1)
+    return _into(out, out_ids, counts)
 
 
 if triton is not None:
@@ -119,25 +130,36 @@ if triton is not None:
         tl.store(Counts + row, written)
 
 
-def topk_ascending_triton(ids: torch.Tensor, scores: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """Triton version of `topk_ascending_reference`."""
+def topk_ascending_triton(ids: torch.Tensor, scores: torch.Tensor, k: int,
+                          out: tuple[torch.Tensor, torch.Tensor] | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """Triton version of `topk_ascending_reference`. `out`: (ids (..., k), counts (...)) int32 to write into, e.g.
+    the first k columns of a wider buffer (a captured decode step's attention index, sparse/graph.py): the ids'
+    leading dims must merge into one of uniform stride (a view does), the counts be a view of (rows,)."""
     if triton is None:
         raise RuntimeError("topk_ascending_triton needs Triton")
     *lead, C = ids.shape
     rows = 1
     for x in lead:
         rows *= x
-    out = torch.empty(*lead, k, dtype=torch.int32, device=ids.device)
-    counts = torch.empty(*lead, dtype=torch.int32, device=ids.device)
+    if out is None:
+        out = (torch.empty(*lead, k, dtype=torch.int32, device=ids.device),
+               torch.empty(*lead, dtype=torch.int32, device=ids.device))
+    kept, counts = out
+    if kept.shape != (*lead, k) or counts.shape != tuple(lead) or kept.dtype != torch.int32 \
+            or counts.dtype != torch.int32 or kept.stride(-1) != 1:
+        raise ValueError(f"topk out: ids {tuple(kept.shape)} {kept.dtype} (last stride {kept.stride(-1)}) and counts "
+                         f"{tuple(counts.shape)} {counts.dtype}; expected int32 {(*lead, k)} with unit last stride "
+                         f"and int32 {tuple(lead)}")
     if rows == 0:
-        return out, counts
+        return out
     ids2 = ids.reshape(rows, C)
     sc2 = scores.reshape(rows, C).float()
     if C == 0:
-        out.fill_(-1)
+        kept.fill_(-1)
         counts.zero_()
-        return out, counts
+        return out
+    out2 = kept.view(rows, k)  # raises where the leading dims do not merge (no copy may stand in for the buffer)
     block = max(16, min(4096, triton.next_power_of_2(max(C, k))))
-    _topk_kernel[(rows,)](ids2, sc2, out.view(rows, k), counts.view(rows), C, k, ids2.stride(0), sc2.stride(0), k,
+    _topk_kernel[(rows,)](ids2, sc2, out2, counts.view(rows), C, k, ids2.stride(0), sc2.stride(0), out2.stride(0),
                           BLOCK=block, SINGLE=C <= block, num_warps=4 if block <= 1024 else 8)
-    return out, counts
+    return out

@@ -49,7 +49,7 @@ class HiP(SelectionMethod):
     def refresh_from(self, step: int) -> int:
         return 0 if step % self.cfg.refresh == 0 else 1
 
-    def graph_select(self, layer, q, blocks, keys, cached, row_first, level):
+    def graph_select(self, layer, q, blocks, keys, cached, row_first, level, out=None):
         if level > 0:
             return []
         fresh = self._search(layer, q, blocks, keys)

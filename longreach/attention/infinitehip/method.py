@@ -167,10 +167,13 @@ class InfiniteHiP(SelectionMethod):
     def refreshed_every_step(self, stage: int) -> bool:
         return self.cfg.refresh[stage] == 1
 
-    def graph_select(self, layer, q, blocks, keys, cached, row_first, level):
+    def graph_last_direct(self) -> bool:
+        return self.cfg.refresh[-1] == 1 and not self.cfg.lookahead
+
+    def graph_select(self, layer, q, blocks, keys, cached, row_first, level, out=None):
         prev = cached[level - 1] if level else None
         return self.run_stages(layer, q, blocks, keys, level, prev, keep=(cached, row_first),
-                               lookahead=self.cfg.lookahead)
+                               lookahead=self.cfg.lookahead, last_out=out)
 
     def lookahead_chunks(self, ids: torch.Tensor, chunk: int, cand_end: torch.Tensor, n: int) -> torch.Tensor:
         """A stage's survivors ids (nb, G, C) (candidate chunks of `chunk` tokens, ascending, -1 padded) -> (nb, G,
@@ -189,7 +192,7 @@ class InfiniteHiP(SelectionMethod):
 
     def run_stages(self, layer, q, blocks, keys, first: int = 0, prev: torch.Tensor | None = None,
                    return_counts: bool = False, keep: tuple[list[torch.Tensor], torch.Tensor] | None = None,
-                   lookahead: int = 0):
+                   lookahead: int = 0, last_out: tuple[torch.Tensor, torch.Tensor] | None = None):
         """Outputs of stages first..N-1, each (nb, G, C_i) ascending chunk ids at that stage's granularity, -1 padded
         (and, with `return_counts`, the last stage's (nb, G) counts: the attention index without any repacking).
 
@@ -202,6 +205,8 @@ class InfiniteHiP(SelectionMethod):
         block or attends densely there, and its cache starts afresh once it selects: graph.py's `step`).
         `lookahead`: each recomputed stage's survivors plus their next `lookahead` chunks (`lookahead_chunks`; the
         decode steps pass the config's, prefill none), so C_i is (1 + lookahead) times the survivors' width.
+        `last_out`: (ids, counts) the last stage's top-k writes into (`graph_select`'s `out`: a captured step's index
+        rows; the stage must be refreshed at every step, without lookahead); its output is then not in the list.
         """
         cfg = self.cfg
         dev = q.device
@@ -240,6 +245,11 @@ class InfiniteHiP(SelectionMethod):
                 k = min(k, max(1, width))
             # every scorer gives an invalid candidate (chunk_bounds) -inf, which top_k never keeps: its id needs no
             # masking to -1 first
+            if last_out is not None and i == len(cfg.chunk_sizes) - 1:
+                if lookahead or not self.refreshed_every_step(i):
+                    raise ValueError("last_out needs a last stage refreshed at every step, without lookahead")
+                self.top_k(ids, score, k, out=last_out)
+                break
             prev, counts = self.top_k(ids, score, k)
             if lookahead:
                 prev = self.lookahead_chunks(prev, l, cand_end, lookahead)

@@ -141,6 +141,8 @@ class GraphDecoder:
                 "arange": torch.arange(widest, dtype=torch.int32, device=dev),
                 "ones": torch.ones(slots, dtype=torch.int32, device=dev),
                 "zero": torch.zeros(1, dtype=torch.int32, device=dev),
+                # the last stage's counts per layer and row, where its top-k writes them (`select`, direct)
+                "counts": torch.zeros(L, slots, m.groups, dtype=torch.int32, device=dev),
             }
             self._free_slots = list(range(slots))[::-1]
         return self._g
@@ -266,6 +268,10 @@ class GraphDecoder:
         ends = meta.seq_lens[:n]  # int32, as the kernels read it (no cast)
         # rows [0, sel) run the stages; the rest are no longer than every limit and read every key block below
         sel = min(select, n)
+        # the last stage recomputed by every selecting row at every step (the default's refresh 1): its top-k writes
+        # row i of `last` (indexed by batch row, not slot: that cache is never kept) and its counts, so no
+        # index_copy into the cache, no gather of it by slot and, with one row, no count of the index
+        direct = N > 0 and level < N and m.graph_last_direct()
         if level < N:
             # the cached stages this variant reads, one gather each: stage level - 1 (what the recomputation starts
             # from) and level.. (kept by the rows whose own schedule does not refresh them: not a stage refreshed at
@@ -282,14 +288,19 @@ class GraphDecoder:
                 probes = None if meta.page_reads is None else \
                     probe_reads(meta, layer, g["arange"][i:i + 1], ends[i:i + 1] - 1)  # no op without a listener
                 keys = SequenceKeys(k_cache, meta.block_tables[i], bucket, boxes, probes)
+                out = (g["last"][layer][i:i + 1, :, :caches[-1].shape[2]], g["counts"][layer, i:i + 1]) \
+                    if direct else None
                 outs = m.graph_select(layer, q[i:i + 1], blocks, keys,
-                                      [None if c is None else c[i:i + 1] for c in cached], first[i:i + 1], level)
+                                      [None if c is None else c[i:i + 1] for c in cached], first[i:i + 1], level,
+                                      out=out)
                 for j, o in enumerate(outs):
                     fresh[j].append(o)
             for c, f in zip(caches[level:], fresh):
                 if f:
                     c.index_copy_(0, slot[:sel], f[0] if len(f) == 1 else torch.cat(f))
-        if N:  # every row's last stage (just written, or cached), already padded to the index width
+        if direct:  # rows [0, sel) written just now; rows past sel are short rows, replaced below
+            blocks = g["last"][layer][:n]
+        elif N:  # every row's last stage (just written, or cached), already padded to the index width
             blocks = g["last"][layer][slot]
         else:
             blocks = torch.full((n, m.groups, self._index_width(layer, 0)), -1, dtype=torch.int32, device=dev)
@@ -304,7 +315,7 @@ class GraphDecoder:
                 memo["every", limit, width] = (every[:, None, :], (ends <= limit)[:, None, None])
             every, short = memo["every", limit, width]
             blocks = torch.where(short, every, blocks)
-        counts = (blocks >= 0).sum(-1, dtype=torch.int32)
+        counts = g["counts"][layer, :1] if direct and n == 1 else (blocks >= 0).sum(-1, dtype=torch.int32)
         if use_kernels(q):
             if "queries" not in memo:
                 rows = g["arange"][:n]

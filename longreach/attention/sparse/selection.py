@@ -239,10 +239,19 @@ class SelectionMethod(ABC):
         never kept, so a captured step need not gather it (graph.py)."""
         return False
 
+    def graph_last_direct(self) -> bool:
+        """May a captured step have the last stage's top-k write its output straight into the layer's attention
+        index (`graph_select`'s `out`)? Only where every selecting row recomputes that stage at every step (its
+        cached copy is never kept) and the top-k's ids and counts are the index as they are."""
+        return False
+
     def graph_select(self, layer: int, q: torch.Tensor, blocks: BlockQueries, keys: SequenceKeys,
-                     cached: list[torch.Tensor], row_first: torch.Tensor, level: int) -> list[torch.Tensor]:
+                     cached: list[torch.Tensor], row_first: torch.Tensor, level: int,
+                     out: tuple[torch.Tensor, torch.Tensor] | None = None) -> list[torch.Tensor]:
         """Stage outputs level..N-1 for one sequence's decode block, without host syncs. Stage i is recomputed for
-        the blocks whose `row_first` <= i; the others keep `cached[i]`, and the next stage builds on what was kept."""
+        the blocks whose `row_first` <= i; the others keep `cached[i]`, and the next stage builds on what was kept.
+        `out` (only where `graph_last_direct`): (ids (1, G, C_last), counts (1, G)) int32 views the last stage's
+        top-k writes into; that stage's output is then left out of the returned list."""
         raise NotImplementedError
 
     # ---- helpers shared by the methods ---------------------------------------------------------------------------
@@ -302,13 +311,15 @@ class SelectionMethod(ABC):
         return per_head.reshape(nb, self.groups, H // self.groups, *per_head.shape[2:]).amax(dim=2)
 
     @staticmethod
-    def top_k(ids: torch.Tensor, scores: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
+    def top_k(ids: torch.Tensor, scores: torch.Tensor, k: int,
+              out: tuple[torch.Tensor, torch.Tensor] | None = None) -> tuple[torch.Tensor, torch.Tensor]:
         """Per (block, group) the k best-scoring ids (scores -inf = invalid; ties to the lower position), ascending,
-        -1 padded, int32 (nb, G, k), and their counts (nb, G). ids must be ascending among the valid ones."""
+        -1 padded, int32 (nb, G, k), and their counts (nb, G), written into `out` when given. ids must be ascending
+        among the valid ones."""
         from ...kernels.topk import topk_ascending_reference, topk_ascending_triton
 
         fn = topk_ascending_triton if use_kernels(ids) else topk_ascending_reference
-        return fn(ids, scores, k)
+        return fn(ids, scores, k, out)
 
     def keep_top(self, ids: torch.Tensor, scores: torch.Tensor, k: int) -> torch.Tensor:
         return self.top_k(ids, scores, k)[0]

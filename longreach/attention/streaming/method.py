@@ -27,5 +27,5 @@ class Streaming(SelectionMethod):
     def graph_stage_widths(self, layer: int) -> tuple[int, ...]:
         return ()  # nothing selected, nothing cached
 
-    def graph_select(self, layer, q, blocks, keys, cached, row_first, level):
+    def graph_select(self, layer, q, blocks, keys, cached, row_first, level, out=None):
         return []
