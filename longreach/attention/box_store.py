@@ -36,9 +36,9 @@ def layer_slots(layers) -> dict[int, int]:
 class BoxSteps:
     """Which units (`unit` tokens each) of each sequence longer than `min_len` are boxed; subclasses give the store.
 
-    partial: the partial last unit is boxed too, and boxed again each step until it is complete (Quest,
-    infinitehip); else only the units complete before the step's newest key (PSA's blocks, which end before its
-    tail)."""
+    partial: the partial last unit is boxed too, and boxed again each step until it is complete (Quest;
+    infinitehip with a window shorter than a chunk); else only the units complete before the step's newest key (PSA's
+    blocks, which end before its tail; infinitehip's chunks, which end before its window)."""
 
     def __init__(self, unit: int, kind: str, min_len: int, partial: bool, max_seqs: int, device: torch.device):
         self.unit, self.kind, self.min_len, self.partial = unit, kind, min_len, partial
@@ -115,11 +115,11 @@ class BoxSteps:
 
     def step_inputs(self, meta, q: torch.Tensor, graph: tuple[int, bool] | None) -> tuple:
         """(rows, lens, lo, hi, most) of this step's build, for the batch rows of `q`: a graph step's from the static
-        buffer (`graph`: (bucket, catch-up); one unit per row, every unit of the bucket to catch up), an eager part's
-        assigned at its first layer (its boxes then count as built)."""
+        buffer (`graph`: (bucket, `graph_plan`'s field); none, one unit per row, or every unit of the bucket to catch
+        up), an eager part's assigned at its first layer (its boxes then count as built)."""
         if graph is not None:
             b = self._graph_in[:, :q.shape[0]]
-            return b[0], b[1], b[2], b[3], -(-graph[0] // self.unit) if graph[1] else 1
+            return b[0], b[1], b[2], b[3], -(-graph[0] // self.unit) if graph[1] > 1 else int(graph[1])
         found = next((e for e in self._eager if e[0] is meta), None)
         if found is None:  # this part's first layer: assign its plan's rows
             plan = next((p for p in self._plans if p[0] is meta), None)
@@ -153,9 +153,11 @@ class BoxSteps:
         return box_tables
 
     # ---- graph decode -----------------------------------------------------------------------------------------------
-    def graph_plan(self, seq_ids, seq_lens) -> bool:
-        """`plan` for a graph step; True when some row boxes more than one unit (the catch-up variant)."""
-        return self.plan(seq_ids, seq_lens) > 1
+    def graph_plan(self, seq_ids, seq_lens) -> int:
+        """`plan` for a graph step, as the variant's box field: 0 when no row boxes anything (a step of a store
+        without partial units that completes none: its variant launches no build), 1 when each boxes at most one
+        unit, 2 when some row boxes more (the catch-up variant)."""
+        return min(self.plan(seq_ids, seq_lens), 2)
 
     def graph_scratch(self, rows: int | None = None) -> None:
         """Graph inputs that box nothing (the scratch row, length 1, no units) in the first `rows` rows."""

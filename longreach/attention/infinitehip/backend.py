@@ -25,4 +25,4 @@ class InfiniteHiPBackend(SparseBackend):
         mc, ec = self.model_config, self.engine_config
         min_len = self.shortest_dense_below()
         return BoxPool(self.fallback.sparse_layers(), *spec, mc.num_kv_heads, mc.head_dim, min_len, ec.max_num_seqs,
-                       ec.max_model_len, self.device)
+                       ec.max_model_len, self.device, partial=self.method.cfg.n_window < spec[0])

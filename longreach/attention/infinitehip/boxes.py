@@ -1,8 +1,11 @@
 """The chunk boxes of a box-scored stage 0 (kernels/chunk_box.py), kept per sequence in a pool paged like the KV cache.
 
 Stage 0 of `infinitehip:3k-box` scores every candidate chunk from a box around its keys. The boxes of complete chunks
-never change, so they are built once and kept: each step boxes only the chunks its new keys touch (a prefill chunk's
-range; in decode, the chunk that holds the newest key) and writes them in place.
+never change, so they are built once and kept: each step boxes only the chunks its new keys complete (a prefill
+chunk's range; in decode, the chunk that the newest key follows, one step in a chunk's length), and writes them in
+place. A chunk is a candidate only once it starts before the query's window (`n_window`, 1,024 tokens in every
+preset), so with a window at least a chunk long no selection reads a partial chunk's box; with a shorter one the
+chunk that holds the newest key is boxed at every step (`partial`), as before 2026-11-29.
 
 Layout: per layer a pool of `pages * per` rows of (2 flavours, centre / radius, H_kv, D) in the run dtype; a page holds
 the boxes of `per` consecutive chunks of one sequence (PER_PAGE = 16: 1,024 tokens at 64-token chunks). Each
@@ -47,9 +50,12 @@ PER_PAGE = 16  # chunks per box page
 
 class BoxPool(BoxSteps):
     def __init__(self, layers, chunk: int, kind: str, num_kv_heads: int, head_dim: int, min_len: int,
-                 max_seqs: int, max_model_len: int, device: torch.device):
-        """layers: the model layers that keep boxes (box_store.py `layer_slots`: an int n is layers 0 .. n-1)."""
-        super().__init__(chunk, kind, min_len, True, max_seqs, device)
+                 max_seqs: int, max_model_len: int, device: torch.device, partial: bool = True):
+        """layers: the model layers that keep boxes (box_store.py `layer_slots`: an int n is layers 0 .. n-1).
+        partial: box the chunk that holds the newest key at every step (BoxSteps); False: only chunks complete
+        before the newest key, which is enough when the method's window is at least a chunk long (`make_boxes`):
+        a candidate chunk starts before the query's window, so it ended at least one key before the newest."""
+        super().__init__(chunk, kind, min_len, partial, max_seqs, device)
         self.slots = layer_slots(layers)
         self.num_layers, self.chunk = len(self.slots), chunk
         self.shape = (2, 2, num_kv_heads, head_dim)

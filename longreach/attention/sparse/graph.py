@@ -8,9 +8,10 @@ only every refresh[i] steps, and a short context attends densely. So the step co
   level   the earliest stage any sequence of the batch recomputes this step (len(stages): none does);
   dense   for each distinct decode limit (`dense_below_decode`, which is `dense_below` unless set), whether the
           longest sequence is within it (those layers attend densely, as in an eager step);
-  catchup whether some row boxes more than one chunk this step (a box-scored stage 0, infinitehip/boxes.py: a
-          sequence just past the shortest limit, or the first decode step after another backend's prefill); the
-          box kernel then covers every chunk of the bucket instead of one per row;
+  catchup what the rows box this step (a box-scored stage 0, infinitehip/boxes.py): 0 nothing (no build launch:
+          most steps where only complete chunks are boxed), 1 at most one chunk each, 2 more for some row (a
+          sequence just past the shortest limit, or the first decode step after another backend's prefill), where
+          the box kernel covers every chunk of the bucket instead of one per row;
   select  how many rows run the stages (a power of two >= the number of rows longer than the smallest limit): the
           runner orders a batch longest first, so the rows that need a selection are a prefix, and the short rows of
           a mixed batch (a 128K request among short chats) skip the per-row selection entirely. Without this every
@@ -92,17 +93,25 @@ class GraphDecoder:
         keys, shortest, power = [], min(min(limits), SHORT_WARM_MAX), 64
         while power // 2 < shortest and power // 2 < self.max_model_len:  # a longest row in (power / 2, power]
             keys.append((0, (min(power, self.max_model_len), self._num_stages(), tuple(True for _ in limits), 0,
-                             False)))
+                             0)))
             power *= 2
         power = 1 << max(limits[-1], 1).bit_length()  # the first bucket past every limit (`step`'s rule)
         dense = tuple(False for _ in limits)
         while True:
             bucket = min(power, self.max_model_len)
-            keys += [(select, (bucket, level, dense, select, False)) for select in (1, 2)
-                     for level in range(self._num_stages() + 1)]
+            keys += [(select, (bucket, level, dense, select, box)) for select in (1, 2)
+                     for level in range(self._num_stages() + 1) for box in self._warm_box_fields()]
             if bucket >= self.max_model_len:
                 return keys
             power *= 2
+
+    def _warm_box_fields(self) -> tuple[int, ...]:
+        """The box fields (`step`'s catchup) of a long row's ordinary steps: none without boxes; 1 with partial
+        chunks (boxed at every step); 0 and 1 without them (most steps box nothing, one in a chunk's length boxes
+        the chunk just completed)."""
+        if self.boxes is None:
+            return (0,)
+        return (1,) if self.boxes.partial else (0, 1)
 
     def free(self, seq_id: int) -> None:
         if seq_id in self.slots:
@@ -221,7 +230,7 @@ class GraphDecoder:
         if need and any(a < b for a, b in zip(seq_lens, seq_lens[1:])):
             raise ValueError("graph decode needs the batch ordered longest first (engine/model_runner.py)")
         select = 0 if need == 0 else 1 << (need - 1).bit_length()
-        catchup = self.boxes is not None and self.boxes.graph_plan(seq_ids, seq_lens)
+        catchup = 0 if self.boxes is None else self.boxes.graph_plan(seq_ids, seq_lens)
 
         def load(rows: int) -> None:  # one host-to-device copy per buffer, the padding rows included
             n = len(slots)

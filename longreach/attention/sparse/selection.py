@@ -149,8 +149,9 @@ class KeptBoxes(Protocol):
 
     def free(self, seq_id: int) -> None: ...
 
-    def graph_plan(self, seq_ids: list[int], seq_lens: list[int]) -> bool:
-        """Host side of a graph-decoded step; True when some row boxes more than one chunk (a catch-up variant)."""
+    def graph_plan(self, seq_ids: list[int], seq_lens: list[int]) -> int:
+        """Host side of a graph-decoded step: 0 when no row boxes a chunk this step (the variant launches no build),
+        1 when each boxes at most one, 2 when some row boxes more (a catch-up variant)."""
 
     def graph_load(self, rows: int) -> None:
         """Write the planned step's inputs into the static graph buffer (`rows` rows, the padding boxes nothing)."""
