@@ -135,6 +135,23 @@ def test_chunk_score_kernel_matches_reference(dtype, case):
             assert (alt[finite] - ref[finite]).abs().max() <= tol * max(1.0, ref[finite].abs().max().item())
 
 
+@pytest.mark.parametrize("levels", [3, 50, 0])
+def test_topk_kernel_matches_reference_with_many_ties(levels):
+    """Scores from a few levels (ties everywhere, also straddling the k-th) or all distinct (levels 0: the search
+    stops early, where exactly k lie at or above its midpoint): the kernel keeps the reference's ids."""
+    from longreach.kernels.topk import topk_ascending_reference, topk_ascending_triton
+
+    g = torch.Generator().manual_seed(levels)
+    rows, C = 16, 300
+    ids = torch.arange(C).expand(rows, C).clone()
+    scores = torch.randint(0, levels, (rows, C), generator=g).float() if levels else torch.randn(rows, C, generator=g)
+    scores[::3, ::5] = float("-inf")
+    for k in (1, 7, 64, 299):
+        want = topk_ascending_reference(ids.to(DEV), scores.to(DEV), k)
+        got = topk_ascending_triton(ids.to(DEV), scores.to(DEV), k)
+        assert torch.equal(got[0], want[0]) and torch.equal(got[1], want[1]), k
+
+
 @pytest.mark.parametrize("impl", ["reference", "triton"])
 def test_topk_writes_into_the_first_columns_of_a_wider_buffer(impl):
     """`out=`: a captured decode step's top-k writes the attention index's rows in place (sparse/graph.py): the ids

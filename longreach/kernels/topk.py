@@ -5,8 +5,8 @@ among candidates tied at the k-th score keep the lowest positions; write the kep
 stage outputs and the attention index need them) followed by -1 padding, and the number kept.
 
 Kernel: one program per row. The k-th largest score is found by bisection on the scores' bit patterns mapped to
-order-preserving int32 keys (32 counting passes over the row, no sort); the kept ids are then compacted in order with
-a cumulative sum. This replaces topk + gather + mask + sort + cast + count (six to eight launches) with one.
+order-preserving int32 keys (at most 32 counting passes over the row, no sort; it stops where exactly k keys lie at or
+above the midpoint); the kept ids are then compacted in order with a cumulative sum. This replaces topk + gather + mask + sort + cast + count (six to eight launches) with one.
 Reference: `topk_ascending_reference`. Inputs must list each row's valid ids in ascending order (candidate lists do).
 Tested: CPU interpreter in fp32 (tests/test_kernel_bsa.py); H100/H200 (tests/gpu/test_kernels.py).
 """
@@ -83,7 +83,12 @@ if triton is not None:
         lo = zero.to(tl.int64) - 2147483647  # keys of finite scores and +inf lie above the key of -inf
         hi = zero.to(tl.int64) + 2147483647
         if n_valid > K:
-            for _ in range(32):
+            # bisection, ended early where exactly K keys lie at or above the midpoint: those K are the answer (no
+            # tie straddles it), the same set the full search keeps; random scores stop after ~log2(gap) passes
+            # instead of 32
+            passes = zero
+            searching = zero + 1
+            while searching > 0:
                 mid = lo + ((hi - lo + 1) >> 1)
                 if SINGLE:
                     cnt = tl.sum((ok1 & (key1 >= mid)).to(tl.int32), axis=0)
@@ -92,10 +97,10 @@ if triton is not None:
                     for t in range(0, C, BLOCK):
                         ok, key = _tile(Scores, row, stride_sr, t, offs, C)
                         cnt += tl.sum((ok & (key >= mid)).to(tl.int32), axis=0)
-                if cnt >= K:
-                    lo = mid
-                else:
-                    hi = mid - 1
+                lo = tl.where(cnt >= K, mid, lo)
+                hi = tl.where(cnt >= K, hi, mid - 1)
+                passes += 1
+                searching = ((cnt != K) & (lo < hi) & (passes < 33)).to(tl.int32)
         thr = lo
         written = zero
         seen_eq = zero

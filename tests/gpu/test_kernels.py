@@ -283,3 +283,31 @@ def test_fused_kernels(detail):
            f"{100 * worst['rope']:.3f}% / {100 * worst['rms_norm']:.2f}% / {100 * worst['silu_mul']:.2f}% of "
            "elements; KV write bf16 and fp8, "
            "one and two tiers, byte-equal to the PyTorch path; note_reads marks the same pages")
+
+
+def test_topk_kernel(detail):
+    """The selection's top-k (ascending ids, counts) vs its reference at the decode and prefill stages' real sizes:
+    stage 0 of 3k-box at 1M (16,384 candidate chunks, keep 512: the multi-tile path), stages 1-2 (1,024 / 2,048
+    candidates), rows of 8 KV heads and 64 query blocks; bf16 scores (as the scorers round them), some -inf, ties;
+    and the in-place output the captured decode step uses (the first k columns of a wider index)."""
+    from longreach.kernels.topk import topk_ascending_reference, topk_ascending_triton
+
+    dev = "cuda"
+    cases = 0
+    for rows, C, k in [(8, 16384, 512), (512, 16384, 512), (8, 1024, 256), (8, 2048, 256), (512, 1024, 256),
+                       (8, 100, 256)]:
+        g = torch.Generator(device=dev).manual_seed(rows + C + k)
+        scores = torch.randn(rows, C, device=dev, generator=g).bfloat16().float()  # bf16-rounded: ties
+        scores[:, ::11] = float("-inf")
+        ids = torch.arange(C, device=dev, dtype=torch.int32).expand(rows, C).contiguous()
+        want = topk_ascending_reference(ids, scores, k)
+        got = topk_ascending_triton(ids, scores, k)
+        if not (torch.equal(got[0], want[0]) and torch.equal(got[1], want[1])):
+            raise AssertionError(f"top-k differs from its reference at rows {rows}, C {C}, k {k}")
+        index = torch.full((rows, k + 9), -1, dtype=torch.int32, device=dev)
+        counts = torch.zeros(rows, dtype=torch.int32, device=dev)
+        topk_ascending_triton(ids, scores, k, out=(index[:, :k], counts))
+        if not (torch.equal(index[:, :k], want[0]) and torch.equal(counts, want[1]) and (index[:, k:] == -1).all()):
+            raise AssertionError(f"top-k written in place differs at rows {rows}, C {C}, k {k}")
+        cases += 1
+    detail(f"{cases} cases equal to the reference (ids and counts; in place into a wider index too)")
