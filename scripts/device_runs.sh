@@ -99,8 +99,10 @@
 #   bash scripts/device_runs.sh table8b     # no model: issue 31's table on the 8B shape, one run: the default vs dense
 #                                           # at 32K, 128K and 512K (bf16 KV on the GPU), 4 decode steps profiled each
 #   bash scripts/device_runs.sh table8btests # no model: the GPU tests of the stage scoring and offload kernels
-#   bash scripts/device_runs.sh qwen05table # needs Qwen 0.5B: issue 31's table on it (the same command as table8b's,
-#                                           # one run), then fp8 weights against bf16 (eval ppl and passkey, dense)
+#   bash scripts/device_runs.sh qwen05table # needs Qwen 0.5B: issue 31's table on it (the same command as table8b's)
+#   bash scripts/device_runs.sh qwen05fp8   # needs Qwen 0.5B: fp8 weights against bf16 (eval ppl and passkey, dense)
+#   bash scripts/device_runs.sh graphcheck  # needs a model: the top-k kernel and 3k-box's graph == eager decode at
+#                                           # 1.5x the model's trained length (tests/gpu)
 #   bash scripts/device_runs.sh qwen051m    # needs Qwen 0.5B: the default at 1M, fp8 KV offloaded to a 0.4 GiB pool:
 #                                           # each decode step's installs (stage-1 candidates kept between refreshes)
 # A group's first command compiles kernels (~30-60 s); bench decode runs an untimed warm-up prompt first.
@@ -236,12 +238,17 @@ table8btests)
 qwen05table)
     run table_qwen05 330 python3 -m longreach bench decode --model "$model" --text-source paul-graham \
         --lengths 32k 128k 512k --attention infinitehip --dense-lengths 32k 128k 512k --decode-tokens 64 \
-        --max-num-batched-tokens 32768 --profile-steps 4 --out "$out/bench-decode-table-qwen05.json"
+        --max-num-batched-tokens 32768 --profile-steps 4 --out "$out/bench-decode-table-qwen05.json" ;;
+graphcheck)
+    gpu_tests gpu_check_graphs 200 tests/gpu/test_kernels.py tests/gpu/test_box.py --gpu-model "$model" \
+        -k "topk or box_engine" ;;
+qwen05fp8)
     for q in bf16 fp8; do  # fp8 weights' quality against bf16: one process each (the engine takes one weight format)
         flag=(); [ $q = fp8 ] && flag=(--quantization fp8)
+        # its whole-window logits at 32K need ~19 GiB beside the KV cache
         run "ppl_qwen05_$q" 90 python3 -m longreach eval ppl --model "$model" --text-source paul-graham \
-            --lengths 4k 32k --samples 4 --attention dense --max-num-batched-tokens 32768 ${flag[@]+"${flag[@]}"} \
-            --out "$out/ppl-qwen05-weights-$q.json"
+            --lengths 4k 32k --samples 4 --attention dense --max-num-batched-tokens 32768 --kv-cache-memory-gb 8 \
+            ${flag[@]+"${flag[@]}"} --out "$out/ppl-qwen05-weights-$q.json"
         run "passkey_qwen05_$q" 100 python3 -m longreach eval passkey --model "$model" --haystack paul-graham \
             --lengths 8k 32k --depths 0.1 0.3 0.5 0.7 0.9 --seeds 4 --needles classic secret code --attention dense \
             --max-num-batched-tokens 32768 ${flag[@]+"${flag[@]}"} --out "$out/passkey-qwen05-weights-$q.json"
