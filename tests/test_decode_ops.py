@@ -38,8 +38,10 @@ def test_captured_decode_step_launches_few_small_ops():
     assert all(n <= 3 * layers + 1 for n in per_step[1:4]), per_step
     # level 2 (the last stage refreshed): was 51 per layer
     assert per_step[4] <= 13 * layers, per_step
-    # every layer launches its box build, block-sparse attention and split-K combine, and nothing else at level 3
-    assert graph["kernels"][1:4] == [3 * layers] * 3
+    # every layer launches its block-sparse attention and split-K combine, and nothing else at level 3; the box build
+    # only in a step that completes a chunk (3k-box's window is longer than a chunk: infinitehip/boxes.py), none of
+    # steps 1-3 here
+    assert graph["kernels"][1:4] == [2 * layers] * 3
     assert all(not any(k.startswith("aten::" + op) for k in graph["by_level"][3])
                for op in ("to", "arange", "zeros", "ones", "cat", "pad", "where", "div"))
 
