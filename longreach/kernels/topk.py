@@ -6,7 +6,8 @@ stage outputs and the attention index need them) followed by -1 padding, and the
 
 Kernel: one program per row. The k-th largest score is found by bisection on the scores' bit patterns mapped to
 order-preserving int32 keys (at most 32 counting passes over the row, no sort; it stops where exactly k keys lie at or
-above the midpoint); the kept ids are then compacted in order with a cumulative sum. This replaces topk + gather + mask + sort + cast + count (six to eight launches) with one.
+above the midpoint); the kept ids are then compacted in order with a cumulative sum. This replaces topk + gather +
+mask + sort + cast + count (six to eight launches) with one.
 Reference: `topk_ascending_reference`. Inputs must list each row's valid ids in ascending order (candidate lists do).
 Tested: CPU interpreter in fp32 (tests/test_kernel_bsa.py); H100/H200 (tests/gpu/test_kernels.py).
 """
