@@ -98,7 +98,7 @@
 #                                           # at once, 4 decode steps profiled each
 #   bash scripts/device_runs.sh table8b     # no model: issue 31's table on the 8B shape, one run: the default vs dense
 #                                           # at 32K, 128K and 512K (bf16 KV on the GPU), 4 decode steps profiled each
-#   bash scripts/device_runs.sh table8btests # no model: the GPU tests of the stage scoring and offload kernels
+#   bash scripts/device_runs.sh table8btests # no model: scoresweep's GPU checks alone (scoring, box, offload kernels)
 #   bash scripts/device_runs.sh qwen05table # needs Qwen 0.5B: issue 31's table on it (the same command as table8b's)
 #   bash scripts/device_runs.sh qwen05fp8   # needs Qwen 0.5B: fp8 weights against bf16 (eval ppl and passkey, dense)
 #   bash scripts/device_runs.sh graphcheck  # needs a model: the top-k kernel and 3k-box's graph == eager decode at
@@ -123,6 +123,13 @@ gpu_tests() {  # gpu_tests NAME SECONDS PYTEST-ARGS...: GPU tests (tests/gpu), t
     run "$name" "$secs" python3 -m pytest -s -q --gpu-report "$out/$name.json" "$@"
 }
 bd="python3 -m longreach bench decode --kv-cache-dtype fp8 --kv-cache-memory-gb 4 --max-num-batched-tokens 65536"
+scoring_checks() {  # the stage scoring kernels' GPU checks (bf16, real sizes), the box and offload kernels' (fp8 too)
+    gpu_tests "$1" 280 tests/gpu/test_kernels.py tests/gpu/test_box.py tests/gpu/test_offload.py \
+        -k "chunk_scores or box_kernels or offload_kernels"
+}
+# issue 31's table: the same bench decode command for every model shape (table8b, qwen05table)
+table=(--lengths 32k 128k 512k --attention infinitehip --dense-lengths 32k 128k 512k --decode-tokens 64
+       --max-num-batched-tokens 32768 --profile-steps 4)
 for group in "$@"; do
 case "$group" in
 batch16)  # the host tier holds all 16 x 131,136 tokens (fp8 pages with their scales: ~145 GiB; 132 GiB preempted one)
@@ -229,16 +236,12 @@ default8b)  # issue 31: the default at 128K on the 8B shape (bf16, no offload), 
     run default_8b_128k 400 python3 -m longreach bench decode --lengths 128k --attention infinitehip \
         --dense-lengths 128k --decode-tokens 64 --profile-steps 4 --out "$out/bench-decode-128k-default-8b.json" ;;
 table8b)  # issue 31: one table per model shape, the same command for each (Qwen: qwen05table)
-    run table_8b 580 python3 -m longreach bench decode --lengths 32k 128k 512k --attention infinitehip \
-        --dense-lengths 32k 128k 512k --decode-tokens 64 --max-num-batched-tokens 32768 --profile-steps 4 \
-        --out "$out/bench-decode-table-8b.json" ;;
+    run table_8b 580 python3 -m longreach bench decode "${table[@]}" --out "$out/bench-decode-table-8b.json" ;;
 table8btests)
-    gpu_tests gpu_check_scores_offload 300 tests/gpu/test_kernels.py tests/gpu/test_offload.py \
-        -k "chunk_scores or offload_kernels" ;;
+    scoring_checks gpu_check_scores_offload ;;
 qwen05table)
-    run table_qwen05 330 python3 -m longreach bench decode --model "$model" --text-source paul-graham \
-        --lengths 32k 128k 512k --attention infinitehip --dense-lengths 32k 128k 512k --decode-tokens 64 \
-        --max-num-batched-tokens 32768 --profile-steps 4 --out "$out/bench-decode-table-qwen05.json" ;;
+    run table_qwen05 330 python3 -m longreach bench decode --model "$model" --text-source paul-graham "${table[@]}" \
+        --out "$out/bench-decode-table-qwen05.json" ;;
 graphcheck)
     gpu_tests gpu_check_graphs 200 tests/gpu/test_kernels.py tests/gpu/test_box.py --gpu-model "$model" \
         -k "topk or box_engine" ;;
@@ -294,8 +297,7 @@ prefill1m8b)  # issue 31: where the default's 1M prefill goes (8B shape, fp8 + o
 scoresweep)  # issue 31's prefill: the stage scoring kernels' two layouts at the 1M profile's shape
     # (scripts/score_kernels_sweep.py), then their GPU checks (bf16, real sizes) and the offload kernels' (fp8 too)
     run score_sweep 300 python3 scripts/score_kernels_sweep.py "$out/score-kernels-sweep.json"
-    gpu_tests gpu_check_scoring 280 tests/gpu/test_kernels.py tests/gpu/test_box.py tests/gpu/test_offload.py \
-        -k "chunk_scores or box_kernels or offload_kernels" ;;
+    scoring_checks gpu_check_scoring ;;
 refresh1m)  # issue 31: the default's 1M decode with a stage-0 refresh step among the 4 profiled (steps 37-40;
     # the schedule (8, 4, 1) refreshes stage 0 at every 8th step): what the ~100 ms refresh steps spend
     run refresh_1m_8b 420 $bd --kv-offloading-size 76 --lengths 1M --attention infinitehip --dense-lengths \
