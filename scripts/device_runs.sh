@@ -105,6 +105,8 @@
 #                                           # 1.5x the model's trained length (tests/gpu)
 #   bash scripts/device_runs.sh qwen051m    # needs Qwen 0.5B: the default at 1M, fp8 KV offloaded to a 0.4 GiB pool:
 #                                           # each decode step's installs (stage-1 candidates kept between refreshes)
+#   bash scripts/device_runs.sh qwen05prefill # needs Qwen 0.5B: its 128K prefill's three sparse 32K steps and dense's,
+#                                           # profiled; then the scoring kernels' layouts timed at its shape
 # A group's first command compiles kernels (~30-60 s); bench decode runs an untimed warm-up prompt first.
 set -u
 out=${OUT:-out}; mkdir -p "$out"
@@ -242,6 +244,12 @@ table8btests)
 qwen05table)
     run table_qwen05 330 python3 -m longreach bench decode --model "$model" --text-source paul-graham "${table[@]}" \
         --out "$out/bench-decode-table-qwen05.json" ;;
+qwen05prefill)  # issue 31: where Qwen's 128K prefill goes (0.65x dense in qwen05table)
+    run prefill_qwen05_128k 300 python3 -m longreach bench decode --model "$model" --text-source paul-graham \
+        --lengths 128k --attention infinitehip --dense-lengths 128k --decode-tokens 8 --max-num-batched-tokens 32768 \
+        --profile-prefill-steps 3 --profile-prefill-at 0.2 --out "$out/bench-decode-128k-prefill-profile-qwen05.json"
+    run score_sweep_qwen05 240 python3 scripts/score_kernels_sweep.py "$out/score-kernels-sweep-qwen05-128k.json" \
+        --shape qwen05-128k ;;
 graphcheck)
     gpu_tests gpu_check_graphs 200 tests/gpu/test_kernels.py tests/gpu/test_box.py --gpu-model "$model" \
         -k "topk or box_engine" ;;

@@ -1,7 +1,7 @@
 """Time the selection stages' scoring kernels of a long prefill step in both layouts, on a GPU; print a table, write
 JSON.
 
-    python scripts/score_kernels_sweep.py OUT.json [--prefix 891289] [--step 65536] [--stages 0 1 2]
+    python scripts/score_kernels_sweep.py OUT.json [--shape 8b-1m] [--prefix P] [--step S] [--stages 0 1 2]
     TRITON_INTERPRET=1 python scripts/score_kernels_sweep.py OUT.json --device cpu --prefix 3000 --step 128 \
         --candidates 16  # a smoke run
 
@@ -17,6 +17,10 @@ in the long-prefill layout at several row tiles, candidate tiles and warps. Ever
 the first layout (the largest difference relative to the scores' scale; the top-k sets' overlap at the stage's
 budget), then timed by CUDA events (median of 5 after a warm-up call). A configuration that fails to compile or run
 is reported with its error and skipped. Random keys and queries: the timings do not depend on the values.
+
+`--shape qwen05-128k`: Qwen2.5-Coder-0.5B's layer instead (14 query heads, 2 KV heads, head dim 64, bf16 KV rows,
+RoPE theta 1e6, trained 32K) at the last 32,768-token step of a 128K prefill (prefix 98,304): where its 128K prefill
+loses to dense (issue 31).
 """
 from __future__ import annotations
 
@@ -33,12 +37,15 @@ sys.path.insert(0, str(ROOT / "tests"))
 
 import torch  # noqa: E402
 
-HQ, HKV, D, PAGE, BQ, N_WINDOW, N_SINK = 32, 8, 128, 16, 64, 1024, 256
+PAGE, BQ, N_WINDOW, N_SINK = 16, 64, 1024, 256
+# name -> (query heads, KV heads, head dim, fp8 KV, RoPE theta, trained length, prefix, step)
+SHAPES = {"8b-1m": (32, 8, 128, True, 500000.0, 131072, 891289, 65536),
+          "qwen05-128k": (14, 2, 64, False, 1000000.0, 32768, 98304, 32768)}
 # (rows_tile, candidate tile, warps); rows_tile 0: the first layout at its own defaults
 BOX_CONFIGS = [(0, None, None), (64, 64, 4), (128, 32, 8), (128, 64, 8), (128, 64, 4), (128, 128, 8),
-               (256, 32, 8), (256, 64, 8)]
+               (256, 32, 8), (256, 64, 8), (512, 32, 8), (512, 64, 16)]
 EXACT_CONFIGS = [(0, None, None), (64, None, 4), (128, None, 8), (128, None, 4), (128, "wide", 8),
-                 (256, None, 8), (256, "narrow", 8)]
+                 (256, None, 8), (256, "narrow", 8), (512, None, 8), (512, None, 16)]
 
 
 def median_ms(fn, reps: int = 5) -> float:
@@ -69,14 +76,18 @@ def compare(got: torch.Tensor, ref: torch.Tensor, k: int) -> tuple[float, float]
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("out")
-    ap.add_argument("--prefix", type=int, default=891289)
-    ap.add_argument("--step", type=int, default=65536)
+    ap.add_argument("--shape", choices=sorted(SHAPES), default="8b-1m")
+    ap.add_argument("--prefix", type=int, help="tokens before the step (default: the shape's)")
+    ap.add_argument("--step", type=int, help="the prefill step's tokens (default: the shape's)")
     ap.add_argument("--device", default="cuda")
     ap.add_argument("--candidates", type=int, default=1024, help="candidate chunks per block in stages 1 and 2")
     ap.add_argument("--stages", type=int, nargs="+", default=[0, 1, 2], choices=[0, 1, 2], help="the stages to time")
     args = ap.parse_args()
+    HQ, HKV, D, fp8, theta, trained, prefix, step = SHAPES[args.shape]
+    args.prefix = prefix if args.prefix is None else args.prefix
+    args.step = step if args.step is None else args.step
     from longreach.kernels.chunk_box import box_move, box_queries
-    from gpu.common import random_fp8_key_pages
+    from gpu.common import random_fp8_key_pages, random_paged_kv
     from longreach.kernels.key_boxes import box_scores_triton, build_boxes_triton
     from longreach.kernels.prune_stage import chunk_scores_triton
     from longreach.models.config import RopeConfig
@@ -85,9 +96,14 @@ def main() -> None:
 
     dev = args.device
     g = torch.Generator(device=dev).manual_seed(0)
-    kc, table = random_fp8_key_pages(dev, g, args.prefix + args.step, PAGE, HKV, D)
-    inv = rope_inv_freq(RopeConfig(theta=500000.0), D)[0].to(dev)
-    rope = RopeArgs("rt", inv, rope_from=131072, n_window=N_WINDOW)
+    if fp8:
+        kc, table = random_fp8_key_pages(dev, g, args.prefix + args.step, PAGE, HKV, D)
+    else:
+        kc, _, tables = random_paged_kv(dev, g, [args.prefix + args.step], PAGE, HKV, D,
+                                        torch.bfloat16 if dev == "cuda" else torch.float16)
+        table = tables[0]
+    inv = rope_inv_freq(RopeConfig(theta=theta), D)[0].to(dev)
+    rope = RopeArgs("rt", inv, rope_from=trained, n_window=N_WINDOW)
     nb = args.step // BQ
     q = torch.randn(args.step, HQ, D, device=dev, generator=g).to(torch.bfloat16 if dev == "cuda" else torch.float16)
     starts = torch.arange(nb, device=dev, dtype=torch.int32) * BQ
@@ -97,7 +113,7 @@ def main() -> None:
     info = {"command": " ".join(sys.argv), "device": torch.cuda.get_device_name() if dev == "cuda" else dev,
             "commit": subprocess.run(["git", "-C", str(ROOT), "rev-parse", "--short", "HEAD"], capture_output=True,
                                      text=True).stdout.strip(),
-            "date": time.strftime("%Y-%m-%d %H:%M:%S"), "shape": dict(Hq=HQ, Hkv=HKV, D=D, page=PAGE, block_q=BQ),
+            "date": time.strftime("%Y-%m-%d %H:%M:%S"), "shape": dict(name=args.shape, Hq=HQ, Hkv=HKV, D=D, fp8=fp8, page=PAGE, block_q=BQ),
             "prefix": args.prefix, "step": args.step, "rows": rows}
 
     def run(stage: str, fn, configs, k: int) -> None:
