@@ -107,6 +107,8 @@
 #                                           # each decode step's installs (stage-1 candidates kept between refreshes)
 #   bash scripts/device_runs.sh qwen05prefill # needs Qwen 0.5B: its 128K prefill's three sparse 32K steps and dense's,
 #                                           # profiled; then the scoring kernels' layouts timed at its shape
+#   bash scripts/device_runs.sh pipesweep   # no model: exact scoring's loads issued ahead (pipe 2) or not, timed at
+#                                           # Qwen 0.5B's 128K step and the 8B shape's 1M step (score_kernels_sweep.py)
 # A group's first command compiles kernels (~30-60 s); bench decode runs an untimed warm-up prompt first.
 set -u
 out=${OUT:-out}; mkdir -p "$out"
@@ -250,6 +252,10 @@ qwen05prefill)  # issue 31: where Qwen's 128K prefill goes (0.65x dense in qwen0
         --profile-prefill-steps 3 --profile-prefill-at 0.2 --out "$out/bench-decode-128k-prefill-profile-qwen05.json"
     run score_sweep_qwen05 240 python3 scripts/score_kernels_sweep.py "$out/score-kernels-sweep-qwen05-128k.json" \
         --shape qwen05-128k ;;
+pipesweep)  # issue 31's prefill: exact scoring (stages 1-2) with its loads issued ahead by hand or not, both shapes
+    run pipe_sweep_qwen05 240 python3 scripts/score_kernels_sweep.py "$out/score-kernels-pipe-qwen05-128k.json" \
+        --shape qwen05-128k --stages 1 2
+    run pipe_sweep_8b 300 python3 scripts/score_kernels_sweep.py "$out/score-kernels-pipe-8b-1m.json" --stages 1 2 ;;
 graphcheck)
     gpu_tests gpu_check_graphs 200 tests/gpu/test_kernels.py tests/gpu/test_box.py --gpu-model "$model" \
         -k "topk or box_engine" ;;
