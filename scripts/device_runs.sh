@@ -107,8 +107,8 @@
 #                                           # each decode step's installs (stage-1 candidates kept between refreshes)
 #   bash scripts/device_runs.sh qwen05prefill # needs Qwen 0.5B: its 128K prefill's three sparse 32K steps and dense's,
 #                                           # profiled; then the scoring kernels' layouts timed at its shape
-#   bash scripts/device_runs.sh pipesweep   # no model: exact scoring's loads issued ahead (pipe 2) or not, timed at
-#                                           # Qwen 0.5B's 128K step and the 8B shape's 1M step (score_kernels_sweep.py)
+#   bash scripts/device_runs.sh qwen05refresh # needs Qwen 0.5B: the scoring kernels' GPU check (its shape too), then
+#                                           # its 128K decode with 8 steps profiled (a stage-0 and a stage-1 refresh)
 # A group's first command compiles kernels (~30-60 s); bench decode runs an untimed warm-up prompt first.
 set -u
 out=${OUT:-out}; mkdir -p "$out"
@@ -252,10 +252,11 @@ qwen05prefill)  # issue 31: where Qwen's 128K prefill goes (0.65x dense in qwen0
         --profile-prefill-steps 3 --profile-prefill-at 0.2 --out "$out/bench-decode-128k-prefill-profile-qwen05.json"
     run score_sweep_qwen05 240 python3 scripts/score_kernels_sweep.py "$out/score-kernels-sweep-qwen05-128k.json" \
         --shape qwen05-128k ;;
-pipesweep)  # issue 31's prefill: exact scoring (stages 1-2) with its loads issued ahead by hand or not, both shapes
-    run pipe_sweep_qwen05 240 python3 scripts/score_kernels_sweep.py "$out/score-kernels-pipe-qwen05-128k.json" \
-        --shape qwen05-128k --stages 1 2
-    run pipe_sweep_8b 300 python3 scripts/score_kernels_sweep.py "$out/score-kernels-pipe-8b-1m.json" --stages 1 2 ;;
+qwen05refresh)  # issue 31: Qwen's 128K decode (0.96x dense) loses in its refresh steps: profile 8 steps (16-23)
+    gpu_tests gpu_check_chunk_scores 200 tests/gpu/test_kernels.py -k chunk_scores
+    run refresh_qwen05_128k 240 python3 -m longreach bench decode --model "$model" --text-source paul-graham \
+        --lengths 128k --attention infinitehip --dense-lengths --decode-tokens 25 --max-num-batched-tokens 32768 \
+        --profile-steps 8 --out "$out/bench-decode-128k-refresh-profile-qwen05.json" ;;
 graphcheck)
     gpu_tests gpu_check_graphs 200 tests/gpu/test_kernels.py tests/gpu/test_box.py --gpu-model "$model" \
         -k "topk or box_engine" ;;

@@ -34,16 +34,18 @@ from ..rope.strategies import (
 from .index_types import head_pairs
 
 # exact scoring's long-prefill layout (`chunk_scores_triton`): taken from this many (block, pair, 128-row tile)
-# programs; its row tile
+# programs; its row tile by head dim: 512 rows at head dim <= 64 (Qwen2.5-Coder-0.5B's 7 heads x 64 rows in one
+# tile: stage 1 22.1 -> 19.8 ms, stage 2 6.5 -> 5.4 ms at its 128K step), else 256 (the 8B shape: 512 no faster;
+# docs/kernel-notes.md v22)
 EXACT_ROWS_PROGRAMS = 2048
 EXACT_ROWS_TILE = 256
-EXACT_ROWS_PIPE = 0  # the layout's loads issued ahead by hand (2) or not (0): `_exact_rows_kernel`'s PIPE
+EXACT_ROWS_TILE_SMALL_D = 512
 
 try:
     import triton
     import triton.language as tl
 
-    from .paged import kv_format, load_at, load_kv, page_slots, row_base, tier_args
+    from .paged import kv_format, load_kv, page_slots, row_base, tier_args
     from .rope import rotate_halves, rotate_rows, swap_halves
 except ImportError:  # pragma: no cover
     triton = None
@@ -248,47 +250,6 @@ if triton is not None:
         return best
 
     @triton.jit
-    def _tile_keys(K, KH, Slots, bt_base, kv, a, b, valid, from_end, stride_kp, stride_kh, stride_khp,
-                   CHUNK: tl.constexpr, BLOCK_C: tl.constexpr, PAGE: tl.constexpr, TIERED: tl.constexpr):
-        """The BLOCK_C * CHUNK keys of a tile of chunks [a, b): each one's row (base, offset in its page: the block
-        table read), position, whether it is valid, and ci's ordinal of its chunk from the end."""
-        j = tl.arange(0, CHUNK)
-        pos = tl.reshape(a[:, None] + j[None, :], [BLOCK_C * CHUNK])
-        ok = tl.reshape(valid[:, None] & (a[:, None] + j[None, :] < b[:, None]), [BLOCK_C * CHUNK])
-        fe = tl.reshape(from_end[:, None] + j[None, :] * 0, [BLOCK_C * CHUNK])
-        base, off = _key_rows(K, KH, Slots, bt_base, kv, pos, ok, stride_kp, stride_kh, stride_khp, PAGE, TIERED)
-        return base, off, pos, ok, fe
-
-    @triton.jit
-    def _raw_halves(base, off, kv, stride_ko, stride_kh, ok, HEAD_DIM: tl.constexpr, FP8: tl.constexpr):
-        """The keys' two halves as stored (fp8 not yet scaled) and, FP8, each row's scale (else unused zeros): loads
-        that `_halves_scores` waits for, so a loop may issue them a tile ahead."""
-        h = tl.arange(0, HEAD_DIM // 2)
-        x1 = load_at(base, off, kv, stride_ko, stride_kh, h, ok)
-        x2 = load_at(base, off, kv, stride_ko, stride_kh, h + HEAD_DIM // 2, ok)
-        if FP8:
-            sc = tl.load((base + off * stride_ko + kv * stride_kh + HEAD_DIM).to(tl.pointer_type(tl.float32)),
-                         mask=ok, other=0.0)
-        else:
-            sc = ok.to(tl.float32)
-        return x1, x2, sc
-
-    @triton.jit
-    def _halves_scores(qa, qb, rows_ok, x1, x2, sc, pos, ok, fe, inv, remap, de_group, CHUNK: tl.constexpr,
-                       BLOCK_C: tl.constexpr, DOT_PRECISION: tl.constexpr, ROPE: tl.constexpr, FP8: tl.constexpr):
-        """Each chunk's best key (BLOCK_C,) from `_raw_halves`' keys: dequantised (`load_kv`'s), moved to their
-        pruning positions (`rotate_halves`), scored against the rows' halves by one dot over each half."""
-        if FP8:
-            x1 = x1.to(tl.float32) * sc[:, None]
-            x2 = x2.to(tl.float32) * sc[:, None]
-        k1, k2 = rotate_halves(x1.to(qa.dtype), x2.to(qa.dtype),
-                               tl.where(remap, _new_key_pos(pos, fe, de_group, ROPE, 1) - pos, 0), inv)
-        s = tl.dot(qa, tl.trans(k1.to(qa.dtype)), input_precision=DOT_PRECISION)  # (rows, BLOCK_C * CHUNK)
-        s = tl.dot(qb, tl.trans(k2.to(qa.dtype)), s, input_precision=DOT_PRECISION)
-        s = tl.max(tl.where(rows_ok[:, None], s, float("-inf")), axis=0)
-        return tl.max(tl.reshape(tl.where(ok, s, float("-inf")), [BLOCK_C, CHUNK]), axis=1)
-
-    @triton.jit
     def _exact_tile(qa, qb, rows_ok, K, KH, Slots, bt_base, kv, a, b, valid, from_end, stride_kp, stride_ko,
                     stride_kh, stride_khp, inv, remap, de_group, CHUNK: tl.constexpr, BLOCK_C: tl.constexpr,
                     PAGE: tl.constexpr, HEAD_DIM: tl.constexpr, DOT_PRECISION: tl.constexpr, ROPE: tl.constexpr,
@@ -300,28 +261,24 @@ if triton is not None:
         frequencies; each key is loaded as its two halves, moved to its pruning position (`rotate_halves`) and
         scored by a dot over each half. Else qa holds the rows (R, D), qb is unused and `inv` has D entries (`_probe`:
         the rows of each key loaded as stored and with halves swapped)."""
-        base, off, pos, ok, fe = _tile_keys(K, KH, Slots, bt_base, kv, a, b, valid, from_end, stride_kp, stride_kh,
-                                            stride_khp, CHUNK, BLOCK_C, PAGE, TIERED)
+        j = tl.arange(0, CHUNK)
+        pos = tl.reshape(a[:, None] + j[None, :], [BLOCK_C * CHUNK])
+        ok = tl.reshape(valid[:, None] & (a[:, None] + j[None, :] < b[:, None]), [BLOCK_C * CHUNK])
+        fe = tl.reshape(from_end[:, None] + j[None, :] * 0, [BLOCK_C * CHUNK])
         if HALVES:
-            x1, x2, sc = _raw_halves(base, off, kv, stride_ko, stride_kh, ok, HEAD_DIM, FP8)
-            best = _halves_scores(qa, qb, rows_ok, x1, x2, sc, pos, ok, fe, inv, remap, de_group, CHUNK, BLOCK_C,
-                                  DOT_PRECISION, ROPE, FP8)
+            h = tl.arange(0, HEAD_DIM // 2)
+            base, off = _key_rows(K, KH, Slots, bt_base, kv, pos, ok, stride_kp, stride_kh, stride_khp, PAGE, TIERED)
+            k1 = load_kv(base, off, kv, stride_ko, stride_kh, h, ok, HEAD_DIM, FP8).to(qa.dtype)
+            k2 = load_kv(base, off, kv, stride_ko, stride_kh, h + HEAD_DIM // 2, ok, HEAD_DIM, FP8).to(qa.dtype)
+            k1, k2 = rotate_halves(k1, k2, tl.where(remap, _new_key_pos(pos, fe, de_group, ROPE, 1) - pos, 0), inv)
+            s = tl.dot(qa, tl.trans(k1.to(qa.dtype)), input_precision=DOT_PRECISION)  # (rows, BLOCK_C * CHUNK)
+            s = tl.dot(qb, tl.trans(k2.to(qa.dtype)), s, input_precision=DOT_PRECISION)
+            s = tl.max(tl.where(rows_ok[:, None], s, float("-inf")), axis=0)
+            s = tl.where(ok, s, float("-inf"))
         else:
             s = _probe(qa, K, KH, Slots, bt_base, kv, pos, ok, rows_ok, stride_kp, stride_ko, stride_kh, stride_khp,
                        inv, remap, fe, de_group, PAGE, HEAD_DIM, DOT_PRECISION, ROPE, 1, TIERED, FP8)
-            best = tl.max(tl.reshape(s, [BLOCK_C, CHUNK]), axis=1)
-        return best
-
-    @triton.jit
-    def _candidates_end(Ids, qb, group, stride_ib, stride_ig, num_chunks, SCAN: tl.constexpr):
-        """One past the block's last candidate with an id >= 0 (0 when none): where a pipelined loop may stop (the
-        -1 padding of a larger bucket's variant, prefill_graph.py, lies after it)."""
-        end = 0
-        for c0 in range(0, num_chunks, SCAN):
-            c = c0 + tl.arange(0, SCAN)
-            ids = tl.load(Ids + qb * stride_ib + group * stride_ig + c, mask=c < num_chunks, other=-1)
-            end = tl.maximum(end, tl.max(tl.where(ids >= 0, c + 1, 0), axis=0))
-        return end
+        return tl.max(tl.reshape(s, [BLOCK_C, CHUNK]), axis=1)
 
     @triton.jit
     def _query_pos(p, n_window, de_group, ROPE: tl.constexpr):
@@ -467,17 +424,12 @@ if triton is not None:
         ROPE: tl.constexpr, HPP: tl.constexpr, PAIRS_PER_GROUP: tl.constexpr, PAIR_KV_DIV: tl.constexpr,
         CHUNK: tl.constexpr, BQ_PAD: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_C: tl.constexpr,
         HEAD_DIM: tl.constexpr, PAGE: tl.constexpr, DOT_PRECISION: tl.constexpr, TIERED: tl.constexpr,
-        FP8: tl.constexpr, ATOMIC: tl.constexpr, HALVES: tl.constexpr, PIPE: tl.constexpr,
+        FP8: tl.constexpr, ATOMIC: tl.constexpr, HALVES: tl.constexpr,
     ):
         """Exact scoring for a long prefill step: a program keeps one tile of BLOCK_M rows (head of the pair *
         BQ_PAD + row of the block) and streams every candidate chunk of its block past it, so the rows are loaded
         once per block instead of once per few chunk tiles, and a block's rows may span several programs (combined
-        by atomic max into Scores, which the launcher fills with -inf first).
-
-        PIPE (HALVES only; `chunk_scores_triton`'s `pipe`): 0 each tile's loads wait for the ones before them (ids,
-        block table, keys) and a tile without a candidate is skipped; 2 the loop runs to the last candidate
-        (`_candidates_end`) with the loads issued ahead by hand: while tile t is scored, tile t + 1's keys, tile t +
-        2's block-table rows and tile t + 3's ids are in flight (each load's address came in the step before)."""
+        by atomic max into Scores, which the launcher fills with -inf first)."""
         qb = tl.program_id(0)
         pair = tl.program_id(1)
         group, kv, start, length, cand_end, blk_end, remap, inv, n_chunk = _block_of(
@@ -486,49 +438,18 @@ if triton is not None:
         q, q_hi, rows_ok, inv = _pair_rows(Q, InvFreq, tl.program_id(2) * BLOCK_M + tl.arange(0, BLOCK_M), pair,
                                            start, length, stride_qt, stride_qh, blk_end, inv, remap, n_window,
                                            de_group, HPP, BQ_PAD, HEAD_DIM, ROPE, HALVES)
-        out0 = Scores + qb * stride_sb + pair * stride_sp
-        if PIPE == 2:
-            n_end = _candidates_end(Ids, qb, group, stride_ib, stride_ig, num_chunks, 256)
-            ar = tl.arange(0, BLOCK_C)
-            a, b, v = _candidates(Ids, qb, group, ar, stride_ib, stride_ig, num_chunks, n_sink, cand_end, CHUNK)
-            base, off, pos, ok, fe = _tile_keys(K, KH, Slots, BlockTable, kv, a, b, v, ar - (n_chunk - 1), stride_kp,
-                                                stride_kh, stride_khp, CHUNK, BLOCK_C, PAGE, TIERED)
-            x1, x2, sc = _raw_halves(base, off, kv, stride_ko, stride_kh, ok, HEAD_DIM, FP8)
-            c1 = BLOCK_C + ar
-            a, b, v1 = _candidates(Ids, qb, group, c1, stride_ib, stride_ig, num_chunks, n_sink, cand_end, CHUNK)
-            base1, off1, pos1, ok1, fe1 = _tile_keys(K, KH, Slots, BlockTable, kv, a, b, v1, c1 - (n_chunk - 1),
-                                                     stride_kp, stride_kh, stride_khp, CHUNK, BLOCK_C, PAGE, TIERED)
-            a2, b2, v2 = _candidates(Ids, qb, group, 2 * BLOCK_C + ar, stride_ib, stride_ig, num_chunks, n_sink,
-                                     cand_end, CHUNK)
-            for c0 in range(0, n_end, BLOCK_C):
-                y1, y2, sc1 = _raw_halves(base1, off1, kv, stride_ko, stride_kh, ok1, HEAD_DIM, FP8)
-                c2 = c0 + 2 * BLOCK_C + ar
-                base2, off2, pos2, ok2, fe2 = _tile_keys(K, KH, Slots, BlockTable, kv, a2, b2, v2, c2 - (n_chunk - 1),
-                                                         stride_kp, stride_kh, stride_khp, CHUNK, BLOCK_C, PAGE,
-                                                         TIERED)
-                a3, b3, v3 = _candidates(Ids, qb, group, c2 + BLOCK_C, stride_ib, stride_ig, num_chunks, n_sink,
-                                         cand_end, CHUNK)
-                best = _halves_scores(q, q_hi, rows_ok, x1, x2, sc, pos, ok, fe, inv, remap, de_group, CHUNK, BLOCK_C,
-                                      DOT_PRECISION, ROPE, FP8)
+        for c0 in tl.range(0, num_chunks, BLOCK_C):
+            c = c0 + tl.arange(0, BLOCK_C)
+            a, b, valid = _candidates(Ids, qb, group, c, stride_ib, stride_ig, num_chunks, n_sink, cand_end, CHUNK)
+            if tl.max(valid.to(tl.int32), axis=0) > 0:  # the -1 padding of a larger bucket's variant reads nothing
+                best = _exact_tile(q, q_hi, rows_ok, K, KH, Slots, BlockTable, kv, a, b, valid, c - (n_chunk - 1),
+                                   stride_kp, stride_ko, stride_kh, stride_khp, inv, remap, de_group, CHUNK, BLOCK_C,
+                                   PAGE, HEAD_DIM, DOT_PRECISION, ROPE, HALVES, TIERED, FP8)
+                out = Scores + qb * stride_sb + pair * stride_sp + c
                 if ATOMIC:
-                    tl.atomic_max(out0 + c0 + ar, best, mask=v)
+                    tl.atomic_max(out, best, mask=valid)
                 else:
-                    tl.store(out0 + c0 + ar, best, mask=v)
-                x1, x2, sc, pos, ok, fe, v = y1, y2, sc1, pos1, ok1, fe1, v1
-                base1, off1, pos1, ok1, fe1, v1 = base2, off2, pos2, ok2, fe2, v2
-                a2, b2, v2 = a3, b3, v3
-        else:
-            for c0 in tl.range(0, num_chunks, BLOCK_C):
-                c = c0 + tl.arange(0, BLOCK_C)
-                a, b, valid = _candidates(Ids, qb, group, c, stride_ib, stride_ig, num_chunks, n_sink, cand_end, CHUNK)
-                if tl.max(valid.to(tl.int32), axis=0) > 0:  # the -1 padding of a larger bucket's variant reads nothing
-                    best = _exact_tile(q, q_hi, rows_ok, K, KH, Slots, BlockTable, kv, a, b, valid, c - (n_chunk - 1),
-                                       stride_kp, stride_ko, stride_kh, stride_khp, inv, remap, de_group, CHUNK,
-                                       BLOCK_C, PAGE, HEAD_DIM, DOT_PRECISION, ROPE, HALVES, TIERED, FP8)
-                    if ATOMIC:
-                        tl.atomic_max(out0 + c, best, mask=valid)
-                    else:
-                        tl.store(out0 + c, best, mask=valid)
+                    tl.store(out, best, mask=valid)
 
 
 def chunk_scores_triton(q: torch.Tensor, k_cache: torch.Tensor, block_table: torch.Tensor, starts: torch.Tensor,
@@ -536,7 +457,7 @@ def chunk_scores_triton(q: torch.Tensor, k_cache: torch.Tensor, block_table: tor
                         n_sink: int, groups: int, rep_per_head: bool = True, max_rows: int | None = None,
                         block_c: int | None = None, tiles: int | None = None,
                         tile_first: bool = False, rope: RopeArgs | None = None, rows_tile: int | None = None,
-                        rows_warps: int | None = None, pipe: int | None = None) -> torch.Tensor:
+                        rows_warps: int | None = None) -> torch.Tensor:
     """Triton version of `chunk_scores_reference` reading keys from the paged cache of one sequence.
 
     q (n, H_q, D) the sequence's queries this step; starts/lens (nb,) each block's rows in q; cand_end (nb,);
@@ -546,8 +467,6 @@ def chunk_scores_triton(q: torch.Tensor, k_cache: torch.Tensor, block_table: tor
     Exact scoring of multi-row blocks has a second layout for long prefill steps (`_exact_rows_kernel`, taken from
     EXACT_ROWS_PROGRAMS (block, pair, 128-row tile) programs): tiles of `rows_tile` rows, each streaming its
     block's candidate chunks (block_c at a time, `rows_warps` warps). rows_tile 0 forces the first layout.
-    `pipe` (that layout, with a RoPE strategy): 2 issues each tile's loads ahead by hand, 0 does not (the kernel's
-    PIPE; None: EXACT_ROWS_PIPE).
     """
     if triton is None:
         raise RuntimeError("chunk_scores_triton needs Triton")
@@ -590,19 +509,16 @@ def chunk_scores_triton(q: torch.Tensor, k_cache: torch.Tensor, block_table: tor
     pair_kv_div = (Hq // Hkv) if groups == Hq and Hq != Hkv else 1
     precision = "ieee" if q.dtype == torch.float32 else "tf32"
     if exact and rows > 1 and rows_tile is None and nb * P * triton.cdiv(tile_rows, 128) >= EXACT_ROWS_PROGRAMS:
-        rows_tile = EXACT_ROWS_TILE
+        rows_tile = EXACT_ROWS_TILE_SMALL_D if D <= 64 else EXACT_ROWS_TILE
     if exact and rows > 1 and rows_tile:
         block_m = max(16, min(rows_tile, tile_rows))
         n_row_tiles = triton.cdiv(tile_rows, block_m)
         scores.fill_(float("-inf"))
-        pipe = (EXACT_ROWS_PIPE if pipe is None else pipe) if halves else 0
-        if pipe not in (0, 2):
-            raise ValueError(f"pipe must be 0 or 2, got {pipe}")
         _exact_rows_kernel[(nb, P, n_row_tiles)](
             *args, ROPE=mode, HPP=hpp, PAIRS_PER_GROUP=P // groups, PAIR_KV_DIV=pair_kv_div, CHUNK=chunk,
             BQ_PAD=bq_pad, BLOCK_M=block_m, BLOCK_C=block_c, HEAD_DIM=D, PAGE=page, DOT_PRECISION=precision,
-            TIERED=tiered, FP8=fp8, ATOMIC=n_row_tiles > 1, HALVES=halves, PIPE=pipe,
-            num_warps=rows_warps or (8 if block_m >= 128 else 4), num_stages=2,
+            TIERED=tiered, FP8=fp8, ATOMIC=n_row_tiles > 1, HALVES=halves, num_warps=rows_warps or (8 if block_m >= 128 else 4),
+            num_stages=2,
         )
         return scores if P == groups else scores.reshape(nb, groups, P // groups, C).amax(dim=2)
     # exact scoring with plenty of programs (long prefill): each walks 4 chunk tiles so its query tile is loaded once;

@@ -100,7 +100,7 @@ def test_chunk_scores(detail):
 
     dev = "cuda"
     worst_val, worst_set, n = 0.0, 1.0, 0
-    for (Hq, Hkv, D) in [(32, 8, 128), (9, 3, 64)]:
+    for (Hq, Hkv, D) in [(32, 8, 128), (9, 3, 64), (14, 2, 64)]:  # the 8B shape, SmolLM2's, Qwen2.5 0.5B's
         for i, (chunk, exact, rows, L) in enumerate([(256, False, 64, 65536), (32, False, 64, 20000),
                                                      (8, True, 64, 20000), (256, False, 1, 131072),
                                                      (8, True, 1, 20000), (2, True, 32, 20000)]):
@@ -116,7 +116,8 @@ def test_chunk_scores(detail):
             C = min(1024, (L - 1024) // chunk)
             ids = torch.stack([torch.randperm((L - 1024) // chunk, device=dev, generator=g)[:C]
                                for _ in range(nb * Hkv)]).view(nb, Hkv, C)
-            mode = ("rt", "ci", "de")[i % 3] if Hq == 9 else "none"  # SmolLM2's shape with the pruning strategies
+            # SmolLM2's and Qwen's shapes with the pruning strategies
+            mode = ("rt", "ci", "de")[i % 3] if Hq in (9, 14) else "none"
             if mode == "ci":
                 ids = ids.sort(-1).values  # ci numbers candidates in position order, as the stages produce them
             rope = None if mode == "none" else RopeArgs(mode, llama_inv_freq(D), rope_from=0, group=4, n_window=1024)
@@ -126,14 +127,14 @@ def test_chunk_scores(detail):
             ref = chunk_scores_reference(qs, torch.ones(nb, rows, dtype=torch.bool, device=dev), keys, ids.long(),
                                          chunk, exact, 256, cand_end, Hkv, rope=rope)
             fin = torch.isfinite(ref)
-            # exact multi-row blocks: the first layout and the long-prefill one (row tiles of 128 and 256 rows)
-            for rows_tile in ((None, 128, 256) if exact and rows > 1 else (None,)):
+            # exact multi-row blocks: the first layout and the long-prefill one (row tiles of 128 to 512 rows)
+            for rows_tile in ((None, 128, 256, 512) if exact and rows > 1 else (None,)):
                 got = chunk_scores_triton(q, kc, table, starts, lens, cand_end, ids, chunk, exact, 256, Hkv,
                                           rope=rope, rows_tile=rows_tile)
                 worst_val, worst_set = _check_scores(got, ref, fin, C, (Hq, Hkv, chunk, exact, rows, mode, rows_tile),
                                                      worst_val, worst_set)
                 n += 1
-    detail(f"{n} cases (SmolLM2's shape with rt/ci/de; exact scoring in both layouts), at most {worst_val:.2%} of "
+    detail(f"{n} cases (SmolLM2's and Qwen 0.5B's shapes with rt/ci/de; exact scoring in both layouts), at most {worst_val:.2%} of "
            f"scores off by >5% (SelectRep ties), top-k overlap >= {worst_set:.3f}")
 
 
