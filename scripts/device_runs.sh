@@ -108,7 +108,8 @@
 #   bash scripts/device_runs.sh qwen05prefill # needs Qwen 0.5B: its 128K prefill's three sparse 32K steps and dense's,
 #                                           # profiled; then the scoring kernels' layouts timed at its shape
 #   bash scripts/device_runs.sh qwen05refresh # needs Qwen 0.5B: the scoring kernels' GPU check (its shape too), then
-#                                           # its 128K decode with 8 steps profiled (a stage-0 and a stage-1 refresh)
+#                                           # its 128K decode with 8 steps profiled (a stage-0 and a stage-1 refresh),
+#                                           # their timeline in $OUT/traces
 # A group's first command compiles kernels (~30-60 s); bench decode runs an untimed warm-up prompt first.
 set -u
 out=${OUT:-out}; mkdir -p "$out"
@@ -256,7 +257,7 @@ qwen05refresh)  # issue 31: Qwen's 128K decode (0.96x dense) loses in its refres
     gpu_tests gpu_check_chunk_scores 200 tests/gpu/test_kernels.py -k chunk_scores
     run refresh_qwen05_128k 240 python3 -m longreach bench decode --model "$model" --text-source paul-graham \
         --lengths 128k --attention infinitehip --dense-lengths --decode-tokens 25 --max-num-batched-tokens 32768 \
-        --profile-steps 8 --out "$out/bench-decode-128k-refresh-profile-qwen05.json" ;;
+        --profile-steps 8 --profile-trace "$out/traces" --out "$out/bench-decode-128k-refresh-profile-qwen05.json" ;;
 graphcheck)
     gpu_tests gpu_check_graphs 200 tests/gpu/test_kernels.py tests/gpu/test_box.py --gpu-model "$model" \
         -k "topk or box_engine" ;;

@@ -197,8 +197,11 @@ def test_profile_steps_are_profiled_and_left_out_of_the_rate(tmp_path):
     out = tmp_path / "bd.json"
     report = run("random:tiny", [512], [RunSpec("streaming", None, "streaming")],
                  {"device": "cpu", "kv_cache_memory_gb": 0.01}, decode_tokens=8, dense_lengths=[],
-                 out_path=str(out), warmup_tokens=0, profile_steps=3)
+                 out_path=str(out), warmup_tokens=0, profile_steps=3, profile_trace=str(tmp_path / "traces"))
     row = report["runs"][0]
+    # --profile-trace: the profiled steps' timeline as a Chrome trace, named after the run
+    trace = json.loads((tmp_path / "traces" / "512-streaming-decode.json").read_text())
+    assert any(e.get("name", "").startswith("aten::") for e in trace["traceEvents"])
     assert row["decode_steps"] == 7
     assert row["warmup_step_indices"][-3:] == [4, 5, 6]
     prof = row["profile"]
@@ -216,7 +219,8 @@ def test_profile_breakdown_sorts_kernels_into_the_documented_costs():
     winning; the rest is `other`, wall - device is `host`."""
     from longreach.tools.bench.profile import breakdown
 
-    rows = [("nvjet_sm90_tst_128x8_64x12_2x1_v_bz_TNT", 1.8), ("_chunk_score_kernel", 0.9), ("_topk_kernel", 0.4),
+    rows = [("nvjet_sm90_tst_128x8_64x12_2x1_v_bz_TNT", 1.8), ("_chunk_score_kernel", 0.6), ("_topk_kernel", 0.4),
+            ("_exact_rows_kernel", 0.3),
             ("_bsa_kernel", 0.5), ("_copy_chunks_kernel", 17.4), ("ncclDevKernel_AllReduce_Sum_bf16_RING_LL", 0.9),
             ("void cublasLt::splitKreduce_kernel<32, 16, int, float>", 0.1), ("_add_rms_norm_kernel", 0.15),
             ("_box_build_kernel", 0.2), ("_store_kv_kernel", 0.05)]

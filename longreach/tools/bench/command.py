@@ -109,6 +109,9 @@ def add_arguments(p) -> None:
     dc.add_argument("--profile-steps", type=int, default=0, metavar="N",
                     help="run the last N decode steps of each run under torch.profiler and print where a step's "
                          "time goes (wall vs device ms, top kernels); they are left out of the rate (default: 0)")
+    dc.add_argument("--profile-trace", metavar="DIR",
+                    help="with --profile-steps: also write each run's profiled decode steps as a Chrome trace, "
+                         "DIR/<context>-<method>-decode.json (a timeline: where the GPU waits between kernels)")
     dc.add_argument("--profile-prefill-steps", type=int, default=0, metavar="N",
                     help="run prefill steps 2..N+1 of each run under torch.profiler and print their top kernels "
                          "(their seconds stay in the prefill time, profiler overhead included) (default: 0)")
@@ -202,6 +205,8 @@ def _decode(args) -> int:
                          f"first token comes from the prefill), got {args.profile_steps}")
     if args.profile_prefill_steps < 0:
         raise ValueError(f"--profile-prefill-steps must be >= 0, got {args.profile_prefill_steps}")
+    if args.profile_trace and not args.profile_steps:
+        raise ValueError("--profile-trace writes the profiled decode steps' timeline: it needs --profile-steps N")
     if not 0 <= args.profile_prefill_at < 1:
         raise ValueError(f"--profile-prefill-at is a share of the prompt tokens in [0, 1), got {args.profile_prefill_at}")
     if args.profile_prefill_steps and args.batch > 1 and args.kv_offloading_size:
@@ -229,5 +234,6 @@ def _decode(args) -> int:
                  dense_lengths=args.dense_lengths, out_path=args.out,
                  command=command_line(args), text=text, text_label=label,
                  warmup_tokens=args.warmup_tokens, profile_steps=args.profile_steps,
-                 profile_prefill_steps=args.profile_prefill_steps, profile_prefill_at=args.profile_prefill_at)
+                 profile_prefill_steps=args.profile_prefill_steps, profile_prefill_at=args.profile_prefill_at,
+                 profile_trace=args.profile_trace)
     return 1 if any("error" in r for r in report["runs"]) else 0

@@ -104,7 +104,8 @@ def _measure(model: str, context: int, spec, engine_kwargs: dict, batch: int, de
         reads0 = engine.backend.decode_reads()
         run = _drive(engine, prompts, decode_tokens, label, state.get("profile_steps") or 0,
                      state.get("profile_prefill_steps") or 0, catch_up=catch_up,
-                     profile_prefill_at=state.get("profile_prefill_at") or 0.0)
+                     profile_prefill_at=state.get("profile_prefill_at") or 0.0,
+                     trace=_trace_path(state.get("profile_trace"), label))
         reads = reads_between(reads0, engine.backend.decode_reads())
         from .profile import format_report
 
@@ -224,10 +225,21 @@ def _warn_short_kv(kw: dict, need_gb: float, kv_heads: int, context: int, batch:
               f"({want:.1f} GiB{' per rank' if ranks > 1 else ''}): expect a preemption inside the decode steps")
 
 
+def _trace_path(directory: str | None, label: str) -> str | None:
+    """Where `--profile-trace` writes a run's decode timeline: DIR/<label>-decode.json, the label's spaces as '-'."""
+    if not directory:
+        return None
+    import os
+
+    os.makedirs(directory, exist_ok=True)
+    return os.path.join(directory, "-".join(label.split()).replace("/", "_") + "-decode.json")
+
+
 def run(model: str, lengths: list[int], methods: list, engine_kwargs: dict, batch: int = 1, decode_tokens: int = 128,
         dense_lengths: list[int] | None = None, out_path: str | None = None, command: str = "",
         text: str | None = None, text_label: str | None = None, warmup_tokens: int | None = None,
-        profile_steps: int = 0, profile_prefill_steps: int = 0, profile_prefill_at: float = 0.0) -> dict:
+        profile_steps: int = 0, profile_prefill_steps: int = 0, profile_prefill_at: float = 0.0,
+        profile_trace: str | None = None) -> dict:
     """Every (context, method) of `lengths` x `methods` (eval.common.RunSpec), then dense at `dense_lengths`
     (None: `lengths` plus the 4K anchor below them; []: no dense). `engine_kwargs`: EngineConfig fields other than
     model / attention / preset / max_model_len / max_num_seqs; its `attention_config` (a dict, or its JSON text) may
@@ -250,7 +262,8 @@ def run(model: str, lengths: list[int], methods: list, engine_kwargs: dict, batc
     device = resolve_device(engine_kwargs.get("device", "auto"))
     run_dtype = resolve_dtype(engine_kwargs.get("dtype", "auto"), device)
     state: dict = {"text": text, "warmup_tokens": warmup_tokens, "profile_steps": profile_steps,
-                   "profile_prefill_steps": profile_prefill_steps, "profile_prefill_at": profile_prefill_at}
+                   "profile_prefill_steps": profile_prefill_steps, "profile_prefill_at": profile_prefill_at,
+                   "profile_trace": profile_trace}
     if is_random_model(model):
         state["model_config"] = random_shape(model).config
     specs = [*methods, *([RunSpec("dense", None, "dense")] if dense_lengths else [])]

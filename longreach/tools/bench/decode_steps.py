@@ -94,13 +94,13 @@ def _note(msg: str) -> None:
 
 def _drive(engine, prompts: list[list[int]], decode_tokens: int, label: str, profile_steps: int = 0,
            profile_prefill_steps: int = 0, timed: bool = True, catch_up: int = 0,
-           profile_prefill_at: float = 0.0) -> dict:
+           profile_prefill_at: float = 0.0, trace: str | None = None) -> dict:
     """Prefill and decode every prompt through `engine`, one timed step at a time; the last `profile_steps` decode
     steps run under the profiler (bench/profile.py) and are left out of the rate; so do the prefill steps from the
     second one on (or from the first that starts past `profile_prefill_at` of the prompt tokens),
     `profile_prefill_steps` of them (their time stays in the prefill seconds, profiler overhead included: a run that
     profiles its prefill says where the time goes, not how much there is). `timed`: False for
-    the warm-up run (no note about what compiled in it). `catch_up`: the tokens each request may decode beyond
+    the warm-up run (no note about what compiled in it). `trace`: a path for the profiled decode steps' Chrome trace. `catch_up`: the tokens each request may decode beyond
     `decode_tokens` while others still prefill (`catch_up_tokens`; the engine's max_model_len must allow them)."""
     from ...progress import Progress
     from ...sampling_params import SamplingParams
@@ -126,7 +126,7 @@ def _drive(engine, prompts: list[list[int]], decode_tokens: int, label: str, pro
     prefill_compiles, decode_compiles = [], []  # (kernel, seconds) of the compilations inside each kind of step
     prefill_progress = Progress(total, f"bench decode {label} prefill").follow_layers(engine.model, dev)
     decode_progress = None
-    prof, prof_prefill = StepProfiler(dev), StepProfiler(dev)
+    prof, prof_prefill = StepProfiler(dev, trace), StepProfiler(dev)
     prefill_steps = 0
     first_profiled, profiled_from = None, None  # the first profiled prefill step, the prompt tokens before it
     together = 0  # decode steps since no prompt was left to prefill (the batch decoding together)

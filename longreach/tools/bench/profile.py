@@ -46,7 +46,7 @@ def breakdown(rows: list[dict], wall_ms: float) -> dict:
 class StepProfiler:
     """Profiles the engine steps it is told to (decode or prefill); `report()` summarises them (None when none ran)."""
 
-    def __init__(self, device) -> None:
+    def __init__(self, device, trace: str | None = None) -> None:
         import torch
 
         self.cuda = device.type == "cuda"
@@ -54,6 +54,7 @@ class StepProfiler:
         if self.cuda:
             acts.append(torch.profiler.ProfilerActivity.CUDA)
         self._acts = acts
+        self._trace = trace  # a path: the profiled steps' Chrome trace is written there when profiling ends
         self._prof = None
         self._stopped = False
         self.steps = 0
@@ -75,6 +76,8 @@ class StepProfiler:
         if self._prof is not None and not self._stopped:
             self._prof.__exit__(None, None, None)
             self._stopped = True
+            if self._trace and self.steps:
+                self._prof.export_chrome_trace(self._trace)
 
     def report(self) -> dict | None:
         if self._prof is None:
