@@ -103,6 +103,7 @@
 #   bash scripts/device_runs.sh qwen05fp8   # needs Qwen 0.5B: fp8 weights against bf16 (eval ppl and passkey, dense)
 #   bash scripts/device_runs.sh graphcheck  # needs a model: the top-k kernel and 3k-box's graph == eager decode at
 #                                           # 1.5x the model's trained length (tests/gpu)
+#   bash scripts/device_runs.sh graphbox    # needs a model: graphcheck's 3k-box graph == eager decode alone
 #   bash scripts/device_runs.sh qwen051m    # needs Qwen 0.5B: the default at 1M, fp8 KV offloaded to a 0.4 GiB pool:
 #                                           # each decode step's installs (stage-1 candidates kept between refreshes)
 #   bash scripts/device_runs.sh qwen05prefill # needs Qwen 0.5B: its 128K prefill's three sparse 32K steps and dense's,
@@ -258,6 +259,8 @@ qwen05refresh)  # issue 31: Qwen's 128K decode (0.96x dense) loses in its refres
     run refresh_qwen05_128k 240 python3 -m longreach bench decode --model "$model" --text-source paul-graham \
         --lengths 128k --attention infinitehip --dense-lengths --decode-tokens 25 --max-num-batched-tokens 32768 \
         --profile-steps 8 --profile-trace "$out/traces" --out "$out/bench-decode-128k-refresh-profile-qwen05.json" ;;
+graphbox)  # graphcheck's graph == eager decode alone
+    gpu_tests gpu_check_graph_box 150 tests/gpu/test_box.py --gpu-model "$model" -k box_engine ;;
 graphcheck)
     gpu_tests gpu_check_graphs 200 tests/gpu/test_kernels.py tests/gpu/test_box.py --gpu-model "$model" \
         -k "topk or box_engine" ;;

@@ -66,6 +66,10 @@ def test_default_schedule_never_keeps_its_every_step_stage():
     assert all(n <= 4 * layers for n in graph["per_step"][1:4]), graph["per_step"]
     level2 = graph["by_level"][2]
     assert level2["aten::where"] == 0 and level2["aten::index_copy_"] == 0, level2
+    # level 0 (stage 0 rescored, every 8th step): 65 per layer when each layer made its own stage-0 candidates,
+    # query rows, query rotation angles and candidate validity; the layers of a step now share them (one
+    # BlockQueries per row and step, its `memo`): 33 per layer
+    assert graph["per_step"][0] <= 34 * layers, graph["per_step"]
     assert level2["aten::index"] <= 3 * layers, level2  # 3 steps: per layer only the cached stage 1 it starts from
 
 

@@ -34,7 +34,7 @@ from __future__ import annotations
 
 import torch
 
-from ..rope.strategies import RopeArgs, prune_query_pos, rotate
+from ..rope.strategies import RopeArgs, prune_query_pos, rotation
 from .index_types import head_pairs
 from .key_boxes import BOX_KINDS, BoxView, box_of_keys, box_scores
 from .prune_stage import chunk_bounds, moved_keys
@@ -75,24 +75,35 @@ def key_boxes(keys: torch.Tensor, first: int, chunk: int, kind: str, rope: RopeA
     return torch.stack([stored, moved], dim=1)
 
 
-def box_queries(qs: torch.Tensor, row_ok: torch.Tensor, cand_end: torch.Tensor, rope: RopeArgs | None):
+def box_queries(qs: torch.Tensor, row_ok: torch.Tensor, cand_end: torch.Tensor, rope: RopeArgs | None, shared=None):
     """(q (nb, R, H_q, D) fp32 at true positions, q moved to the strategy's query position (ci as rt), moved (nb,)
     bool: blocks that end at or past rope.rope_from read flavour 1). No host sync. Rows past a block's length repeat
-    its first row, so a max over rows is the max over its real rows."""
+    its first row, so a max over rows is the max over its real rows. `shared`: chunk_box_scores'."""
     nb, R = row_ok.shape
-    q32 = torch.where(row_ok[:, :, None, None], qs.float(), qs[:, :1].float())
+    # one-row blocks (decode) have no row past their length (a block has a row at least)
+    q32 = qs.float() if R == 1 else torch.where(row_ok[:, :, None, None], qs.float(), qs[:, :1].float())
     mode = box_mode(rope.mode if rope is not None else None)
     if mode is None:
         return q32, q32, torch.zeros(nb, dtype=torch.bool, device=qs.device)
-    end = cand_end + rope.n_window
-    p = (end - row_ok.sum(1))[:, None] + torch.arange(R, device=qs.device)  # (nb, R) row positions
-    moved_q = rotate(q32, (prune_query_pos(mode, p, rope.n_window, rope.group) - p)[:, :, None], rope.inv_freq)
-    return q32, torch.where(row_ok[:, :, None, None], moved_q, moved_q[:, :1]), end - 1 >= rope.rope_from
+
+    def angles():  # the rows' rotation and which blocks are moved: positions only, no query
+        end = cand_end + rope.n_window
+        p = (end - row_ok.sum(1))[:, None] + torch.arange(R, device=qs.device)  # (nb, R) row positions
+        delta = (prune_query_pos(mode, p, rope.n_window, rope.group) - p)[:, :, None]
+        c, s = rotation(delta, rope.inv_freq.to(qs.device))
+        # rotate_cs as x * (c, c) + (x2, x1) * (-s, s): the same products and sums, two ops fewer per layer
+        return torch.cat((c, c), dim=-1), torch.cat((-s, s), dim=-1), end - 1 >= rope.rope_from
+
+    cc, ss, moved = _made(shared, ("box_query_angles", mode, rope.n_window, rope.group, rope.rope_from,
+                                   rope.inv_freq.data_ptr()), angles)
+    half = q32.shape[-1] // 2
+    moved_q = q32 * cc + torch.cat((q32[..., half:], q32[..., :half]), dim=-1) * ss
+    return q32, moved_q if R == 1 else torch.where(row_ok[:, :, None, None], moved_q, moved_q[:, :1]), moved
 
 
 def score_boxes(q32: torch.Tensor, q_moved: torch.Tensor, moved: torch.Tensor, boxes: "torch.Tensor | BoxView",
                 ids: torch.Tensor, chunk: int, n_sink: int, cand_end: torch.Tensor, groups: int,
-                max_bytes: int = 256 << 20) -> torch.Tensor:
+                max_bytes: int = 256 << 20, shared=None) -> torch.Tensor:
     """Scores (nb, G, C) of candidate chunks `ids` (nb, G, C), -inf if invalid, from `boxes` ((>= max id + 1, 2, 2,
     H_kv, D), `key_boxes`' layout, any float dtype; or a `BoxView` of the engine's pool) and the queries of
     `box_queries`: key_boxes.py's score kernel on a GPU, its reference elsewhere."""
@@ -101,16 +112,24 @@ def score_boxes(q32: torch.Tensor, q_moved: torch.Tensor, moved: torch.Tensor, b
     view = boxes if isinstance(boxes, BoxView) else BoxView.of(boxes)
     Hkv = view.pool.shape[3]
     P = len(head_pairs(Hq, Hkv, groups)[0])
-    every = torch.full((nb,), view.n, dtype=torch.int32, device=dev)  # candidates: selected by `ids` below
+    # candidates: every box, the ones wanted picked by `ids` below
+    every = _made(shared, ("every_box", nb, view.n), lambda: torch.full((nb,), view.n, dtype=torch.int32, device=dev))
     out = box_scores(q32, view, 0, every, groups, q_moved, moved, max_bytes)  # (nb, P, n_chunks)
     n_chunks = out.shape[2]
-    _, _, valid = chunk_bounds(ids, chunk, n_sink, cand_end)
-    if P == groups:  # a pair per group (KV-head groups, or one per head): no pairs to gather, no max over them
-        return torch.gather(out, 2, ids.clamp(0, n_chunks - 1).long()).masked_fill(~valid, float("-inf"))
-    pair_group, _ = pair_index(P, Hkv, groups, dev)
-    ids_p, valid_p = ids[:, pair_group], valid[:, pair_group]  # (nb, P, C)
-    s = torch.gather(out, 2, ids_p.clamp(0, n_chunks - 1).long()).masked_fill(~valid_p, float("-inf"))
-    return s.reshape(nb, groups, P // groups, -1).amax(dim=2)
+
+    def picks():  # what `ids` reads of `out` and which of them are valid: the candidates' alone
+        _, _, valid = chunk_bounds(ids, chunk, n_sink, cand_end)
+        if P == groups:  # a pair per group (KV-head groups, or one per head): no pairs to gather, no max over them
+            return ids, ids.clamp(0, n_chunks - 1).long(), ~valid
+        pair_group, _ = pair_index(P, Hkv, groups, dev)
+        return ids, ids[:, pair_group].clamp(0, n_chunks - 1).long(), ~valid[:, pair_group]  # (nb, P, C)
+
+    made = _made(shared, ("box_picks", chunk, n_sink, n_chunks, P), picks)
+    if made[0] is not ids:  # kept for other candidates than these (never in one step's stage 0): made afresh
+        made = picks()
+    _, where, invalid = made
+    s = torch.gather(out, 2, where).masked_fill(invalid, float("-inf"))
+    return s if P == groups else s.reshape(nb, groups, P // groups, -1).amax(dim=2)
 
 
 def pair_index(P: int, Hkv: int, groups: int, dev) -> tuple[torch.Tensor, torch.Tensor]:
@@ -123,14 +142,20 @@ def pair_index(P: int, Hkv: int, groups: int, dev) -> tuple[torch.Tensor, torch.
 
 def chunk_box_scores(qs: torch.Tensor, row_ok: torch.Tensor, keys: torch.Tensor | None, ids: torch.Tensor, chunk: int,
                      n_sink: int, cand_end: torch.Tensor, groups: int, kind: str, rope: RopeArgs | None = None,
-                     boxes: "torch.Tensor | BoxView | None" = None, max_bytes: int = 256 << 20) -> torch.Tensor:
+                     boxes: "torch.Tensor | BoxView | None" = None, max_bytes: int = 256 << 20,
+                     shared=None) -> torch.Tensor:
     """Scores (nb, G, C) of candidate chunks `ids` (nb, G, C) from their boxes, -inf if invalid; the arguments are
     prune_stage.chunk_scores_reference's (qs (nb, R, H_q, D), row_ok (nb, R), keys (L, H_kv, D) as stored). `boxes`:
     the sequence's boxes kept by the engine (a `BoxView`, or a tensor in `key_boxes`' layout); None builds them from
-    `keys`."""
+    `keys`. `shared`: BlockQueries.shared of the blocks, where the layers of a step share what depends on the blocks,
+    candidates and positions alone (the query rotation's angles, the candidates' validity), else None."""
     if kind not in BOX_KINDS:
         raise ValueError(f"box kind must be one of {', '.join(BOX_KINDS)}, got {kind!r}")
     if boxes is None:
         boxes = key_boxes(keys, 0, chunk, kind, rope)
-    q32, q_moved, moved = box_queries(qs, row_ok, cand_end, rope)
-    return score_boxes(q32, q_moved, moved, boxes, ids, chunk, n_sink, cand_end, groups, max_bytes)
+    q32, q_moved, moved = box_queries(qs, row_ok, cand_end, rope, shared)
+    return score_boxes(q32, q_moved, moved, boxes, ids, chunk, n_sink, cand_end, groups, max_bytes, shared)
+
+
+def _made(shared, key, make):
+    return make() if shared is None else shared(key, make)

@@ -159,7 +159,7 @@ class InfiniteHiP(SelectionMethod):
         boxes = keys.chunk_boxes(chunk)
         return chunk_box_scores(qs, ok, keys.dense() if boxes is None else None, ids, chunk, self.cfg.n_sink,
                                 cand_end, self.groups, self.cfg.stage0_scores,
-                                self.rope_args(layer, "prune", blocks.max_end), boxes=boxes)
+                                self.rope_args(layer, "prune", blocks.max_end), boxes=boxes, shared=blocks.shared)
 
     def refresh_from(self, step: int) -> int:
         return next((i for i, r in enumerate(self.cfg.refresh) if step % r == 0), len(self.cfg.refresh))
@@ -222,10 +222,14 @@ class InfiniteHiP(SelectionMethod):
             l = cfg.chunk_sizes[i]
             width, needs_scores = widths[i]
             if i == 0:
-                lo = cfg.n_sink // l
-                hi = torch.div(cand_end + (l - 1), l, rounding_mode="floor")  # chunks that start before cand_end
-                ids = self.arange(lo + width, dev)[lo:]  # lo, lo + 1, ...: a view of a kept buffer, no kernel
-                ids = torch.where(ids[None, :] < hi[:, None], ids[None, :], -1)[:, None, :].expand(nb, G, width)
+                def stage0_ids(l=l, width=width):
+                    lo = cfg.n_sink // l
+                    hi = torch.div(cand_end + (l - 1), l, rounding_mode="floor")  # chunks that start before cand_end
+                    ids = self.arange(lo + width, dev)[lo:]  # lo, lo + 1, ...: a view of a kept buffer, no kernel
+                    return torch.where(ids[None, :] < hi[:, None], ids[None, :], -1)[:, None, :].expand(nb, G, width)
+
+                # the same in every layer of a graph decode step (its blocks and candidate end are the step's)
+                ids = blocks.shared(("stage0_ids", l, width, G), stage0_ids)
             else:
                 # the survivors' sub-chunks; a dropped survivor (-1) gives negative ids, which no scorer scores
                 # (-inf) and top_k never keeps, as it would -1 (and ci's count of candidates counts ids >= 0)

@@ -292,7 +292,12 @@ class GraphDecoder:
                 memo["cand_end"] = m.candidate_end(ends)
             cand_end = memo["cand_end"]
             for i in range(sel):
-                blocks = BlockQueries(g["zero"], g["ones"][:1], ends[i:i + 1], 1, bucket, cand_end[i:i + 1])
+                # one BlockQueries per row and step, so that what its selection derives from the blocks alone (the
+                # stage-0 candidates, the query rows' rotation) is made by the first layer and kept (`memo`)
+                if ("blocks", i) not in memo:
+                    memo["blocks", i] = BlockQueries(g["zero"], g["ones"][:1], ends[i:i + 1], 1, bucket,
+                                                     cand_end[i:i + 1], memo={})
+                blocks = memo["blocks", i]
                 boxes = None if box_tables is None else self.boxes.seq_boxes(layer, box_tables, i)
                 probes = None if meta.page_reads is None else \
                     probe_reads(meta, layer, g["arange"][i:i + 1], ends[i:i + 1] - 1)  # no op without a listener

@@ -101,10 +101,23 @@ class BlockQueries:
     # the method's `candidate_end(ends)` when the caller made it already (a graph decode step makes it once for all
     # its layers: sparse/graph.py), else None
     cand_end: torch.Tensor | None = None
+    # tensors derived from these blocks alone (never from a layer's queries or keys), kept for the next layer of the
+    # same graph decode step, which hands every layer the same BlockQueries (sparse/graph.py): on a GPU each is a
+    # kernel inside the captured step, made once instead of once per layer. None: nothing kept (`shared`)
+    memo: dict | None = None
 
     @property
     def num_blocks(self) -> int:
         return self.starts.shape[0]
+
+    def shared(self, key, make):
+        """make(), kept under `key` for the step's later layers where `memo` is set (its value must depend only on
+        the blocks and on what the key names)."""
+        if self.memo is None:
+            return make()
+        if key not in self.memo:
+            self.memo[key] = make()
+        return self.memo[key]
 
     @classmethod
     def build(cls, blocks: "list[tuple[int, int, int]] | BlockQueries", device) -> "BlockQueries":
@@ -114,7 +127,7 @@ class BlockQueries:
         t = torch.tensor([[b[0], b[1], b[2] + b[1]] for b in blocks], dtype=torch.long).reshape(-1, 3).to(device)
         return cls(t[:, 0], t[:, 1], t[:, 2], max([b[1] for b in blocks] + [1]), max([b[2] + b[1] for b in blocks] + [0]))
 
-    def __getitem__(self, sl: slice) -> "BlockQueries":
+    def __getitem__(self, sl: slice) -> "BlockQueries":  # a slice keeps nothing (`memo`: of the whole blocks)
         return BlockQueries(self.starts[sl], self.lens[sl], self.ends[sl], self.max_rows, self.max_end,
                             None if self.cand_end is None else self.cand_end[sl])
 
@@ -281,9 +294,11 @@ class SelectionMethod(ABC):
 
     def query_rows(self, q: torch.Tensor, blocks: BlockQueries):
         """(nb, max_rows, H_q, D) fp32 queries of the blocks and the (nb, max_rows) row mask."""
-        r = self.arange(blocks.max_rows, q.device, torch.long)
-        rows = (blocks.starts[:, None] + r).clamp(max=q.shape[0] - 1)
-        ok = r[None, :] < blocks.lens[:, None]
+        def index():
+            r = self.arange(blocks.max_rows, q.device, torch.long)
+            return (blocks.starts[:, None] + r).clamp(max=q.shape[0] - 1), r[None, :] < blocks.lens[:, None]
+
+        rows, ok = blocks.shared(("query_rows", q.shape[0]), index)
         return q[rows].float(), ok
 
     def chunk_scores(self, layer: int, q: torch.Tensor, blocks: BlockQueries, keys: SequenceKeys, ids: torch.Tensor,
