@@ -113,7 +113,8 @@ def main() -> None:
     info = {"command": " ".join(sys.argv), "device": torch.cuda.get_device_name() if dev == "cuda" else dev,
             "commit": subprocess.run(["git", "-C", str(ROOT), "rev-parse", "--short", "HEAD"], capture_output=True,
                                      text=True).stdout.strip(),
-            "date": time.strftime("%Y-%m-%d %H:%M:%S"), "shape": dict(name=args.shape, Hq=HQ, Hkv=HKV, D=D, fp8=fp8, page=PAGE, block_q=BQ),
+            "date": time.strftime("%Y-%m-%d %H:%M:%S"),
+            "shape": dict(name=args.shape, Hq=HQ, Hkv=HKV, D=D, fp8=fp8, page=PAGE, block_q=BQ),
             "prefix": args.prefix, "step": args.step, "rows": rows}
 
     def run(stage: str, fn, configs, k: int) -> None:

@@ -134,8 +134,8 @@ def test_chunk_scores(detail):
                 worst_val, worst_set = _check_scores(got, ref, fin, C, (Hq, Hkv, chunk, exact, rows, mode, rows_tile),
                                                      worst_val, worst_set)
                 n += 1
-    detail(f"{n} cases (SmolLM2's and Qwen 0.5B's shapes with rt/ci/de; exact scoring in both layouts), at most {worst_val:.2%} of "
-           f"scores off by >5% (SelectRep ties), top-k overlap >= {worst_set:.3f}")
+    detail(f"{n} cases (SmolLM2's and Qwen 0.5B's shapes with rt/ci/de; exact scoring in both layouts), at most "
+           f"{worst_val:.2%} of scores off by >5% (SelectRep ties), top-k overlap >= {worst_set:.3f}")
 
 
 def _check_scores(got, ref, fin, C, case, worst_val, worst_set):

@@ -100,8 +100,9 @@ def _drive(engine, prompts: list[list[int]], decode_tokens: int, label: str, pro
     second one on (or from the first that starts past `profile_prefill_at` of the prompt tokens),
     `profile_prefill_steps` of them (their time stays in the prefill seconds, profiler overhead included: a run that
     profiles its prefill says where the time goes, not how much there is). `timed`: False for
-    the warm-up run (no note about what compiled in it). `trace`: a path for the profiled decode steps' Chrome trace. `catch_up`: the tokens each request may decode beyond
-    `decode_tokens` while others still prefill (`catch_up_tokens`; the engine's max_model_len must allow them)."""
+    the warm-up run (no note about what compiled in it). `catch_up`: the tokens each request may decode beyond
+    `decode_tokens` while others still prefill (`catch_up_tokens`; the engine's max_model_len must allow them).
+    `trace`: a path for the profiled decode steps' Chrome trace (`--profile-trace`)."""
     from ...progress import Progress
     from ...sampling_params import SamplingParams
     from ...kernels.jit_watch import JitWatch, summarize

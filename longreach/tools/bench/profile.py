@@ -19,7 +19,8 @@ TOP = 25
 CATEGORIES = (
     ("communication", ("nccl", "all_reduce", "allreduce", "all_gather", "broadcast")),
     ("kv_movement", ("_copy_chunks", "_store_kv", "_scatter_rows", "index_copy", "_mark_reads", "memcpy", "Memcpy")),
-    ("selection", ("_chunk_score", "_exact_rows", "_topk", "_box_", "_key_mass", "_prune", "topk", "sort", "_cascade_plan")),
+    ("selection", ("_chunk_score", "_exact_rows", "_topk", "_box_", "_key_mass", "_prune", "topk", "sort",
+                   "_cascade_plan")),
     ("attention", ("_bsa", "_paged_decode", "_paged_prefill", "_combine", "_range_attention", "_psa_", "flash",
                    "cudnn", "fmha", "sdpa", "scaled_dot_product", "_cascade_insert")),
     ("weights", ("nvjet", "gemm", "gemv", "cutlass", "splitkreduce", "scaled_mm", "aten::linear", "aten::mm",
