@@ -324,16 +324,16 @@ refresh1m)  # issue 31: the default's 1M decode with a stage-0 refresh step amon
     run refresh_1m_8b 420 $bd --kv-offloading-size 76 --lengths 1M --attention infinitehip --dense-lengths \
         --decode-tokens 42 --profile-steps 4 --out "$out/bench-decode-1m-refresh-profile-8b.json" ;;
 row1m)  # issue 31's 1M row on today's default (8B shape, random weights, fp8 KV offloaded to a 76 GiB host tier, a
-    # 4 GiB GPU pool), 4 decode steps profiled (steps 41-44: a stage-0 refresh among them); no dense row (dense's 1M
-    # prefill on the GPU alone would take ~15 min: an estimate from its FLOPs)
+    # 4 GiB GPU pool), the last 4 of 42 decode steps profiled (indices 38-41: stage 0 refreshes at 8, 16, ..., 40); no
+    # dense row (dense's 1M prefill on the GPU alone would take ~15 min: an estimate from its FLOPs)
     run decode_1m_8b 560 $bd --kv-offloading-size 76 --lengths 1M --attention infinitehip --dense-lengths \
-        --decode-tokens 48 --profile-steps 4 --out "$out/bench-decode-1m-8b.json" ;;
-row2m)  # issue 31's 2M row: row1m's command at 2M (a ~135 GiB host tier: nvidia-h200-x2's 256 GiB host, one of its
+        --decode-tokens 42 --profile-steps 4 --out "$out/bench-decode-1m-8b.json" ;;
+row2m)  # issue 31's 2M row: row1m's command at 2M (48 decode steps, the last 4 profiled: no refresh among them) (a ~146 GiB host tier: nvidia-h200-x2's 256 GiB host, one of its
     # GPUs). Estimated 7-9 min of prefill (an extrapolation from the 1M profile), past one call: start it detached,
     #   cp -r . /tmp/t2m && cd /tmp/t2m && (OUT=/tmp/t2m/out CUDA_VISIBLE_DEVICES=1 setsid nohup bash \
     #       scripts/device_runs.sh row2m > /tmp/t2m.log 2>&1; touch /tmp/t2m.done) &
     # and collect /tmp/t2m/out in a later call of the same lease
-    run decode_2m_8b 1500 $bd --kv-offloading-size 140 --lengths 2M --attention infinitehip --dense-lengths \
+    run decode_2m_8b 1500 $bd --kv-offloading-size 150 --lengths 2M --attention infinitehip --dense-lengths \
         --decode-tokens 48 --profile-steps 4 --out "$out/bench-decode-2m-8b.json" ;;
 offloadengine)  # needs the model: tests/gpu/test_offload.py's engine test alone (SmolLM2 128K, page and head slots)
     gpu_tests gpu_check_offload_engine 300 tests/gpu/test_offload.py -k engine --gpu-model "$model" ;;

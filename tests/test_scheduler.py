@@ -390,7 +390,8 @@ def test_the_default_warm_up_prefills_a_whole_chunk_past_the_dense_limit(tiny):
         eng = LLMEngine(EngineConfig(model=tiny, device="cpu", dtype="float32", kv_cache_memory_gb=0.01,
                                      max_num_batched_tokens=256, max_model_len=4096, **kw))
         assert default_warmup_tokens(eng) == 0  # on the CPU
-        return types.SimpleNamespace(device=torch.device("cuda"), config=eng.config, backend=eng.backend)
+        return types.SimpleNamespace(device=torch.device("cuda"), config=eng.config, backend=eng.backend,
+                                     warmup_prompt_tokens=eng.warmup_prompt_tokens)
 
     assert default_warmup_tokens(engine()) == 256 + 1024
     ihip = engine(attention="infinitehip")  # dense_below "trained": the larger of the trained 512 and the budget
@@ -401,3 +402,7 @@ def test_the_default_warm_up_prefills_a_whole_chunk_past_the_dense_limit(tiny):
     assert pruned.backend.warm_context() == 0
     composed = engine(attention="dense", decode_attention="infinitehip")
     assert composed.backend.warm_context() == limit  # the decode method's
+    # bench decode warms up with the same length, at most half the measured context (or what --warmup-tokens asks)
+    from longreach.tools.bench.decode_steps import _warmup_len
+    assert _warmup_len(1 << 20, ihip, None) == limit + 256 + 1024
+    assert _warmup_len(2048, ihip, None) == 1024 and _warmup_len(2048, ihip, 4096) == 2048

@@ -84,6 +84,14 @@ class EngineSetup:
                     total / GiB, peak / GiB, budget / GiB)
         return max(budget, 0.0)
 
+    def warmup_prompt_tokens(self) -> int:
+        """The prompt tokens of a warm-up request that runs this engine's long-prompt kernels: one chunk + 1024 past
+        the longest context its backend attends densely at (`warm_context`: a sparse method's `dense_below`, e.g.
+        the trained context), so that a whole chunk with a prefix runs the method's own kernels (their long-prefill
+        layouts included) before the first timed or served prompt. The server's warm-up and `bench decode`'s take it
+        (each caps it: max_model_len, half the measured context)."""
+        return self.backend.warm_context() + self.config.max_num_batched_tokens + 1024
+
     def capture_warm_graphs(self) -> None:
         """Before serving or timing: the backend's prefill-selection graphs for the scheduler's chunk sizes (a prompt
         alone, beside others, and each paced size) at every context length up to max_model_len, and its decode

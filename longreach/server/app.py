@@ -221,7 +221,7 @@ def default_warmup_tokens(engine) -> int:
     """The warm-up request's prompt tokens where --warmup-tokens is not given (warm_up's docstring)."""
     if engine.device.type != "cuda":
         return 0
-    return engine.backend.warm_context() + engine.config.max_num_batched_tokens + 1024
+    return engine.warmup_prompt_tokens()
 
 
 def warm_up(engine, tokens: int | None) -> None:

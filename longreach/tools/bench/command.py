@@ -105,7 +105,8 @@ def add_arguments(p) -> None:
     dc.add_argument("--warmup-tokens", type=lambda v: 0 if v.strip() == "0" else context_length(v), default=None,
                     metavar="N",
                     help="an untimed prompt of N tokens run on each engine first, so that kernel compilation stays "
-                         "out of the numbers (default: one prefill chunk + 4096, at most half the context; 0: none)")
+                         "out of the numbers (default: the server's warm-up length, one prefill chunk + 1024 past the "
+                         "longest context the method attends densely at, at most half the context; 0: none)")
     dc.add_argument("--profile-steps", type=int, default=0, metavar="N",
                     help="run the last N decode steps of each run under torch.profiler and print where a step's "
                          "time goes (wall vs device ms, top kernels); they are left out of the rate (default: 0)")

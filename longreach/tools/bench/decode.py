@@ -89,7 +89,7 @@ def _measure(model: str, context: int, spec, engine_kwargs: dict, batch: int, de
         if "text_ids" not in state:
             state["text_ids"] = _text_ids(engine, state.get("text"))
         prompts = _prompts(engine.model_config.vocab_size, context, batch, seed, state["text_ids"])
-        warm = _warmup_len(context, engine.config.max_num_batched_tokens, state.get("warmup_tokens"))
+        warm = _warmup_len(context, engine, state.get("warmup_tokens"))
         warmup_s = None
         if warm:  # compile this engine's kernels outside the timed run (a fresh process JIT-compiles for ~30-50 s)
             _sync(dev)
