@@ -328,9 +328,10 @@ row1m)  # issue 31's 1M row on today's default (8B shape, random weights, fp8 KV
     # dense row (dense's 1M prefill on the GPU alone would take ~15 min: an estimate from its FLOPs)
     run decode_1m_8b 560 $bd --kv-offloading-size 76 --lengths 1M --attention infinitehip --dense-lengths \
         --decode-tokens 42 --profile-steps 4 --out "$out/bench-decode-1m-8b.json" ;;
-row2m)  # issue 31's 2M row: row1m's command at 2M (48 decode steps, the last 4 profiled: no refresh among them) (a ~146 GiB host tier: nvidia-h200-x2's 256 GiB host, one of its
-    # GPUs). Estimated 7-9 min of prefill (an extrapolation from the 1M profile), past one call: start it detached,
-    #   cp -r . /tmp/t2m && cd /tmp/t2m && (OUT=/tmp/t2m/out CUDA_VISIBLE_DEVICES=1 setsid nohup bash \
+row2m)  # issue 31's 2M row: row1m's command at 2M with 48 decode steps (the last 4 profiled: no refresh among them),
+    # a ~147 GiB host tier (nvidia-h200-x2's 256 GiB host, one of its GPUs). Its prefill took 409.6 s (2026-11-29),
+    # the whole run ~9 min, past one call's limit with margin: start it detached,
+    #   cp -r . /tmp/t2m && (cd /tmp/t2m && OUT=/tmp/t2m/out CUDA_VISIBLE_DEVICES=1 setsid nohup bash \
     #       scripts/device_runs.sh row2m > /tmp/t2m.log 2>&1; touch /tmp/t2m.done) &
     # and collect /tmp/t2m/out in a later call of the same lease
     run decode_2m_8b 1500 $bd --kv-offloading-size 150 --lengths 2M --attention infinitehip --dense-lengths \
