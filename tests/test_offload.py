@@ -38,10 +38,12 @@ def test_copy_kernels_equal_their_references(dtype, monkeypatch):
     si, di = torch.randperm(40, generator=g)[:13], torch.randperm(30, generator=g)[:13]
     monkeypatch.setenv("TRITON_INTERPRET", "1")
     got = torch.zeros(30, 3, 4, 8).to(dtype)
+    si[::4] = -1  # a negative source copies nothing
     oc.copy_chunks(src, si, got, di, 96)
     ref = torch.zeros(30, 3, 4, 8).to(dtype)
     oc.copy_chunks_reference(src, si, ref, di, 96)
     assert torch.equal(got.view(torch.uint8), ref.view(torch.uint8))
+    assert not got[di[::4]].view(torch.uint8).any() and got[di[1]].view(torch.uint8).any()
     rows = torch.randperm(120, generator=g)[:17]
     new = torch.randn(17, 4, 8, generator=g).to(dtype)
     got = torch.zeros(120, 4, 8).to(dtype)
@@ -201,6 +203,49 @@ def test_a_step_never_evicts_what_it_reads_itself():
     c = st.end_step()
     assert c["missed"] == 5 and c["installed"] == 3 and c["evicted"] == 0  # the other two stay on the host
     st.check_integrity()
+
+
+def test_install_reads_installs_a_stage_candidates_inside_the_step():
+    """`install_reads` (a selection stage's candidates installed before it scores them, inside the step): the
+    head-pages of the candidate chunks become resident and equal their host copies; each unit once (two groups of
+    one KV head, chunks smaller than a page); slots read in the previous step or stamped in this one are never
+    victims (a clock over the rest, free slots first); what finds no victim stays at home; `end_step` counts the
+    early installs as misses installed; page units install nothing here."""
+    from longreach.kvcache.base import PageReads
+
+    def probe(layer, blocks, chunk=8):
+        return PageReads(layer, table, seq, pos, pos, 1, torch.tensor(blocks), chunk, 0, 0, probe=True)
+
+    table = torch.arange(12, dtype=torch.int32)[None]
+    seq, pos = torch.zeros(1, dtype=torch.long), torch.tensor([47])  # 48 tokens: pages 0..11 of 4 tokens
+    page_store = _store(slots=6, unit="page")
+    page_store.install_reads(probe(0, [[[0, 1], [2, 3]]]))
+    assert int((page_store.slot_of >= 0).sum()) == 0
+    st = _store(slots=6, unit="head")
+    g = torch.Generator().manual_seed(3)
+    for layer in range(2):
+        st.store(layer, torch.randn(48, 2, 8, generator=g), torch.randn(48, 2, 8, generator=g), torch.arange(48))
+    # 2 groups (one per KV head): chunks of 8 tokens = 2 pages; group 0 reads chunk 1 (pages 2, 3) on head 0, group 1
+    # chunks 1 and 5 (pages 2, 3, 10, 11) on head 1; a -1 candidate is nothing
+    st.install_reads(probe(0, [[[1, -1], [1, 5]]]))
+    assert st.slot_of[0, [2, 3], 0].ge(0).all() and st.slot_of[0, [2, 3, 10, 11], 1].ge(0).all()
+    assert int((st.slot_of >= 0).sum()) == 6 and int(st.stats()["gpu_slots_used"]) == 6
+    assert st.end_step() == {"hit": 0, "missed": 6, "evicted": 0, "installed": 6}
+    st.check_integrity()  # (between steps: the installed units are marked read until `end_step`)
+    # step 1: every slot was stamped in step 0 (the previous step): none is a victim, nothing is installed
+    st.install_reads(probe(1, [[[0], [0]]]))
+    assert int((st.slot_of[1] >= 0).sum()) == 0
+    assert st.end_step()["installed"] == 0
+    st.check_integrity()
+    # step 2: the slots of step 0 are old now; the resident units are stamped first (never victims), the clock
+    # evicts the others for the new ones; two groups of one KV head (4 groups, 2 heads) ask for each unit once
+    st.install_reads(probe(0, [[[1], [1], [0], [0]]], chunk=4))  # head 0: page 1; head 1: page 0
+    assert int(st.slot_of[0, 1, 0]) >= 0 and int(st.slot_of[0, 0, 1]) >= 0
+    assert int((st.slot_of >= 0).sum()) == 6  # two evicted, two installed
+    c = st.end_step()
+    st.check_integrity()
+    assert c["installed"] == 2 and c["evicted"] == 2 and c["missed"] == 2
+    assert st.counters["pages_installed"] == 8 and st.counters["bytes_h2d"] == 8 * st.slot_nbytes
 
 
 @pytest.mark.parametrize("unit", ["page", "head"])
@@ -408,6 +453,37 @@ def test_stage_probes_are_installed_with_head_units_only(tiny, monkeypatch, grap
         marks[unit] = (seen["marked"], seen["probe"])
     (page_marked, _), (head_marked, head_probes) = marks["page"], marks["head"]
     assert head_marked - page_marked == head_probes  # head units mark every probe read, page units none
+
+
+@pytest.mark.parametrize("graphs", [False, True])
+def test_stage_one_candidates_are_installed_before_they_are_scored(tiny, monkeypatch, graphs):
+    """When stage 0 is rescored in a decode step, stage 1's candidates go to `install_reads` before stage 1 scores
+    them (eager and emulated graph paths, head units): pages are installed inside the step, the tokens are the
+    one-tier run's and the store stays consistent."""
+    from longreach import SamplingParams
+    from longreach.kvcache.offload import OffloadedKVCache
+
+    seen = {"calls": 0, "early": 0}
+    install = OffloadedKVCache.install_reads
+
+    def counted(self, reads):
+        before = int(self._now[0])
+        install(self, reads)
+        seen["calls"] += 1
+        seen["early"] += int(self._now[0]) - before
+
+    monkeypatch.setattr(OffloadedKVCache, "install_reads", counted)
+    g = torch.Generator().manual_seed(8)
+    prompts = [{"prompt_token_ids": torch.randint(3, 256, (n,), generator=g).tolist()} for n in (160, 120)]
+    params = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
+    expected = [o.token_ids for o in _llm(tiny, "infinitehip", False, enforce_eager=True).generate(
+        prompts, params, use_tqdm=False)]
+    llm = _llm(tiny, "infinitehip", "head")
+    if graphs:
+        llm.engine.runner.capture_graphs(emulate=True)
+    assert [o.token_ids for o in llm.generate(prompts, params, use_tqdm=False)] == expected
+    llm.engine.kv_cache.check_integrity()
+    assert seen["calls"] > 0 and seen["early"] > 0
 
 
 def test_offload_with_preemption_and_fp8(tiny):

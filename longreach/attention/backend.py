@@ -37,7 +37,7 @@ import enum
 import typing
 from abc import ABC, abstractmethod
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, ClassVar, Protocol
+from typing import TYPE_CHECKING, Callable, ClassVar, Protocol
 
 import torch
 
@@ -72,6 +72,10 @@ class AttentionMetadata:
     # the index each layer attended (`PageReads`) and the runner hands it to the store after the layer; None: no
     # store asks (prefill, a GPU-resident cache)
     page_reads: list[PageReads] | None = None
+    # decode with a store that can install pages inside the step (the offloaded one with head units,
+    # `install_reads`): a selection stage about to score candidates that are new this step hands them here first
+    # (attention/sparse/selection.py, `install_now`); None: nobody installs early
+    install_reads: Callable[[PageReads], None] | None = None
     # a model whose sliding-window layers keep a ring (kvcache/window.py): each sequence's ring slot (B,) int64 and
     # the ring row of each new token (T,) int64 (`slot * window + position % window`; the scratch slot's rows for a
     # prefill chunk's tokens that no later query sees, and for padded graph rows); None: no ring

@@ -148,6 +148,7 @@ class ModelRunner:
             max_query_len=max(batch.num_tokens),
             prompt_lens=[s.num_tokens for s in batch.seqs],
             page_reads=[] if not batch.is_prefill and self.kv_cache.wants_reads else None,
+            install_reads=None if batch.is_prefill else getattr(self.kv_cache, "install_reads", None),
         )
         if window:
             meta.window_slots = torch.tensor(wslots, dtype=torch.long).to(dev, non_blocking=True)
@@ -414,7 +415,8 @@ class ModelRunner:
         self.backend.graph_scratch()
         meta = AttentionMetadata(False, [-1] * n, [1] * n, [0] * n, self._g_qsl[: n + 1], self._g_lens[:n],
                                  self._g_tables[:n], self._g_slots[:n], self.config.max_model_len, 1,
-                                 page_reads=[] if self.kv_cache.wants_reads else None)
+                                 page_reads=[] if self.kv_cache.wants_reads else None,
+                                 install_reads=getattr(self.kv_cache, "install_reads", None))
         if self.window:
             self._g_wslots[:n].fill_(self.scratch_slot)
             self._g_wmap[:n].fill_(self.scratch_slot * self.window)

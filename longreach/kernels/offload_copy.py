@@ -1,6 +1,7 @@
 """Moving KV between the host tier and the GPU (KV offloading, kvcache/offload.py): two copy kernels.
 
-* `copy_chunks(src, src_idx, dst, dst_idx)`: dst.view(-1, E)[dst_idx[i]] = src.view(-1, E)[src_idx[i]] for every i.
+* `copy_chunks(src, src_idx, dst, dst_idx)`: dst.view(-1, E)[dst_idx[i]] = src.view(-1, E)[src_idx[i]] for every i
+  with src_idx[i] >= 0.
   With src the pinned host tier and dst the GPU pool (installing missed pages) or the prefill staging area (a layer's
   prefix), the kernel reads host memory directly (UVA zero-copy): one launch gathers any number of scattered pages,
   where a CPU gather + copy would stage them first, several times slower for scattered rows (docs/offload.md).
@@ -55,7 +56,7 @@ if triton is not None:
         s = tl.load(SrcIdx + i).to(tl.int64)
         t = tl.load(DstIdx + i).to(tl.int64)
         e = part * BLOCK + tl.arange(0, BLOCK)
-        ok = e < E
+        ok = (e < E) & (s >= 0)  # a negative source index: nothing copied (a fixed-width install's unused entries)
         tl.store(Dst + t * E + e, tl.load(Src + s * E + e, mask=ok), mask=ok)
 
     @triton.jit
@@ -71,13 +72,16 @@ if triton is not None:
 def copy_chunks_reference(src: torch.Tensor, src_idx: torch.Tensor, dst: torch.Tensor, dst_idx: torch.Tensor,
                           chunk: int) -> None:
     d = dst.view(-1, chunk)
-    d[dst_idx.to(d.device).long()] = src.view(-1, chunk)[src_idx.to(src.device).long()].to(d.device)
+    keep = src_idx >= 0
+    s, t = src_idx[keep], dst_idx[keep]
+    d[t.to(d.device).long()] = src.view(-1, chunk)[s.to(src.device).long()].to(d.device)
 
 
 def copy_chunks(src: torch.Tensor, src_idx: torch.Tensor, dst: torch.Tensor, dst_idx: torch.Tensor,
                 chunk: int) -> None:
     """Copy chunks of `chunk` elements: chunk src_idx[i] of src to chunk dst_idx[i] of dst (src, dst contiguous, same
-    dtype; the indices int on dst's device). Rows of dst_idx must be distinct."""
+    dtype; the indices int on dst's device). Rows of dst_idx must be distinct where src_idx >= 0; an entry with a
+    negative src_idx copies nothing (its dst_idx must still be a valid chunk)."""
     if src.dtype != dst.dtype or not (src.is_contiguous() and dst.is_contiguous()):
         raise ValueError("copy_chunks needs contiguous tensors of one dtype")
     if src.numel() % chunk or dst.numel() % chunk or src_idx.shape != dst_idx.shape:

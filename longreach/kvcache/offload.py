@@ -97,9 +97,18 @@ class OffloadedKVCache:
         shape = (L, 2, P, block_size, H, row) if U == 1 else (L, 2, P, H, block_size, row)
         self.host = pinned_empty(shape, dtype, self) if pin else torch.empty(shape, dtype=dtype)
         self.pool = torch.zeros(S + 1, 2, block_size, H // U, row, dtype=dtype, device=device)
-        self.slot_of = torch.full((L, P) if U == 1 else (L, P, U), -1, dtype=torch.int32, device=device)
-        self.owner = torch.full((S,), -1, dtype=torch.long, device=device)
-        self.stamp = torch.full((S,), -1, dtype=torch.long, device=device)
+        # each with one trash entry past its end (a fixed-width install's unused entries write there):
+        # slot_of's at L * P * U, owner's and stamp's at S (the scratch slot)
+        self._slot_all = torch.full((L * P * U + 1,), -1, dtype=torch.int32, device=device)
+        self.slot_of = self._slot_all[:-1].view((L, P) if U == 1 else (L, P, U))
+        self._owner_all = torch.full((S + 1,), -1, dtype=torch.long, device=device)
+        self._stamp_all = torch.full((S + 1,), -1, dtype=torch.long, device=device)
+        self.owner, self.stamp = self._owner_all[:S], self._stamp_all[:S]
+        # `install_reads` (inside a step): this step's number on the device, the clock hand over the slots, and the
+        # units it installed / evicted since the last `end_step`
+        self.step_t = torch.zeros((), dtype=torch.long, device=device)
+        self._hand = torch.zeros((), dtype=torch.long, device=device)
+        self._now = torch.zeros(2, dtype=torch.long, device=device)
         # units read by this step's attention, flat ((layer * P + page) * U + head), plus one trash entry for
         # masked-out reads
         self.wanted = torch.zeros(L * P * U + 1, dtype=torch.bool, device=device)
@@ -308,16 +317,24 @@ class OffloadedKVCache:
         """After a decode step: stamp the hits, install the misses (LRU victims). Returns this step's counts."""
         self.wanted[-1] = False
         ids = self.wanted.nonzero().squeeze(1)  # a host sync: the step's logits are read right after anyway
+        early_installed, early_evicted = (int(x) for x in self._now.tolist())  # `install_reads` in this step
+        self._now.zero_()
         if ids.numel() == 0:
-            self.step += 1
-            return {"hit": 0, "missed": 0, "evicted": 0, "installed": 0}
-        self.wanted[ids] = False
-        slots = self.slot_of.view(-1)[ids]
-        hit = slots >= 0
-        self.stamp[slots[hit].long()] = self.step
-        miss = ids[~hit]
-        n_hit, n_miss = ids.numel() - miss.numel(), miss.numel()
-        evicted, installed = self._install(miss) if n_miss else (0, 0)
+            n_hit = n_miss = evicted = installed = 0
+        else:
+            self.wanted[ids] = False
+            slots = self.slot_of.view(-1)[ids]
+            hit = slots >= 0
+            self.stamp[slots[hit].long()] = self.step
+            miss = ids[~hit]
+            n_hit, n_miss = ids.numel() - miss.numel(), miss.numel()
+            evicted, installed = self._install(miss) if n_miss else (0, 0)
+        # a unit installed by `install_reads` counts as a miss installed (it was not resident when the step began);
+        # it marked itself read, so the marks counted it as a hit
+        n_hit -= early_installed
+        n_miss += early_installed
+        evicted += early_evicted
+        installed += early_installed
         c = self.counters
         c["pages_hit"] += n_hit
         c["pages_missed"] += n_miss
@@ -325,7 +342,81 @@ class OffloadedKVCache:
         c["pages_installed"] += installed
         c["bytes_h2d"] += installed * self.slot_nbytes
         self.step += 1
+        self.step_t.fill_(self.step)
         return {"hit": n_hit, "missed": n_miss, "evicted": evicted, "installed": installed}
+
+    def install_reads(self, reads: PageReads) -> None:
+        """Install now, inside the step, the head-pages a selection stage is about to score (`reads.probe`: its
+        candidate chunks, `reads.blocks`), so that their keys cross PCIe once, into the pool, and the scoring and the
+        attention read them there; `end_step` would otherwise install them after a step that read them in place
+        (docs/design-refresh-installs.md, option 2: at a stage-0 refresh of the 8B shape at 1M, ~45 ms of in-place
+        reads besides the ~39 ms of installs). Device ops of a fixed width (the candidates' head-pages), no host
+        sync: a captured decode step runs it too. Head units only (with page units probes are never installed).
+
+        Victims come from a clock over the slots: from the hand on, the slots neither read in the previous step nor
+        stamped in this one (free slots first, as every slot's stamp starts at -1), the k-th missing unit taking the
+        k-th such slot within 4x the width; a unit with no victim there stays at home (read in place, installed
+        after the step as before). The units already resident are stamped first, so that none is taken as a victim.
+        A unit read in this step only by an earlier layer may be evicted (it is installed again after the step)."""
+        if self.units == 1 or not reads.probe:
+            return
+        L, P, U, S = self.num_layers, self.num_pages, self.units, self.num_slots
+        trash = L * P * U
+        u = self._probe_units(reads)  # (E,) ascending, each unit once, `trash` for no unit
+        if u.numel() == 0:
+            return
+        dev = u.device
+        valid = u < trash
+        cur = self._slot_all[u].long()  # the trash entry is -1
+        hit = valid & (cur >= 0)
+        self._stamp_all.index_put_((torch.where(hit, cur, S),), self.step_t)
+        miss = valid & (cur < 0)
+        W = min(S, 4 * u.numel())
+        cand = torch.remainder(self._hand + torch.arange(W, device=dev), S)
+        # eligible: free (stamp -1) or last read before the previous step; cumulative count along the clock
+        cum = torch.cumsum(self._stamp_all[cand] < (self.step_t - 1).clamp(min=0), 0)
+        rank = torch.cumsum(miss, 0)  # 1 for the first missing unit
+        do = miss & (rank <= cum[-1])
+        vic = torch.where(do, cand[torch.searchsorted(cum, rank).clamp(max=W - 1)], S)
+        n_do = do.sum()
+        last = torch.searchsorted(cum, n_do.view(1))[0]  # the position of the n_do-th eligible slot
+        self._hand.copy_(torch.remainder(self._hand + torch.where(n_do > 0, last + 1, 0), S))
+        old = self._owner_all[vic]  # -1 for the scratch slot (no victim)
+        gone = do & (old >= 0)
+        self._slot_all.index_fill_(0, torch.where(gone, old, trash), -1)
+        self._slot_all.index_put_((torch.where(do, u, trash),), vic.to(torch.int32))
+        self._slot_all[trash] = -1
+        self._owner_all.index_put_((vic,), torch.where(do, u, -1))
+        self._stamp_all.index_put_((vic,), self.step_t)
+        self._now += torch.stack([n_do, gone.sum()])
+        self.wanted.index_fill_(0, torch.where(do, u, trash), True)  # read this step: `end_step` counts them
+        PU = P * U  # a unit's chunk at home: ((layer * 2 + kv) * PU + unit of the layer)
+        home = (u // PU) * 2 * PU + u % PU
+        src = torch.where(do, home, -1)
+        copy_chunks(self.host, torch.cat([src, torch.where(do, src + PU, -1)]), self.pool,
+                    torch.cat([vic * 2, vic * 2 + 1]), self.slot_elems)
+
+    def _probe_units(self, reads: PageReads) -> torch.Tensor:
+        """The head-page units (layer * P + page) * U + head of a stage's candidate chunks (`reads.blocks` (nb, G, C)
+        of `block_k` tokens, each group's heads: kernels/page_reads.py's `group_heads`), ascending, each once; the
+        trash index L * P * U for no unit (a -1 candidate, a page past the row's position, the scratch page)."""
+        bs, P, U = self.block_size, self.num_pages, self.units
+        trash = self.num_layers * P * U
+        dev = self.wanted.device
+        b = reads.blocks.long().to(dev)
+        nb, G, C = b.shape
+        per = max(1, reads.block_k // bs)
+        logical = ((b * reads.block_k) // bs)[..., None] + torch.arange(per, device=dev)  # (nb, G, C, per)
+        tables = reads.block_tables.to(dev)
+        seq, last = reads.seq.long().to(dev), reads.last.long().to(dev)
+        ok = (b >= 0)[..., None] & (logical <= (last // bs)[:, None, None, None])
+        phys = tables[seq[:, None, None, None], logical.clamp(0, tables.shape[1] - 1)].long()
+        ok = ok & (phys != P - 1)
+        hpg, gph = page_reads.group_heads(G, U)
+        head = ((torch.arange(G, device=dev) // gph) * hpg)[:, None] + torch.arange(hpg, device=dev)  # (G, hpg)
+        unit = (reads.layer * P + phys)[..., None] * U + head[None, :, None, None, :]
+        unit = torch.where(ok[..., None], unit, trash).reshape(-1).sort().values
+        return torch.where(torch.cat([unit[:1] < trash, unit[1:] != unit[:-1]]), unit, trash)
 
     def _install(self, miss: torch.Tensor) -> tuple[int, int]:
         """Copy the missed (layer * P + page) ids into free or least-recently-used slots, never a slot read in this
@@ -385,6 +476,8 @@ class OffloadedKVCache:
             raise AssertionError("a slot claims a page whose table entry points elsewhere")
         if bool(self.wanted.any()):
             raise AssertionError("reads are marked outside a step")
+        if int(self._slot_all[-1]) != -1 or int(self._owner_all[-1]) != -1:
+            raise AssertionError("a trash entry of the page table or of the slot owners was left written")
         P, U = self.num_pages, self.units
         pool = self.pool.cpu()
         for s, i in zip(held.tolist(), owner[held].tolist()):

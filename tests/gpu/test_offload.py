@@ -39,9 +39,12 @@ def test_offload_kernels(detail):
         si = torch.randperm(P, device=dev, generator=g)[:4096]
         di = torch.randperm(P, device=dev, generator=g)[:4096]
         dst = torch.zeros_like(kc)
-        copy_chunks(src, si, dst, di, kc[0].numel())
-        if not torch.equal(dst[di].view(torch.uint8), kc[si].view(torch.uint8)):
+        skip = torch.arange(4096, device=dev) % 5 == 0  # a negative source copies nothing (install_reads' padding)
+        copy_chunks(src, torch.where(skip, -1, si), dst, di, kc[0].numel())
+        if not torch.equal(dst[di[~skip]].view(torch.uint8), kc[si[~skip]].view(torch.uint8)):
             raise AssertionError(f"copy_chunks {dtype} not bit-exact")
+        if bool(dst[di[skip]].view(torch.uint8).any()):
+            raise AssertionError(f"copy_chunks {dtype} wrote an entry whose source index was negative")
         host = torch.zeros(P * page, Hkv, D, dtype=dtype).pin_memory()
         r = torch.randperm(P * page, device=dev, generator=g)[:5000]
         new = torch.randn(5000, Hkv, D, device=dev, generator=g).to(dtype)
@@ -181,3 +184,46 @@ def test_offload_engine(gpu_model, detail):
            f"hit ratio {hit:.3f}, installed {b['stats']['pages_installed']} pages "
            f"({b['stats']['bytes_h2d'] / 1e9:.2f} GB); head slots: equal too, {h['tok_s']:.1f} tok/s, hit ratio "
            f"{h_hit:.3f}, installed {h['stats']['pages_installed']} head-pages ({h['stats']['bytes_h2d'] / 1e9:.2f} GB)")
+
+
+def test_offload_installs_inside_the_step(detail, monkeypatch):
+    """No model: random:tiny (trained to 4,096 tokens) at 16K with infinitehip's default preset at smaller budgets,
+    decoding through CUDA graphs: offloaded with head slots to a pool of 1/8 of the KV, where stage 1's candidates
+    are installed inside the step after each stage-0 refresh (`install_reads`, a captured fixed-width clock and copy),
+    gives the GPU-resident cache's greedy tokens; early installs happened, and the store is consistent after."""
+    from longreach import LLM, SamplingParams
+    from longreach.kvcache.offload import OffloadedKVCache
+
+    length, steps = 16384, 64
+    cfg = '{"budgets": [4096, 1024, 256], "dense_below": 0}'
+    kv_gb = length * 2 * 2 * 2 * 16 * 2 / 2**30  # 2 layers x K, V x 2 KV heads x 16 dims, bf16
+    ids = torch.randint(3, 500, (length,), generator=torch.Generator().manual_seed(2)).tolist()
+    early = []
+    end_step = OffloadedKVCache.end_step
+
+    def counted(self):
+        early.append(int(self._now[0]))
+        return end_step(self)
+
+    monkeypatch.setattr(OffloadedKVCache, "end_step", counted)
+    res = {}
+    for name, kw in (("gpu", {"kv_cache_memory_gb": kv_gb * 1.5 + 0.01}),
+                     ("offload-heads", {"kv_cache_memory_gb": kv_gb / 8, "kv_offloading_size": kv_gb * 1.5 + 0.01,
+                                        "kv_offload_unit": "head"})):
+        gc.collect()
+        torch.cuda.empty_cache()
+        llm = LLM("random:tiny", attention="infinitehip", attention_config=cfg, max_model_len=length + 128,
+                  max_num_batched_tokens=4096, **kw)
+        out = llm.generate({"prompt_token_ids": ids}, SamplingParams(temperature=0, max_tokens=steps, ignore_eos=True),
+                           use_tqdm=False)[0]
+        res[name] = (out.token_ids, llm.engine.kv_cache_stats())
+        if name != "gpu":
+            llm.engine.kv_cache.check_integrity()
+        del llm
+    (a, _), (b, stats) = res["gpu"], res["offload-heads"]
+    same = sum(x == y for x, y in zip(a, b))
+    if same != len(a) or sum(early) == 0:
+        raise AssertionError(f"install inside the step: {same}/{len(a)} tokens equal, {sum(early)} early installs")
+    detail(f"random:tiny at {length} tokens, {steps} greedy tokens equal offloaded (head slots, pool 1/8) and not; "
+           f"{sum(early)} head-pages installed inside steps, {stats['pages_installed']} in all, hit ratio "
+           f"{stats['pages_hit'] / max(1, stats['pages_hit'] + stats['pages_missed']):.3f}")

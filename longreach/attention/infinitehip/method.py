@@ -238,6 +238,11 @@ class InfiniteHiP(SelectionMethod):
             if needs_scores and i == 0 and cfg.stage0_scores != "selectrep" and l > cfg.exact_below:
                 score = self.box_scores(layer, q, blocks, keys, ids, l, cand_end)
             elif needs_scores:
+                if i == 1 and first == 0 and keys.install is not None:
+                    # stage 0 was rescored from the whole context: its survivors are mostly new, and the store installs
+                    # their pages now, so that their keys cross PCIe once and stage 1 reads them from the GPU
+                    # (kvcache/offload.py `install_reads`); later stages' candidates are sub-chunks of these
+                    keys.install(ids, l)
                 score = self.chunk_scores(layer, q, blocks, keys, ids, l, l <= cfg.exact_below, cand_end)
                 if keys.probes is not None and i > 0:  # the keys it just read, for the store (SequenceKeys.probes);
                     keys.probes(ids, l)  # stage 0's candidates are the whole context: never installed for it

@@ -29,7 +29,7 @@ from ..presets import missing_layers, resolve
 from .config import SparseConfig
 from .graph import GraphDecoder
 from .prefill_graph import PrefillGraphs
-from .selection import BlockQueries, KeptBoxes, SelectionMethod, SequenceKeys, probe_reads, use_kernels
+from .selection import BlockQueries, KeptBoxes, SelectionMethod, SequenceKeys, install_now, probe_reads, use_kernels
 
 logger = logging.getLogger("longreach")
 
@@ -214,9 +214,12 @@ class SparseBackend(AttentionBackend):
             else:
                 state = self._state.setdefault((seq_id, layer), {}) if decoding else None
                 boxes = None if box_tables is None else self.boxes.seq_boxes(layer, box_tables, i)
-                probes = None if not decoding or meta.page_reads is None else probe_reads(
-                    meta, layer, torch.tensor([i], device=q.device), torch.tensor([length - 1], device=q.device))
-                keys = SequenceKeys(k_cache, meta.block_tables[i], length, boxes, probes)
+                probes = install = None
+                if decoding and (meta.page_reads is not None or meta.install_reads is not None):
+                    row, pos = torch.tensor([i], device=q.device), torch.tensor([length - 1], device=q.device)
+                    probes = None if meta.page_reads is None else probe_reads(meta, layer, row, pos)
+                    install = install_now(meta, layer, row, pos)
+                keys = SequenceKeys(k_cache, meta.block_tables[i], length, boxes, probes, install)
                 step = self._decode_step.get(seq_id, 0) if decoding else None
                 if not decoding and self.prefill_graphs.applies(n, keys):  # replayed: see prefill_graph.py
                     selections.append(self.prefill_graphs.select(layer, q[row0:row0 + n], local, keys))

@@ -36,7 +36,7 @@ import torch
 from ..backend import AttentionMetadata
 from ..dense import DenseFallback
 from ..index import QueryBlocks
-from .selection import BlockQueries, KeptBoxes, SelectionMethod, SequenceKeys, probe_reads, use_kernels
+from .selection import BlockQueries, KeptBoxes, SelectionMethod, SequenceKeys, install_now, probe_reads, use_kernels
 
 
 SHORT_WARM_MAX = 32768  # the longest short-row batch whose decode variants a warm-up captures (warm_keys)
@@ -299,9 +299,12 @@ class GraphDecoder:
                                                      cand_end[i:i + 1], memo={})
                 blocks = memo["blocks", i]
                 boxes = None if box_tables is None else self.boxes.seq_boxes(layer, box_tables, i)
-                probes = None if meta.page_reads is None else \
-                    probe_reads(meta, layer, g["arange"][i:i + 1], ends[i:i + 1] - 1)  # no op without a listener
-                keys = SequenceKeys(k_cache, meta.block_tables[i], bucket, boxes, probes)
+                probes = install = None
+                if meta.page_reads is not None or meta.install_reads is not None:  # no op without a listener
+                    row, pos = g["arange"][i:i + 1], ends[i:i + 1] - 1
+                    probes = None if meta.page_reads is None else probe_reads(meta, layer, row, pos)
+                    install = install_now(meta, layer, row, pos)
+                keys = SequenceKeys(k_cache, meta.block_tables[i], bucket, boxes, probes, install)
                 out = (g["last"][layer][i:i + 1, :, :caches[-1].shape[2]], g["counts"][layer, i:i + 1]) \
                     if direct else None
                 outs = m.graph_select(layer, q[i:i + 1], blocks, keys,

@@ -40,6 +40,19 @@ def probe_reads(meta, layer: int, seq: torch.Tensor, pos: torch.Tensor):
     return note
 
 
+def install_now(meta, layer: int, seq: torch.Tensor, pos: torch.Tensor):
+    """`SequenceKeys.install` for one decode row (as `probe_reads`): each call hands a stage's candidate chunks to
+    the store's `install_reads` before the stage scores them (kvcache/offload.py). None when the step's store
+    cannot install inside a step (prefill, a one-tier store, page units install nothing there)."""
+    if meta.is_prefill or meta.install_reads is None:
+        return None
+    from ...kvcache.base import PageReads
+
+    def install(ids: torch.Tensor, chunk: int) -> None:
+        meta.install_reads(PageReads(layer, meta.block_tables, seq, pos, pos, 1, ids, chunk, 0, 0, probe=True))
+    return install
+
+
 class SequenceKeys:
     """One sequence's keys as the selection sees them: the paged cache and the sequence's block table.
 
@@ -52,12 +65,16 @@ class SequenceKeys:
     """
 
     def __init__(self, k_cache: torch.Tensor, block_table: torch.Tensor, length: int,
-                 boxes: tuple[torch.Tensor, torch.Tensor, int] | None = None, probes=None):
+                 boxes: tuple[torch.Tensor, torch.Tensor, int] | None = None, probes=None, install=None):
         self.k_cache, self.block_table, self.length = k_cache, block_table, length
         self.boxes = boxes
         # probes(ids, chunk): a decode step's stage reports the candidate chunks whose keys it scored (the KV store
         # may install them: kvcache/offload.py); None when nobody listens (prefill, a one-tier cache)
         self.probes = probes
+        # install(ids, chunk): a decode step's stage about to score candidates that are new this step (infinitehip's
+        # stage 1 after stage 0 was rescored) asks the store to install their pages first (`install_now`); None: no
+        # store installs inside a step
+        self.install = install
         self._dense: torch.Tensor | None = None
         self.prune_tables: dict = {}  # the reference scorer's moved keys, per strategy (valid while this object is)
 
