@@ -385,7 +385,7 @@ class OffloadedKVCache:
         gone = do & (old >= 0)
         self._slot_all.index_fill_(0, torch.where(gone, old, trash), -1)
         self._slot_all.index_put_((torch.where(do, u, trash),), vic.to(torch.int32))
-        self._slot_all[trash] = -1
+        self._slot_all[trash:].fill_(-1)  # (a view: no host value copied inside a captured step)
         self._owner_all.index_put_((vic,), torch.where(do, u, -1))
         self._stamp_all.index_put_((vic,), self.step_t)
         self._now += torch.stack([n_do, gone.sum()])
