@@ -26,6 +26,9 @@ Design (docs/offload.md has the byte budgets and the measurements):
     through uncached, and so do the pruning stages' probes with page units (a stage-0 SelectRep refresh touches a few
     keys of every chunk of the context and would flush the pool for one use); with head units infinitehip's
     chunk-scored stages report their probes (`PageReads.probe`) and those head-pages are installed too.
+  * **Installs inside the step** (`install_reads`, head units): when infinitehip rescored stage 0 in a decode step,
+    each layer installs its new stage-1 candidates before scoring them (a fixed-width clock over the slots and one
+    copy, captured in the step), so their keys cross PCIe once (docs/design-refresh-installs.md, option 2).
   * **Prefill** reads the prefix from a GPU staging area: per layer, the batch's pages are gathered from the host
     tier in one copy (model_runner.py), then the ordinary kernels run on it. The area exists only while prefill work
     is pending: the first decode step releases it (`release_staging`) and the next prefill step allocates it again.
