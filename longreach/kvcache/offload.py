@@ -21,17 +21,19 @@ Design (docs/offload.md has the byte budgets and the measurements):
     zero-copy, kernels/paged.py), so a miss costs PCIe latency, never a host round trip, and decode stays
     graph-capturable.
   * **What gets installed**: the pages the block-sparse attention of a decode step reads (sink, window and selected
-    blocks: the backend returns the index it attended as `PageReads` and the runner hands it to `record_reads`). After the step, `end_step` stamps the hits and
-    installs the misses into free or least-recently-used slots (never a slot read in this step). Dense reads pass
+    blocks: the backend returns the index it attended as `PageReads` and the runner hands it to `record_reads`).
+    After the step, `end_step` stamps the hits and installs the misses into free or least-recently-used slots
+    (never a slot read in this step). Dense reads pass
     through uncached, and so do the pruning stages' probes with page units (a stage-0 SelectRep refresh touches a few
     keys of every chunk of the context and would flush the pool for one use); with head units infinitehip's
     chunk-scored stages report their probes (`PageReads.probe`) and those head-pages are installed too.
   * **Installs inside the step** (`install_reads`, head units): when infinitehip rescored stage 0 in a decode step,
     each layer installs its new stage-1 candidates before scoring them (a fixed-width clock over the slots and one
     copy, captured in the step), so their keys cross PCIe once (docs/design-refresh-installs.md, option 2).
-  * **Prefill** reads the prefix from a GPU staging area: per layer, the batch's pages are gathered from the host
-    tier in one copy (model_runner.py), then the ordinary kernels run on it. The area exists only while prefill work
-    is pending: the first decode step releases it (`release_staging`) and the next prefill step allocates it again.
+  * **Prefill** reads the prefix from a GPU staging area (kvcache/staging.py, `StagedPrefill`): per layer, the
+    batch's pages are gathered from the host tier in one copy, then the ordinary kernels run on it. The area exists
+    only while prefill work is pending: the first decode step releases it (`release_staging`) and the next prefill
+    step allocates it again.
     No state for selection is kept on the GPU besides the pool: InfiniteHiP's stage masks are cached per sequence by
     the backend (block ids, not keys).
 
@@ -41,9 +43,6 @@ one loop. Sized and built by kvcache/build.py (`build_offloaded_cache`).
 """
 from __future__ import annotations
 
-import dataclasses
-
-import numpy as np
 import torch
 
 from ..kernels import kv_store, page_reads, use_triton
@@ -51,29 +50,8 @@ from ..kernels.kv_layout import TierView, as_tensor  # noqa: F401 (as_tensor: re
 from ..kernels.offload_copy import copy_chunks, scatter_rows
 from .base import PageReads
 from .fp8 import as_bytes, encode, row_bytes, row_elems
-
-
-def pinned_empty(shape: tuple, dtype: torch.dtype, owner: object) -> torch.Tensor:
-    """A page-locked host tensor of exactly `shape`, registered with CUDA (cudaHostRegister, mapped and portable)
-    and unregistered when `owner` is collected.
-
-    Not `torch.empty(..., pin_memory=True)`: PyTorch's caching host allocator rounds every pinned block up to a power
-    of two, so a 72 GiB host tier would pin 128 GiB and fail on a 128 GiB host. The pages are touched first (a
-    multi-threaded fill), which makes the registration itself a quick pin of resident memory. Raises RuntimeError
-    when CUDA refuses (too little lockable memory)."""
-    import weakref
-
-    t = torch.empty(shape, dtype=dtype)
-    as_bytes(t).view(-1).zero_()
-    nbytes = t.numel() * t.element_size()
-    if nbytes == 0:
-        return t
-    cudart = torch.cuda.cudart()
-    err = cudart.cudaHostRegister(t.data_ptr(), nbytes, 3)  # cudaHostRegisterPortable | cudaHostRegisterMapped
-    if int(err) != 0:
-        raise RuntimeError(f"cudaHostRegister of {nbytes / 2**30:.2f} GiB failed with CUDA error {int(err)}")
-    weakref.finalize(owner, cudart.cudaHostUnregister, t.data_ptr())
-    return t
+from .pinned import pinned_empty
+from .staging import StagedPrefill
 
 
 UNITS = ("page", "head")  # what one GPU slot holds: a page of every KV head, or of one
@@ -223,7 +201,8 @@ class OffloadedKVCache:
     def release_staging(self) -> None:
         """Give the staging area back to the GPU (decode never reads it; the next prefill step allocates it again).
         The engine calls this (as `release_transient`) on a decode step, i.e. when no prefill work is pending, so the
-        KV side of a decoding engine is the pool alone. Freed through the caching allocator and `empty_cache`, so other processes see it."""
+        KV side of a decoding engine is the pool alone. Freed through the caching allocator and `empty_cache`, so
+        other processes see it."""
         if self._staging is not None:
             self._staging = None
             if self.device.type == "cuda":
@@ -489,56 +468,3 @@ class OffloadedKVCache:
             if not torch.equal(pool[s].view(torch.uint8), home.view(torch.uint8)):
                 raise AssertionError(f"slot {s} differs from the host copy of layer {layer} page {page}"
                                      + (f" head {head}" if U > 1 else ""))
-
-
-class StagedPrefill:
-    """One prefill step over an offloaded cache: the batch's pages get consecutive places in the staging area, each
-    layer's prefix is gathered there from the host tier before its attention, and the attention backends run on the
-    staging area as on a one-tier cache (remapped block tables and slots). New K/V goes to the staging area and,
-    through `store`, to the host tier (and the pool where resident).
-
-    Bytes moved per layer: the batch's prefix (context before this chunk), K and V. For a 1M-token prompt in C-token
-    chunks that is sum over chunks of the prefix, ~ 1M^2 / (2 C) tokens per layer (docs/offload.md)."""
-
-    def __init__(self, store: OffloadedKVCache, meta, tables: list[list[int]]):
-        bs = store.block_size
-        self.store, self.meta_in = store, meta
-        local_tables, src, dst, n = [], [], [], 0
-        for table, ctx, q in zip(tables, meta.context_lens, meta.query_lens):
-            need = -(-(ctx + q) // bs)
-            local = list(range(n, n + need))
-            prefix = -(-ctx // bs)  # pages holding earlier tokens: gathered; the rest get only this chunk's rows
-            src += table[:prefix]
-            dst += local[:prefix]
-            local_tables.append(local)
-            n += need
-        if n > store.staging_pages:
-            raise RuntimeError(f"a prefill step needs {n} staging pages, the staging area has {store.staging_pages}")
-        dev = store.device
-        bt = np.zeros((len(local_tables), max(len(t) for t in local_tables)), dtype=np.int32)
-        slots = []
-        for i, (t, ctx, q) in enumerate(zip(local_tables, meta.context_lens, meta.query_lens)):
-            bt[i, :len(t)] = t
-            pos = np.arange(ctx, ctx + q)
-            slots.append(np.asarray(t, dtype=np.int64)[pos // bs] * bs + pos % bs)
-        self.src = torch.tensor(src, dtype=torch.long).to(dev)
-        self.dst = torch.tensor(dst, dtype=torch.long).to(dev)
-        self.slots = torch.from_numpy(np.concatenate(slots)).to(dev)
-        self.meta = dataclasses.replace(meta, block_tables=torch.from_numpy(bt).to(dev), slot_mapping=self.slots,
-                                        page_reads=None)
-        self.buf = store.staging()  # as the kernels read it: (2, pages, block_size, H_kv, row), maybe strided
-        self.raw = store.staging_pages_raw()
-        self.page, self.off = self.slots // bs, self.slots % bs
-
-    def attention(self, layer: int, q, k, v, backend, cache_layer: int | None = None):
-        """Model layer `layer`'s attention on the staging area; `cache_layer`: its layer in the store where that
-        differs (the store of a model with sliding layers holds its global layers only: kvcache/window.py)."""
-        st, buf = self.store, self.buf
-        layer_in_store = layer if cache_layer is None else cache_layer
-        if self.src.numel():
-            st.gather_pages(layer_in_store, self.src, self.dst, self.raw)
-        rows = as_bytes(buf)  # (2, pages, block_size, H_kv, row bytes)
-        rows[0][self.page, self.off] = as_bytes(encode(k, buf.dtype))
-        rows[1][self.page, self.off] = as_bytes(encode(v, buf.dtype))
-        st.store(layer_in_store, k, v, self.meta_in.slot_mapping)
-        return backend.forward(layer, q, k, v, buf[0], buf[1], self.meta)

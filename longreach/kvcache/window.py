@@ -102,7 +102,7 @@ class WindowedKVCache:
 
 
 class _GlobalLayers:
-    """A staged prefill (offload.py: StagedPrefill) of the global layers, called with model layers."""
+    """A staged prefill (staging.py: StagedPrefill) of the global layers, called with model layers."""
 
     def __init__(self, view, index: dict[int, int]):
         self.view, self.index = view, index
