@@ -6,7 +6,7 @@ import torch
 
 from longreach.kernels.chunk_box import box_move, chunk_box_scores, chunk_boxes, key_boxes
 from longreach.kernels.key_boxes import build_boxes_reference, build_boxes_triton
-from longreach.kernels.prune_stage import chunk_scores_reference
+from longreach.kernels.prune_ref import chunk_scores_reference
 from longreach.models.config import RopeConfig
 from longreach.rope.scaling import rope_inv_freq
 from longreach.rope.strategies import RopeArgs

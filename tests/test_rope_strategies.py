@@ -6,7 +6,8 @@ import torch
 from longreach.attention.executor import block_sparse_attention
 from longreach.attention.index import QueryBlocks, SparseIndex
 from longreach.kernels.bsa import block_sparse_attention_triton
-from longreach.kernels.prune_stage import chunk_scores_reference, chunk_scores_triton
+from longreach.kernels.prune_ref import chunk_scores_reference
+from longreach.kernels.prune_stage import chunk_scores_triton
 from longreach.kvcache.paged import gather_tokens
 from longreach.models.config import RopeConfig
 from longreach.rope.scaling import RotaryEmbedding, apply_rope, rope_inv_freq

@@ -37,7 +37,7 @@ import torch
 from ..rope.strategies import RopeArgs, prune_query_pos, rotation
 from .index_types import head_pairs
 from .key_boxes import BOX_KINDS, BoxView, box_of_keys, box_scores
-from .prune_stage import chunk_bounds, moved_keys
+from .prune_ref import chunk_bounds, moved_keys
 
 MOVE_TO = {"rt": 1, "il": 0}  # flavour 1's key position per pruning strategy (box_mode: ci boxes as rt)
 
@@ -145,7 +145,7 @@ def chunk_box_scores(qs: torch.Tensor, row_ok: torch.Tensor, keys: torch.Tensor 
                      boxes: "torch.Tensor | BoxView | None" = None, max_bytes: int = 256 << 20,
                      shared=None) -> torch.Tensor:
     """Scores (nb, G, C) of candidate chunks `ids` (nb, G, C) from their boxes, -inf if invalid; the arguments are
-    prune_stage.chunk_scores_reference's (qs (nb, R, H_q, D), row_ok (nb, R), keys (L, H_kv, D) as stored). `boxes`:
+    prune_ref.chunk_scores_reference's (qs (nb, R, H_q, D), row_ok (nb, R), keys (L, H_kv, D) as stored). `boxes`:
     the sequence's boxes kept by the engine (a `BoxView`, or a tensor in `key_boxes`' layout); None builds them from
     `keys`. `shared`: BlockQueries.shared of the blocks, where the layers of a step share what depends on the blocks,
     candidates and positions alone (the query rotation's angles, the candidates' validity), else None."""

@@ -95,7 +95,8 @@ def test_block_sparse_attention(detail):
 
 def test_chunk_scores(detail):
     """Chunk-scoring kernel vs its reference, real sizes, bf16: scores and the top-k sets they induce."""
-    from longreach.kernels.prune_stage import chunk_scores_reference, chunk_scores_triton
+    from longreach.kernels.prune_ref import chunk_scores_reference
+    from longreach.kernels.prune_stage import chunk_scores_triton
     from longreach.kvcache.paged import gather_tokens
 
     dev = "cuda"

@@ -62,7 +62,7 @@ from __future__ import annotations
 
 import torch
 
-from ...kernels.prune_stage import chunk_bounds
+from ...kernels.prune_ref import chunk_bounds
 from ..sparse.selection import BlockQueries, SelectionMethod, SequenceKeys, use_kernels
 from .config import DEFAULT_PRESET, PRESETS, InfiniteHiPConfig
 

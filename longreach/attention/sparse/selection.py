@@ -322,7 +322,8 @@ class SelectionMethod(ABC):
                      chunk: int, exact: bool, cand_end: torch.Tensor) -> torch.Tensor:
         """Scores (nb, G, C) of candidate chunks (kernels/prune_stage.py), with the layer's pruning RoPE strategy:
         the Triton kernel on CUDA, else the reference."""
-        from ...kernels.prune_stage import chunk_scores_reference, chunk_scores_triton
+        from ...kernels.prune_ref import chunk_scores_reference
+        from ...kernels.prune_stage import chunk_scores_triton
 
         per_head = getattr(self.cfg, "rep_per_head", True)
         rope = self.rope_args(layer, "prune", blocks.max_end)
