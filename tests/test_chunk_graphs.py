@@ -16,7 +16,7 @@ import torch
 from conftest import run_with_joins
 
 from longreach import SamplingParams
-from tests.test_offload import _record_logits
+from tests.test_offload_engine import _record_logits
 
 # test_sparse.py's small configs: sparse from the first token (dense_below 0), so every chunk selects
 METHODS = {

@@ -6,7 +6,7 @@ import pytest
 import torch
 from conftest import run_with_joins
 
-from tests.test_offload import _record_logits
+from tests.test_offload_engine import _record_logits
 
 # ---- through the engine ---------------------------------------------------------------------------------------------
 SMALL = '{"n_sink": 8, "n_window": 8, "microbatch": 1, "epsilon": 0.8}'
