@@ -139,6 +139,9 @@ scoring_checks() {  # the stage scoring kernels' GPU checks (bf16, real sizes), 
 # issue 31's table: the same bench decode command for every model shape (table8b, qwen05table)
 table=(--lengths 32k 128k 512k --attention infinitehip --dense-lengths 32k 128k 512k --decode-tokens 64
        --max-num-batched-tokens 32768 --profile-steps 4)
+# issue 31's 1M row (groups row1m and earlyinstall)
+row1m=($bd --kv-offloading-size 76 --lengths 1M --attention infinitehip --dense-lengths --decode-tokens 42
+       --profile-steps 4 --out "$out/bench-decode-1m-8b.json")
 for group in "$@"; do
 case "$group" in
 batch16)  # the host tier holds all 16 x 131,136 tokens (fp8 pages with their scales: ~145 GiB; 132 GiB preempted one)
@@ -327,14 +330,12 @@ refresh1m)  # issue 31: the default's 1M decode with a stage-0 refresh step amon
 row1m)  # issue 31's 1M row on today's default (8B shape, random weights, fp8 KV offloaded to a 76 GiB host tier, a
     # 4 GiB GPU pool), the last 4 of 42 decode steps profiled (indices 38-41: stage 0 refreshes at 8, 16, ..., 40); no
     # dense row (dense's 1M prefill on the GPU alone would take ~15 min: an estimate from its FLOPs)
-    run decode_1m_8b 560 $bd --kv-offloading-size 76 --lengths 1M --attention infinitehip --dense-lengths \
-        --decode-tokens 42 --profile-steps 4 --out "$out/bench-decode-1m-8b.json" ;;
+    run decode_1m_8b 560 "${row1m[@]}" ;;
 earlyinstall)  # no model: tests/gpu's offload kernels (the copy's skipped entries too) and the install inside the
     # step (random:tiny offloaded == GPU-resident, graphs), then row1m with stage 1's candidates installed before
     # they are scored (kvcache/offload.py `install_reads`)
     gpu_tests gpu_check_offload_install 240 tests/gpu/test_offload.py -k "kernels or inside_the_step"
-    run decode_1m_8b 560 $bd --kv-offloading-size 76 --lengths 1M --attention infinitehip --dense-lengths \
-        --decode-tokens 42 --profile-steps 4 --out "$out/bench-decode-1m-8b.json" ;;
+    run decode_1m_8b 560 "${row1m[@]}" ;;
 row2m)  # issue 31's 2M row: row1m's command at 2M with 48 decode steps (the last 4 profiled: no refresh among them),
     # a ~147 GiB host tier (nvidia-h200-x2's 256 GiB host, one of its GPUs). Its prefill took 409.6 s (2026-11-29),
     # the whole run ~9 min, past one call's limit with margin: start it detached,
