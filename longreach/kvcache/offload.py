@@ -331,8 +331,7 @@ class OffloadedKVCache:
         """Install now, inside the step, the head-pages a selection stage is about to score (`reads.probe`: its
         candidate chunks, `reads.blocks`), so that their keys cross PCIe once, into the pool, and the scoring and the
         attention read them there; `end_step` would otherwise install them after a step that read them in place
-        (docs/design-refresh-installs.md, option 2: at a stage-0 refresh of the 8B shape at 1M, ~45 ms of in-place
-        reads besides the ~39 ms of installs). Device ops of a fixed width (the candidates' head-pages), no host
+        (docs/design-refresh-installs.md, option 2). Device ops of a fixed width (the candidates' head-pages), no host
         sync: a captured decode step runs it too. Head units only (with page units probes are never installed).
 
         Victims come from a clock over the slots: from the hand on, the slots neither read in the previous step nor

@@ -66,11 +66,9 @@ def _warmup_len(context: int, engine, asked: int | None) -> int:
     """Tokens of the untimed warm-up prompt run on each engine before its measured prompt: `asked`, or by default the
     server's warm-up length (`EngineSetup.warmup_prompt_tokens`: one chunk + 1024 past the longest context the
     backend attends densely at, so that a whole chunk with a prefix runs the sparse kernels, long-prefill layouts
-    included), at most half the context. (It was one chunk + 4096: an 8B shape's 1M run, trained to 128K, warmed up
-    dense chunks only and compiled its sparse prefill kernels inside the timed prefill, 10.7 s of 189.4.) After it
-    the engine captures its graphs at every context bucket (`LLMEngine.capture_warm_graphs`, as the server's
-    warm-up); kernels that still compile in the timed run (the eager attention's variants of a longer context) are
-    counted, timed and named by `prefill_jit` (a note says so)."""
+    included), at most half the context. After it the engine captures its graphs at every context bucket
+    (`LLMEngine.capture_warm_graphs`, as the server's warm-up); kernels that still compile in the timed run (the
+    eager attention's variants of a longer context) are counted, timed and named by `prefill_jit` (a note says so)."""
     if asked is not None:
         return max(0, min(asked, context))
     return min(context // 2, engine.warmup_prompt_tokens())
