@@ -73,10 +73,9 @@ class AttentionMetadata:
     # store asks (prefill, a GPU-resident cache)
     page_reads: list[PageReads] | None = None
     # decode with a store that can install pages inside the step (the offloaded one with head units,
-    # `install_reads(reads, values)`): a selection stage about to score candidates that are new this step hands them
-    # here first, for their keys, and the last stage its candidates when they are new, for their values
+    # `install_reads`): a selection stage about to score candidates that are new this step hands them here first
     # (attention/sparse/selection.py, `install_now`); None: nobody installs early
-    install_reads: Callable[..., None] | None = None
+    install_reads: Callable[[PageReads], None] | None = None
     # a model whose sliding-window layers keep a ring (kvcache/window.py): each sequence's ring slot (B,) int64 and
     # the ring row of each new token (T,) int64 (`slot * window + position % window`; the scratch slot's rows for a
     # prefill chunk's tokens that no later query sees, and for padded graph rows); None: no ring

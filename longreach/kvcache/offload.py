@@ -93,12 +93,10 @@ class OffloadedKVCache:
         self._stamp_all = torch.full((S + 1,), -1, dtype=torch.long, device=device)
         self.owner, self.stamp = self._owner_all[:S], self._stamp_all[:S]
         # `install_reads` (inside a step): this step's number on the device, the clock hand over the slots, the
-        # units it evicted and the halves (keys or values) it copied since the last `end_step`, and (`fresh`) the
-        # units it installed
+        # units it evicted since the last `end_step`, and (`fresh`) the ones it installed
         self.step_t = torch.zeros((), dtype=torch.long, device=device)
         self._hand = torch.zeros((), dtype=torch.long, device=device)
         self._evicted_now = torch.zeros((), dtype=torch.long, device=device)
-        self._copied_now = torch.zeros((), dtype=torch.long, device=device)  # keys or values copied, each a half slot
         # flat units ((layer * P + page) * U + head), each with one trash entry for masked-out reads: read by this
         # step's attention (keys and values), read by a stage's probes (keys), installed inside the step
         self.wanted = torch.zeros(L * P * U + 1, dtype=torch.bool, device=device)
@@ -330,12 +328,10 @@ class OffloadedKVCache:
         values = whole & (ks >= 0) & (vs < 0)  # keys resident (perhaps since this step), values at home
         hit = (ks >= 0) & ~values & ~early
         miss = ks < 0
-        n_hit, n_miss, n_values, n_early, n_early_values, early_evicted, early_halves = (int(x) for x in torch.stack([
-            hit.sum(), miss.sum(), values.sum(), early.sum(), (early & values).sum(), self._evicted_now,
-            self._copied_now]).tolist())
+        n_hit, n_miss, n_values, n_early, n_early_whole, early_evicted = (int(x) for x in torch.stack([
+            hit.sum(), miss.sum(), values.sum(), early.sum(), (early & whole).sum(), self._evicted_now]).tolist())
         n_ids = ids.numel()
         self._evicted_now.zero_()
-        self._copied_now.zero_()
         if n_values:
             PU = self.num_pages * self.units
             u, slot = ids[values], ks[values]
@@ -344,10 +340,11 @@ class OffloadedKVCache:
         evicted, installed, installed_whole = self._install(ids[miss], whole[miss]) if n_miss else (0, 0, 0)
         # a unit installed by `install_reads` counts as a miss installed (it was not resident when the step began)
         evicted += early_evicted
-        # units copied: whole new ones and keys-only new ones, values completed now, units installed early (keys,
-        # values or both; one whose values were completed now too counts once)
-        n_installed = installed + n_values + n_early - n_early_values
-        nbytes = (installed + installed_whole + n_values + early_halves) * (self.slot_nbytes // 2)
+        # units copied: whole new ones and keys-only new ones, values completed, keys installed early (a unit
+        # installed early whose values were then read and completed counts once)
+        n_installed = installed + n_values + n_early - n_early_whole
+        half = self.slot_nbytes // 2
+        nbytes = (installed + installed_whole + n_values + n_early) * half
         c = self.counters
         c["pages_hit"] += n_hit
         c["pages_missed"] += n_ids - n_hit
@@ -358,16 +355,14 @@ class OffloadedKVCache:
         self.step_t.fill_(self.step)
         return {"hit": n_hit, "missed": n_ids - n_hit, "evicted": evicted, "installed": n_installed, "bytes": nbytes}
 
-    def install_reads(self, reads: PageReads, values: bool = False) -> None:
+    def install_reads(self, reads: PageReads) -> None:
         """Install now, inside the step, the keys of the head-pages a selection stage is about to score
         (`reads.probe`: its candidate chunks, `reads.blocks`), so that they cross PCIe once, into the pool, and the
         scoring reads them there; `end_step` would otherwise install them after a step that read them in place
-        (docs/design-refresh-installs.md, options 2 and 3). Keys only: a slot taken here holds the unit's keys and
-        `slot_of_v` stays -1. `values`: instead, copy the values of the candidates whose keys are resident into
-        their slots (the last stage's candidates, among which the attention reads until the stage before is
-        rescored); the others' values are read in place and copied after the step. Device ops of a fixed width (the
-        candidates' head-pages), no host sync: a captured decode step runs it too. Head units only (with page units
-        probes are never installed).
+        (docs/design-refresh-installs.md, options 2 and 3). Keys only: a slot taken here holds the unit's keys,
+        `slot_of_v` stays -1, and the values of the few the attention then reads are read in place and copied after
+        the step. Device ops of a fixed width (the candidates' head-pages), no host sync: a captured decode step runs
+        it too. Head units only (with page units probes are never installed).
 
         Victims come from a clock over the slots: from the hand on, the slots neither read in the previous step nor
         stamped in this one (free slots first, as every slot's stamp starts at -1), the k-th missing unit taking the
@@ -381,8 +376,6 @@ class OffloadedKVCache:
         u = self._probe_units(reads)  # (E,) ascending, each unit once, `trash` for no unit
         if u.numel() == 0:
             return
-        if values:
-            return self._install_values(u)
         dev = u.device
         valid = u < trash
         cur = self._slot_all[u].long()  # the trash entry is -1
@@ -409,31 +402,12 @@ class OffloadedKVCache:
         self._owner_all.index_put_((vic,), torch.where(do, u, -1))
         self._stamp_all.index_put_((vic,), self.step_t)
         self._evicted_now += gone.sum()
-        self._copied_now += n_do
         mark = torch.where(do, u, trash)
         self.wanted_k.index_fill_(0, mark, True)  # read this step: `end_step` counts them
         self.fresh.index_fill_(0, mark, True)
         PU = P * U  # a unit's keys at home: ((layer * 2) * PU + unit of the layer)
         copy_chunks(self.host, torch.where(do, (u // PU) * 2 * PU + u % PU, -1), self.pool, vic * 2,
                     self.slot_elems)
-
-    def _install_values(self, u: torch.Tensor) -> None:
-        """`install_reads(..., values=True)` for units u (ascending, each once, the trash index for none): the ones
-        whose keys are resident and values not get their values copied into their slots; every resident one is
-        stamped with the step (never a victim in it). Marked read and installed inside the step, as keys are."""
-        trash, S = self.num_layers * self.num_pages * self.units, self.num_slots
-        ks = self._slot_all[u].long()  # the trash entry is -1
-        self._stamp_all.index_put_((torch.where(ks >= 0, ks, S),), self.step_t)
-        do = (ks >= 0) & (self._vslot_all[u] < 0)
-        self._vslot_all.index_put_((torch.where(do, u, trash),), ks.to(torch.int32))
-        self._vslot_all[trash:].fill_(-1)
-        self._copied_now += do.sum()
-        mark = torch.where(do, u, trash)
-        self.wanted_k.index_fill_(0, mark, True)
-        self.fresh.index_fill_(0, mark, True)
-        PU = self.num_pages * self.units  # a unit's values at home: ((layer * 2 + 1) * PU + unit of the layer)
-        copy_chunks(self.host, torch.where(do, (u // PU) * 2 * PU + PU + u % PU, -1), self.pool,
-                    torch.where(do, ks, S) * 2 + 1, self.slot_elems)
 
     def _probe_units(self, reads: PageReads) -> torch.Tensor:
         """The head-page units (layer * P + page) * U + head of a stage's candidate chunks (`reads.blocks` (nb, G, C)

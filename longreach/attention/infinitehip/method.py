@@ -240,7 +240,7 @@ class InfiniteHiP(SelectionMethod):
             elif needs_scores:
                 if i == 1 and first == 0 and keys.install is not None:
                     # stage 0 was rescored from the whole context: its survivors are mostly new, and the store installs
-                    # their keys now, so that they cross PCIe once and stage 1 reads them from the GPU
+                    # their pages now, so that their keys cross PCIe once and stage 1 reads them from the GPU
                     # (kvcache/offload.py `install_reads`); later stages' candidates are sub-chunks of these
                     keys.install(ids, l)
                 score = self.chunk_scores(layer, q, blocks, keys, ids, l, l <= cfg.exact_below, cand_end)
@@ -249,12 +249,6 @@ class InfiniteHiP(SelectionMethod):
             else:  # every candidate fits the budget
                 _, _, valid = chunk_bounds(ids, l, cfg.n_sink, cand_end)
                 score = torch.where(valid, 0.0, float("-inf"))
-            if i == len(cfg.chunk_sizes) - 1 and i > first and keys.install is not None:
-                # the stage before was rescored: these candidates are partly new, and the attention reads values
-                # among them until that stage is rescored again; the store installs their values now (their keys are
-                # resident since stage 1's install, in this step or an earlier one), so that no step reads them in
-                # place (kvcache/offload.py `install_reads`, keys first)
-                keys.install(ids, l, values=True)
             k = budgets[i] // l
             if keep is None:  # no static width to match: never wider than the candidates (a budget of 1M tokens)
                 k = min(k, max(1, width))

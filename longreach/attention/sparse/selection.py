@@ -42,16 +42,14 @@ def probe_reads(meta, layer: int, seq: torch.Tensor, pos: torch.Tensor):
 
 def install_now(meta, layer: int, seq: torch.Tensor, pos: torch.Tensor):
     """`SequenceKeys.install` for one decode row (as `probe_reads`): each call hands a stage's candidate chunks to
-    the store's `install_reads` before the stage scores them (kvcache/offload.py), for their keys, or with `values`
-    for their values (the last stage's candidates: what the attention will read). None when the step's store cannot
-    install inside a step (prefill, a one-tier store, page units install nothing there)."""
+    the store's `install_reads` before the stage scores them (kvcache/offload.py). None when the step's store
+    cannot install inside a step (prefill, a one-tier store, page units install nothing there)."""
     if meta.is_prefill or meta.install_reads is None:
         return None
     from ...kvcache.base import PageReads
 
-    def install(ids: torch.Tensor, chunk: int, values: bool = False) -> None:
-        meta.install_reads(PageReads(layer, meta.block_tables, seq, pos, pos, 1, ids, chunk, 0, 0, probe=True),
-                           values)
+    def install(ids: torch.Tensor, chunk: int) -> None:
+        meta.install_reads(PageReads(layer, meta.block_tables, seq, pos, pos, 1, ids, chunk, 0, 0, probe=True))
     return install
 
 
@@ -73,9 +71,9 @@ class SequenceKeys:
         # probes(ids, chunk): a decode step's stage reports the candidate chunks whose keys it scored (the KV store
         # may install them: kvcache/offload.py); None when nobody listens (prefill, a one-tier cache)
         self.probes = probes
-        # install(ids, chunk, values=False): a decode step's stage about to score candidates that are new this step
-        # (infinitehip's stage 1 after stage 0 was rescored) asks the store to install their keys first, and its last
-        # stage, when its candidates are new, their values (`install_now`); None: no store installs inside a step
+        # install(ids, chunk): a decode step's stage about to score candidates that are new this step (infinitehip's
+        # stage 1 after stage 0 was rescored) asks the store to install their pages first (`install_now`); None: no
+        # store installs inside a step
         self.install = install
         self._dense: torch.Tensor | None = None
         self.prune_tables: dict = {}  # the reference scorer's moved keys, per strategy (valid while this object is)
