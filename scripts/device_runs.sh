@@ -109,8 +109,7 @@
 #   bash scripts/device_runs.sh qwen05prefill # needs Qwen 0.5B: its 128K prefill's three sparse 32K steps and dense's,
 #                                           # profiled; then the scoring kernels' layouts timed at its shape
 #   bash scripts/device_runs.sh row1m       # no model: issue 31's 1M row (8B shape, fp8 + offload), 4 steps profiled
-#   bash scripts/device_runs.sh keysfirst   # no model: the offload (and PSA) kernels' and install-inside-the-step GPU
-#                                           # checks, then row1m (earlyinstall: the same)
+#   bash scripts/device_runs.sh earlyinstall # no model: the offload kernels' and install-inside-the-step GPU checks, then row1m
 #   bash scripts/device_runs.sh row2m       # no model, nvidia-h200-x2 (256 GiB host): the same at 2M (detached: see it)
 #   bash scripts/device_runs.sh qwen05refresh # needs Qwen 0.5B: the scoring kernels' GPU check (its shape too), then
 #                                           # its 128K decode with 8 steps profiled (a stage-0 and a stage-1 refresh),
@@ -332,12 +331,10 @@ row1m)  # issue 31's 1M row on today's default (8B shape, random weights, fp8 KV
     # 4 GiB GPU pool), the last 4 of 42 decode steps profiled (indices 38-41: stage 0 refreshes at 8, 16, ..., 40); no
     # dense row (dense's 1M prefill on the GPU alone would take ~15 min: an estimate from its FLOPs)
     run decode_1m_8b 560 "${row1m[@]}" ;;
-earlyinstall|keysfirst)  # no model: tests/gpu's offload kernels (the copy's skipped entries too; K and V through
-    # their own page tables, some keys resident without their values) and the install inside the step (random:tiny
-    # offloaded == GPU-resident, graphs), PSA's kernels through two tiers, then row1m (stage 1's candidates' keys
-    # installed before they are scored: kvcache/offload.py `install_reads`)
-    gpu_tests gpu_check_offload_install 300 tests/gpu/test_offload.py tests/gpu/test_psa.py \
-        -k "offload_kernels or inside_the_step or psa_kernels"
+earlyinstall)  # no model: tests/gpu's offload kernels (the copy's skipped entries too) and the install inside the
+    # step (random:tiny offloaded == GPU-resident, graphs), then row1m with stage 1's candidates installed before
+    # they are scored (kvcache/offload.py `install_reads`)
+    gpu_tests gpu_check_offload_install 240 tests/gpu/test_offload.py -k "kernels or inside_the_step"
     run decode_1m_8b 560 "${row1m[@]}" ;;
 row2m)  # issue 31's 2M row: row1m's command at 2M with 48 decode steps (the last 4 profiled: no refresh among them),
     # a ~147 GiB host tier (nvidia-h200-x2's 256 GiB host, one of its GPUs). Its prefill took 409.6 s (2026-11-29),

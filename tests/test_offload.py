@@ -85,8 +85,6 @@ def test_kernels_read_resident_pages_from_the_pool_and_the_rest_from_the_host(dt
     kt, vt = two_tiers(kc, vc, g, 0.5, units)
     assert torch.equal(kt.resolve(), kc) or dtype == FP8  # the reference view agrees (fp8: bytes, below)
     assert torch.equal(kt.resolve().view(torch.uint8), kc.view(torch.uint8))
-    assert torch.equal(vt.resolve().view(torch.uint8), vc.view(torch.uint8))
-    assert not torch.equal(kt.slots, vt.slots)  # keys first: some resident keys' values stay at home
 
     q = torch.randn(2, Hq, D, generator=g).to(qdt)
     qb = QueryBlocks.build([1, 1], [L[0] - 1, L[1] - 1], 1)
@@ -157,13 +155,12 @@ def test_reads_are_installed_lru_evicts_and_nothing_is_lost():
     sel = torch.tensor([[[1, 3]]])  # key blocks of 4 tokens: pages 1 and 3
     st.note_reads(0, table, seq, pos, pos, 1, sel, 4, 4, 8)  # + sink page 0, window [32, 39]: pages 8 and 9
     c = st.end_step()
-    assert c == {"hit": 0, "missed": 5, "evicted": 0, "installed": 5, "bytes": 5 * st.slot_nbytes}
+    assert c == {"hit": 0, "missed": 5, "evicted": 0, "installed": 5}
     st.check_integrity()
-    assert torch.equal(st.slot_of, st.slot_of_v)  # the attention's reads: keys and values
     st.note_reads(0, table, seq, pos, pos, 1, sel, 4, 4, 8)
-    assert st.end_step() == {"hit": 5, "missed": 0, "evicted": 0, "installed": 0, "bytes": 0}
+    assert st.end_step() == {"hit": 5, "missed": 0, "evicted": 0, "installed": 0}
     st.note_reads(1, table, seq, pos, pos, 1, torch.tensor([[[5]]]), 4, 0, 0)  # layer 1, page 5: evicts the LRU slot
-    assert st.end_step() == {"hit": 0, "missed": 1, "evicted": 1, "installed": 1, "bytes": st.slot_nbytes}
+    assert st.end_step() == {"hit": 0, "missed": 1, "evicted": 1, "installed": 1}
     st.check_integrity()
     pages = list(blocks.table(7))
     blocks.free(7)  # the freed pages give their slots back
@@ -193,11 +190,8 @@ def test_head_units_install_only_the_heads_that_read():
             assert (st.slot_of[0, [0, 11]] >= 0).all()
             st.store(0, torch.randn(1, 2, 8, generator=g), torch.randn(1, 2, 8, generator=g), torch.tensor([4]))
             st.check_integrity()  # page 1: head 0's slot written through, head 1 at home only
-    assert {k: v for k, v in counts["page"][0].items() if k != "bytes"} == {"hit": 0, "missed": 6, "evicted": 0,
-                                                                            "installed": 6}
-    assert {k: v for k, v in counts["head"][0].items() if k != "bytes"} == {"hit": 0, "missed": 8, "evicted": 0,
-                                                                            "installed": 8}
-    assert counts["page"][0]["bytes"] == counts["page"][1] and counts["head"][0]["bytes"] == counts["head"][1]
+    assert counts["page"][0] == {"hit": 0, "missed": 6, "evicted": 0, "installed": 6}
+    assert counts["head"][0] == {"hit": 0, "missed": 8, "evicted": 0, "installed": 8}
     assert counts["head"][1] * 3 == counts["page"][1] * 2  # 8 head-pages of half a page against 6 whole pages
 
 
@@ -216,8 +210,7 @@ def test_install_reads_installs_a_stage_candidates_inside_the_step():
     head-pages of the candidate chunks become resident and equal their host copies; each unit once (two groups of
     one KV head, chunks smaller than a page); slots read in the previous step or stamped in this one are never
     victims (a clock over the rest, free slots first); what finds no victim stays at home; `end_step` counts the
-    early installs as misses installed; only the keys are installed (`slot_of_v` stays -1: the values are copied
-    after a step whose attention read them); page units install nothing here."""
+    early installs as misses installed; page units install nothing here."""
     from longreach.kvcache.base import PageReads
 
     def probe(layer, blocks, chunk=8):
@@ -237,9 +230,7 @@ def test_install_reads_installs_a_stage_candidates_inside_the_step():
     st.install_reads(probe(0, [[[1, -1], [1, 5]]]))
     assert st.slot_of[0, [2, 3], 0].ge(0).all() and st.slot_of[0, [2, 3, 10, 11], 1].ge(0).all()
     assert int((st.slot_of >= 0).sum()) == 6 and int(st.stats()["gpu_slots_used"]) == 6
-    assert int((st.slot_of_v >= 0).sum()) == 0  # keys only
-    half = st.slot_nbytes // 2
-    assert st.end_step() == {"hit": 0, "missed": 6, "evicted": 0, "installed": 6, "bytes": 6 * half}
+    assert st.end_step() == {"hit": 0, "missed": 6, "evicted": 0, "installed": 6}
     st.check_integrity()  # (between steps: the installed units are marked read until `end_step`)
     # step 1: every slot was stamped in step 0 (the previous step): none is a victim, nothing is installed
     st.install_reads(probe(1, [[[0], [0]]]))
@@ -254,47 +245,7 @@ def test_install_reads_installs_a_stage_candidates_inside_the_step():
     c = st.end_step()
     st.check_integrity()
     assert c["installed"] == 2 and c["evicted"] == 2 and c["missed"] == 2
-    assert st.counters["pages_installed"] == 8 and st.counters["bytes_h2d"] == 8 * half
-    assert int((st.slot_of_v >= 0).sum()) == 0
-
-
-def test_keys_first_values_follow_the_attention():
-    """Keys first (docs/design-refresh-installs.md, option 3): a unit installed for a stage's scoring holds its keys
-    in its slot and its values at home; the kernels' reference reads (`TierView.pages`) then take the keys from the
-    slot and the values from home, whatever the slot's unused V half holds. When the attention reads such a unit,
-    `end_step` copies its values into the slot (a miss, installed once, half a slot of bytes); a probe read after the
-    step installs keys only, an attention read keys and values."""
-    from longreach.kernels.kv_layout import TierView
-    from longreach.kvcache.base import PageReads
-
-    st = _store(slots=8, unit="head")
-    table = torch.arange(12, dtype=torch.int32)[None]
-    g = torch.Generator().manual_seed(5)
-    k, v = torch.randn(48, 2, 8, generator=g), torch.randn(48, 2, 8, generator=g)
-    st.store(0, k, v, torch.arange(48))
-    seq, pos = torch.zeros(1, dtype=torch.long), torch.tensor([47])
-    st.install_reads(PageReads(0, table, seq, pos, pos, 1, torch.tensor([[[1], [1]]]), 8, 0, 0, probe=True))
-    assert st.slot_of[0, [2, 3]].ge(0).all() and st.slot_of_v[0, [2, 3]].lt(0).all()
-    st.pool[:, 1].fill_(float("nan"))  # the V halves: unused by keys-only units
-    kv, vv = st.layer(0)
-    assert isinstance(vv, TierView) and torch.equal(kv.pages(torch.tensor([2])), k[8:12][None])
-    assert torch.equal(vv.pages(torch.tensor([2, 3])), v[8:16].view(2, 4, 2, 8))  # values from home
-    # the attention reads page 2 (both heads: key block 2 of 4 tokens, one group per KV head)
-    st.note_reads(0, table, seq, pos, pos, 1, torch.tensor([[[2], [2]]]), 4, 0, 0)
-    half = st.slot_nbytes // 2
-    assert st.end_step() == {"hit": 0, "missed": 4, "evicted": 0, "installed": 4, "bytes": 6 * half}
-    assert torch.equal(st.slot_of_v[0, 2], st.slot_of[0, 2]) and st.slot_of_v[0, 3].lt(0).all()
-    assert torch.equal(vv.pages(torch.tensor([2])), v[8:12][None])  # now from the slot
-    st.check_integrity()
-    st.note_reads(0, table, seq, pos, pos, 1, torch.tensor([[[2], [2]]]), 4, 0, 0)
-    assert st.end_step()["hit"] == 2
-    # after the step: a probe of page 5 installs its keys, the attention's read of page 6 keys and values
-    st.note_reads(0, table, seq, pos, pos, 1, torch.tensor([[[5], [5]]]), 4, 0, 0, keys_only=True)
-    st.note_reads(0, table, seq, pos, pos, 1, torch.tensor([[[6], [6]]]), 4, 0, 0)
-    c = st.end_step()
-    assert c == {"hit": 0, "missed": 4, "evicted": 0, "installed": 4, "bytes": 6 * half}
-    assert st.slot_of[0, [5, 6]].ge(0).all() and st.slot_of_v[0, 5].lt(0).all() and st.slot_of_v[0, 6].ge(0).all()
-    st.check_integrity()
+    assert st.counters["pages_installed"] == 8 and st.counters["bytes_h2d"] == 8 * st.slot_nbytes
 
 
 @pytest.mark.parametrize("unit", ["page", "head"])

@@ -8,12 +8,10 @@ import torch
 from longreach.kernels.kv_layout import TierView
 
 
-def two_tiers(kc: torch.Tensor, vc: torch.Tensor, g: torch.Generator, share: float = 0.5, units: int = 1,
-              keys_only: float = 0.25) -> list[TierView]:
+def two_tiers(kc: torch.Tensor, vc: torch.Tensor, g: torch.Generator, share: float = 0.5, units: int = 1
+              ) -> list[TierView]:
     """TierViews of kc/vc (P, page, H, D). `units` 1: a slot per page; H: a slot per KV head's page, the host tier
-    (P, H, page, D) and the page table (P, H) as kvcache/offload.py keeps them with `unit="head"`. `keys_only`: the
-    share of the resident cells whose values stay at home (their own page table, kvcache/offload.py's "keys
-    first"): V's table says -1 there, the slot's V half is junk and V's home is current."""
+    (P, H, page, D) and the page table (P, H) as kvcache/offload.py keeps them with `unit="head"`."""
     P, page, H, D = kc.shape
     if units not in (1, H):
         raise ValueError(f"units must be 1 or the KV heads ({H}), got {units}")
@@ -23,18 +21,15 @@ def two_tiers(kc: torch.Tensor, vc: torch.Tensor, g: torch.Generator, share: flo
     slot = torch.randperm(S, generator=g)[: res.numel()]
     slots = torch.full((cells,), -1, dtype=torch.int32)
     slots[res] = slot.int()
-    n_v = res.numel() - int(res.numel() * keys_only)  # the first n_v resident cells hold their values too
-    vslots = torch.full((cells,), -1, dtype=torch.int32)
-    vslots[res[:n_v]] = slot[:n_v].int()
     out = []
-    for c, table, n in ((kc, slots, res.numel()), (vc, vslots, n_v)):
+    for c in (kc, vc):
         per_cell = c if units == 1 else c.transpose(1, 2).reshape(cells, page, 1, D)  # (cells, page, H / units, D)
         pool = (torch.randn(S + 1, *per_cell.shape[1:], generator=g) * 100).to(c.dtype)
-        pool[slot[:n]] = per_cell[res[:n]]
+        pool[slot] = per_cell[res]
         home = per_cell.clone()
-        home[res[:n]] = (torch.randn(n, *per_cell.shape[1:], generator=g) * 100).to(c.dtype)  # stale
+        home[res] = (torch.randn(res.numel(), *per_cell.shape[1:], generator=g) * 100).to(c.dtype)  # stale
         if units == 1:
-            out.append(TierView(pool, home, table))
+            out.append(TierView(pool, home, slots))
         else:
-            out.append(TierView(pool, home.reshape(P, H, page, D), table.view(P, H), units))
+            out.append(TierView(pool, home.reshape(P, H, page, D), slots.view(P, H), units))
     return out

@@ -372,7 +372,7 @@ class LLMEngine(EngineSetup):
             kind = "Mixed" if batch.mixed else "Prefill" if batch.is_prefill else "Decode"
             kv = ""
             if kv_counts is not None:
-                mb = kv_counts["bytes"] / 1e6
+                mb = kv_counts["installed"] * self.kv_cache.slot_nbytes / 1e6
                 kv = (f", KV pages hit {kv_counts['hit']} missed {kv_counts['missed']} evicted "
                       f"{kv_counts['evicted']} installed {kv_counts['installed']} ({mb:.1f} MB host->GPU)")
             logger.debug("%s batch: %d seqs, %d tokens, %.1f ms, %.0f tok/s, KV pages used %d/%d, queued %d%s", kind,

@@ -46,15 +46,15 @@ except ImportError:  # pragma: no cover - CPU installs without Triton use the re
 # check them (tests/test_kernel_bsa.py).
 STEP_INTS = ("stride_btb", "stride_bb", "stride_bg", "stride_cb", "stride_pt", "stride_ph", "stride_ps",
              "stride_lpt", "stride_lph", "num_splits", "n_sink", "n_window", "rope_from", "de_group")
-STEP_POINTERS = ("Slots", "VSlots", "BlockTables", "QbSeq", "QbStart", "QbLen", "QbPos", "Blocks", "Counts",
-                 "PairGroup", "PairKv", "InvFreq", "Lse", "LseP")
+STEP_POINTERS = ("Slots", "BlockTables", "QbSeq", "QbStart", "QbLen", "QbPos", "Blocks", "Counts", "PairGroup",
+                 "PairKv", "InvFreq", "Lse", "LseP")
 
 if triton is not None:
 
     @triton.jit(do_not_specialize=STEP_INTS, do_not_specialize_on_alignment=STEP_POINTERS)
     def _bsa_kernel(
-        Q, K, V, KH, VH, Slots, VSlots, BlockTables, QbSeq, QbStart, QbLen, QbPos, Blocks, Counts, PairGroup, PairKv,
-        InvFreq, Out, Lse, OutP, LseP,
+        Q, K, V, KH, VH, Slots, BlockTables, QbSeq, QbStart, QbLen, QbPos, Blocks, Counts, PairGroup, PairKv, InvFreq,
+        Out, Lse, OutP, LseP,
         stride_qt, stride_qh,
         stride_kp, stride_ko, stride_kh,
         stride_vp, stride_vo, stride_vh,
@@ -158,8 +158,7 @@ if triton is not None:
                 k_hi = load_kv(kb, off, kvh, stride_ko, stride_kh, h + HEAD_DIM // 2, k_ok, HEAD_DIM, FP8).to(q.dtype)
             else:
                 k = load_kv(kb, off, kvh, stride_ko, stride_kh, d, k_ok, HEAD_DIM, FP8).to(q.dtype)
-            vslot = page_slots(VSlots, page, kvh, TIERED)
-            vb = row_base(V, VH, page, vslot, kvh, stride_vp, stride_vhp, stride_vh, PAGE, TIERED)
+            vb = row_base(V, VH, page, slot, kvh, stride_vp, stride_vhp, stride_vh, PAGE, TIERED)
             v = load_kv(vb, off, kvh, stride_vo, stride_vh, d,
                         k_ok, HEAD_DIM, FP8).to(q.dtype)
             if ROPE == 0:
@@ -286,7 +285,7 @@ def block_sparse_attention_triton(q, k_cache, v_cache, block_tables, index: Spar
     if triton is None:
         raise RuntimeError("block_sparse_attention_triton needs Triton")
     T, Hq, D = q.shape
-    K, V, KH, VH, slots, vslots, stride_khp, stride_vhp, tiered, fp8, page, Hkv = kv_args(q, k_cache, v_cache)
+    K, V, KH, VH, slots, stride_khp, stride_vhp, tiered, fp8, page, Hkv = kv_args(q, k_cache, v_cache)
     k_cache, v_cache = K, V
     if block_tables.dtype != torch.int32:
         raise ValueError("block_tables must be int32")
@@ -308,7 +307,7 @@ def block_sparse_attention_triton(q, k_cache, v_cache, block_tables, index: Spar
     inv_freq = rope.inv_freq.to(device=q.device, dtype=torch.float32) if mode else plan.counts  # unused when mode 0
     grid = (nqb, plan.num_pairs * n_hsub, num_splits)
     _bsa_kernel[grid](
-        q, k_cache, v_cache, KH, VH, slots, vslots, block_tables, plan.seq, plan.start, plan.len, plan.pos, plan.blocks,
+        q, k_cache, v_cache, KH, VH, slots, block_tables, plan.seq, plan.start, plan.len, plan.pos, plan.blocks,
         plan.counts, plan.pair_group, plan.pair_kv, inv_freq, out, lse, out_p, lse_p,
         q.stride(0), q.stride(1),
         k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),

@@ -5,10 +5,8 @@ of slots holds copies of some of them. A kernel then gets three extra things per
 layer (its pointer is a host address, valid on the GPU through unified virtual addressing), `Slots`, the layer's page
 table (page -> slot, -1 when not resident), and `stride_hp`, the host tier's page stride. A resident page is read
 from its slot, a missing one straight from host memory (zero-copy, over PCIe). The two tiers share the inner layout
-(offset, head, dim), so only the page's base address differs. K and V each have their page table (`Slots`,
-`VSlots`): the store may hold a page's keys in its slot before its values (kvcache/offload.py, "keys first"), and a
-kernel reading V looks V's slot up in V's table. With `TIERED` false, `X` is the one-tier cache and the extra
-arguments are unused.
+(offset, head, dim), so only the page's base address differs. With `TIERED` false, `X` is the one-tier cache and the
+extra arguments are unused.
 
 `TIERED` is a constexpr code: 0 one tier; 1 two tiers whose slots hold a page of every KV head; 1 + H_kv two tiers
 whose slots hold one KV head's page each (docs/design-offload-heads.md). With head slots the page table is (P, H_kv)
@@ -114,8 +112,7 @@ class KVArgs(typing.NamedTuple):
     V: object
     KH: object  # host tiers (K, V): kernel arguments (UVA pointers); the caches themselves when one-tier
     VH: object
-    slots: object  # page -> slot table of K (tiered), else unused
-    vslots: object  # V's (kvcache/offload.py: a page's V may be at home while its K is in the slot)
+    slots: object  # page -> slot table (tiered), else unused
     stride_khp: int
     stride_vhp: int
     tiered: int  # the `TIERED` code
@@ -130,7 +127,7 @@ def kv_args(q, k_cache, v_cache) -> KVArgs:
     Raises ValueError saying what was wrong."""
     Hq, D = q.shape[-2], q.shape[-1]
     K, KH, slots, stride_khp, tiered = tier_args(k_cache)
-    V, VH, vslots, stride_vhp, _ = tier_args(v_cache)
+    V, VH, _, stride_vhp, _ = tier_args(v_cache)
     fp8 = kv_format(K, D)
     if V.shape[1:] != K.shape[1:] or V.dtype != K.dtype:
         raise ValueError(f"cache shapes {tuple(K.shape)} / {tuple(V.shape)} do not match q {tuple(q.shape)}")
@@ -140,4 +137,4 @@ def kv_args(q, k_cache, v_cache) -> KVArgs:
         raise ValueError(f"query heads ({Hq}) must be a multiple of KV heads ({k_cache.shape[2]})")
     if q.stride(-1) != 1 or K.stride(-1) != 1 or V.stride(-1) != 1:
         raise ValueError("q and the caches must be contiguous in the head dimension")
-    return KVArgs(K, V, KH, VH, slots, vslots, stride_khp, stride_vhp, tiered, fp8, K.shape[1], k_cache.shape[2])
+    return KVArgs(K, V, KH, VH, slots, stride_khp, stride_vhp, tiered, fp8, K.shape[1], k_cache.shape[2])

@@ -56,7 +56,7 @@ if triton is not None:
 
     @triton.jit
     def _paged_decode_kernel(
-        Q, K, V, KH, VH, Slots, VSlots, BlockTables, SeqLens, OutPartial, LsePartial,
+        Q, K, V, KH, VH, Slots, BlockTables, SeqLens, OutPartial, LsePartial,
         stride_qb, stride_qh,
         stride_kp, stride_ko, stride_kh,
         stride_vp, stride_vo, stride_vh,
@@ -97,8 +97,7 @@ if triton is not None:
             kb = row_base(K, KH, page, slot, kvh, stride_kp, stride_khp, stride_kh, PAGE, TIERED)
             k = load_kv(kb, off, kvh, stride_ko, stride_kh, d,
                         nmask, HEAD_DIM, FP8).to(q.dtype)
-            vslot = page_slots(VSlots, page, kvh, TIERED)
-            vb = row_base(V, VH, page, vslot, kvh, stride_vp, stride_vhp, stride_vh, PAGE, TIERED)
+            vb = row_base(V, VH, page, slot, kvh, stride_vp, stride_vhp, stride_vh, PAGE, TIERED)
             v = load_kv(vb, off, kvh, stride_vo, stride_vh, d,
                         nmask, HEAD_DIM, FP8).to(q.dtype)
             s = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * qk_scale  # (GROUP_PAD, BLOCK_N), log2 units
@@ -123,7 +122,7 @@ def paged_decode(q, k_cache, v_cache, block_tables, seq_lens, scale: float, num_
     if triton is None:
         raise RuntimeError("paged_decode needs Triton; use paged_decode_reference on CPU")
     B, Hq, D = q.shape
-    K, V, KH, VH, slots, vslots, stride_khp, stride_vhp, tiered, fp8, page, Hkv = kv_args(q, k_cache, v_cache)
+    K, V, KH, VH, slots, stride_khp, stride_vhp, tiered, fp8, page, Hkv = kv_args(q, k_cache, v_cache)
     k_cache, v_cache = K, V
     if block_tables.dtype != torch.int32 or seq_lens.dtype != torch.int32:
         raise ValueError("block_tables and seq_lens must be int32")
@@ -137,7 +136,7 @@ def paged_decode(q, k_cache, v_cache, block_tables, seq_lens, scale: float, num_
         out_p, lse_p = workspace
     grid = (B, Hkv, num_splits)
     _paged_decode_kernel[grid](
-        q, k_cache, v_cache, KH, VH, slots, vslots, block_tables, seq_lens, out_p, lse_p,
+        q, k_cache, v_cache, KH, VH, slots, block_tables, seq_lens, out_p, lse_p,
         q.stride(0), q.stride(1),
         k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
         v_cache.stride(0), v_cache.stride(1), v_cache.stride(2),

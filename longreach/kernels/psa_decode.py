@@ -191,10 +191,9 @@ if triton is not None:
                  DOT_PRECISION: tl.constexpr, TIERED: tl.constexpr, FP8: tl.constexpr, ROPE: tl.constexpr,
                  PAGE: tl.constexpr):
         """Scores (BLOCK_M, N) of the group's queries against KV head g's keys at (page, off) (N,), in log2 units and
-        -inf outside `ok`, and their values (N, D). kv = (K, V, KH, VH, Slots, VSlots) and strides as in
-        kernels/paged.py.
+        -inf outside `ok`, and their values (N, D). kv = (K, V, KH, VH, Slots) and strides as in kernels/paged.py.
         ROPE: each key first rotated by delta (N,) positions (inv: the (D,) inverse frequencies)."""
-        K, V, KH, VH, Slots, VSlots = kv
+        K, V, KH, VH, Slots = kv
         stride_kp, stride_ko, stride_kh, stride_vp, stride_vo, stride_vh, stride_khp, stride_vhp = strides
         d = tl.arange(0, HEAD_DIM)
         slot = page_slots(Slots, page, g, TIERED)
@@ -204,8 +203,7 @@ if triton is not None:
             k_sw = load_kv(kb, off, g, stride_ko, stride_kh, swap_halves(d, HEAD_DIM), ok, HEAD_DIM, FP8)
             k = rotate_rows(k, k_sw, delta, inv, d, HEAD_DIM)
         k = k.to(q.dtype)
-        vslot = page_slots(VSlots, page, g, TIERED)
-        vb = row_base(V, VH, page, vslot, g, stride_vp, stride_vhp, stride_vh, PAGE, TIERED)
+        vb = row_base(V, VH, page, slot, g, stride_vp, stride_vhp, stride_vh, PAGE, TIERED)
         v = load_kv(vb, off, g, stride_vo, stride_vh, d, ok,
                     HEAD_DIM, FP8).to(q.dtype)
         s = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * qk_scale
@@ -272,7 +270,7 @@ if triton is not None:
 
     @triton.jit
     def _psa_decode_kernel(
-        Q, K, V, KH, VH, Slots, VSlots, BlockTables, SeqLens, Ranked, CandHi, InvFreq, Out, Lse, Count,
+        Q, K, V, KH, VH, Slots, BlockTables, SeqLens, Ranked, CandHi, InvFreq, Out, Lse, Count,
         stride_qn, stride_qh,
         stride_kp, stride_ko, stride_kh,
         stride_vp, stride_vo, stride_vh,
@@ -295,7 +293,7 @@ if triton is not None:
         d = tl.arange(0, HEAD_DIM)
         q = tl.load(Q + n * stride_qn + head[:, None] * stride_qh + d[None, :], mask=row_ok[:, None], other=0.0)
         bt = BlockTables + n * stride_btb
-        kv = (K, V, KH, VH, Slots, VSlots)
+        kv = (K, V, KH, VH, Slots)
         strides = (stride_kp, stride_ko, stride_kh, stride_vp, stride_vo, stride_vh, stride_khp, stride_vhp)
         if ROPE:
             inv = tl.load(InvFreq + d % (HEAD_DIM // 2))
@@ -356,7 +354,7 @@ def _prepare(q, k_cache, v_cache, block_tables, seq_lens, ranked, cand_hi, epsil
     if rope is not None and (tuple(rope[0].shape) != (D // 2,) or rope[0].dtype != torch.float32):
         raise ValueError(f"rope's inv_freq must be ({D // 2},) fp32, got {tuple(rope[0].shape)} {rope[0].dtype}")
     inv = rope[0] if rope is not None else q  # without ROPE the kernels read nothing through it
-    inputs = (q, kv.K, kv.V, kv.KH, kv.VH, kv.slots, kv.vslots, block_tables, seq_lens, ranked, cand_hi, inv)
+    inputs = (q, kv.K, kv.V, kv.KH, kv.VH, kv.slots, block_tables, seq_lens, ranked, cand_hi, inv)
     strides = (q.stride(0), q.stride(1), *kv.K.stride()[:3], *kv.V.stride()[:3], kv.stride_khp, kv.stride_vhp,
                block_tables.stride(0), ranked.stride(0), ranked.stride(1))
     hpg = Hq // Hkv

@@ -56,8 +56,7 @@ except ImportError:  # pragma: no cover - CPU installs without Triton use the re
 if triton is not None:
     @triton.jit
     def _psa_wave_kernel(
-        Q, K, V, KH, VH, Slots, VSlots, BlockTables, SeqLens, Ranked, CandHi, InvFreq, Part, PartAcc, State, StateAcc,
-        Flags,
+        Q, K, V, KH, VH, Slots, BlockTables, SeqLens, Ranked, CandHi, InvFreq, Part, PartAcc, State, StateAcc, Flags,
         stride_qn, stride_qh,
         stride_kp, stride_ko, stride_kh,
         stride_vp, stride_vo, stride_vh,
@@ -84,7 +83,7 @@ if triton is not None:
         d = tl.arange(0, HEAD_DIM)
         qp = Q + n * stride_qn + (g * HPG + hh)[:, None] * stride_qh + d[None, :]
         bt = BlockTables + n * stride_btb
-        kv = (K, V, KH, VH, Slots, VSlots)
+        kv = (K, V, KH, VH, Slots)
         strides = (stride_kp, stride_ko, stride_kh, stride_vp, stride_vo, stride_vh, stride_khp, stride_vhp)
         if ROPE:
             inv = tl.load(InvFreq + d % (HEAD_DIM // 2))

@@ -43,7 +43,7 @@ if triton is not None:
 
     @triton.jit
     def _range_attention_kernel(
-        Q, K, V, KH, VH, Slots, VSlots, BlockTables, QbSeq, QbStart, QbLen, QbPos, Tiles, TileCounts, Cols, ColCounts,
+        Q, K, V, KH, VH, Slots, BlockTables, QbSeq, QbStart, QbLen, QbPos, Tiles, TileCounts, Cols, ColCounts,
         PairGroup, PairKv, Out, Lse,
         stride_qt, stride_qh,
         stride_kp, stride_ko, stride_kh,
@@ -106,8 +106,7 @@ if triton is not None:
             kb = row_base(K, KH, page, slot, kvh, stride_kp, stride_khp, stride_kh, PAGE, TIERED)
             k = load_kv(kb, off, kvh, stride_ko, stride_kh, d,
                         k_ok, HEAD_DIM, FP8).to(q.dtype)
-            vslot = page_slots(VSlots, page, kvh, TIERED)
-            vb = row_base(V, VH, page, vslot, kvh, stride_vp, stride_vhp, stride_vh, PAGE, TIERED)
+            vb = row_base(V, VH, page, slot, kvh, stride_vp, stride_vhp, stride_vh, PAGE, TIERED)
             v = load_kv(vb, off, kvh, stride_vo, stride_vh, d,
                         k_ok, HEAD_DIM, FP8).to(q.dtype)
             s = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * qk_scale  # (BLOCK_M, BLOCK_N), log2 units
@@ -126,8 +125,7 @@ if triton is not None:
             kb = row_base(K, KH, page, slot, kvh, stride_kp, stride_khp, stride_kh, PAGE, TIERED)
             k = load_kv(kb, off, kvh, stride_ko, stride_kh, d,
                         c_ok, HEAD_DIM, FP8).to(q.dtype)
-            vslot = page_slots(VSlots, page, kvh, TIERED)
-            vb = row_base(V, VH, page, vslot, kvh, stride_vp, stride_vhp, stride_vh, PAGE, TIERED)
+            vb = row_base(V, VH, page, slot, kvh, stride_vp, stride_vhp, stride_vh, PAGE, TIERED)
             v = load_kv(vb, off, kvh, stride_vo, stride_vh, d,
                         c_ok, HEAD_DIM, FP8).to(q.dtype)
             s = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * qk_scale
@@ -172,7 +170,7 @@ def range_attention_triton(q, k_cache, v_cache, block_tables, index: RangeIndex,
     if triton is None:
         raise RuntimeError("range_attention_triton needs Triton")
     T, Hq, D = q.shape
-    K, V, KH, VH, slots, vslots, stride_khp, stride_vhp, tiered, fp8, page, Hkv = kv_args(q, k_cache, v_cache)
+    K, V, KH, VH, slots, stride_khp, stride_vhp, tiered, fp8, page, Hkv = kv_args(q, k_cache, v_cache)
     if block_tables.dtype != torch.int32:
         raise ValueError("block_tables must be int32")
     if index.tile > block_n:
@@ -191,8 +189,8 @@ def range_attention_triton(q, k_cache, v_cache, block_tables, index: RangeIndex,
     n_hsub = -(-plan.hpp // heads_per_prog)
     grid = (nqb, plan.num_pairs * n_hsub)
     _range_attention_kernel[grid](
-        q, K, V, KH, VH, slots, vslots, block_tables, plan.seq, plan.start, plan.len, plan.pos, plan.tiles,
-        plan.tile_counts, plan.columns, plan.col_counts, plan.pair_group, plan.pair_kv, out, lse,
+        q, K, V, KH, VH, slots, block_tables, plan.seq, plan.start, plan.len, plan.pos, plan.tiles, plan.tile_counts,
+        plan.columns, plan.col_counts, plan.pair_group, plan.pair_kv, out, lse,
         q.stride(0), q.stride(1),
         K.stride(0), K.stride(1), K.stride(2),
         V.stride(0), V.stride(1), V.stride(2),

@@ -10,12 +10,9 @@ Design (docs/offload.md has the byte budgets and the measurements):
     a slot holds one KV head's page, (S + 1, 2, block_size, 1, D), the host tier keeps each page's heads one after
     another, (L, 2, P, H_kv, block_size, D), and every per-page array below has one entry per page and head
     (`units` = H_kv): a selection that reads one head's 8 tokens installs that head's page, not all 8 heads'.
-  * **Page tables** `slot_of` (L, P) int32 on the GPU (head units: (L, P, H_kv)): the slot that holds (layer,
-    page)'s keys, or -1; `slot_of_v` the same for its values, either `slot_of`'s entry or -1 (**keys first**: a slot
-    may hold a unit's keys while its values stay at home, see "Installs inside the step"; its V half is then
-    unused). The kernels read K through the first and V through the second (kernels/paged.py). `owner` (S,) is
-    their inverse (the flat index layer * P + page, or (layer * P + page) * H_kv + head; -1 for a free slot);
-    `stamp` (S,) the last decode step the slot was read (LRU).
+  * **Page table** `slot_of` (L, P) int32 on the GPU (head units: (L, P, H_kv)): the slot of (layer, page), or -1.
+    `owner` (S,) is its inverse (the flat index layer * P + page, or (layer * P + page) * H_kv + head; -1 for a free
+    slot); `stamp` (S,) the last decode step the slot was read (LRU).
   * **Writes are write-through**: new K/V goes to the host tier (a kernel writing host memory directly) and, when the
     page is resident, to its slot. Eviction therefore never writes back and never loses anything, and a page's one
     home is always current. This replaces "flush when a page fills" with no dirty state at the cost of writing every
@@ -31,10 +28,8 @@ Design (docs/offload.md has the byte budgets and the measurements):
     keys of every chunk of the context and would flush the pool for one use); with head units infinitehip's
     chunk-scored stages report their probes (`PageReads.probe`) and those head-pages are installed too.
   * **Installs inside the step** (`install_reads`, head units): when infinitehip rescored stage 0 in a decode step,
-    each layer installs its new stage-1 candidates' keys before scoring them (a fixed-width clock over the slots and
-    one copy, captured in the step), so their keys cross PCIe once (docs/design-refresh-installs.md, options 2 and
-    3). Only the keys: stages 1-2 score keys, and the few candidates the attention then reads get their values after
-    the step (`end_step`), read in place until then. Likewise a probe (`PageReads.probe`) installs keys only.
+    each layer installs its new stage-1 candidates before scoring them (a fixed-width clock over the slots and one
+    copy, captured in the step), so their keys cross PCIe once (docs/design-refresh-installs.md, option 2).
   * **Prefill** reads the prefix from a GPU staging area (kvcache/staging.py, `StagedPrefill`): per layer, the
     batch's pages are gathered from the host tier in one copy, then the ordinary kernels run on it. The area exists
     only while prefill work is pending: the first decode step releases it (`release_staging`) and the next prefill
@@ -84,24 +79,20 @@ class OffloadedKVCache:
         self.host = pinned_empty(shape, dtype, self) if pin else torch.empty(shape, dtype=dtype)
         self.pool = torch.zeros(S + 1, 2, block_size, H // U, row, dtype=dtype, device=device)
         # each with one trash entry past its end (a fixed-width install's unused entries write there):
-        # the page tables' at L * P * U, owner's and stamp's at S (the scratch slot)
-        table = (L, P) if U == 1 else (L, P, U)
-        self._slot_all = torch.full((L * P * U + 1,), -1, dtype=torch.int32, device=device)  # keys
-        self._vslot_all = torch.full((L * P * U + 1,), -1, dtype=torch.int32, device=device)  # values
-        self.slot_of, self.slot_of_v = self._slot_all[:-1].view(table), self._vslot_all[:-1].view(table)
+        # slot_of's at L * P * U, owner's and stamp's at S (the scratch slot)
+        self._slot_all = torch.full((L * P * U + 1,), -1, dtype=torch.int32, device=device)
+        self.slot_of = self._slot_all[:-1].view((L, P) if U == 1 else (L, P, U))
         self._owner_all = torch.full((S + 1,), -1, dtype=torch.long, device=device)
         self._stamp_all = torch.full((S + 1,), -1, dtype=torch.long, device=device)
         self.owner, self.stamp = self._owner_all[:S], self._stamp_all[:S]
-        # `install_reads` (inside a step): this step's number on the device, the clock hand over the slots, the
-        # units it evicted since the last `end_step`, and (`fresh`) the ones it installed
+        # `install_reads` (inside a step): this step's number on the device, the clock hand over the slots, and the
+        # units it installed / evicted since the last `end_step`
         self.step_t = torch.zeros((), dtype=torch.long, device=device)
         self._hand = torch.zeros((), dtype=torch.long, device=device)
-        self._evicted_now = torch.zeros((), dtype=torch.long, device=device)
-        # flat units ((layer * P + page) * U + head), each with one trash entry for masked-out reads: read by this
-        # step's attention (keys and values), read by a stage's probes (keys), installed inside the step
+        self._now = torch.zeros(2, dtype=torch.long, device=device)
+        # units read by this step's attention, flat ((layer * P + page) * U + head), plus one trash entry for
+        # masked-out reads
         self.wanted = torch.zeros(L * P * U + 1, dtype=torch.bool, device=device)
-        self.wanted_k = torch.zeros_like(self.wanted)
-        self.fresh = torch.zeros_like(self.wanted)
         self.page_elems = block_size * H * row  # one page of one layer's K (or V), every head
         self.slot_elems = self.page_elems // U  # what one slot holds of K (or V)
         self.staging_pages = staging_pages  # capacity of the prefill staging area (allocated on first use)
@@ -129,8 +120,8 @@ class OffloadedKVCache:
     @property
     def nbytes(self) -> int:
         """GPU bytes: the pool and the page-table arrays."""
-        return (self.pool.numel() * self.pool.element_size() + 2 * self.slot_of.numel() * 4
-                + (self.owner.numel() + self.stamp.numel()) * 8 + 3 * self.wanted.numel())
+        return (self.pool.numel() * self.pool.element_size() + self.slot_of.numel() * 4
+                + (self.owner.numel() + self.stamp.numel()) * 8 + self.wanted.numel())
 
     @property
     def host_nbytes(self) -> int:
@@ -140,13 +131,11 @@ class OffloadedKVCache:
     def layer(self, layer: int) -> tuple[TierView, TierView]:
         U = self.units
         return (TierView(self.pool[:, 0], self.host[layer, 0], self.slot_of[layer], U),
-                TierView(self.pool[:, 1], self.host[layer, 1], self.slot_of_v[layer], U))
+                TierView(self.pool[:, 1], self.host[layer, 1], self.slot_of[layer], U))
 
     def store(self, layer: int, k: torch.Tensor, v: torch.Tensor, slot_mapping: torch.Tensor) -> None:
         """Write k, v (T, H_kv, D) at token slots (T,) (page * block_size + offset) of `layer`: into the host tier,
-        and into the page's GPU slot when its keys are resident (`slot_of`; the values too: in a keys-only slot they
-        land in the unused V half, which an install of the values overwrites from home). No host sync
-        (graph-capturable)."""
+        and into the page's GPU slot when it is resident. No host sync (graph-capturable)."""
         if use_triton(self.pool):  # one kernel: quantise, write through, write the resident slot (kernels/kv_store.py)
             return kv_store.store_kv(k, v, slot_mapping, self.pool[:, 0], self.pool[:, 1],
                                      host=(self.host[layer, 0], self.host[layer, 1]), slot_of=self.slot_of[layer],
@@ -244,33 +233,30 @@ class OffloadedKVCache:
     # ---- decode: what attention read, installs after the step --------------------------------------------------------
     def record_reads(self, reads: PageReads) -> None:
         """Mark the pages one layer's decode attention read (the index it attended, `PageReads`) for `end_step`.
-        A selection stage's probes (`reads.probe`) are marked with head units only, and as keys only: stages 1-2
-        reread their candidates' keys at every refresh, and one KV head's pages of them fit the pool (8B shape at
-        1M: 0.6 GB of stage 2's, docs/design-offload-heads.md); whole pages of every head would not, and pass through
-        uncached."""
+        A selection stage's probes (`reads.probe`) are marked with head units only: stages 1-2 reread their
+        candidates' keys at every refresh, and one KV head's pages of them fit the pool (8B shape at 1M: 0.6 GB of
+        stage 2's, docs/design-offload-heads.md); whole pages of every head would not, and pass through uncached."""
         r = reads
         if r.probe and self.units == 1:
             return
         self.note_reads(r.layer, r.block_tables, r.seq, r.first, r.last, r.max_rows, r.blocks, r.block_k, r.n_sink,
-                        r.n_window, keys_only=r.probe)
+                        r.n_window)
 
     def note_reads(self, layer: int, block_tables: torch.Tensor, seq: torch.Tensor, first: torch.Tensor,
                    last: torch.Tensor, max_rows: int, blocks: torch.Tensor, block_k: int, n_sink: int,
-                   n_window: int, keys_only: bool = False) -> None:
+                   n_window: int) -> None:
         """Record the pages that block-sparse attention reads in `layer` (device ops, no host sync: graph-capturable).
 
         Per query block: seq (nb,) its row of block_tables (B, W); first / last (nb,) the positions of its first and
         last query (last - first < max_rows); blocks (nb, G, K) the selected key blocks of block_k tokens (-1
-        padded). The block also reads keys [0, n_sink) and its window [first - n_window + 1, last]. `keys_only`: the
-        reads of a stage that scores keys (`wanted_k`), not of the attention (`wanted`: keys and values)."""
+        padded). The block also reads keys [0, n_sink) and its window [first - n_window + 1, last]."""
         bs, dev = self.block_size, self.wanted.device
-        marks = self.wanted_k if keys_only else self.wanted
         nb = seq.shape[0]
         if nb == 0:
             return
         U = self.units
         if use_triton(dev):  # one kernel instead of ~25 small ops (kernels/page_reads.py)
-            return page_reads.mark_reads(marks, layer, self.num_pages, block_tables.to(dev), seq.to(dev),
+            return page_reads.mark_reads(self.wanted, layer, self.num_pages, block_tables.to(dev), seq.to(dev),
                                          first.to(dev), last.to(dev), max_rows, blocks.to(dev), block_k, bs, n_sink,
                                          n_window, units=U)
         seq, first, last = seq.long().to(dev), first.long().to(dev), last.long().to(dev)
@@ -307,62 +293,46 @@ class OffloadedKVCache:
             use = ok[:, :, None] & (j < count[:, None])[None]
             unit = (layer * self.num_pages + phys)[:, :, None] * U + head[None].clamp(max=U - 1)
             idx = torch.where(use, unit, trash)
-        marks.index_fill_(0, idx.reshape(-1), True)
+        self.wanted.index_fill_(0, idx.reshape(-1), True)
 
     def end_step(self) -> dict:
-        """After a decode step: stamp the hits, install the misses (LRU victims). Returns this step's counts: units
-        read (`hit`: resident for what was read, keys or keys and values; `missed`: not, at the step's start),
-        `evicted`, `installed` (units given a slot or their values, inside the step or now) and the `bytes` copied.
-
-        A unit the attention read whose keys alone were resident gets its values copied into its slot; a unit read
-        only by a stage's probes gets its keys, one the attention read keys and values (both from their homes)."""
-        for marks in (self.wanted, self.wanted_k, self.fresh):
-            marks[-1] = False  # the trash entry
-        ids = (self.wanted | self.wanted_k).nonzero().squeeze(1)  # a host sync: the step's logits are read next
-        whole, early = self.wanted[ids], self.fresh[ids]
-        self.wanted[ids] = False
-        self.wanted_k[ids] = False
-        self.fresh[ids] = False
-        ks, vs = self._slot_all[ids].long(), self._vslot_all[ids].long()
-        self.stamp[ks[ks >= 0]] = self.step
-        values = whole & (ks >= 0) & (vs < 0)  # keys resident (perhaps since this step), values at home
-        hit = (ks >= 0) & ~values & ~early
-        miss = ks < 0
-        n_hit, n_miss, n_values, n_early, n_early_whole, early_evicted = (int(x) for x in torch.stack([
-            hit.sum(), miss.sum(), values.sum(), early.sum(), (early & whole).sum(), self._evicted_now]).tolist())
-        n_ids = ids.numel()
-        self._evicted_now.zero_()
-        if n_values:
-            PU = self.num_pages * self.units
-            u, slot = ids[values], ks[values]
-            copy_chunks(self.host, (u // PU) * 2 * PU + PU + u % PU, self.pool, slot * 2 + 1, self.slot_elems)
-            self._vslot_all[u] = slot.to(torch.int32)
-        evicted, installed, installed_whole = self._install(ids[miss], whole[miss]) if n_miss else (0, 0, 0)
-        # a unit installed by `install_reads` counts as a miss installed (it was not resident when the step began)
+        """After a decode step: stamp the hits, install the misses (LRU victims). Returns this step's counts."""
+        self.wanted[-1] = False
+        ids = self.wanted.nonzero().squeeze(1)  # a host sync: the step's logits are read right after anyway
+        early_installed, early_evicted = (int(x) for x in self._now.tolist())  # `install_reads` in this step
+        self._now.zero_()
+        if ids.numel() == 0:
+            n_hit = n_miss = evicted = installed = 0
+        else:
+            self.wanted[ids] = False
+            slots = self.slot_of.view(-1)[ids]
+            hit = slots >= 0
+            self.stamp[slots[hit].long()] = self.step
+            miss = ids[~hit]
+            n_hit, n_miss = ids.numel() - miss.numel(), miss.numel()
+            evicted, installed = self._install(miss) if n_miss else (0, 0)
+        # a unit installed by `install_reads` counts as a miss installed (it was not resident when the step began);
+        # it marked itself read, so the marks counted it as a hit
+        n_hit -= early_installed
+        n_miss += early_installed
         evicted += early_evicted
-        # units copied: whole new ones and keys-only new ones, values completed, keys installed early (a unit
-        # installed early whose values were then read and completed counts once)
-        n_installed = installed + n_values + n_early - n_early_whole
-        half = self.slot_nbytes // 2
-        nbytes = (installed + installed_whole + n_values + n_early) * half
+        installed += early_installed
         c = self.counters
         c["pages_hit"] += n_hit
-        c["pages_missed"] += n_ids - n_hit
+        c["pages_missed"] += n_miss
         c["pages_evicted"] += evicted
-        c["pages_installed"] += n_installed
-        c["bytes_h2d"] += nbytes
+        c["pages_installed"] += installed
+        c["bytes_h2d"] += installed * self.slot_nbytes
         self.step += 1
         self.step_t.fill_(self.step)
-        return {"hit": n_hit, "missed": n_ids - n_hit, "evicted": evicted, "installed": n_installed, "bytes": nbytes}
+        return {"hit": n_hit, "missed": n_miss, "evicted": evicted, "installed": installed}
 
     def install_reads(self, reads: PageReads) -> None:
-        """Install now, inside the step, the keys of the head-pages a selection stage is about to score
-        (`reads.probe`: its candidate chunks, `reads.blocks`), so that they cross PCIe once, into the pool, and the
-        scoring reads them there; `end_step` would otherwise install them after a step that read them in place
-        (docs/design-refresh-installs.md, options 2 and 3). Keys only: a slot taken here holds the unit's keys,
-        `slot_of_v` stays -1, and the values of the few the attention then reads are read in place and copied after
-        the step. Device ops of a fixed width (the candidates' head-pages), no host sync: a captured decode step runs
-        it too. Head units only (with page units probes are never installed).
+        """Install now, inside the step, the head-pages a selection stage is about to score (`reads.probe`: its
+        candidate chunks, `reads.blocks`), so that their keys cross PCIe once, into the pool, and the scoring and the
+        attention read them there; `end_step` would otherwise install them after a step that read them in place
+        (docs/design-refresh-installs.md, option 2). Device ops of a fixed width (the candidates' head-pages), no host
+        sync: a captured decode step runs it too. Head units only (with page units probes are never installed).
 
         Victims come from a clock over the slots: from the hand on, the slots neither read in the previous step nor
         stamped in this one (free slots first, as every slot's stamp starts at -1), the k-th missing unit taking the
@@ -394,20 +364,18 @@ class OffloadedKVCache:
         self._hand.copy_(torch.remainder(self._hand + torch.where(n_do > 0, last + 1, 0), S))
         old = self._owner_all[vic]  # -1 for the scratch slot (no victim)
         gone = do & (old >= 0)
-        for table in (self._slot_all, self._vslot_all):
-            table.index_fill_(0, torch.where(gone, old, trash), -1)
+        self._slot_all.index_fill_(0, torch.where(gone, old, trash), -1)
         self._slot_all.index_put_((torch.where(do, u, trash),), vic.to(torch.int32))
-        for table in (self._slot_all, self._vslot_all):
-            table[trash:].fill_(-1)  # (a view: no host value copied inside a captured step)
+        self._slot_all[trash:].fill_(-1)  # (a view: no host value copied inside a captured step)
         self._owner_all.index_put_((vic,), torch.where(do, u, -1))
         self._stamp_all.index_put_((vic,), self.step_t)
-        self._evicted_now += gone.sum()
-        mark = torch.where(do, u, trash)
-        self.wanted_k.index_fill_(0, mark, True)  # read this step: `end_step` counts them
-        self.fresh.index_fill_(0, mark, True)
-        PU = P * U  # a unit's keys at home: ((layer * 2) * PU + unit of the layer)
-        copy_chunks(self.host, torch.where(do, (u // PU) * 2 * PU + u % PU, -1), self.pool, vic * 2,
-                    self.slot_elems)
+        self._now += torch.stack([n_do, gone.sum()])
+        self.wanted.index_fill_(0, torch.where(do, u, trash), True)  # read this step: `end_step` counts them
+        PU = P * U  # a unit's chunk at home: ((layer * 2 + kv) * PU + unit of the layer)
+        home = (u // PU) * 2 * PU + u % PU
+        src = torch.where(do, home, -1)
+        copy_chunks(self.host, torch.cat([src, torch.where(do, src + PU, -1)]), self.pool,
+                    torch.cat([vic * 2, vic * 2 + 1]), self.slot_elems)
 
     def _probe_units(self, reads: PageReads) -> torch.Tensor:
         """The head-page units (layer * P + page) * U + head of a stage's candidate chunks (`reads.blocks` (nb, G, C)
@@ -431,31 +399,27 @@ class OffloadedKVCache:
         unit = torch.where(ok[..., None], unit, trash).reshape(-1).sort().values
         return torch.where(torch.cat([unit[:1] < trash, unit[1:] != unit[:-1]]), unit, trash)
 
-    def _install(self, miss: torch.Tensor, whole: torch.Tensor) -> tuple[int, int, int]:
-        """Copy the missed (layer * P + page) ids (keys, and values where `whole`) into free or least-recently-used
-        slots, never a slot read in this step (if the step's own pages fill the pool, the rest stay on the host and
-        are read from there; the attention's reads go first). Returns (evicted, installed, installed whole)."""
+    def _install(self, miss: torch.Tensor) -> tuple[int, int]:
+        """Copy the missed (layer * P + page) ids into free or least-recently-used slots, never a slot read in this
+        step (if the step's own pages fill the pool, the rest stay on the host and are read from there)."""
         key = torch.where(self.stamp == self.step, torch.iinfo(torch.long).max, self.stamp)
         room = int((self.stamp != self.step).sum())
         k = min(miss.numel(), room)
         if k == 0:
-            return 0, 0, 0
+            return 0, 0
         victims = torch.topk(key, k, largest=False).indices  # free slots (stamp -1) first, then the oldest
-        first = torch.argsort((~whole).to(torch.int8), stable=True)[:k]
-        miss, whole = miss[first], whole[first]
+        miss = miss[:k]
         old = self.owner[victims]
         gone = old[old >= 0]
         self.slot_of.view(-1)[gone] = -1
-        self.slot_of_v.view(-1)[gone] = -1
         PU = self.num_pages * self.units  # units per layer; a unit's chunk at home: ((layer * 2 + kv) * PU + unit)
         layer, unit = miss // PU, miss % PU
-        src = torch.cat([(layer * 2) * PU + unit, ((layer * 2 + 1) * PU + unit)[whole]])
-        copy_chunks(self.host, src, self.pool, torch.cat([victims * 2, (victims * 2 + 1)[whole]]), self.slot_elems)
+        src = torch.cat([(layer * 2) * PU + unit, (layer * 2 + 1) * PU + unit])
+        copy_chunks(self.host, src, self.pool, torch.cat([victims * 2, victims * 2 + 1]), self.slot_elems)
         self.slot_of.view(-1)[miss] = victims.to(torch.int32)
-        self.slot_of_v.view(-1)[miss[whole]] = victims[whole].to(torch.int32)
         self.owner[victims] = miss
         self.stamp[victims] = self.step
-        return gone.numel(), k, int(whole.sum())
+        return gone.numel(), k
 
     def free_pages(self, pages: list[int]) -> None:
         """Pages returned to the block manager (a finished or preempted sequence): drop their slots."""
@@ -470,7 +434,6 @@ class OffloadedKVCache:
         self.owner[slots] = -1
         self.stamp[slots] = -1
         self.slot_of.view(-1)[ids] = -1
-        self.slot_of_v.view(-1)[ids] = -1
 
     # ---- introspection ---------------------------------------------------------------------------------------------
     def stats(self) -> dict:
@@ -478,14 +441,10 @@ class OffloadedKVCache:
         return {"gpu_slots_total": self.num_slots, "gpu_slots_used": used, **self.counters}
 
     def check_integrity(self) -> None:
-        """The page tables and their inverse agree, every resident page's slot holds exactly its host bytes (the
-        keys; the values where `slot_of_v` says so: nothing was lost or mixed up), and nothing is marked read
-        between steps. Raises AssertionError."""
+        """The page table and its inverse agree, every resident page's slot holds exactly its host bytes (nothing
+        was lost or mixed up), and nothing is marked read between steps. Raises AssertionError."""
         owner = self.owner.cpu()
         table = self.slot_of.view(-1).cpu()
-        vtable = self.slot_of_v.view(-1).cpu()
-        if not bool(((vtable < 0) | (vtable == table)).all()):
-            raise AssertionError("a page's values point at a slot other than its keys'")
         res = (table >= 0).nonzero().squeeze(1)
         slots = table[res].long()
         if slots.numel() != slots.unique().numel():
@@ -496,16 +455,15 @@ class OffloadedKVCache:
         held = (owner >= 0).nonzero().squeeze(1)
         if not bool((table[owner[held]] == held.to(torch.int32)).all()):
             raise AssertionError("a slot claims a page whose table entry points elsewhere")
-        if bool(self.wanted.any() | self.wanted_k.any() | self.fresh.any()):
+        if bool(self.wanted.any()):
             raise AssertionError("reads are marked outside a step")
-        if int(self._slot_all[-1]) != -1 or int(self._vslot_all[-1]) != -1 or int(self._owner_all[-1]) != -1:
+        if int(self._slot_all[-1]) != -1 or int(self._owner_all[-1]) != -1:
             raise AssertionError("a trash entry of the page table or of the slot owners was left written")
         P, U = self.num_pages, self.units
         pool = self.pool.cpu()
         for s, i in zip(held.tolist(), owner[held].tolist()):
             layer, page, head = i // (P * U), i % (P * U) // U, i % U
             home = self.host[layer, :, page] if U == 1 else self.host[layer, :, page, head][:, :, None]
-            parts = 2 if int(vtable[i]) >= 0 else 1  # keys, and values where resident
-            if not torch.equal(pool[s, :parts].view(torch.uint8), home[:parts].view(torch.uint8)):
+            if not torch.equal(pool[s].view(torch.uint8), home.view(torch.uint8)):
                 raise AssertionError(f"slot {s} differs from the host copy of layer {layer} page {page}"
                                      + (f" head {head}" if U > 1 else ""))

@@ -52,11 +52,10 @@ def random_fp8_key_pages(dev, g, tokens: int, page: int, Hkv: int, D: int):
     return kc, table
 
 
-def two_tier(kc, vc, share, g, units=1, keys_only=0.25):
+def two_tier(kc, vc, share, g, units=1):
     """A two-tier copy of one-tier caches kc/vc (P, page, H_kv, D): host pinned, `share` of the pages (with `units` =
     H_kv: of the KV heads' pages, kvcache/offload.py's head units) resident in a pool at random slots (the rest read
-    over PCIe); of those, `keys_only` hold their keys alone (V's own page table says -1, the slot's V half is junk:
-    kvcache/offload.py's "keys first")."""
+    over PCIe)."""
     from longreach.kvcache.offload import TierView
 
     P, page, H, D = kc.shape
@@ -66,19 +65,16 @@ def two_tier(kc, vc, share, g, units=1, keys_only=0.25):
     slot = torch.randperm(S, device=kc.device, generator=g)[: res.numel()]
     slots = torch.full((cells,), -1, dtype=torch.int32, device=kc.device)
     slots[res] = slot.int()
-    n_v = res.numel() - int(res.numel() * keys_only)
-    vslots = torch.full((cells,), -1, dtype=torch.int32, device=kc.device)
-    vslots[res[:n_v]] = slot[:n_v].int()
     views = []
-    for c, table, n in ((kc, slots, res.numel()), (vc, vslots, n_v)):
+    for c in (kc, vc):
         per_cell = c if units == 1 else c.transpose(1, 2).reshape(cells, page, 1, D)
         pool = torch.randn(S + 1, *per_cell.shape[1:], device=c.device, generator=g).to(c.dtype)  # junk elsewhere
-        pool[slot[:n]] = per_cell[res[:n]]
+        pool[slot] = per_cell[res]
         if units == 1:
-            views.append(TierView(pool, c.cpu().pin_memory(), table))
+            views.append(TierView(pool, c.cpu().pin_memory(), slots))
         else:
             host = c.transpose(1, 2).contiguous().cpu().pin_memory()  # (P, H_kv, page, D)
-            views.append(TierView(pool, host, table.view(P, H), units))
+            views.append(TierView(pool, host, slots.view(P, H), units))
     return views
 
 
