@@ -8,7 +8,7 @@ pages hold `gcd(window, block_size)` tokens, slot s owning the `window // page` 
 `s * window // page`, so the ring is stored by the paged store and read by the paged decode kernel. Its last slot
 (`num_slots`) is scratch. Slots are handed out by the block manager with a sequence's pages (block_manager.py).
 
-Order of a step (engine/model_runner.py: StepContext): decode stores a sliding layer's new token first and then
+Order of a step (engine/step_context.py: StepContext): decode stores a sliding layer's new token first and then
 attends; a prefill chunk attends first (the window before it from the ring, its own keys directly) and is stored
 after, only its last `window` tokens (the others go to the scratch slot): so the ring never needs to hold a chunk.
 """
