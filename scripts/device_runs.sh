@@ -111,6 +111,7 @@
 #   bash scripts/device_runs.sh row1m       # no model: issue 31's 1M row (8B shape, fp8 + offload), 4 steps profiled
 #   bash scripts/device_runs.sh earlyinstall # no model: the offload kernels' and install-inside-the-step GPU checks, then row1m
 #   bash scripts/device_runs.sh row2m       # no model, nvidia-h200-x2 (256 GiB host): the same at 2M (detached: see it)
+#   bash scripts/device_runs.sh step16      # no model: row1m's command to step 16, steps 14-16 profiled
 #   bash scripts/device_runs.sh qwen05refresh # needs Qwen 0.5B: the scoring kernels' GPU check (its shape too), then
 #                                           # its 128K decode with 8 steps profiled (a stage-0 and a stage-1 refresh),
 #                                           # their timeline in $OUT/traces
@@ -336,6 +337,11 @@ earlyinstall)  # no model: tests/gpu's offload kernels (the copy's skipped entri
     # they are scored (kvcache/offload.py `install_reads`)
     gpu_tests gpu_check_offload_install 240 tests/gpu/test_offload.py -k "kernels or inside_the_step"
     run decode_1m_8b 560 "${row1m[@]}" ;;
+step16)  # row1m's command stopped after 18 decode tokens with the last 3 profiled (steps 14-16): in every 1M and 2M
+    # run of 2026-11-29 the stage-0 refresh at step 16 took ~30 ms more than those at 8, 24, 32 and 40 (the same
+    # bytes installed); this profile is where to look
+    run decode_1m_8b_step16 560 $bd --kv-offloading-size 76 --lengths 1M --attention infinitehip --dense-lengths \
+        --decode-tokens 18 --profile-steps 3 --out "$out/bench-decode-1m-8b-step16.json" ;;
 row2m)  # issue 31's 2M row: row1m's command at 2M with 48 decode steps (the last 4 profiled: no refresh among them),
     # a ~147 GiB host tier (nvidia-h200-x2's 256 GiB host, one of its GPUs). Its prefill took 409.6 s (2026-11-29),
     # the whole run ~9 min, past one call's limit with margin: start it detached,
