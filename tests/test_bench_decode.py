@@ -74,15 +74,22 @@ def test_unknown_random_shape_is_a_clear_error(capsys):
     assert "unknown random model shape 'nope'" in capsys.readouterr().err
 
 
-def test_bench_decode_end_to_end_on_cpu(tmp_path, capsys):
+def test_bench_decode_end_to_end_on_cpu(tmp_path, capsys, monkeypatch):
+    import gc
+
+    import longreach.engine.heap as heap
     from longreach.cli import main
 
+    frozen = []  # each engine's heap is frozen after its warm-up (as the server's) and unfrozen when it is freed
+    freeze = heap.freeze_heap
+    monkeypatch.setattr(heap, "freeze_heap", lambda: (freeze(), frozen.append(gc.get_freeze_count())))
     out = tmp_path / "bench-decode.json"
     rc = main(["bench", "decode", "--model", "random:tiny", "--lengths", "256", "384", "--attention", "infinitehip",
                "streaming", "--attention-config", SMALL, "--decode-tokens", "6", "--dense-lengths", "128", "256",
                "--device", "cpu", "--out", str(out)])
     assert rc == 0
     r = json.loads(out.read_text())
+    assert len(frozen) >= 4 and min(frozen) > 1000 and gc.get_freeze_count() == 0, frozen
     assert {"note", "model", "gpu", "date", "command", "torch", "settings", "host", "runs", "dense",
             "dense_extrapolation"} <= set(r)
     assert r["note"] == "random fp32 weights in the tiny Llama shape (CPU tests)" and r["gpu"] == "cpu"
@@ -100,6 +107,7 @@ def test_bench_decode_end_to_end_on_cpu(tmp_path, capsys):
         assert x["host"]["rss_bytes"] > 0
         # the rate says which steps it counts: without graphs on a CPU, every step but the first (eager warm-up)
         assert x["steps_counted"] == 4 and x["steps_excluded"] == {"first_eager": [0]}
+        assert all(0 <= i < 5 and g in (0, 1, 2) and ms >= 1 for i, g, ms in x["gc_pauses"])
         assert x["prefill_steps_counted"] >= 1
         if x["context"] == 256:
             assert x["dense_source"] == "measured" and x["ratio_to_dense"] > 0 and x["extrapolated"] == []
@@ -420,3 +428,18 @@ def test_a_batch_is_timed_decoding_together_after_every_prompt_is_prefilled(tmp_
                       decode_tokens=6, dense_lengths=[], out_path=str(tmp_path / "c.json"), profile_prefill_steps=1,
                       warmup_tokens=0)["runs"][0]
             assert "profile the prefill with --batch 1" in bad["error"]  # the row says why, the others go on
+
+
+def test_gc_watch_records_collections():
+    """engine/heap.py's `GcWatch`: each collection between start and stop as (generation, seconds); none after."""
+    import gc
+
+    from longreach.engine.heap import GcWatch
+
+    w = GcWatch().start()
+    gc.collect()
+    gc.collect(1)
+    w.stop()
+    gc.collect()
+    assert [g for g, _ in w.events][-2:] == [2, 1] and all(t >= 0 for _, t in w.events)
+    assert w._callback not in gc.callbacks

@@ -17,7 +17,6 @@ naming the rank and its exit code); the engine is closed on the way out, so the 
 """
 from __future__ import annotations
 
-import gc
 import hmac
 import logging
 import signal
@@ -29,6 +28,7 @@ from fastapi.responses import JSONResponse, Response
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from .. import __version__
+from ..engine.heap import freeze_heap
 from ..config import EngineConfig
 from . import native_api, openai_api
 from .config import ServerConfig
@@ -261,19 +261,6 @@ def warm_up(engine, tokens: int | None) -> None:
     logger.info("warm-up: a request of %d prompt tokens alone and beside short ones in %.1f s (kernels compiled before "
                 "listening; --warmup-tokens 0 skips it)", tokens, time.perf_counter() - t0)
     engine.capture_warm_graphs()
-
-
-def freeze_heap() -> None:
-    """Once loaded and warmed up: collect, then move every object alive into the collector's permanent generation
-    (`gc.freeze`, as vLLM does after its startup). The model, tokenizer, compiled kernels and captured graphs are
-    hundreds of thousands of objects that live as long as the server; a full collection walked them all whenever it
-    ran while serving (~140 ms for SmolLM2's engine on a 2-core CPU, measured with `gc.collect()`), a pause every
-    running request saw between two tokens. Objects made later are collected as usual."""
-    t0 = time.perf_counter()
-    gc.collect()
-    gc.freeze()
-    logger.info("%d objects of the loaded engine frozen out of garbage collection (gc.freeze) in %.2f s",
-                gc.get_freeze_count(), time.perf_counter() - t0)
 
 
 def serve(engine_config: EngineConfig, config: ServerConfig, verbose: bool = False) -> int:

@@ -40,7 +40,9 @@ context for the attention part, through the largest (L0) and smallest (L1) dense
 KV sizes: with offloading, each run's host tier is what its context needs (+2%), at most `kv_offloading_size`, so a
 128K run does not pin the 1M run's memory; without it, on a GPU and with no `kv_cache_memory_gb`, the GPU KV is sized
 the same way (not to the free memory), so the memory split shows what the context takes.
-Each engine is freed (del, gc, torch.cuda.empty_cache) before the next; the JSON is rewritten after every run.
+Each engine is freed (del, gc, torch.cuda.empty_cache) before the next; the JSON is rewritten after every run. After
+its warm-up each engine's heap is frozen out of garbage collection (engine/heap.py, as the server does) and unfrozen
+when it is freed; the collections inside decode steps that still take >= 1 ms are in each row's `gc_pauses`.
 """
 from __future__ import annotations
 
@@ -73,6 +75,7 @@ def _measure(model: str, context: int, spec, engine_kwargs: dict, batch: int, de
     """Build one engine, run it, free it; the row of the report (raises what the engine raises)."""
     import torch
 
+    from ...engine.heap import freeze_heap
     from ...engine.llm import LLM
     from ..eval.common import reads_between
 
@@ -99,6 +102,7 @@ def _measure(model: str, context: int, spec, engine_kwargs: dict, batch: int, de
             engine.capture_warm_graphs()  # as the server's warm-up: every context bucket's selection kernels
             _sync(dev)
             warmup_s = time.perf_counter() - t0
+        freeze_heap()  # as the server after its warm-up: the engine's objects leave garbage collection
         if dev.type == "cuda":
             torch.cuda.reset_peak_memory_stats(dev)
         reads0 = engine.backend.decode_reads()
@@ -148,6 +152,10 @@ def _measure(model: str, context: int, spec, engine_kwargs: dict, batch: int, de
             "step_s_mean": steady_s / len(steady) if steady else None,
             "step_s_median": statistics.median(s["s"] for s in steady) if steady else None,
             "step_s": [round(s["s"], 6) for s in steps],
+            # garbage collections inside decode steps that took >= 1 ms: (step index, generation, ms); the heap
+            # alive after the warm-up is frozen out of them (engine/heap.py), as in the server
+            "gc_pauses": [(i, g, round(1e3 * t, 2)) for i, st in enumerate(steps) for g, t in st.get("gc", ())
+                          if t >= 1e-3],
             "warmup_step_indices": [i for i, s in enumerate(steps) if s["warmup"]],
             "cuda_graphs": engine.runner.decode_graphs, "graph_variants": len(engine.runner._graphs),
             "preemptions": engine.scheduler.num_preemptions,
@@ -177,6 +185,7 @@ def _measure(model: str, context: int, spec, engine_kwargs: dict, batch: int, de
 def _free() -> None:
     import torch
 
+    gc.unfreeze()  # the frozen engine's objects (freeze_heap) back to the collector: its cycles are garbage now
     gc.collect()
     if torch.cuda.is_available():
         torch.cuda.empty_cache()

@@ -105,6 +105,7 @@ def _drive(engine, prompts: list[list[int]], decode_tokens: int, label: str, pro
     `trace`: a path for the profiled decode steps' Chrome trace (`--profile-trace`)."""
     from ...progress import Progress
     from ...sampling_params import SamplingParams
+    from ...engine.heap import GcWatch
     from ...kernels.jit_watch import JitWatch, summarize
     from .decode_memory import _counter_deltas
     from .profile import StepProfiler
@@ -131,9 +132,10 @@ def _drive(engine, prompts: list[list[int]], decode_tokens: int, label: str, pro
     prefill_steps = 0
     first_profiled, profiled_from = None, None  # the first profiled prefill step, the prompt tokens before it
     together = 0  # decode steps since no prompt was left to prefill (the batch decoding together)
-    jit = JitWatch()
+    jit, gcs = JitWatch(), GcWatch()
     try:
         jit.start()
+        gcs.start()
         while engine.has_unfinished_requests() and together < decode_tokens - 1:
             n_graphs, prev = len(runner._graphs), engine.last_step
             pending = engine.scheduler.prefill_pending()
@@ -150,7 +152,7 @@ def _drive(engine, prompts: list[list[int]], decode_tokens: int, label: str, pro
             if profiled_prefill:
                 prof_prefill.start()
             _sync(dev)
-            compiled = len(jit.events)
+            compiled, collected = len(jit.events), len(gcs.events)
             t0 = time.perf_counter()
             engine.step()
             _sync(dev)
@@ -191,7 +193,7 @@ def _drive(engine, prompts: list[list[int]], decode_tokens: int, label: str, pro
             if profiled:
                 prof.record(dt)
             steps.append({"s": dt, "tokens": st.num_tokens, "warmup": bool(why), "profiled": profiled,
-                          "excluded": why, "kv": (before, snap)})
+                          "excluded": why, "kv": (before, snap), "gc": gcs.events[collected:]})
             snaps.append(snap)
         if engine.has_unfinished_requests():  # the batch's counted steps are done; the catch-up tokens are not wanted
             for rid in ids:
@@ -202,6 +204,7 @@ def _drive(engine, prompts: list[list[int]], decode_tokens: int, label: str, pro
         raise
     finally:
         jit.stop()
+        gcs.stop()
         prefill_progress.close()
         if decode_progress is not None:
             decode_progress.close()
