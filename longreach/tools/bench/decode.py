@@ -91,7 +91,6 @@ def _measure(model: str, context: int, spec, engine_kwargs: dict, batch: int, de
         state.setdefault("weights_bytes", _weights_bytes(engine.model))
         if "text_ids" not in state:
             state["text_ids"] = _text_ids(engine, state.get("text"))
-        prompts = _prompts(engine.model_config.vocab_size, context, batch, seed, state["text_ids"])
         warm = _warmup_len(context, engine, state.get("warmup_tokens"))
         warmup_s = None
         if warm:  # compile this engine's kernels outside the timed run (a fresh process JIT-compiles for ~30-50 s)
@@ -103,6 +102,8 @@ def _measure(model: str, context: int, spec, engine_kwargs: dict, batch: int, de
             _sync(dev)
             warmup_s = time.perf_counter() - t0
         freeze_heap()  # as the server after its warm-up: the engine's objects leave garbage collection
+        # the measured prompts come after it, as a server's requests do (the collector walks their token lists)
+        prompts = _prompts(engine.model_config.vocab_size, context, batch, seed, state["text_ids"])
         if dev.type == "cuda":
             torch.cuda.reset_peak_memory_stats(dev)
         reads0 = engine.backend.decode_reads()
