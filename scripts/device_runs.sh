@@ -140,9 +140,9 @@ scoring_checks() {  # the stage scoring kernels' GPU checks (bf16, real sizes), 
 # issue 31's table: the same bench decode command for every model shape (table8b, qwen05table)
 table=(--lengths 32k 128k 512k --attention infinitehip --dense-lengths 32k 128k 512k --decode-tokens 64
        --max-num-batched-tokens 32768 --profile-steps 4)
-# issue 31's 1M row (groups row1m and earlyinstall)
-row1m=($bd --kv-offloading-size 76 --lengths 1M --attention infinitehip --dense-lengths --decode-tokens 42
-       --profile-steps 4 --out "$out/bench-decode-1m-8b.json")
+# issue 31's 1M row (groups row1m and earlyinstall; step16 stops it early)
+at1m=($bd --kv-offloading-size 76 --lengths 1M --attention infinitehip --dense-lengths)
+row1m=("${at1m[@]}" --decode-tokens 42 --profile-steps 4 --out "$out/bench-decode-1m-8b.json")
 for group in "$@"; do
 case "$group" in
 batch16)  # the host tier holds all 16 x 131,136 tokens (fp8 pages with their scales: ~145 GiB; 132 GiB preempted one)
@@ -340,8 +340,8 @@ earlyinstall)  # no model: tests/gpu's offload kernels (the copy's skipped entri
 step16)  # row1m's command stopped after 18 decode tokens with the last 3 profiled (steps 14-16): in every 1M and 2M
     # run of 2026-11-29 the stage-0 refresh at step 16 took ~30 ms more than those at 8, 24, 32 and 40 (the same
     # bytes installed); this profile is where to look
-    run decode_1m_8b_step16 560 $bd --kv-offloading-size 76 --lengths 1M --attention infinitehip --dense-lengths \
-        --decode-tokens 18 --profile-steps 3 --out "$out/bench-decode-1m-8b-step16.json" ;;
+    run decode_1m_8b_step16 560 "${at1m[@]}" --decode-tokens 18 --profile-steps 3 \
+        --out "$out/bench-decode-1m-8b-step16.json" ;;
 row2m)  # issue 31's 2M row: row1m's command at 2M with 48 decode steps (the last 4 profiled: no refresh among them),
     # a ~147 GiB host tier (nvidia-h200-x2's 256 GiB host, one of its GPUs). Its prefill took 409.6 s (2026-11-29),
     # the whole run ~9 min, past one call's limit with margin: start it detached,
