@@ -112,6 +112,7 @@
 #   bash scripts/device_runs.sh earlyinstall # no model: the offload kernels' and install-inside-the-step GPU checks, then row1m
 #   bash scripts/device_runs.sh row2m       # no model, nvidia-h200-x2 (256 GiB host): the same at 2M (detached: see it)
 #   bash scripts/device_runs.sh step16      # no model: row1m's command to step 16, steps 14-16 profiled
+#   bash scripts/device_runs.sh stagingoverlap # no model: the offload GPU checks (double-buffered staging), then row1m
 #   bash scripts/device_runs.sh qwen05refresh # needs Qwen 0.5B: the scoring kernels' GPU check (its shape too), then
 #                                           # its 128K decode with 8 steps profiled (a stage-0 and a stage-1 refresh),
 #                                           # their timeline in $OUT/traces
@@ -336,6 +337,11 @@ earlyinstall)  # no model: tests/gpu's offload kernels (the copy's skipped entri
     # step (random:tiny offloaded == GPU-resident, graphs), then row1m with stage 1's candidates installed before
     # they are scored (kvcache/offload.py `install_reads`)
     gpu_tests gpu_check_offload_install 240 tests/gpu/test_offload.py -k "kernels or inside_the_step"
+    run decode_1m_8b 560 "${row1m[@]}" ;;
+stagingoverlap)  # no model: tests/gpu's offload kernels and the install inside the step (random:tiny offloaded ==
+    # GPU-resident through graphs; its prefill chunks' prefixes gathered into two staging buffers, the next layer's on
+    # the copy stream, by DMA runs and by the copy kernel), then row1m: the 1M prefill with the gathers overlapped
+    gpu_tests gpu_check_staging_overlap 240 tests/gpu/test_offload.py -k "kernels or inside_the_step"
     run decode_1m_8b 560 "${row1m[@]}" ;;
 step16)  # row1m's command stopped after 18 decode tokens with the last 3 profiled (steps 14-16): in every 1M and 2M
     # run of 2026-11-29 the stage-0 refresh at step 16 took ~30 ms more than those at 8, 24, 32 and 40 (the same

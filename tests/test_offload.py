@@ -347,3 +347,60 @@ def test_mark_reads_kernel_marks_the_pages_the_pytorch_path_marks(block_k, bs, n
                    block_k, bs, n_sink, n_window, chunk, units=st.units)
         assert torch.equal(got, want), (part, got.nonzero().squeeze(1).tolist(), want.nonzero().squeeze(1).tolist())
     assert got.any()
+
+
+# ---- the prefill staging area: one buffer, or two with the next layer gathered ahead ------------------------------
+def test_page_runs_join_pages_consecutive_on_both_sides():
+    from longreach.kvcache.staging import page_runs
+
+    assert page_runs([5, 6, 7, 2, 3, 9], [0, 1, 2, 3, 4, 5]) == [(5, 0, 3), (2, 3, 2), (9, 5, 1)]
+    assert page_runs([4, 5], [0, 2]) == [(4, 0, 1), (5, 2, 1)]  # consecutive sources, places apart
+    assert page_runs([], []) == []
+
+
+@pytest.mark.parametrize("runs", [True, False], ids=["runs", "copy-kernel"])
+@pytest.mark.parametrize("unit", ["page", "head"])
+def test_double_buffered_staging_gives_every_layer_its_own_prefix(monkeypatch, unit, runs):
+    """Three layers of a two-sequence prefill step (prefixes off the page boundaries, one table in two runs): with
+    two staging buffers each layer's attention sees exactly what the one-buffer store shows it (its own prefix, this
+    chunk's rows), both by runs of consecutive pages and, with MAX_DMA_RUNS 0, by the copy kernel."""
+    from longreach.attention.backend import AttentionMetadata
+    from longreach.kvcache import staging
+
+    if not runs:
+        monkeypatch.setattr(staging, "MAX_DMA_RUNS", 0)
+    L, bs, H, D = 3, 4, 2, 8
+    tables = [[9, 10, 11, 3, 4, 5, 6], [14, 15, 16]]
+    ctx, q = [17, 6], [5, 4]
+    g = torch.Generator().manual_seed(3)
+    homes = [(torch.randn(64, H, D, generator=g), torch.randn(64, H, D, generator=g)) for _ in range(L)]
+    new = [(torch.randn(sum(q), H, D, generator=g), torch.randn(sum(q), H, D, generator=g)) for _ in range(L)]
+    slot_map = torch.tensor([tables[i][p // bs] * bs + p % bs for i in range(2) for p in range(ctx[i], ctx[i] + q[i])])
+    seen = {}
+    for nbuf in (1, 2):
+        st = OffloadedKVCache(L, 20, 6, bs, H, D, torch.float32, torch.device("cpu"), staging_pages=16, unit=unit,
+                              staging_buffers=nbuf)
+        for layer, (k, v) in enumerate(homes):  # pages 0-15: the earlier tokens of both tables' pages
+            st.store(layer, k, v, torch.arange(64))
+        qsl = torch.tensor([0, q[0], sum(q)], dtype=torch.int32)
+        meta = AttentionMetadata(True, [0, 1], q, ctx, qsl, torch.tensor([c + n for c, n in zip(ctx, q)]),
+                                 torch.zeros(2, 7, dtype=torch.int32), slot_map, 22, 5)
+        view = st.prefill_view(meta, tables)
+        assert (view.runs is not None) == runs
+        backend = type("Record", (), {"forward": lambda self, layer, q_, k_, v_, kc, vc, m: (kc.clone(), vc.clone(),
+                                                                                            m.block_tables)})()
+        seen[nbuf] = [view.attention(layer, None, *new[layer], backend) for layer in range(L)]
+        assert len(st._staging) == nbuf
+    for nbuf in (1, 2):  # every token a query of the step sees: its layer's home row, or this chunk's new row
+        for layer, (kc, vc, t) in enumerate(seen[nbuf]):
+            row = 0
+            for i in range(2):
+                for pos in range(ctx[i] + q[i]):
+                    place = (int(t[i, pos // bs]), pos % bs)
+                    if pos < ctx[i]:
+                        home = tables[i][pos // bs] * bs + pos % bs
+                        want = homes[layer][0][home], homes[layer][1][home]
+                    else:
+                        want = new[layer][0][row], new[layer][1][row]
+                        row += 1
+                    assert torch.equal(kc[place], want[0]) and torch.equal(vc[place], want[1]), (nbuf, layer, i, pos)

@@ -188,7 +188,10 @@ def build_offloaded_cache(cfg, mc, kv_dtype: torch.dtype, device: torch.device, 
     unit = cfg.kv_offload_unit
     units = H if unit == "head" else 1
     per_slot = OffloadedKVCache.bytes_per_slot(bs, H, D, kv_dtype, unit)
-    staging_bytes = staging * OffloadedKVCache.bytes_per_slot(bs, H, D, kv_dtype)  # whole pages of one layer
+    # a GPU double-buffers it (the next layer's prefix gathered while this one computes: staging.py); each buffer
+    # holds whole pages of one layer
+    buffers = 2 if device.type == "cuda" else 1
+    staging_bytes = buffers * staging * OffloadedKVCache.bytes_per_slot(bs, H, D, kv_dtype)
     # head units' page table (int32) and read marks (bool) have H_kv entries per page: the extra ones come off the
     # budget (a page unit's share is in the 32 bytes per slot below)
     table_bytes = L * (host_pages + 1) * (units - 1) * 5
@@ -206,7 +209,7 @@ def build_offloaded_cache(cfg, mc, kv_dtype: torch.dtype, device: torch.device, 
     blocks = BlockManager(host_pages, bs, num_slots=ring_slots or None)
     try:
         store = OffloadedKVCache(L, host_pages + 1, slots, bs, H, D, kv_dtype, device, staging_pages=staging,
-                                 unit=unit)
+                                 unit=unit, staging_buffers=buffers)
         store.staging()  # allocated now, so that a GPU too small for it fails here and not mid-prefill
         if ring_slots:
             glob, sliding = layer_split(mc)
@@ -224,7 +227,7 @@ def build_offloaded_cache(cfg, mc, kv_dtype: torch.dtype, device: torch.device, 
     logger.info("KV cache, host tier: %d pages x %d tokens = %d tokens (%.2f GiB%s, %s)", host_pages, bs,
                 host_pages * bs, store.host_nbytes / GiB, " pinned" if device.type == "cuda" else "", kv)
     logger.info("KV cache, GPU tier: %d slots of one layer's page%s = %d tokens per layer on average (%.2f GiB, "
-                "shared by the %d layers it holds); prefill staging %.2f GiB (%d pages)", slots,
+                "shared by the %d layers it holds); prefill staging %.2f GiB (%d x %d pages)", slots,
                 " of one KV head" if units > 1 else "", slots * bs // (L * units),
-                (store.inner if ring_slots else store).nbytes / GiB, L, store.staging_nbytes / GiB, staging)
+                (store.inner if ring_slots else store).nbytes / GiB, L, store.staging_nbytes / GiB, buffers, staging)
     return blocks, store

@@ -31,9 +31,10 @@ Design (docs/offload.md has the byte budgets and the measurements):
     each layer installs its new stage-1 candidates before scoring them (a fixed-width clock over the slots and one
     copy, captured in the step), so their keys cross PCIe once (docs/design-refresh-installs.md, option 2).
   * **Prefill** reads the prefix from a GPU staging area (kvcache/staging.py, `StagedPrefill`): per layer, the
-    batch's pages are gathered from the host tier in one copy, then the ordinary kernels run on it. The area exists
-    only while prefill work is pending: the first decode step releases it (`release_staging`) and the next prefill
-    step allocates it again.
+    batch's pages are gathered from the host tier in one copy, then the ordinary kernels run on it. With two staging
+    buffers (`staging_buffers`, a GPU's default: kvcache/build.py) the next layer's prefix is gathered into one on a
+    copy stream while this layer's attention reads the other. The area exists only while prefill work is pending:
+    the first decode step releases it (`release_staging`) and the next prefill step allocates it again.
     No state for selection is kept on the GPU besides the pool: InfiniteHiP's stage masks are cached per sequence by
     the backend (block ids, not keys).
 
@@ -62,7 +63,8 @@ class OffloadedKVCache:
     window, window_layers = None, frozenset()  # no ring of sliding-window layers here (kvcache/window.py wraps one)
 
     def __init__(self, num_layers: int, num_pages: int, num_slots: int, block_size: int, num_kv_heads: int,
-                 head_dim: int, dtype: torch.dtype, device: torch.device, staging_pages: int = 0, unit: str = "page"):
+                 head_dim: int, dtype: torch.dtype, device: torch.device, staging_pages: int = 0, unit: str = "page",
+                 staging_buffers: int = 1):
         if num_slots < 1:
             raise ValueError(f"the GPU page pool needs at least one slot, got {num_slots}")
         if unit not in UNITS:
@@ -95,8 +97,14 @@ class OffloadedKVCache:
         self.wanted = torch.zeros(L * P * U + 1, dtype=torch.bool, device=device)
         self.page_elems = block_size * H * row  # one page of one layer's K (or V), every head
         self.slot_elems = self.page_elems // U  # what one slot holds of K (or V)
-        self.staging_pages = staging_pages  # capacity of the prefill staging area (allocated on first use)
-        self._staging: torch.Tensor | None = None
+        if staging_buffers not in (1, 2):
+            raise ValueError(f"the prefill staging area has 1 or 2 buffers, got {staging_buffers}")
+        self.staging_pages = staging_pages  # capacity of one prefill staging buffer (allocated on first use)
+        # two buffers: a prefill step gathers the next layer's prefix into one while this layer's attention reads the
+        # other (staging.py, `StagedPrefill`); their copies run on a stream of their own (`copy_stream`)
+        self.staging_buffers = staging_buffers
+        self._staging: list[torch.Tensor] | None = None
+        self._copy_stream = None
         self.step = 0
         self.counters = {"pages_hit": 0, "pages_missed": 0, "pages_evicted": 0, "pages_installed": 0,
                          "bytes_h2d": 0}
@@ -164,34 +172,51 @@ class OffloadedKVCache:
             scatter_rows(self.host, (layer * 2 + kv) * P * U * bs + home, x.reshape(T * U, 1, -1))
             rows.index_copy_(0, (slot * 2 + kv) * bs + off.repeat_interleave(U), as_bytes(x).reshape(T * U, -1))
 
-    def gather_pages(self, layer: int, pages: torch.Tensor, dst_pos: torch.Tensor, dst: torch.Tensor) -> None:
+    def gather_pages(self, layer: int, pages: torch.Tensor, dst_pos: torch.Tensor, dst: torch.Tensor,
+                     runs: list[tuple[int, int, int]] | None = None) -> None:
         """dst (2, n, ...) contiguous, n pages of the host tier's layout: dst[:, dst_pos[i]] = the layer's page
-        pages[i], from the host tier (always current). One copy kernel for the whole prefix (prefill staging)."""
+        pages[i], from the host tier (always current). One copy kernel for the whole prefix (prefill staging), or,
+        with `runs` ((first page, first place, count): the same pages as runs of consecutive ones), one copy of each
+        run's K and V (on a GPU, the copy engine's DMA: no SMs taken from the compute it overlaps)."""
+        if runs is not None:
+            for s, d, n in runs:
+                for kv in (0, 1):  # each a contiguous block on both sides: one DMA from pinned memory
+                    dst[kv, d:d + n].copy_(self.host[layer, kv, s:s + n], non_blocking=True)
+            return
         P = self.num_pages
         p = pages.long()
         src = torch.cat([(layer * 2) * P + p, (layer * 2 + 1) * P + p])
         d = dst_pos.long()
         copy_chunks(self.host, src, dst, torch.cat([d, dst.shape[1] + d]), self.page_elems)
 
-    def staging(self) -> torch.Tensor:
-        """The prefill staging area (2, staging_pages, block_size, H_kv, D) on the GPU, allocated on first use. With
-        head units its pages keep the host tier's order, (block_size and H_kv swapped in memory: a strided view), so
-        that the prefix arrives in whole-page copies; the kernels read it through its strides."""
+    def copy_stream(self):
+        """The CUDA stream the prefill's prefix gathers for the next layer run on (None on a CPU)."""
+        if self.device.type != "cuda":
+            return None
+        if self._copy_stream is None:
+            self._copy_stream = torch.cuda.Stream(self.device)
+        return self._copy_stream
+
+    def staging(self, i: int = 0) -> torch.Tensor:
+        """Prefill staging buffer i (2, staging_pages, block_size, H_kv, D) on the GPU; every buffer is allocated on
+        first use. With head units its pages keep the host tier's order, (block_size and H_kv swapped in memory: a
+        strided view), so that the prefix arrives in whole-page copies; the kernels read it through its strides."""
+        raw = self.staging_pages_raw(i)
+        return raw if self.units == 1 else raw.transpose(2, 3)
+
+    def staging_pages_raw(self, i: int = 0) -> torch.Tensor:
+        """Staging buffer i's own (contiguous) tensor, pages in the host tier's layout: what `gather_pages` fills."""
         if self._staging is None:
             bs, row = self.block_size, self.pool.shape[-1]
             inner = (bs, self.num_kv_heads, row) if self.units == 1 else (self.num_kv_heads, bs, row)
-            self._staging = torch.empty(2, self.staging_pages, *inner, dtype=self.pool.dtype, device=self.device)
-        return self._staging if self.units == 1 else self._staging.transpose(2, 3)
-
-    def staging_pages_raw(self) -> torch.Tensor:
-        """The staging area's own (contiguous) tensor, pages in the host tier's layout: what `gather_pages` fills."""
-        self.staging()
-        return self._staging
+            self._staging = [torch.empty(2, self.staging_pages, *inner, dtype=self.pool.dtype, device=self.device)
+                             for _ in range(self.staging_buffers)]
+        return self._staging[i]
 
     @property
     def staging_nbytes(self) -> int:
-        """The staging area's size (allocated or not)."""
-        return 2 * self.staging_pages * self.page_elems * self.pool.element_size()
+        """The staging area's size, every buffer (allocated or not)."""
+        return self.staging_buffers * 2 * self.staging_pages * self.page_elems * self.pool.element_size()
 
     @property
     def staging_allocated_nbytes(self) -> int:
@@ -202,8 +227,10 @@ class OffloadedKVCache:
         """Give the staging area back to the GPU (decode never reads it; the next prefill step allocates it again).
         The engine calls this (as `release_transient`) on a decode step, i.e. when no prefill work is pending, so the
         KV side of a decoding engine is the pool alone. Freed through the caching allocator and `empty_cache`, so
-        other processes see it."""
+        other processes see it, after any gather still running on the copy stream (a step that failed midway)."""
         if self._staging is not None:
+            if self._copy_stream is not None:
+                torch.cuda.current_stream(self.device).wait_stream(self._copy_stream)
             self._staging = None
             if self.device.type == "cuda":
                 torch.cuda.empty_cache()

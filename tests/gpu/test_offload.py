@@ -190,8 +190,11 @@ def test_offload_installs_inside_the_step(detail, monkeypatch):
     """No model: random:tiny (trained to 4,096 tokens) at 16K with infinitehip's default preset at smaller budgets,
     decoding through CUDA graphs: offloaded with head slots to a pool of 1/8 of the KV, where stage 1's candidates
     are installed inside the step after each stage-0 refresh (`install_reads`, a captured fixed-width clock and copy),
-    gives the GPU-resident cache's greedy tokens; early installs happened, and the store is consistent after."""
+    gives the GPU-resident cache's greedy tokens; early installs happened, and the store is consistent after. Its four
+    4K prefill chunks gather their prefixes into two staging buffers, layer 1's on the copy stream while layer 0
+    computes (kvcache/staging.py): by DMA of page runs, and in a third run by the copy kernel (no runs)."""
     from longreach import LLM, SamplingParams
+    from longreach.kvcache import staging
     from longreach.kvcache.offload import OffloadedKVCache
 
     length, steps = 16384, 64
@@ -209,7 +212,11 @@ def test_offload_installs_inside_the_step(detail, monkeypatch):
     res = {}
     for name, kw in (("gpu", {"kv_cache_memory_gb": kv_gb * 1.5 + 0.01}),
                      ("offload-heads", {"kv_cache_memory_gb": kv_gb / 8, "kv_offloading_size": kv_gb * 1.5 + 0.01,
-                                        "kv_offload_unit": "head"})):
+                                        "kv_offload_unit": "head"}),
+                     ("offload-kernel-gathers", {"kv_cache_memory_gb": kv_gb / 8,
+                                                 "kv_offloading_size": kv_gb * 1.5 + 0.01, "kv_offload_unit": "head"})):
+        if name == "offload-kernel-gathers":
+            monkeypatch.setattr(staging, "MAX_DMA_RUNS", 0)
         gc.collect()
         torch.cuda.empty_cache()
         llm = LLM("random:tiny", attention="infinitehip", attention_config=cfg, max_model_len=length + 128,
@@ -219,11 +226,13 @@ def test_offload_installs_inside_the_step(detail, monkeypatch):
         res[name] = (out.token_ids, llm.engine.kv_cache_stats())
         if name != "gpu":
             llm.engine.kv_cache.check_integrity()
+            assert llm.engine.kv_cache.staging_buffers == 2
         del llm
-    (a, _), (b, stats) = res["gpu"], res["offload-heads"]
+    (a, _), (b, stats), (c, _) = res["gpu"], res["offload-heads"], res["offload-kernel-gathers"]
     same = sum(x == y for x, y in zip(a, b))
-    if same != len(a) or sum(early) == 0:
-        raise AssertionError(f"install inside the step: {same}/{len(a)} tokens equal, {sum(early)} early installs")
+    if same != len(a) or sum(early) == 0 or c != a:
+        raise AssertionError(f"install inside the step: {same}/{len(a)} tokens equal, {sum(early)} early installs; "
+                             f"the copy kernel's gathers: tokens equal {c == a}")
     detail(f"random:tiny at {length} tokens, {steps} greedy tokens equal offloaded (head slots, pool 1/8) and not; "
            f"{sum(early)} head-pages installed inside steps, {stats['pages_installed']} in all, hit ratio "
            f"{stats['pages_hit'] / max(1, stats['pages_hit'] + stats['pages_missed']):.3f}")
