@@ -98,7 +98,7 @@ class StagedPrefill:
         differs (the store of a model with sliding layers holds its global layers only: kvcache/window.py)."""
         st = self.store
         j = layer if cache_layer is None else cache_layer
-        buf, raw = self.bufs[j % len(self.bufs)], self.raws[j % len(self.raws)]
+        buf = self.bufs[j % len(self.bufs)]
         if self.src.numel():
             ready = self._ready.pop(j, None)
             if ready is None:
