@@ -231,6 +231,7 @@ def test_install_reads_installs_a_stage_candidates_inside_the_step():
     assert st.slot_of[0, [2, 3], 0].ge(0).all() and st.slot_of[0, [2, 3, 10, 11], 1].ge(0).all()
     assert int((st.slot_of >= 0).sum()) == 6 and int(st.stats()["gpu_slots_used"]) == 6
     assert st.end_step() == {"hit": 0, "missed": 6, "evicted": 0, "installed": 6}
+    assert st.counters["pages_installed"] == st.counters["pages_installed_in_step"] == 6
     st.check_integrity()  # (between steps: the installed units are marked read until `end_step`)
     # step 1: every slot was stamped in step 0 (the previous step): none is a victim, nothing is installed
     st.install_reads(probe(1, [[[0], [0]]]))

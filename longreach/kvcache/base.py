@@ -24,7 +24,7 @@ import torch
 
 # the keys of `occupancy` (the server's /metrics and `kv_cache_stats` read them)
 OCCUPANCY_KEYS = ("offload", "gpu_pages_total", "gpu_pages_used", "host_pages_total", "host_pages_used", "pages_hit",
-                  "pages_missed", "pages_evicted", "pages_installed", "bytes_h2d")
+                  "pages_missed", "pages_evicted", "pages_installed", "pages_installed_in_step", "bytes_h2d")
 
 
 @dataclass(frozen=True)
@@ -87,4 +87,4 @@ def resident_occupancy(blocks) -> dict:
     used = blocks.num_blocks - blocks.num_free_blocks
     return {"offload": False, "gpu_pages_total": blocks.num_blocks, "gpu_pages_used": used, "host_pages_total": 0,
             "host_pages_used": 0, "pages_hit": 0, "pages_missed": 0, "pages_evicted": 0, "pages_installed": 0,
-            "bytes_h2d": 0}
+            "pages_installed_in_step": 0, "bytes_h2d": 0}

@@ -106,8 +106,10 @@ class OffloadedKVCache:
         self._staging: list[torch.Tensor] | None = None
         self._copy_stream = None
         self.step = 0
+        # pages_installed_in_step: of pages_installed, those `install_reads` installed inside a step (the rest after
+        # one, by `end_step`)
         self.counters = {"pages_hit": 0, "pages_missed": 0, "pages_evicted": 0, "pages_installed": 0,
-                         "bytes_h2d": 0}
+                         "pages_installed_in_step": 0, "bytes_h2d": 0}
 
     @staticmethod
     def bytes_per_page(num_layers: int, block_size: int, num_kv_heads: int, head_dim: int, dtype: torch.dtype) -> int:
@@ -255,7 +257,8 @@ class OffloadedKVCache:
         st = self.stats()
         return {"offload": True, "gpu_pages_total": st["gpu_slots_total"], "gpu_pages_used": st["gpu_slots_used"],
                 "host_pages_total": blocks.num_blocks, "host_pages_used": blocks.num_blocks - blocks.num_free_blocks,
-                **{k: st[k] for k in ("pages_hit", "pages_missed", "pages_evicted", "pages_installed", "bytes_h2d")}}
+                **{k: st[k] for k in ("pages_hit", "pages_missed", "pages_evicted", "pages_installed",
+                                      "pages_installed_in_step", "bytes_h2d")}}
 
     # ---- decode: what attention read, installs after the step --------------------------------------------------------
     def record_reads(self, reads: PageReads) -> None:
@@ -349,6 +352,7 @@ class OffloadedKVCache:
         c["pages_missed"] += n_miss
         c["pages_evicted"] += evicted
         c["pages_installed"] += installed
+        c["pages_installed_in_step"] += early_installed
         c["bytes_h2d"] += installed * self.slot_nbytes
         self.step += 1
         self.step_t.fill_(self.step)
