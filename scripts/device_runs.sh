@@ -113,6 +113,7 @@
 #   bash scripts/device_runs.sh row2m       # no model, nvidia-h200-x2 (256 GiB host): the same at 2M (detached: see it)
 #   bash scripts/device_runs.sh step16      # no model: row1m's command to step 16, steps 14-16 profiled
 #   bash scripts/device_runs.sh stagingoverlap # no model: the offload GPU checks (double-buffered staging), then row1m
+#   bash scripts/device_runs.sh stagingab   # no model: the 8B shape's 512K prefill offloaded, 1 then 2 staging buffers
 #   bash scripts/device_runs.sh qwen05refresh # needs Qwen 0.5B: the scoring kernels' GPU check (its shape too), then
 #                                           # its 128K decode with 8 steps profiled (a stage-0 and a stage-1 refresh),
 #                                           # their timeline in $OUT/traces
@@ -343,6 +344,16 @@ stagingoverlap)  # no model: tests/gpu's offload kernels and the install inside 
     # the copy stream, by DMA runs and by the copy kernel), then row1m: the 1M prefill with the gathers overlapped
     gpu_tests gpu_check_staging_overlap 240 tests/gpu/test_offload.py -k "kernels or inside_the_step"
     run decode_1m_8b 560 "${row1m[@]}" ;;
+stagingab)  # no model: the 8B shape's 512K prefill (fp8 KV offloaded, 4 GiB pool), one staging buffer (the gathers on
+    # the layer's critical path, as before 2026-11-30) then two (the next layer's gather overlapped), each its own
+    # process in one call: the same-call A/B of kvcache/staging.py's overlap
+    ab=(bench decode --kv-cache-dtype fp8 --kv-cache-memory-gb 4 --max-num-batched-tokens 65536
+        --kv-offloading-size 40 --lengths 512k --attention infinitehip --dense-lengths --decode-tokens 8)
+    for n in 1 2; do
+        run "prefill_512k_staging$n" 280 python3 -c "import sys; import longreach.kvcache.build as b; \
+b.STAGING_BUFFERS_GPU = $n; from longreach.cli import main; sys.exit(main(sys.argv[1:]))" "${ab[@]}" \
+            --out "$out/bench-decode-512k-8b-staging$n.json"
+    done ;;
 step16)  # row1m's command stopped after 18 decode tokens with the last 3 profiled (steps 14-16): in every 1M and 2M
     # run of 2026-11-29 the stage-0 refresh at step 16 took ~30 ms more than those at 8, 24, 32 and 40 (the same
     # bytes installed); this profile is where to look

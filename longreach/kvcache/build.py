@@ -145,6 +145,11 @@ def host_memory_available() -> int | None:
     return None
 
 
+# prefill staging buffers on a GPU: 2 overlaps each layer's prefix gather with the layer before (kvcache/staging.py);
+# 1 is the earlier behaviour (scripts/device_runs.sh `stagingab` sets it to time both in one call)
+STAGING_BUFFERS_GPU = 2
+
+
 def build_offloaded_cache(cfg, mc, kv_dtype: torch.dtype, device: torch.device, dense_layers,
                           free_gpu_bytes, page_state_bytes: int = 0,
                           agree: Callable[[int], int] = lambda n: n) -> tuple[BlockManager, OffloadedKVCache]:
@@ -190,7 +195,7 @@ def build_offloaded_cache(cfg, mc, kv_dtype: torch.dtype, device: torch.device, 
     per_slot = OffloadedKVCache.bytes_per_slot(bs, H, D, kv_dtype, unit)
     # a GPU double-buffers it (the next layer's prefix gathered while this one computes: staging.py); each buffer
     # holds whole pages of one layer
-    buffers = 2 if device.type == "cuda" else 1
+    buffers = STAGING_BUFFERS_GPU if device.type == "cuda" else 1
     staging_bytes = buffers * staging * OffloadedKVCache.bytes_per_slot(bs, H, D, kv_dtype)
     # head units' page table (int32) and read marks (bool) have H_kv entries per page: the extra ones come off the
     # budget (a page unit's share is in the 32 bytes per slot below)
