@@ -232,7 +232,8 @@ def build_offloaded_cache(cfg, mc, kv_dtype: torch.dtype, device: torch.device, 
     logger.info("KV cache, host tier: %d pages x %d tokens = %d tokens (%.2f GiB%s, %s)", host_pages, bs,
                 host_pages * bs, store.host_nbytes / GiB, " pinned" if device.type == "cuda" else "", kv)
     logger.info("KV cache, GPU tier: %d slots of one layer's page%s = %d tokens per layer on average (%.2f GiB, "
-                "shared by the %d layers it holds); prefill staging %.2f GiB (%d x %d pages)", slots,
+                "shared by the %d layers it holds); prefill staging %.2f GiB (%s of %d pages)", slots,
                 " of one KV head" if units > 1 else "", slots * bs // (L * units),
-                (store.inner if ring_slots else store).nbytes / GiB, L, store.staging_nbytes / GiB, buffers, staging)
+                (store.inner if ring_slots else store).nbytes / GiB, L, store.staging_nbytes / GiB,
+                "two buffers" if buffers == 2 else "one buffer", staging)
     return blocks, store
