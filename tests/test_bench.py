@@ -75,11 +75,18 @@ def test_bench_serve_report_counts_the_gaps_a_long_prefill_causes():
     assert parse_gauges(text) == {"running": 3.0, "rss_bytes": 1.5e9}
 
 
-def test_bench_mixed_times_a_long_prefill_beside_decodes(tmp_path):
+def test_bench_mixed_times_a_long_prefill_beside_decodes(tmp_path, monkeypatch):
     """`bench mixed` on the tiny random model: both methods run, the long prompt is prefilled in capped chunks beside
-    the decodes (more steps than alone), and the profile covers the asked steps."""
-    from longreach.cli import main
+    the decodes (more steps than alone), and the profile covers the asked steps. Each engine's heap is frozen after
+    its cold run, as the server's after its warm-up, and given back to the collector when the engine goes."""
+    import gc
 
+    from longreach.cli import main
+    from longreach.engine import heap
+
+    frozen = []
+    freeze = heap.freeze_heap
+    monkeypatch.setattr(heap, "freeze_heap", lambda: (freeze(), frozen.append(gc.get_freeze_count())))
     out = tmp_path / "mixed.json"
     assert main(["bench", "mixed", "--model", "random:tiny", "--device", "cpu", "--context", "2048", "--decodes", "3",
                  "--decode-prompt", "16", "--attention", "dense", "streaming", "--max-num-batched-tokens", "512",
@@ -92,6 +99,8 @@ def test_bench_mixed_times_a_long_prefill_beside_decodes(tmp_path):
         assert r["mixed_steps"] == len(r["step_ms"]) >= 2048 // 128
         assert r["standalone_prefill_s"] > 0 and r["mixed_prefill_s"] > 0 and r["decode_step_ms"] > 0
         assert r["profile"]["steps"] == 2 and r["host_profile"]
+        assert all(0 <= step < r["mixed_steps"] and ms >= 1.0 for step, _, ms in r["gc_pauses"])
+    assert len(frozen) == 3 and min(frozen) > 0 and gc.get_freeze_count() == 0
     assert rep["provenance"]["command"].startswith("longreach bench mixed")
 
 

@@ -5,10 +5,11 @@ generation (`gc.freeze`, as vLLM does after its startup). The model, tokenizer, 
 are hundreds of thousands of objects that live as long as the engine; a full collection walked them all whenever it
 ran (~140 ms for SmolLM2's engine on a 2-core CPU, measured with `gc.collect()`), a pause every running request saw
 between two tokens. Objects made later are collected as usual. The server calls it after its warm-up
-(server/app.py), `bench decode` after each engine's (so that it measures what the server runs).
+(server/app.py), `bench decode` after each engine's and `bench mixed` after its cold run (so that they measure what
+the server runs).
 
 `GcWatch`: the collections that ran, each (generation, seconds), from the interpreter's `gc.callbacks`; `bench
-decode` records those inside each decode step.
+decode` records those inside each decode step, `bench mixed` inside each mixed step.
 """
 from __future__ import annotations
 

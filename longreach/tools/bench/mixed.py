@@ -9,6 +9,8 @@ arrives. Every engine step is timed between device synchronisations. Reported pe
   decode_step_ms        the short requests' steps before the long prompt arrives (median);
   mixed_step_ms         the steps while it is prefilled: median, p99, max (every one of them is an inter-token gap
                         of every short request: a step gives each decode row one token);
+  gc_pauses             garbage collections of >= 1 ms inside those steps, (step, generation, ms): after the cold
+                        run the engine's heap is frozen (engine/heap.py), as the server's after its warm-up;
   profile               with --profile-steps N, N mixed steps under torch.profiler (bench/profile.py: wall vs
                         device ms, top kernels) and, with --cprofile, the host's Python functions by own time;
                         from the fifth step, or (--profile-at F) from the first step once a share F of the long
@@ -55,12 +57,16 @@ def run_method(engine, context: int, decodes: int, decode_prompt: int, seed: int
     import cProfile
     import pstats
 
+    from ...engine.heap import GcWatch, freeze_heap
     from ...sampling_params import SamplingParams
     from .profile import StepProfiler
 
     vocab = engine.model_config.vocab_size
+    cold = _alone(engine, _prompts(vocab, context, 1, seed)[0], "alone-cold")
+    # after this warm-up (kernels compiled, graphs captured) the engine's objects leave garbage collection, as the
+    # server's do after its warm-up (engine/heap.py); the measured prompts are made after it, as a server's requests
+    freeze_heap()
     long_prompt = _prompts(vocab, context, 1, seed)[0]
-    cold = _alone(engine, long_prompt, "alone-cold")
     standalone = _alone(engine, long_prompt, "alone")
     shorts = _prompts(vocab, decode_prompt, decodes, seed + 7)
     params = SamplingParams(temperature=0, max_tokens=1_000_000, ignore_eos=True)
@@ -76,6 +82,7 @@ def run_method(engine, context: int, decodes: int, decode_prompt: int, seed: int
     mixed, chunk_tokens, prefill_s = [], [], 0.0
     first = None  # the first profiled step: past the first four (compilation, captures) and `profile_at` of the prompt
     done = 0  # the long prompt's tokens prefilled so far
+    gcs, gc_pauses = GcWatch().start(), []  # collections of >= 1 ms inside mixed steps: (step, generation, ms)
     while any(s.request_id == "long" for s in [*engine.scheduler.waiting, *engine.scheduler.running]):
         if first is None and len(mixed) >= 4 and done >= profile_at * context:
             first = (len(mixed), done)
@@ -84,7 +91,9 @@ def run_method(engine, context: int, decodes: int, decode_prompt: int, seed: int
             prof.start()
             if host is not None:
                 host.enable()
+        seen = len(gcs.events)
         dt, st = _step(engine)
+        gc_pauses += [(len(mixed), gen, round(1e3 * sec, 2)) for gen, sec in gcs.events[seen:] if sec >= 1e-3]
         if profiled:
             prof.record(dt)
             if host is not None:
@@ -97,6 +106,7 @@ def run_method(engine, context: int, decodes: int, decode_prompt: int, seed: int
         done += chunk_tokens[-1]
         if len(mixed) > 100_000:
             raise RuntimeError("the long prompt never finished its prefill")
+    gcs.stop()
     for i in range(decodes):
         engine.abort_request(f"short-{i}")
     _finish(engine)
@@ -115,7 +125,8 @@ def run_method(engine, context: int, decodes: int, decode_prompt: int, seed: int
             "mixed_steps": len(mixed), "mixed_chunk_tokens_median": statistics.median(chunk_tokens),
             "mixed_step_ms": {"median": statistics.median(ms), "p99": ms[min(len(ms) - 1, int(0.99 * len(ms)))],
                               "max": ms[-1]},
-            "step_ms": [round(x * 1e3, 3) for x in mixed], "profile": prof.report(), "host_profile": top_host,
+            "step_ms": [round(x * 1e3, 3) for x in mixed], "gc_pauses": gc_pauses, "profile": prof.report(),
+            "host_profile": top_host,
             "profiled_from_token": None if first is None or not profile_steps else first[1]}
 
 
@@ -162,6 +173,7 @@ def run(model: str, methods, engine_kwargs: dict, context: int, decodes: int, de
                    samples=samples(1, "run", "long prompt per method")), "runs": rows}
         write_json(rep, out_path)
         llm = engine = None
+        gc.unfreeze()  # the frozen engine's objects (run_method's freeze_heap) back to the collector
         gc.collect()
         _empty_cache()
     print(f"[longreach] wrote {out_path}")
