@@ -15,14 +15,14 @@ MAX_DMA_RUNS = 64  # a prefix in more runs of consecutive pages than this is gat
 
 
 def page_runs(src: list[int], dst: list[int]) -> list[tuple[int, int, int]]:
-    """(first source page, first place, count) for each run of pages consecutive on both sides, in order."""
-    runs: list[tuple[int, int, int]] = []
-    for s, d in zip(src, dst):
-        if runs and runs[-1][0] + runs[-1][2] == s and runs[-1][1] + runs[-1][2] == d:
-            runs[-1] = (runs[-1][0], runs[-1][1], runs[-1][2] + 1)
-        else:
-            runs.append((s, d, 1))
-    return runs
+    """(first source page, first place, count) for each run of pages consecutive on both sides, in order (numpy: a
+    1M-token prefix is 65,536 pages)."""
+    if not src:
+        return []
+    s, d = np.asarray(src, dtype=np.int64), np.asarray(dst, dtype=np.int64)
+    starts = np.concatenate([[0], np.flatnonzero((np.diff(s) != 1) | (np.diff(d) != 1)) + 1])
+    counts = np.diff(np.append(starts, len(s)))
+    return [(int(a), int(b), int(n)) for a, b, n in zip(s[starts], d[starts], counts)]
 
 
 class StagedPrefill:
