@@ -443,3 +443,12 @@ def test_gc_watch_records_collections():
     gc.collect()
     assert [g for g, _ in w.events][-2:] == [2, 1] and all(t >= 0 for _, t in w.events)
     assert w._callback not in gc.callbacks
+
+
+def test_gc_pauses_keep_the_collections_of_at_least_a_millisecond_by_step():
+    """engine/heap.py's `pauses` (bench decode's and bench mixed's `gc_pauses`): (step, generation, ms) of each
+    collection of >= 1 ms, numbered by the step it ran in."""
+    from longreach.engine.heap import pauses
+
+    assert pauses([[(0, 0.0005)], [], [(2, 0.0031), (0, 0.001)]]) == [(2, 2, 3.1), (2, 0, 1.0)]
+    assert pauses([]) == []

@@ -9,7 +9,7 @@ between two tokens. Objects made later are collected as usual. The server calls 
 the server runs).
 
 `GcWatch`: the collections that ran, each (generation, seconds), from the interpreter's `gc.callbacks`; `bench
-decode` records those inside each decode step, `bench mixed` inside each mixed step.
+decode` records those inside each decode step, `bench mixed` inside each mixed step, and both report `pauses`.
 """
 from __future__ import annotations
 
@@ -51,3 +51,8 @@ class GcWatch:
     def stop(self) -> None:
         if self._callback in gc.callbacks:
             gc.callbacks.remove(self._callback)
+
+
+def pauses(per_step, min_s: float = 1e-3) -> list[tuple[int, int, float]]:
+    """(step index, generation, ms) of every collection of >= `min_s` seconds, from each step's GcWatch events."""
+    return [(i, gen, round(1e3 * sec, 2)) for i, events in enumerate(per_step) for gen, sec in events if sec >= min_s]

@@ -75,7 +75,7 @@ def _measure(model: str, context: int, spec, engine_kwargs: dict, batch: int, de
     """Build one engine, run it, free it; the row of the report (raises what the engine raises)."""
     import torch
 
-    from ...engine.heap import freeze_heap
+    from ...engine.heap import freeze_heap, pauses
     from ...engine.llm import LLM
     from ..eval.common import reads_between
 
@@ -155,8 +155,7 @@ def _measure(model: str, context: int, spec, engine_kwargs: dict, batch: int, de
             "step_s": [round(s["s"], 6) for s in steps],
             # garbage collections inside decode steps that took >= 1 ms: (step index, generation, ms); the heap
             # alive after the warm-up is frozen out of them (engine/heap.py), as in the server
-            "gc_pauses": [(i, g, round(1e3 * t, 2)) for i, st in enumerate(steps) for g, t in st["gc"]
-                          if t >= 1e-3],
+            "gc_pauses": pauses(st["gc"] for st in steps),
             "warmup_step_indices": [i for i, s in enumerate(steps) if s["warmup"]],
             "cuda_graphs": engine.runner.decode_graphs, "graph_variants": len(engine.runner._graphs),
             "preemptions": engine.scheduler.num_preemptions,

@@ -57,7 +57,7 @@ def run_method(engine, context: int, decodes: int, decode_prompt: int, seed: int
     import cProfile
     import pstats
 
-    from ...engine.heap import GcWatch, freeze_heap
+    from ...engine.heap import GcWatch, freeze_heap, pauses
     from ...sampling_params import SamplingParams
     from .profile import StepProfiler
 
@@ -82,7 +82,7 @@ def run_method(engine, context: int, decodes: int, decode_prompt: int, seed: int
     mixed, chunk_tokens, prefill_s = [], [], 0.0
     first = None  # the first profiled step: past the first four (compilation, captures) and `profile_at` of the prompt
     done = 0  # the long prompt's tokens prefilled so far
-    gcs, gc_pauses = GcWatch().start(), []  # collections of >= 1 ms inside mixed steps: (step, generation, ms)
+    gcs, step_gcs = GcWatch().start(), []  # each mixed step's collections
     while any(s.request_id == "long" for s in [*engine.scheduler.waiting, *engine.scheduler.running]):
         if first is None and len(mixed) >= 4 and done >= profile_at * context:
             first = (len(mixed), done)
@@ -93,7 +93,7 @@ def run_method(engine, context: int, decodes: int, decode_prompt: int, seed: int
                 host.enable()
         seen = len(gcs.events)
         dt, st = _step(engine)
-        gc_pauses += [(len(mixed), gen, round(1e3 * sec, 2)) for gen, sec in gcs.events[seen:] if sec >= 1e-3]
+        step_gcs.append(gcs.events[seen:])
         if profiled:
             prof.record(dt)
             if host is not None:
@@ -125,7 +125,7 @@ def run_method(engine, context: int, decodes: int, decode_prompt: int, seed: int
             "mixed_steps": len(mixed), "mixed_chunk_tokens_median": statistics.median(chunk_tokens),
             "mixed_step_ms": {"median": statistics.median(ms), "p99": ms[min(len(ms) - 1, int(0.99 * len(ms)))],
                               "max": ms[-1]},
-            "step_ms": [round(x * 1e3, 3) for x in mixed], "gc_pauses": gc_pauses, "profile": prof.report(),
+            "step_ms": [round(x * 1e3, 3) for x in mixed], "gc_pauses": pauses(step_gcs), "profile": prof.report(),
             "host_profile": top_host,
             "profiled_from_token": None if first is None or not profile_steps else first[1]}
 
