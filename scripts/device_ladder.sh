@@ -455,6 +455,23 @@ suite_qwen_r16() {  # the next schedule candidate against the default (8, 4, 1),
     # the positions-only rungs ran in run 16 (SUITE=qwen_positions); one job per rung there: together they outran a
     # 1000 s budget
 }
+R1641='{"refresh": [16, 4, 1]}'  # stage 0 half as often as (8, 4, 1): halves the 1M decode's refresh copies
+R3241='{"refresh": [32, 4, 1]}'  # a quarter as often: stage 0's masks as old as "install ahead" with (16, 4, 1)
+suite_qwen_r16b() {  # stage 0's refresh interval (docs/design-refresh-installs.md, options 4 and 5): the default
+    # (8, 4, 1) against (16, 4, 1), (32, 4, 1) and (16, 8, 1), each prompt prefilled once (P=3 KV_GB=8); run 15's
+    # seeds, so the default's rows repeat its cells; 512K first (where schedules parted in run 15), 1M last
+    local t L cfg="{\"$DEFAULT@r1641\": $R1641, \"$DEFAULT@r3241\": $R3241, \"$DEFAULT@r1681\": $R1681}"
+    for L in "512k 42 10" "256k 43 10" "128k 43 10" "1M 42 2"; do
+        set -- $L
+        local len=$1 seed=$2 n=$3 kv=()
+        [ "$len" = 1M ] && kv=(--kv-cache-memory-gb 14)
+        for t in niah_single_3 niah_single_2 niah_multikey_1; do
+            job "ruler__${t}__infinitehip-3k-box-stage0__${len}-s$seed" ruler --tasks "$t" --lengths "$len" \
+                --samples "$n" --seed "$seed" --attention "$DEFAULT" "$DEFAULT@r1641" "$DEFAULT@r3241" \
+                "$DEFAULT@r1681" --attention-config "$cfg" --share-prefill "${kv[@]}"
+        done
+    done
+}
 suite_qwen_positions() {  # issue 28's last cells, run 16 (BG=1 P=3 KV_GB=8 MBT=32768; it ran as qwen_close, a name
     # that shadowed run 8's suite above): the positions-only rungs (real since run 15), then the default (8, 4, 1)
     # where only the old schedule was measured: the essays passkey and niah_single_1 past 128K
