@@ -334,6 +334,10 @@ row1m)  # issue 31's 1M row on today's default (8B shape, random weights, fp8 KV
     # 4 GiB GPU pool), the last 4 of 42 decode steps profiled (indices 38-41: stage 0 refreshes at 8, 16, ..., 40); no
     # dense row (dense's 1M prefill on the GPU alone would take ~15 min: an estimate from its FLOPs)
     run decode_1m_8b 560 "${row1m[@]}" ;;
+row1m1641)  # no model: row1m with stage 0 refreshed every 16 steps ({"refresh": [16, 4, 1]}: equal to the default on
+    # Qwen's retrieval suite at 128K-512K, docs/quality.md run 17), 50 steps so that three stage-0 refreshes are timed
+    run decode_1m_8b_r1641 560 "${at1m[@]}" --decode-tokens 50 --profile-steps 4 \
+        --attention-config '{"refresh": [16, 4, 1]}' --out "$out/bench-decode-1m-8b-r1641.json" ;;
 earlyinstall)  # no model: tests/gpu's offload kernels (the copy's skipped entries too) and the install inside the
     # step (random:tiny offloaded == GPU-resident, graphs), then row1m with stage 1's candidates installed before
     # they are scored (kvcache/offload.py `install_reads`)
