@@ -44,6 +44,18 @@ def test_copy_kernels_equal_their_references(dtype, monkeypatch):
     oc.copy_chunks_reference(src, si, ref, di, 96)
     assert torch.equal(got.view(torch.uint8), ref.view(torch.uint8))
     assert not got[di[::4]].view(torch.uint8).any() and got[di[1]].view(torch.uint8).any()
+    for programs in (1, 2, 5):  # the looping variant (a background copy's small grid): tiles past n and partial
+        got = torch.zeros(30, 3, 4, 8).to(dtype)
+        oc.copy_chunks(src, si, got, di, 96, programs=programs)
+        assert torch.equal(got.view(torch.uint8), ref.view(torch.uint8)), programs
+    big = torch.randn(6, 5000, generator=g).to(dtype)  # chunks of two 4096-element parts, the second partial
+    got, ref = torch.zeros(5, 5000).to(dtype), torch.zeros(5, 5000).to(dtype)
+    bs, bd = torch.tensor([4, -1, 0, 5]), torch.tensor([1, 2, 3, 0])
+    oc.copy_chunks(big, bs, got, bd, 5000, programs=3)
+    oc.copy_chunks_reference(big, bs, ref, bd, 5000)
+    assert torch.equal(got.view(torch.uint8), ref.view(torch.uint8))
+    with pytest.raises(ValueError, match="at least one program"):
+        oc.copy_chunks(src, si, torch.zeros(30, 3, 4, 8).to(dtype), di, 96, programs=0)
     rows = torch.randperm(120, generator=g)[:17]
     new = torch.randn(17, 4, 8, generator=g).to(dtype)
     got = torch.zeros(120, 4, 8).to(dtype)
@@ -247,6 +259,69 @@ def test_install_reads_installs_a_stage_candidates_inside_the_step():
     st.check_integrity()
     assert c["installed"] == 2 and c["evicted"] == 2 and c["missed"] == 2
     assert st.counters["pages_installed"] == 8 and st.counters["bytes_h2d"] == 8 * st.slot_nbytes
+
+
+def test_install_ahead_reserves_in_the_step_copies_after_and_activates_later():
+    """`PageReads.ahead` (kvcache/prefetch.py): the units are reserved inside the step (victims from the clock, old
+    owners out of the table, the slots marked reserved: no read reaches them, the after-step LRU never takes them),
+    copied after it and put in the table at a later `end_step`; at most one reservation in flight (a second one in
+    the meantime reserves nothing); a unit read and installed after a step meanwhile keeps that slot and its
+    reserved one is freed; freeing pages settles the copy first. The table only ever points at the unit's bytes."""
+    from longreach.kvcache.base import PageReads
+    from longreach.kvcache.prefetch import RESERVED
+
+    table = torch.arange(12, dtype=torch.int32)[None]
+    seq, pos = torch.zeros(1, dtype=torch.long), torch.tensor([47])
+
+    def probe(layer, blocks, ahead=True):
+        return PageReads(layer, table, seq, pos, pos, 1, torch.tensor(blocks), 8, 0, 0, probe=True, ahead=ahead)
+
+    st = _store(slots=6, unit="head")
+    blocks = BlockManager(24, 4, on_free=st.free_pages)
+    assert blocks.ensure(3, 48) and blocks.table(3) == list(range(12))
+    g = torch.Generator().manual_seed(5)
+    for layer in range(2):
+        st.store(layer, torch.randn(48, 2, 8, generator=g), torch.randn(48, 2, 8, generator=g), torch.arange(48))
+    st.note_reads(0, table, seq, pos, pos, 1, torch.tensor([[[0, 1], [0, 1]]]), 4, 0, 0)  # pages 0, 1: 4 units
+    st.end_step()
+    st.end_step()  # step 1 reads nothing: step 0's slots are old enough to be victims from step 2 on
+    # step 2: layer 0's chunk 1 (pages 2, 3) on both heads, 4 units, reserved: the 2 free slots and 2 of step 0's
+    st.install_reads(probe(0, [[[1], [1]]]))
+    assert int((st.slot_of >= 0).sum()) == 2  # the new units are not in the table, and the 2 evicted no longer
+    assert int((st.stamp == RESERVED).sum()) == 4 and int((st.owner >= 0).sum()) == 2
+    st.note_reads(1, table, seq, pos, pos, 1, torch.tensor([[[5], [5]]]), 4, 0, 0)  # layer 1 page 5, both heads
+    c = st.end_step()  # installs layer 1's two units (into the 2 unreserved slots), launches the copy
+    st.check_integrity()
+    assert c["evicted"] == 2 + 2 and c["installed"] == 2 and st.prefetch.in_flight
+    assert int((st.slot_of[0] >= 0).sum()) == 0 and int((st.stamp == RESERVED).sum()) == 4
+    # step 3: another reservation while one is in flight reserves nothing; an attention read of page 2, head 0 (a
+    # reserved unit) is installed after the step into a slot of its own (a layer-1 unit out: the only victim that
+    # is not reserved); then the copy is activated, and page 2 head 0's reserved slot freed
+    st.install_reads(probe(1, [[[3], [3]]]))
+    assert int((st.stamp == RESERVED).sum()) == 4
+    st.note_reads(0, table, seq, pos, pos, 1, torch.tensor([[[2], [-1]]]), 4, 0, 0)
+    c = st.end_step()
+    assert not st.prefetch.in_flight and c["installed"] == 1 + 3 and c["evicted"] == 1
+    assert st.counters["pages_installed_ahead"] == 3
+    assert bool((st.slot_of[0, [2, 3]] >= 0).all()) and int((st.stamp == RESERVED).sum()) == 0
+    assert int((st.owner >= 0).sum()) == 5  # a layer-1 unit, page 2 head 0 once, the other three ahead
+    st.check_integrity()
+    # step 4: a reservation in flight when the sequence is freed: the copy is settled, then every slot given back
+    st.install_reads(probe(0, [[[5], [5]]]))
+    st.end_step()
+    assert st.prefetch.in_flight
+    blocks.free(3)
+    assert not st.prefetch.in_flight and int((st.owner >= 0).sum()) == 0 and int((st.stamp == RESERVED).sum()) == 0
+    st.check_integrity()
+    # free slots to spare: a second reservation while the first is in flight still reserves nothing
+    st = _store(slots=12, unit="head")
+    st.install_reads(probe(0, [[[1], [1]]]))
+    st.end_step()
+    st.install_reads(probe(0, [[[4], [4]]]))
+    assert int((st.stamp == RESERVED).sum()) == 4 and st.prefetch.in_flight
+    st.end_step()
+    st.check_integrity()
+    assert int((st.owner >= 0).sum()) == 4 and not st.prefetch.in_flight
 
 
 @pytest.mark.parametrize("unit", ["page", "head"])

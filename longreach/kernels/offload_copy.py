@@ -60,6 +60,23 @@ if triton is not None:
         tl.store(Dst + t * E + e, tl.load(Src + s * E + e, mask=ok), mask=ok)
 
     @triton.jit
+    def _copy_chunks_loop_kernel(Src, SrcIdx, Dst, DstIdx, n, E, ROWS: tl.constexpr, BLOCK: tl.constexpr):
+        # a fixed grid, each program looping over tiles of ROWS chunks (several host reads in flight per program):
+        # a background copy that leaves the other SMs to the decode steps it overlaps
+        r0 = tl.arange(0, ROWS)
+        e0 = tl.arange(0, BLOCK)
+        for start in range(tl.program_id(0) * ROWS, n, tl.num_programs(0) * ROWS):
+            r = start + r0
+            rok = r < n
+            s = tl.load(SrcIdx + r, mask=rok, other=-1).to(tl.int64)
+            t = tl.load(DstIdx + r, mask=rok, other=0).to(tl.int64)
+            for part in range(0, E, BLOCK):
+                e = part + e0
+                ok = (s >= 0)[:, None] & (e < E)[None, :]
+                x = tl.load(Src + s[:, None] * E + e[None, :], mask=ok)
+                tl.store(Dst + t[:, None] * E + e[None, :], x, mask=ok)
+
+    @triton.jit
     def _scatter_rows_kernel(Src, Rows, Dst, R, stride_s, BLOCK: tl.constexpr):
         t = tl.program_id(0)
         part = tl.program_id(1)
@@ -78,10 +95,12 @@ def copy_chunks_reference(src: torch.Tensor, src_idx: torch.Tensor, dst: torch.T
 
 
 def copy_chunks(src: torch.Tensor, src_idx: torch.Tensor, dst: torch.Tensor, dst_idx: torch.Tensor,
-                chunk: int) -> None:
+                chunk: int, programs: int | None = None) -> None:
     """Copy chunks of `chunk` elements: chunk src_idx[i] of src to chunk dst_idx[i] of dst (src, dst contiguous, same
     dtype; the indices int on dst's device). Rows of dst_idx must be distinct where src_idx >= 0; an entry with a
-    negative src_idx copies nothing (its dst_idx must still be a valid chunk)."""
+    negative src_idx copies nothing (its dst_idx must still be a valid chunk). `programs`: run on that many programs,
+    each looping over the chunks (a background copy beside other work: kvcache/prefetch.py); None: one program per
+    chunk (and per 4096 elements of it), the fastest alone."""
     if src.dtype != dst.dtype or not (src.is_contiguous() and dst.is_contiguous()):
         raise ValueError("copy_chunks needs contiguous tensors of one dtype")
     if src.numel() % chunk or dst.numel() % chunk or src_idx.shape != dst_idx.shape:
@@ -93,6 +112,13 @@ def copy_chunks(src: torch.Tensor, src_idx: torch.Tensor, dst: torch.Tensor, dst
     if not use_triton(dst, interpreter=True):
         return copy_chunks_reference(src, src_idx, dst, dst_idx, chunk)
     block = min(4096, triton.next_power_of_2(chunk))
+    if programs is not None:
+        if programs < 1:
+            raise ValueError(f"copy_chunks needs at least one program, got {programs}")
+        rows = max(1, min(8, 16384 // block))  # chunks per tile: ~16K elements in flight per program
+        _copy_chunks_loop_kernel[(min(programs, triton.cdiv(n, rows)),)](
+            kernel_arg(src), src_idx, kernel_arg(dst), dst_idx, n, chunk, ROWS=rows, BLOCK=block, num_warps=8)
+        return
     _copy_chunks_kernel[(n, triton.cdiv(chunk, block))](kernel_arg(src), src_idx, kernel_arg(dst), dst_idx, chunk,
                                                          BLOCK=block, num_warps=4)
 

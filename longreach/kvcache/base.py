@@ -24,7 +24,8 @@ import torch
 
 # the keys of `occupancy` (the server's /metrics and `kv_cache_stats` read them)
 OCCUPANCY_KEYS = ("offload", "gpu_pages_total", "gpu_pages_used", "host_pages_total", "host_pages_used", "pages_hit",
-                  "pages_missed", "pages_evicted", "pages_installed", "pages_installed_in_step", "bytes_h2d")
+                  "pages_missed", "pages_evicted", "pages_installed", "pages_installed_in_step",
+                  "pages_installed_ahead", "bytes_h2d")
 
 
 @dataclass(frozen=True)
@@ -47,6 +48,9 @@ class PageReads:
     # a selection stage's probes (the keys it scored, `blocks` its candidate chunks of `block_k` tokens), not the
     # attention: a store installs them only where its unit makes room for them (kvcache/offload.py)
     probe: bool = False
+    # with `probe`, handed to `install_reads`: pages a stage will score at a later step (infinitehip's `ahead`), to be
+    # copied in the background (kvcache/prefetch.py) rather than now
+    ahead: bool = False
 
 
 @dataclass(frozen=True)
@@ -87,4 +91,4 @@ def resident_occupancy(blocks) -> dict:
     used = blocks.num_blocks - blocks.num_free_blocks
     return {"offload": False, "gpu_pages_total": blocks.num_blocks, "gpu_pages_used": used, "host_pages_total": 0,
             "host_pages_used": 0, "pages_hit": 0, "pages_missed": 0, "pages_evicted": 0, "pages_installed": 0,
-            "pages_installed_in_step": 0, "bytes_h2d": 0}
+            "pages_installed_in_step": 0, "pages_installed_ahead": 0, "bytes_h2d": 0}

@@ -52,6 +52,7 @@ from ..kernels.offload_copy import copy_chunks, scatter_rows
 from .base import PageReads
 from .fp8 import as_bytes, encode, row_bytes, row_elems
 from .pinned import pinned_empty
+from .prefetch import RESERVED, Prefetcher
 from .staging import StagedPrefill
 
 
@@ -91,7 +92,7 @@ class OffloadedKVCache:
         # units it installed / evicted since the last `end_step`
         self.step_t = torch.zeros((), dtype=torch.long, device=device)
         self._hand = torch.zeros((), dtype=torch.long, device=device)
-        self._now = torch.zeros(2, dtype=torch.long, device=device)
+        self._now = torch.zeros(3, dtype=torch.long, device=device)  # installed, evicted, reserved (prefetch.py)
         # units read by this step's attention, flat ((layer * P + page) * U + head), plus one trash entry for
         # masked-out reads
         self.wanted = torch.zeros(L * P * U + 1, dtype=torch.bool, device=device)
@@ -108,8 +109,10 @@ class OffloadedKVCache:
         self.step = 0
         # pages_installed_in_step: of pages_installed, those `install_reads` installed inside a step (the rest after
         # one, by `end_step`)
+        # pages_installed_ahead: of pages_installed, those copied in the background after a reservation (prefetch.py)
         self.counters = {"pages_hit": 0, "pages_missed": 0, "pages_evicted": 0, "pages_installed": 0,
-                         "pages_installed_in_step": 0, "bytes_h2d": 0}
+                         "pages_installed_in_step": 0, "pages_installed_ahead": 0, "bytes_h2d": 0}
+        self.prefetch = Prefetcher(self)  # installs ahead: reserved in a step, copied while later steps run
 
     @staticmethod
     def bytes_per_page(num_layers: int, block_size: int, num_kv_heads: int, head_dim: int, dtype: torch.dtype) -> int:
@@ -258,7 +261,7 @@ class OffloadedKVCache:
         return {"offload": True, "gpu_pages_total": st["gpu_slots_total"], "gpu_pages_used": st["gpu_slots_used"],
                 "host_pages_total": blocks.num_blocks, "host_pages_used": blocks.num_blocks - blocks.num_free_blocks,
                 **{k: st[k] for k in ("pages_hit", "pages_missed", "pages_evicted", "pages_installed",
-                                      "pages_installed_in_step", "bytes_h2d")}}
+                                      "pages_installed_in_step", "pages_installed_ahead", "bytes_h2d")}}
 
     # ---- decode: what attention read, installs after the step --------------------------------------------------------
     def record_reads(self, reads: PageReads) -> None:
@@ -329,7 +332,8 @@ class OffloadedKVCache:
         """After a decode step: stamp the hits, install the misses (LRU victims). Returns this step's counts."""
         self.wanted[-1] = False
         ids = self.wanted.nonzero().squeeze(1)  # a host sync: the step's logits are read right after anyway
-        early_installed, early_evicted = (int(x) for x in self._now.tolist())  # `install_reads` in this step
+        # `install_reads` in this step: units installed, evicted (for them or for reservations), reserved
+        early_installed, early_evicted, reserved = (int(x) for x in self._now.tolist())
         self._now.zero_()
         if ids.numel() == 0:
             n_hit = n_miss = evicted = installed = 0
@@ -341,18 +345,24 @@ class OffloadedKVCache:
             miss = ids[~hit]
             n_hit, n_miss = ids.numel() - miss.numel(), miss.numel()
             evicted, installed = self._install(miss) if n_miss else (0, 0)
+        # an earlier step's reservation, copied by now: in the table from the next step (its units installed just
+        # above keep their slots); then this step's reservation, if any, starts copying
+        ahead = self.prefetch.poll()
+        if reserved:
+            self.prefetch.launch()
         # a unit installed by `install_reads` counts as a miss installed (it was not resident when the step began);
         # it marked itself read, so the marks counted it as a hit
         n_hit -= early_installed
         n_miss += early_installed
         evicted += early_evicted
-        installed += early_installed
+        installed += early_installed + ahead
         c = self.counters
         c["pages_hit"] += n_hit
         c["pages_missed"] += n_miss
         c["pages_evicted"] += evicted
         c["pages_installed"] += installed
         c["pages_installed_in_step"] += early_installed
+        c["pages_installed_ahead"] += ahead
         c["bytes_h2d"] += installed * self.slot_nbytes
         self.step += 1
         self.step_t.fill_(self.step)
@@ -377,22 +387,15 @@ class OffloadedKVCache:
         u = self._probe_units(reads)  # (E,) ascending, each unit once, `trash` for no unit
         if u.numel() == 0:
             return
-        dev = u.device
         valid = u < trash
         cur = self._slot_all[u].long()  # the trash entry is -1
+        miss = valid & (cur < 0)
+        if reads.ahead:  # copied in the background, resident from a later step (kvcache/prefetch.py)
+            return self.prefetch.reserve(u, miss)
         hit = valid & (cur >= 0)
         self._stamp_all.index_put_((torch.where(hit, cur, S),), self.step_t)
-        miss = valid & (cur < 0)
-        W = min(S, 4 * u.numel())
-        cand = torch.remainder(self._hand + torch.arange(W, device=dev), S)
-        # eligible: free (stamp -1) or last read before the previous step; cumulative count along the clock
-        cum = torch.cumsum(self._stamp_all[cand] < (self.step_t - 1).clamp(min=0), 0)
-        rank = torch.cumsum(miss, 0)  # 1 for the first missing unit
-        do = miss & (rank <= cum[-1])
-        vic = torch.where(do, cand[torch.searchsorted(cum, rank).clamp(max=W - 1)], S)
+        do, vic = self.clock_victims(miss)
         n_do = do.sum()
-        last = torch.searchsorted(cum, n_do.view(1))[0]  # the position of the n_do-th eligible slot
-        self._hand.copy_(torch.remainder(self._hand + torch.where(n_do > 0, last + 1, 0), S))
         old = self._owner_all[vic]  # -1 for the scratch slot (no victim)
         gone = do & (old >= 0)
         self._slot_all.index_fill_(0, torch.where(gone, old, trash), -1)
@@ -400,13 +403,32 @@ class OffloadedKVCache:
         self._slot_all[trash:].fill_(-1)  # (a view: no host value copied inside a captured step)
         self._owner_all.index_put_((vic,), torch.where(do, u, -1))
         self._stamp_all.index_put_((vic,), self.step_t)
-        self._now += torch.stack([n_do, gone.sum()])
+        self._now += torch.stack([n_do, gone.sum(), torch.zeros_like(n_do)])
         self.wanted.index_fill_(0, torch.where(do, u, trash), True)  # read this step: `end_step` counts them
         PU = P * U  # a unit's chunk at home: ((layer * 2 + kv) * PU + unit of the layer)
         home = (u // PU) * 2 * PU + u % PU
         src = torch.where(do, home, -1)
         copy_chunks(self.host, torch.cat([src, torch.where(do, src + PU, -1)]), self.pool,
                     torch.cat([vic * 2, vic * 2 + 1]), self.slot_elems)
+
+    def clock_victims(self, miss: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Victim slots for the units where `miss` (E,) (device ops of width 4E, no host sync): from the clock's hand
+        on, the slots that are free (stamp -1) or were last read before the previous step, the k-th missing unit
+        taking the k-th such slot within 4E; the hand moves past the last one taken. Returns (do, victim): whether a
+        unit got one, and its slot (the scratch slot S where not)."""
+        S = self.num_slots
+        W = min(S, 4 * miss.numel())
+        cand = torch.remainder(self._hand + torch.arange(W, device=miss.device), S)
+        # eligible: free (stamp -1) or last read before the previous step (a reserved slot's stamp is the largest);
+        # cumulative count along the clock
+        cum = torch.cumsum(self._stamp_all[cand] < (self.step_t - 1).clamp(min=0), 0)
+        rank = torch.cumsum(miss, 0)  # 1 for the first missing unit
+        do = miss & (rank <= cum[-1])
+        vic = torch.where(do, cand[torch.searchsorted(cum, rank).clamp(max=W - 1)], S)
+        n_do = do.sum()
+        last = torch.searchsorted(cum, n_do.view(1))[0]  # the position of the n_do-th eligible slot
+        self._hand.copy_(torch.remainder(self._hand + torch.where(n_do > 0, last + 1, 0), S))
+        return do, vic
 
     def _probe_units(self, reads: PageReads) -> torch.Tensor:
         """The head-page units (layer * P + page) * U + head of a stage's candidate chunks (`reads.blocks` (nb, G, C)
@@ -433,8 +455,9 @@ class OffloadedKVCache:
     def _install(self, miss: torch.Tensor) -> tuple[int, int]:
         """Copy the missed (layer * P + page) ids into free or least-recently-used slots, never a slot read in this
         step (if the step's own pages fill the pool, the rest stay on the host and are read from there)."""
-        key = torch.where(self.stamp == self.step, torch.iinfo(torch.long).max, self.stamp)
-        room = int((self.stamp != self.step).sum())
+        taken = (self.stamp == self.step) | (self.stamp == RESERVED)  # read in this step, or being prefetched
+        key = torch.where(taken, RESERVED, self.stamp)
+        room = int((~taken).sum())
         k = min(miss.numel(), room)
         if k == 0:
             return 0, 0
@@ -456,6 +479,7 @@ class OffloadedKVCache:
         """Pages returned to the block manager (a finished or preempted sequence): drop their slots."""
         if not pages:
             return
+        self.counters["pages_installed_ahead"] += self.prefetch.activate()  # its copy may hold freed pages
         p = torch.tensor(pages, dtype=torch.long, device=self.slot_of.device)
         ids = (torch.arange(self.num_layers, device=p.device)[:, None] * self.num_pages + p[None, :]).reshape(-1)
         if self.units > 1:
@@ -488,6 +512,7 @@ class OffloadedKVCache:
             raise AssertionError("a slot claims a page whose table entry points elsewhere")
         if bool(self.wanted.any()):
             raise AssertionError("reads are marked outside a step")
+        self.prefetch.check()
         if int(self._slot_all[-1]) != -1 or int(self._owner_all[-1]) != -1:
             raise AssertionError("a trash entry of the page table or of the slot owners was left written")
         P, U = self.num_pages, self.units

@@ -12,7 +12,7 @@ STAGE0_SCORES = ("selectrep", "minmax", "cuboid-mean")  # kernels/chunk_box.py f
 
 @dataclass(frozen=True)
 class InfiniteHiPConfig(SparseConfig):
-    DECODE_ONLY: ClassVar[frozenset[str]] = SparseConfig.DECODE_ONLY | {"refresh", "lookahead"}
+    DECODE_ONLY: ClassVar[frozenset[str]] = SparseConfig.DECODE_ONLY | {"refresh", "lookahead", "ahead"}
     chunk_sizes: tuple[int, ...] = (256, 32, 8)  # l_c per stage
     budgets: tuple[int, ...] = (32768, 8192, 2048)  # k per stage: tokens kept after it
     early_layers: int = 3  # the first layers use early_last_budget as the last stage's k
@@ -30,6 +30,10 @@ class InfiniteHiPConfig(SparseConfig):
     # decode only: each stage's survivors plus the next `lookahead` chunks after each one (method.py), so a mask
     # that is not refreshed this step still holds what a model copying forward reads next; 0: the paper's
     lookahead: int = 0
+    # decode only: each stage-0 refresh uses the stage-0 output of the refresh before (its own at a sequence's first)
+    # and keeps the new one for the next, whose pages an offloaded store copies in while the steps between run
+    # (method.py; docs/design-refresh-installs.md, option 5); False: the paper's
+    ahead: bool = False
 
     def __post_init__(self) -> None:
         super().__post_init__()
@@ -47,6 +51,11 @@ class InfiniteHiPConfig(SparseConfig):
         if isinstance(self.lookahead, bool) or not isinstance(self.lookahead, int) or self.lookahead < 0:
             raise ValueError(f"lookahead must be an integer >= 0 (the chunks after each survivor that a decode step "
                              f"also keeps; 0: none), got {self.lookahead!r}")
+        if not isinstance(self.ahead, bool):
+            raise ValueError(f"ahead must be true or false, got {self.ahead!r}")
+        if self.ahead and n < 2:
+            raise ValueError("ahead needs two stages or more: it delays stage 0's output, which with one stage would "
+                             "be the attention's own selection")
         if any(r < 1 for r in self.refresh):
             raise ValueError(f"refresh intervals must be >= 1, got {self.refresh}")
         if self.stage0_scores not in STAGE0_SCORES:

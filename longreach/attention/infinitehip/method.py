@@ -54,6 +54,13 @@ Settled ambiguities (digest §8):
     decode speed, the misses garbled copies (the 2026-11-27 H200 runs, docs/quality.md). A decode step then keeps
     up to (1 + lookahead) * k / l_c chunks per stage (`graph_stage_widths` sizes the captured step's buffers so);
     prefill, its selection graphs, `selected_budget` and the dense limits counted from it are unchanged.
+  * `ahead` (longreach option, not in the paper; False = the paper): in decode only, a stage-0 refresh scores stage 0
+    as usual but hands the next stages the stage-0 output of the refresh before, keeping the new one for the next
+    refresh (a sequence's first refresh, with nothing kept, uses its own); rows of a captured step that do not
+    refresh stage 0 keep both. Stage 0's output is then 1-2 refresh intervals old instead of 0-1. Why: with the KV
+    cache offloaded, the new output's pages can be copied to the GPU while the steps between run
+    (kvcache/prefetch.py) instead of inside the refresh step (docs/design-refresh-installs.md, option 5); the
+    method hands them to the store (`SequenceKeys.install` with ahead) after stage 1's own installs.
 RoPE (§1.5): the paper's strategies by default — chunk-indexed positions while pruning in layers 0-2, relative in the
 rest, rolling (StreamingLLM) positions in the attention — applied to query blocks past the model's trained length
 (`rope_from`); inside it true positions are exact and score better (rope/strategies.py).
@@ -63,7 +70,7 @@ from __future__ import annotations
 import torch
 
 from ...kernels.prune_ref import chunk_bounds
-from ..sparse.selection import BlockQueries, SelectionMethod, SequenceKeys, use_kernels
+from ..sparse.selection import BlockQueries, SelectionMethod, SequenceKeys, StageAhead, use_kernels
 from .config import DEFAULT_PRESET, PRESETS, InfiniteHiPConfig
 
 
@@ -94,8 +101,11 @@ class InfiniteHiP(SelectionMethod):
         cached = state.get("stages")
         first = 0 if cached is None else self.refresh_from(step)
         prev = cached[first - 1] if first > 0 else None
-        fresh = (self.run_stages(layer, q, blocks, keys, first, prev, lookahead=self.cfg.lookahead)
+        ahead = StageAhead(state.get("ahead")) if self.cfg.ahead and first == 0 else None
+        fresh = (self.run_stages(layer, q, blocks, keys, first, prev, lookahead=self.cfg.lookahead, ahead=ahead)
                  if first < len(self.cfg.refresh) else [])
+        if ahead is not None:
+            state["ahead"] = ahead.next
         state["stages"] = (cached[:first] if cached is not None else []) + fresh
         return state["stages"][-1]
 
@@ -170,10 +180,28 @@ class InfiniteHiP(SelectionMethod):
     def graph_last_direct(self) -> bool:
         return self.cfg.refresh[-1] == 1 and not self.cfg.lookahead
 
-    def graph_select(self, layer, q, blocks, keys, cached, row_first, level, out=None):
+    def graph_ahead(self) -> bool:
+        return self.cfg.ahead
+
+    def graph_select(self, layer, q, blocks, keys, cached, row_first, level, out=None, ahead=None):
         prev = cached[level - 1] if level else None
         return self.run_stages(layer, q, blocks, keys, level, prev, keep=(cached, row_first),
-                               lookahead=self.cfg.lookahead, last_out=out)
+                               lookahead=self.cfg.lookahead, last_out=out, ahead=ahead)
+
+    def stage0_ahead(self, new: torch.Tensor, ahead: StageAhead, kept: torch.Tensor | None):
+        """`ahead` at a stage-0 refresh: (what the next stages use, the stage-1 chunks to copy in for the next
+        refresh). new (nb, G, C0): this refresh's output; kept (nb, 1, 1) rows that keep their cached stage 0 (a
+        captured step's rows not refreshing it: they keep `held` too) or None. Sets `ahead.next`."""
+        held = ahead.held
+        if held is not None and held.shape != new.shape:  # an eager step whose stage-0 width changed: none kept
+            held = None
+        used = new if held is None else torch.where((held >= 0).any(-1, keepdim=True), held, new)
+        ahead.next = new if held is None or kept is None else torch.where(kept, held, new)
+        ratio = self.cfg.chunk_sizes[0] // self.cfg.chunk_sizes[1]
+        nb, G, _ = new.shape
+        # new's sub-chunks (a -1 gives negative ids: no pages); none for the rows that keep theirs
+        pre = torch.add(self.arange(ratio, new.device, new.dtype), new[..., None], alpha=ratio).reshape(nb, G, -1)
+        return used, (pre if kept is None else torch.where(kept, -1, pre))
 
     def lookahead_chunks(self, ids: torch.Tensor, chunk: int, cand_end: torch.Tensor, n: int) -> torch.Tensor:
         """A stage's survivors ids (nb, G, C) (candidate chunks of `chunk` tokens, ascending, -1 padded) -> (nb, G,
@@ -192,7 +220,8 @@ class InfiniteHiP(SelectionMethod):
 
     def run_stages(self, layer, q, blocks, keys, first: int = 0, prev: torch.Tensor | None = None,
                    return_counts: bool = False, keep: tuple[list[torch.Tensor], torch.Tensor] | None = None,
-                   lookahead: int = 0, last_out: tuple[torch.Tensor, torch.Tensor] | None = None):
+                   lookahead: int = 0, last_out: tuple[torch.Tensor, torch.Tensor] | None = None,
+                   ahead: StageAhead | None = None):
         """Outputs of stages first..N-1, each (nb, G, C_i) ascending chunk ids at that stage's granularity, -1 padded
         (and, with `return_counts`, the last stage's (nb, G) counts: the attention index without any repacking).
 
@@ -207,6 +236,8 @@ class InfiniteHiP(SelectionMethod):
         decode steps pass the config's, prefill none), so C_i is (1 + lookahead) times the survivors' width.
         `last_out`: (ids, counts) the last stage's top-k writes into (`graph_select`'s `out`: a captured step's index
         rows; the stage must be refreshed at every step, without lookahead); its output is then not in the list.
+        `ahead`: at a decode step that recomputes stage 0 with the config's `ahead`, its kept output
+        (`stage0_ahead`); the returned stage-0 output is then the one the next stages used.
         """
         cfg = self.cfg
         dev = q.device
@@ -218,6 +249,7 @@ class InfiniteHiP(SelectionMethod):
         widths = self.stage_widths(layer, blocks.max_end, lookahead)
         nb, G = blocks.num_blocks, self.groups
         outs = []
+        prefetch = None  # `ahead`: stage 1's chunks of this refresh's stage 0, for the store to copy in
         for i in range(first, len(cfg.chunk_sizes)):
             l = cfg.chunk_sizes[i]
             width, needs_scores = widths[i]
@@ -243,6 +275,8 @@ class InfiniteHiP(SelectionMethod):
                     # their pages now, so that their keys cross PCIe once and stage 1 reads them from the GPU
                     # (kvcache/offload.py `install_reads`); later stages' candidates are sub-chunks of these
                     keys.install(ids, l)
+                    if prefetch is not None:  # after stage 1's installs, so that none of its pages is a victim
+                        keys.install(prefetch, l, ahead=True)
                 score = self.chunk_scores(layer, q, blocks, keys, ids, l, l <= cfg.exact_below, cand_end)
                 if keys.probes is not None and i > 0:  # the keys it just read, for the store (SequenceKeys.probes);
                     keys.probes(ids, l)  # stage 0's candidates are the whole context: never installed for it
@@ -260,6 +294,9 @@ class InfiniteHiP(SelectionMethod):
                 self.top_k(ids, score, k, out=last_out)
                 break
             prev, counts = self.top_k(ids, score, k)
+            if i == 0 and ahead is not None and first == 0:
+                kept = None if keep is None else (keep[1] > 0)[:, None, None]
+                prev, prefetch = self.stage0_ahead(prev, ahead, kept)
             if lookahead:
                 prev = self.lookahead_chunks(prev, l, cand_end, lookahead)
             if keep is not None and not self.refreshed_every_step(i):

@@ -36,7 +36,8 @@ import torch
 from ..backend import AttentionMetadata
 from ..dense import DenseFallback
 from ..index import QueryBlocks
-from .selection import BlockQueries, KeptBoxes, SelectionMethod, SequenceKeys, install_now, probe_reads, use_kernels
+from .selection import (BlockQueries, KeptBoxes, SelectionMethod, SequenceKeys, StageAhead, install_now, probe_reads,
+                        use_kernels)
 
 
 SHORT_WARM_MAX = 32768  # the longest short-row batch whose decode variants a warm-up captures (warm_keys)
@@ -152,6 +153,9 @@ class GraphDecoder:
                 "zero": torch.zeros(1, dtype=torch.int32, device=dev),
                 # the last stage's counts per layer and row, where its top-k writes them (`select`, direct)
                 "counts": torch.zeros(L, slots, m.groups, dtype=torch.int32, device=dev),
+                # `graph_ahead`: per layer, stage 0's kept output (-1 rows: none), as the stage caches; reset for a
+                # slot when a sequence takes it (`step`)
+                "ahead": [torch.full_like(c[0], -1) if m.graph_ahead() and c else None for c in cache],
             }
             self._free_slots = list(range(slots))[::-1]
         return self._g
@@ -213,10 +217,11 @@ class GraphDecoder:
         bucket = min(1 << (longest - 1).bit_length(), max(longest, self.max_model_len))
         dense = tuple(longest <= x for x in limits)
         first = np.full((L, len(seq_ids)), N, dtype=np.int64)
-        slots = []
+        slots, taken = [], []
         for row, (seq_id, length, step) in enumerate(zip(seq_ids, seq_lens, steps)):
             if seq_id not in self.slots:
                 self.slots[seq_id] = self._free_slots.pop()
+                taken.append(self.slots[seq_id])
             slots.append(self.slots[seq_id])
             seen = self.cached.get(seq_id, 0)
             past = lim < length  # the sparse layers this row selects in (no longer than the limit: every key block)
@@ -239,6 +244,11 @@ class GraphDecoder:
             g["slot"][:rows].copy_(torch.tensor(slots + [self.max_num_seqs] * (rows - n), dtype=torch.long),
                                    non_blocking=True)
             g["first"][:, :rows].copy_(torch.from_numpy(padded), non_blocking=True)
+            if taken and g["ahead"][0] is not None:  # a new sequence's slot: nothing of stage 0 kept
+                idx = torch.tensor(taken, dtype=torch.long).to(self.device, non_blocking=True)
+                for buf in g["ahead"]:
+                    if buf is not None:
+                        buf.index_fill_(0, idx, -1)
             if self.boxes is not None:
                 self.boxes.graph_load(rows)
         return (bucket, level, dense, select, catchup), load
@@ -288,6 +298,10 @@ class GraphDecoder:
             cached = [c[slot] if i == level - 1 or (i >= level and not m.refreshed_every_step(i)) else None
                       for i, c in enumerate(caches)]
             fresh: list[list[torch.Tensor]] = [[] for _ in caches[level:]]
+            held = g["ahead"][layer] if level == 0 else None  # `graph_ahead`: stage 0's kept output, rows by slot
+            nexts: list[torch.Tensor] = []
+            if held is not None:
+                held_rows = held[slot]
             if "cand_end" not in memo:  # the same for every layer of the step: one op, not one per layer
                 memo["cand_end"] = m.candidate_end(ends)
             cand_end = memo["cand_end"]
@@ -307,11 +321,16 @@ class GraphDecoder:
                 keys = SequenceKeys(k_cache, meta.block_tables[i], bucket, boxes, probes, install)
                 out = (g["last"][layer][i:i + 1, :, :caches[-1].shape[2]], g["counts"][layer, i:i + 1]) \
                     if direct else None
+                ahead = None if held is None else StageAhead(held_rows[i:i + 1])
                 outs = m.graph_select(layer, q[i:i + 1], blocks, keys,
                                       [None if c is None else c[i:i + 1] for c in cached], first[i:i + 1], level,
-                                      out=out)
+                                      out=out, ahead=ahead)
                 for j, o in enumerate(outs):
                     fresh[j].append(o)
+                if ahead is not None:
+                    nexts.append(ahead.next)
+            if nexts:
+                held.index_copy_(0, slot[:sel], nexts[0] if len(nexts) == 1 else torch.cat(nexts))
             for c, f in zip(caches[level:], fresh):
                 if f:
                     c.index_copy_(0, slot[:sel], f[0] if len(f) == 1 else torch.cat(f))

@@ -48,9 +48,20 @@ def install_now(meta, layer: int, seq: torch.Tensor, pos: torch.Tensor):
         return None
     from ...kvcache.base import PageReads
 
-    def install(ids: torch.Tensor, chunk: int) -> None:
-        meta.install_reads(PageReads(layer, meta.block_tables, seq, pos, pos, 1, ids, chunk, 0, 0, probe=True))
+    def install(ids: torch.Tensor, chunk: int, ahead: bool = False) -> None:
+        meta.install_reads(PageReads(layer, meta.block_tables, seq, pos, pos, 1, ids, chunk, 0, 0, probe=True,
+                                     ahead=ahead))
     return install
+
+
+@dataclass
+class StageAhead:
+    """A selection's first stage kept one refresh ahead (infinitehip's `ahead`) for one refresh: `held` (nb, G, C0)
+    the output of the refresh before (a row of only -1: none kept; None: nothing kept at all), `next` what the
+    method leaves to keep for the next one (graph.py keeps it in a static buffer, the eager path in its state)."""
+
+    held: torch.Tensor | None
+    next: torch.Tensor | None = None
 
 
 class SequenceKeys:
@@ -71,9 +82,10 @@ class SequenceKeys:
         # probes(ids, chunk): a decode step's stage reports the candidate chunks whose keys it scored (the KV store
         # may install them: kvcache/offload.py); None when nobody listens (prefill, a one-tier cache)
         self.probes = probes
-        # install(ids, chunk): a decode step's stage about to score candidates that are new this step (infinitehip's
-        # stage 1 after stage 0 was rescored) asks the store to install their pages first (`install_now`); None: no
-        # store installs inside a step
+        # install(ids, chunk, ahead=False): a decode step's stage about to score candidates that are new this step
+        # (infinitehip's stage 1 after stage 0 was rescored) asks the store to install their pages first
+        # (`install_now`); with ahead, candidates it will score at a later step, copied in the background
+        # (kvcache/prefetch.py); None: no store installs inside a step
         self.install = install
         self._dense: torch.Tensor | None = None
         self.prune_tables: dict = {}  # the reference scorer's moved keys, per strategy (valid while this object is)
@@ -276,13 +288,19 @@ class SelectionMethod(ABC):
         cached copy is never kept) and the top-k's ids and counts are the index as they are."""
         return False
 
+    def graph_ahead(self) -> bool:
+        """Does a decode step keep, per sequence and layer, stage 0's newest output besides the one it uses
+        (infinitehip's `ahead`)? A captured step then hands `graph_select` that buffer's row (graph.py)."""
+        return False
+
     def graph_select(self, layer: int, q: torch.Tensor, blocks: BlockQueries, keys: SequenceKeys,
                      cached: list[torch.Tensor], row_first: torch.Tensor, level: int,
-                     out: tuple[torch.Tensor, torch.Tensor] | None = None) -> list[torch.Tensor]:
+                     out: tuple[torch.Tensor, torch.Tensor] | None = None, ahead=None) -> list[torch.Tensor]:
         """Stage outputs level..N-1 for one sequence's decode block, without host syncs. Stage i is recomputed for
         the blocks whose `row_first` <= i; the others keep `cached[i]`, and the next stage builds on what was kept.
         `out` (only where `graph_last_direct`): (ids (1, G, C_last), counts (1, G)) int32 views the last stage's
-        top-k writes into; that stage's output is then left out of the returned list."""
+        top-k writes into; that stage's output is then left out of the returned list. `ahead` (only where
+        `graph_ahead`): the method's holder of stage 0's kept output (infinitehip/method.py, `StageAhead`)."""
         raise NotImplementedError
 
     # ---- helpers shared by the methods ---------------------------------------------------------------------------

@@ -52,7 +52,8 @@ def _kv_stats(engine) -> dict | None:
 def _counter_deltas(before: dict | None, after: dict | None) -> dict | None:
     if before is None or after is None:
         return None
-    keys = ("pages_hit", "pages_missed", "pages_evicted", "pages_installed", "pages_installed_in_step", "bytes_h2d")
+    keys = ("pages_hit", "pages_missed", "pages_evicted", "pages_installed", "pages_installed_in_step",
+            "pages_installed_ahead", "bytes_h2d")
     return {k: after[k] - before[k] for k in keys if isinstance(after.get(k), (int, float))
             and isinstance(before.get(k), (int, float))}
 
@@ -78,7 +79,8 @@ def _offload_summary(snaps: list, steps: list[dict], prefill_kv: dict | None, se
         "hit_ratio": hit / (hit + miss) if hit is not None and miss is not None and hit + miss else None,
         "h2d_gb_s": h2d / seconds / 1e9 if h2d is not None and seconds > 0 else None,
         "prefill": prefill_kv,
-        "per_step": [{k: d.get(k) for k in ("pages_installed", "pages_installed_in_step", "bytes_h2d")}
+        "per_step": [{k: d.get(k) for k in ("pages_installed", "pages_installed_in_step", "pages_installed_ahead",
+                                            "bytes_h2d")}
                      for d in (_counter_deltas(*step["kv"]) or {} for step in steps)],
         "max_gpu_pages_used": max((x.get("gpu_pages_used", 0) for x in snaps), default=None),
         "max_host_pages_used": max((x.get("host_pages_used", 0) for x in snaps), default=None),
