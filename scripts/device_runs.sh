@@ -114,6 +114,9 @@
 #   bash scripts/device_runs.sh step16      # no model: row1m's command to step 16, steps 14-16 profiled
 #   bash scripts/device_runs.sh stagingoverlap # no model: the offload GPU checks (double-buffered staging), then row1m
 #   bash scripts/device_runs.sh stagingab   # no model: the 8B shape's 512K prefill offloaded, 1 then 2 staging buffers
+#   bash scripts/device_runs.sh row1m1641   # no model: row1m with refresh (16, 4, 1), 50 steps
+#   bash scripts/device_runs.sh ahead256k   # no model: the installs-ahead GPU check, then the 8B shape at 256K
+#                                           # offloaded: (8, 4, 1), (16, 4, 1), (16, 4, 1) with ahead
 #   bash scripts/device_runs.sh qwen05refresh # needs Qwen 0.5B: the scoring kernels' GPU check (its shape too), then
 #                                           # its 128K decode with 8 steps profiled (a stage-0 and a stage-1 refresh),
 #                                           # their timeline in $OUT/traces
@@ -334,6 +337,14 @@ row1m)  # issue 31's 1M row on today's default (8B shape, random weights, fp8 KV
     # 4 GiB GPU pool), the last 4 of 42 decode steps profiled (indices 38-41: stage 0 refreshes at 8, 16, ..., 40); no
     # dense row (dense's 1M prefill on the GPU alone would take ~15 min: an estimate from its FLOPs)
     run decode_1m_8b 560 "${row1m[@]}" ;;
+ahead256k)  # no model: tests/gpu's installs ahead (random:tiny offloaded == GPU-resident through graphs; the looping
+    # copy kernel), then the 8B shape at 256K (fp8 KV offloaded, 4 GiB pool: stage 1's candidates are as many bytes
+    # as at 1M) in one bench: the default (8, 4, 1), (16, 4, 1), and (16, 4, 1) with `ahead`
+    gpu_tests gpu_check_ahead 120 tests/gpu/test_offload.py -k ahead
+    cfg='{"infinitehip@r1641": {"refresh": [16, 4, 1]}, "infinitehip@ahead16": {"refresh": [16, 4, 1], "ahead": true}}'
+    run decode_256k_ahead 260 $bd --kv-offloading-size 20 --lengths 256k --attention infinitehip infinitehip@r1641 \
+        infinitehip@ahead16 --attention-config "$cfg" --dense-lengths --decode-tokens 66 \
+        --out "$out/bench-decode-256k-8b-ahead.json" ;;
 row1m1641)  # no model: row1m with stage 0 refreshed every 16 steps ({"refresh": [16, 4, 1]}: equal to the default on
     # Qwen's retrieval suite at 128K-512K, docs/quality.md run 17), 50 steps so that three stage-0 refreshes are timed
     run decode_1m_8b_r1641 560 "${at1m[@]}" --decode-tokens 50 --profile-steps 4 \

@@ -45,6 +45,10 @@ def test_offload_kernels(detail):
             raise AssertionError(f"copy_chunks {dtype} not bit-exact")
         if bool(dst[di[skip]].view(torch.uint8).any()):
             raise AssertionError(f"copy_chunks {dtype} wrote an entry whose source index was negative")
+        loop = torch.zeros_like(kc)  # the background copy's looping programs (kvcache/prefetch.py)
+        copy_chunks(src, torch.where(skip, -1, si), loop, di, kc[0].numel(), programs=16)
+        if not torch.equal(loop.view(torch.uint8), dst.view(torch.uint8)):
+            raise AssertionError(f"copy_chunks {dtype} with 16 looping programs differs from one program per chunk")
         host = torch.zeros(P * page, Hkv, D, dtype=dtype).pin_memory()
         r = torch.randperm(P * page, device=dev, generator=g)[:5000]
         new = torch.randn(5000, Hkv, D, device=dev, generator=g).to(dtype)
@@ -236,3 +240,39 @@ def test_offload_installs_inside_the_step(detail, monkeypatch):
     detail(f"random:tiny at {length} tokens, {steps} greedy tokens equal offloaded (head slots, pool 1/8) and not; "
            f"{sum(early)} head-pages installed inside steps, {stats['pages_installed']} in all, hit ratio "
            f"{stats['pages_hit'] / max(1, stats['pages_hit'] + stats['pages_missed']):.3f}")
+
+
+def test_offload_installs_ahead(detail):
+    """No model: random:tiny at 16K, infinitehip with `ahead` and refresh (16, 4, 1) through CUDA graphs: offloaded
+    with head slots to a pool of 1/8 of the KV, stage 0's kept output reserved inside the captured refresh step and
+    copied on the copy stream by the looping copy kernel while later steps run (kvcache/prefetch.py), gives the
+    GPU-resident cache's greedy tokens with the same config; reservations were copied and activated, and the store
+    is consistent after."""
+    from longreach import LLM, SamplingParams
+
+    length, steps = 16384, 96
+    cfg = '{"budgets": [4096, 1024, 256], "dense_below": 0, "refresh": [16, 4, 1], "ahead": true}'
+    kv_gb = length * 2 * 2 * 2 * 16 * 2 / 2**30
+    ids = torch.randint(3, 500, (length,), generator=torch.Generator().manual_seed(4)).tolist()
+    res = {}
+    for name, kw in (("gpu", {"kv_cache_memory_gb": kv_gb * 1.5 + 0.01}),
+                     ("offload-heads", {"kv_cache_memory_gb": kv_gb / 8, "kv_offloading_size": kv_gb * 1.5 + 0.01,
+                                        "kv_offload_unit": "head"})):
+        gc.collect()
+        torch.cuda.empty_cache()
+        llm = LLM("random:tiny", attention="infinitehip", attention_config=cfg, max_model_len=length + 128,
+                  max_num_batched_tokens=4096, **kw)
+        out = llm.generate({"prompt_token_ids": ids}, SamplingParams(temperature=0, max_tokens=steps, ignore_eos=True),
+                           use_tqdm=False)[0]
+        res[name] = (out.token_ids, llm.engine.kv_cache_stats())
+        if name != "gpu":
+            llm.engine.kv_cache.check_integrity()
+        del llm
+    (a, _), (b, stats) = res["gpu"], res["offload-heads"]
+    same = sum(x == y for x, y in zip(a, b))
+    if same != len(a) or stats["pages_installed_ahead"] == 0:
+        raise AssertionError(f"installs ahead: {same}/{len(a)} tokens equal, {stats['pages_installed_ahead']} "
+                             "head-pages installed ahead")
+    detail(f"random:tiny at {length} tokens, ahead + refresh (16, 4, 1): {steps} greedy tokens equal offloaded "
+           f"(head slots, pool 1/8) and not; {stats['pages_installed_ahead']} head-pages installed ahead, "
+           f"{stats['pages_installed_in_step']} inside steps, {stats['pages_installed']} in all")

@@ -324,7 +324,7 @@ class GraphDecoder:
                 ahead = None if held is None else StageAhead(held_rows[i:i + 1])
                 outs = m.graph_select(layer, q[i:i + 1], blocks, keys,
                                       [None if c is None else c[i:i + 1] for c in cached], first[i:i + 1], level,
-                                      out=out, ahead=ahead)
+                                      out=out, **({} if ahead is None else {"ahead": ahead}))
                 for j, o in enumerate(outs):
                     fresh[j].append(o)
                 if ahead is not None:
