@@ -337,8 +337,8 @@ class LLMEngine(EngineSetup):
         sampling = [batch.seqs[i] for i in sample_idx]
         tokens = sample_isolated(self.sampler, logits, sampling, failed, engine_runs) if sampling else []
         if self.scheduler.step_paced:  # its chunks' pacer wants the step's whole time, the GPU's work included
-            if self.device.type == "cuda":
-                torch.cuda.synchronize(self.device)
+            if self.device.type == "cuda":  # its stream's work (not a background copy's: kvcache/prefetch.py)
+                torch.cuda.current_stream(self.device).synchronize()
             self.scheduler.observe(time.perf_counter() - t0)
         now = time.perf_counter()
         for seq, n in zip(batch.seqs, batch.num_tokens):

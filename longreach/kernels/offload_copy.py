@@ -59,7 +59,7 @@ if triton is not None:
         ok = (e < E) & (s >= 0)  # a negative source index: nothing copied (a fixed-width install's unused entries)
         tl.store(Dst + t * E + e, tl.load(Src + s * E + e, mask=ok), mask=ok)
 
-    @triton.jit
+    @triton.jit(do_not_specialize=["n"])  # one compile whatever the count (a 16-multiple or not)
     def _copy_chunks_loop_kernel(Src, SrcIdx, Dst, DstIdx, n, E, ROWS: tl.constexpr, BLOCK: tl.constexpr):
         # a fixed grid, each program looping over tiles of ROWS chunks (several host reads in flight per program):
         # a background copy that leaves the other SMs to the decode steps it overlaps

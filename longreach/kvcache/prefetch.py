@@ -40,6 +40,9 @@ class Prefetcher:
         self.unit_of = torch.full((S + 1,), -1, dtype=torch.long, device=dev)  # per slot: the unit copied into it
         self.busy = torch.zeros((), dtype=torch.long, device=dev)  # 1 from a launch to its activation
         self._flight: tuple | None = None  # (units, slots, event) of the copy launched and not yet activated
+        if dev.type == "cuda":  # compile the copy now, not inside the first decode step that launches one
+            copy_chunks(store.host, torch.full((1,), -1, device=dev), store.pool, torch.zeros(1, dtype=torch.long,
+                        device=dev), store.slot_elems, programs=PROGRAMS)
 
     @property
     def in_flight(self) -> bool:

@@ -8,7 +8,8 @@ done decode while the others are prefilled (in mixed steps, or in decode steps a
 prefill's): those requests may generate up to `catch_up_tokens` more, the rate counts only the `decode_tokens - 1`
 steps after the last prompt is prefilled (every row of the batch in each), and the requests are aborted after them
 (bench/decode_steps.py). Reported per run:
-  prefill    seconds of the prefill steps, the first to the last (every step timed between torch.cuda.synchronize();
+  prefill    seconds of the prefill steps, the first to the last (every step timed between synchronizations of the
+             engine's stream: a background copy on another, kvcache/prefetch.py's, runs on past its step;
              an offloaded batch's decode steps between them are decode steps, left out as `prefill_pending`);
              the first run of a process also pays for compiling its prefill kernels (`prefill_first_step_s`);
              kernels compiled inside the timed prefill (a length bucket the warm-up prompt did not reach) are

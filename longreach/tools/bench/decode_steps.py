@@ -43,8 +43,8 @@ def catch_up_tokens(batch: int, context: int, engine_kwargs: dict) -> int:
 def _sync(device) -> None:
     import torch
 
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
+    if device.type == "cuda":  # the engine's stream: a background copy (kvcache/prefetch.py) is not the step's time
+        torch.cuda.current_stream(device).synchronize()
 
 
 def _prompts(vocab: int, context: int, batch: int, seed: int, text_ids: list[int] | None = None) -> list[list[int]]:
