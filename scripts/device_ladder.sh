@@ -472,6 +472,23 @@ suite_qwen_r16b() {  # stage 0's refresh interval (docs/design-refresh-installs.
         done
     done
 }
+AHEAD16='{"refresh": [16, 4, 1], "ahead": true}'  # (16, 4, 1) with stage 0 one refresh late (its pages copied ahead)
+suite_qwen_ahead() {  # run 17's next step: the default (8, 4, 1), (16, 4, 1) and (16, 4, 1) with `ahead`, on the
+    # answers long enough to reach past decode step 16, where they part (niah_single_3's UUIDs, 29-35 tokens;
+    # niah_multivalue's four 7-digit values), each prompt prefilled once (P=3 KV_GB=8); run 17's seeds; then the 1M
+    # cells of niah_single_3 (2 prompts)
+    local t L cfg="{\"$DEFAULT@r1641\": $R1641, \"$DEFAULT@ahead16\": $AHEAD16}"
+    for L in "512k 42 10" "256k 43 10" "128k 43 10" "1M 42 2"; do
+        set -- $L
+        local len=$1 seed=$2 n=$3 kv=() tasks="niah_single_3 niah_multivalue"
+        [ "$len" = 1M ] && kv=(--kv-cache-memory-gb 14) && tasks=niah_single_3
+        for t in $tasks; do
+            job "ruler__${t}__infinitehip-3k-box-ahead__${len}-s$seed" ruler --tasks "$t" --lengths "$len" \
+                --samples "$n" --seed "$seed" --attention "$DEFAULT" "$DEFAULT@r1641" "$DEFAULT@ahead16" \
+                --attention-config "$cfg" --share-prefill "${kv[@]}"
+        done
+    done
+}
 suite_qwen_positions() {  # issue 28's last cells, run 16 (BG=1 P=3 KV_GB=8 MBT=32768; it ran as qwen_close, a name
     # that shadowed run 8's suite above): the positions-only rungs (real since run 15), then the default (8, 4, 1)
     # where only the old schedule was measured: the essays passkey and niah_single_1 past 128K

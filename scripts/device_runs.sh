@@ -117,6 +117,9 @@
 #   bash scripts/device_runs.sh row1m1641   # no model: row1m with refresh (16, 4, 1), 50 steps
 #   bash scripts/device_runs.sh ahead256k   # no model: the installs-ahead GPU check, then the 8B shape at 256K
 #                                           # offloaded: (8, 4, 1), (16, 4, 1), (16, 4, 1) with ahead
+#   bash scripts/device_runs.sh ahead512k   # no model: the same check, then 512K offloaded: (16, 4, 1) without and
+#                                           # with ahead, one process
+#   bash scripts/device_runs.sh row1mahead  # no model: row1m with (16, 4, 1) and ahead
 #   bash scripts/device_runs.sh qwen05refresh # needs Qwen 0.5B: the scoring kernels' GPU check (its shape too), then
 #                                           # its 128K decode with 8 steps profiled (a stage-0 and a stage-1 refresh),
 #                                           # their timeline in $OUT/traces
@@ -345,6 +348,16 @@ ahead256k)  # no model: tests/gpu's installs ahead (random:tiny offloaded == GPU
     run decode_256k_ahead 260 $bd --kv-offloading-size 20 --lengths 256k --attention infinitehip infinitehip@r1641 \
         infinitehip@ahead16 --attention-config "$cfg" --dense-lengths --decode-tokens 66 \
         --out "$out/bench-decode-256k-8b-ahead.json" ;;
+ahead512k)  # no model: tests/gpu's installs ahead (random:tiny, pool 1/2), then the 8B shape at 512K offloaded, (16, 4, 1)
+    # without and with `ahead` in one process (the bench times the engine's stream, not the background copies)
+    gpu_tests gpu_check_ahead 150 tests/gpu/test_offload.py -k ahead
+    cfg='{"infinitehip@r1641": {"refresh": [16, 4, 1]}, "infinitehip@ahead16": {"refresh": [16, 4, 1], "ahead": true}}'
+    run decode_512k_ahead 420 $bd --kv-offloading-size 40 --lengths 512k --attention infinitehip@r1641 \
+        infinitehip@ahead16 --attention-config "$cfg" --dense-lengths --decode-tokens 66 --profile-steps 4 \
+        --out "$out/bench-decode-512k-8b-ahead.json" ;;
+row1mahead)  # no model: row1m with (16, 4, 1) and `ahead`, 66 steps (four stage-0 refreshes, three of them ahead)
+    run decode_1m_8b_ahead 560 "${at1m[@]}" --decode-tokens 66 --profile-steps 4 \
+        --attention-config '{"refresh": [16, 4, 1], "ahead": true}' --out "$out/bench-decode-1m-8b-ahead.json" ;;
 row1m1641)  # no model: row1m with stage 0 refreshed every 16 steps ({"refresh": [16, 4, 1]}: equal to the default on
     # Qwen's retrieval suite at 128K-512K, docs/quality.md run 17), 50 steps so that three stage-0 refreshes are timed
     run decode_1m_8b_r1641 560 "${at1m[@]}" --decode-tokens 50 --profile-steps 4 \

@@ -13,7 +13,8 @@ from conftest import make_tiny_hf_model
 # small budgets that prune prompts of a few hundred tokens (tests/test_tensor_parallel.py's), so decode selects
 BASE = {"n_sink": 8, "n_window": 16, "block_q": 8, "chunk_sizes": [32, 8, 2], "budgets": [64, 16, 4],
         "early_layers": 1, "early_last_budget": 8, "dense_below": 0}
-VARIANTS = [dict(BASE, refresh=[8, 8, 8]), dict(BASE, refresh=[1, 1, 1]), dict(BASE, refresh=[8, 8, 8], lookahead=1)]
+VARIANTS = [dict(BASE, refresh=[8, 8, 8]), dict(BASE, refresh=[1, 1, 1]), dict(BASE, refresh=[8, 8, 8], lookahead=1),
+            dict(BASE, refresh=[8, 8, 8], ahead=True)]
 ENGINE = dict(device="cpu", dtype="float32", kv_cache_memory_gb=0.02, cpu_threads=1, block_size=8,
               max_num_batched_tokens=64, max_num_seqs=3, attention="infinitehip")
 GREEDY = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)
@@ -43,18 +44,18 @@ def test_each_variant_decodes_as_its_own_engine(path, graphs, monkeypatch):
         llm = LLM(path, attention_config=cfg, **ENGINE)
         want.append([o.token_ids for o in llm.generate([{"prompt_token_ids": p} for p in prompts], GREEDY,
                                                        use_tqdm=False)])
-    assert want[0] != want[1] and want[0] != want[2]  # refresh and lookahead change this model's decode
+    assert all(w != want[0] for w in want[1:])  # refresh, lookahead and ahead change this model's decode
     llm = LLM(path, attention_config=VARIANTS[0], **ENGINE)
     variants = DecodeVariants.install(llm.engine, VARIANTS)
     assert llm.engine.runner.backend is variants and llm.engine.scorer.backend is variants
-    assert [b.config.refresh for b in variants.backends] == [(8, 8, 8), (1, 1, 1), (8, 8, 8)]
+    assert [b.config.refresh for b in variants.backends] == [(8, 8, 8), (1, 1, 1), (8, 8, 8), (8, 8, 8)]
     got, seconds = generate_variants(llm, prompts, GREEDY, variants)
     assert [[o.token_ids for o in outs] for outs in got] == want
-    assert len(seconds) == 3 and all(s > 0 for s in seconds)
+    assert len(seconds) == 4 and all(s > 0 for s in seconds)
     blocks = llm.engine.blocks
     assert blocks.num_free_blocks == blocks.num_blocks
     if graphs:  # each variant's decode steps replayed graphs keyed by its index
-        assert {key[0] for _, key in llm.engine.runner._graphs} == {0, 1, 2}
+        assert {key[0] for _, key in llm.engine.runner._graphs} == {0, 1, 2, 3}
 
 
 def test_groups_follow_the_free_pages(path, monkeypatch):
