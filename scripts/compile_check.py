@@ -209,6 +209,9 @@ def all_cases() -> list:
     for kv in (bf, f8):
         cases.append((f"offload copy_chunks {kv}", offload_copy._copy_chunks_kernel,
                       dict(Src=kv, SrcIdx="*i64", Dst=kv, DstIdx="*i64", E="i32"), dict(BLOCK=4096), []))
+        cases.append((f"offload copy_chunks looping {kv}", offload_copy._copy_chunks_loop_kernel,
+                      dict(Src=kv, SrcIdx="*i64", Dst=kv, DstIdx="*i64", n="i32", E="i32"),
+                      dict(ROWS=4, BLOCK=4096), []))
         cases.append((f"offload scatter_rows {kv}", offload_copy._scatter_rows_kernel,
                       dict(Src=kv, Rows="*i64", Dst=kv, R="i32"), dict(BLOCK=1024), []))
     # the model's fused per-layer kernels and the fused KV write (kernels/fused.py, kernels/kv_store.py)
