@@ -51,17 +51,16 @@ class Prefetcher:
     def reserve(self, u: torch.Tensor, miss: torch.Tensor) -> None:
         """Inside a step: victims for the units `u` (E,) where `miss` (not resident, a real unit), marked reserved."""
         st = self.store
-        S, trash = st.num_slots, st.num_layers * st.num_pages * st.units
+        trash = st.num_layers * st.num_pages * st.units
         do, vic = st.clock_victims(miss & (self.busy == 0))
-        old = st._owner_all[vic]  # -1 for the scratch slot (no victim)
+        # a unit without a victim points at the scratch slot S (and the table's trash entry): every write there
+        # below puts back the value it holds (-1), so no trash entry needs resetting
+        old = st._owner_all[vic]
         gone = do & (old >= 0)
         st._slot_all.index_fill_(0, torch.where(gone, old, trash), -1)
-        st._slot_all[trash:].fill_(-1)  # (a view: no host value copied inside a captured step)
-        st._owner_all.index_fill_(0, vic, -1)  # the scratch slot's entry stays -1
+        st._owner_all.index_fill_(0, vic, -1)
         st._stamp_all.index_put_((vic,), torch.where(do, RESERVED, st._stamp_all[vic]))
-        st._stamp_all[S:].fill_(-1)
         self.unit_of.index_put_((vic,), torch.where(do, u, -1))
-        self.unit_of[S:].fill_(-1)
         st._now += torch.stack([torch.zeros_like(gone.sum()), gone.sum(), do.sum()])  # (installed, evicted, reserved)
 
     def launch(self) -> None:
