@@ -120,7 +120,7 @@
 #   bash scripts/device_runs.sh ahead512k   # no model: the same check, then 512K offloaded: (16, 4, 1) without and
 #                                           # with ahead, one process
 #   bash scripts/device_runs.sh row1mahead  # no model: row1m with (16, 4, 1) and ahead
-#   bash scripts/device_runs.sh aheadcheck  # no model: tests/gpu's installs ahead alone (fits beside a ladder run)
+#   bash scripts/device_runs.sh aheadcheck  # no model: tests/gpu's installs ahead and inside the step (fits beside a ladder)
 #   bash scripts/device_runs.sh qwen05refresh # needs Qwen 0.5B: the scoring kernels' GPU check (its shape too), then
 #                                           # its 128K decode with 8 steps profiled (a stage-0 and a stage-1 refresh),
 #                                           # their timeline in $OUT/traces
@@ -358,7 +358,7 @@ ahead512k)  # no model: tests/gpu's installs ahead (random:tiny, pool 1/2), then
         --out "$out/bench-decode-512k-8b-ahead.json" ;;
 aheadcheck)  # no model: tests/gpu's installs ahead (random:tiny, pool 1/2); a correctness check, so it may share the
     # GPU with a background ladder run
-    gpu_tests gpu_check_ahead 150 tests/gpu/test_offload.py -k ahead ;;
+    gpu_tests gpu_check_ahead 240 tests/gpu/test_offload.py -k "ahead or inside_the_step" ;;
 row1mahead)  # no model: row1m with (16, 4, 1) and `ahead`, 66 steps (four stage-0 refreshes, three of them ahead)
     run decode_1m_8b_ahead 560 "${at1m[@]}" --decode-tokens 66 --profile-steps 4 \
         --attention-config '{"refresh": [16, 4, 1], "ahead": true}' --out "$out/bench-decode-1m-8b-ahead.json" ;;

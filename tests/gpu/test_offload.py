@@ -190,21 +190,53 @@ def test_offload_engine(gpu_model, detail):
            f"{h_hit:.3f}, installed {h['stats']['pages_installed']} head-pages ({h['stats']['bytes_h2d'] / 1e9:.2f} GB)")
 
 
-def test_offload_installs_inside_the_step(detail, monkeypatch):
-    """No model: random:tiny (trained to 4,096 tokens) at 16K with infinitehip's default preset at smaller budgets,
-    decoding through CUDA graphs: offloaded with head slots to a pool of 1/8 of the KV, where stage 1's candidates
-    are installed inside the step after each stage-0 refresh (`install_reads`, a captured fixed-width clock and copy),
-    gives the GPU-resident cache's greedy tokens; early installs happened, and the store is consistent after. Its four
-    4K prefill chunks gather their prefixes into two staging buffers, layer 1's on the copy stream while layer 0
-    computes (kvcache/staging.py): by DMA of page runs, and in a third run by the copy kernel (no runs)."""
+TINY_LENGTH = 16384
+TINY_KV_GB = TINY_LENGTH * 2 * 2 * 2 * 16 * 2 / 2**30  # random:tiny: 2 layers x K, V x 2 KV heads x 16 dims, bf16
+
+
+def _tiny_offloaded(pool: float) -> dict:
+    """LLM arguments: random:tiny's KV offloaded with head slots, a GPU pool of `pool` of it."""
+    return {"kv_cache_memory_gb": TINY_KV_GB * pool, "kv_offloading_size": TINY_KV_GB * 1.5 + 0.01,
+            "kv_offload_unit": "head"}
+
+
+def _tiny_greedy(cfg: str, seed: int, steps: int, runs: dict, before=None) -> dict:
+    """random:tiny (trained to 4,096 tokens) on a random TINY_LENGTH-token prompt under infinitehip with `cfg`, decoding
+    `steps` greedy tokens through CUDA graphs for each of `runs` (name -> LLM arguments; `before(name)` first); each
+    offloaded store is checked for consistency after. Returns name -> (tokens, kv_cache_stats, the store's number of
+    prefill staging buffers or None)."""
     from longreach import LLM, SamplingParams
+
+    ids = torch.randint(3, 500, (TINY_LENGTH,), generator=torch.Generator().manual_seed(seed)).tolist()
+    res = {}
+    for name, kw in runs.items():
+        if before is not None:
+            before(name)
+        gc.collect()
+        torch.cuda.empty_cache()
+        llm = LLM("random:tiny", attention="infinitehip", attention_config=cfg, max_model_len=TINY_LENGTH + 128,
+                  max_num_batched_tokens=4096, **kw)
+        out = llm.generate({"prompt_token_ids": ids}, SamplingParams(temperature=0, max_tokens=steps, ignore_eos=True),
+                           use_tqdm=False)[0]
+        kv = llm.engine.kv_cache
+        if "kv_offloading_size" in kw:
+            kv.check_integrity()
+        res[name] = (out.token_ids, llm.engine.kv_cache_stats(), getattr(kv, "staging_buffers", None))
+        del llm, kv
+    return res
+
+
+def test_offload_installs_inside_the_step(detail, monkeypatch):
+    """No model: random:tiny at 16K with infinitehip's default preset at smaller budgets, decoding through CUDA
+    graphs: offloaded with head slots to a pool of 1/8 of the KV, where stage 1's candidates are installed inside the
+    step after each stage-0 refresh (`install_reads`, a captured fixed-width clock and copy), gives the GPU-resident
+    cache's greedy tokens; early installs happened, and the store is consistent after. Its four 4K prefill chunks
+    gather their prefixes into two staging buffers, layer 1's on the copy stream while layer 0 computes
+    (kvcache/staging.py): by DMA of page runs, and in a third run by the copy kernel (no runs)."""
     from longreach.kvcache import staging
     from longreach.kvcache.offload import OffloadedKVCache
 
-    length, steps = 16384, 64
-    cfg = '{"budgets": [4096, 1024, 256], "dense_below": 0}'
-    kv_gb = length * 2 * 2 * 2 * 16 * 2 / 2**30  # 2 layers x K, V x 2 KV heads x 16 dims, bf16
-    ids = torch.randint(3, 500, (length,), generator=torch.Generator().manual_seed(2)).tolist()
+    steps = 64
     early = []
     end_step = OffloadedKVCache.end_step
 
@@ -212,33 +244,21 @@ def test_offload_installs_inside_the_step(detail, monkeypatch):
         early.append(int(self._now[0]))
         return end_step(self)
 
-    monkeypatch.setattr(OffloadedKVCache, "end_step", counted)
-    res = {}
-    for name, kw in (("gpu", {"kv_cache_memory_gb": kv_gb * 1.5 + 0.01}),
-                     ("offload-heads", {"kv_cache_memory_gb": kv_gb / 8, "kv_offloading_size": kv_gb * 1.5 + 0.01,
-                                        "kv_offload_unit": "head"}),
-                     ("offload-kernel-gathers", {"kv_cache_memory_gb": kv_gb / 8,
-                                                 "kv_offloading_size": kv_gb * 1.5 + 0.01, "kv_offload_unit": "head"})):
+    def before(name):
         if name == "offload-kernel-gathers":
             monkeypatch.setattr(staging, "MAX_DMA_RUNS", 0)
-        gc.collect()
-        torch.cuda.empty_cache()
-        llm = LLM("random:tiny", attention="infinitehip", attention_config=cfg, max_model_len=length + 128,
-                  max_num_batched_tokens=4096, **kw)
-        out = llm.generate({"prompt_token_ids": ids}, SamplingParams(temperature=0, max_tokens=steps, ignore_eos=True),
-                           use_tqdm=False)[0]
-        res[name] = (out.token_ids, llm.engine.kv_cache_stats())
-        if name != "gpu":
-            llm.engine.kv_cache.check_integrity()
-            assert llm.engine.kv_cache.staging_buffers == 2
-        del llm
-    (a, _), (b, stats), (c, _) = res["gpu"], res["offload-heads"], res["offload-kernel-gathers"]
+
+    monkeypatch.setattr(OffloadedKVCache, "end_step", counted)
+    res = _tiny_greedy('{"budgets": [4096, 1024, 256], "dense_below": 0}', 2, steps, {
+        "gpu": {"kv_cache_memory_gb": TINY_KV_GB * 1.5 + 0.01},
+        "offload-heads": _tiny_offloaded(1 / 8), "offload-kernel-gathers": _tiny_offloaded(1 / 8)}, before)
+    (a, _, _), (b, stats, nb), (c, _, nc) = res["gpu"], res["offload-heads"], res["offload-kernel-gathers"]
     same = sum(x == y for x, y in zip(a, b))
-    if same != len(a) or sum(early) == 0 or c != a:
+    if same != len(a) or sum(early) == 0 or c != a or (nb, nc) != (2, 2):
         raise AssertionError(f"install inside the step: {same}/{len(a)} tokens equal, {sum(early)} early installs; "
-                             f"the copy kernel's gathers: tokens equal {c == a}")
-    detail(f"random:tiny at {length} tokens, {steps} greedy tokens equal offloaded (head slots, pool 1/8) and not; "
-           f"{sum(early)} head-pages installed inside steps, {stats['pages_installed']} in all, hit ratio "
+                             f"the copy kernel's gathers: tokens equal {c == a}; staging buffers {nb}, {nc} (not 2)")
+    detail(f"random:tiny at {TINY_LENGTH} tokens, {steps} greedy tokens equal offloaded (head slots, pool 1/8) and "
+           f"not; {sum(early)} head-pages installed inside steps, {stats['pages_installed']} in all, hit ratio "
            f"{stats['pages_hit'] / max(1, stats['pages_hit'] + stats['pages_missed']):.3f}")
 
 
@@ -249,31 +269,15 @@ def test_offload_installs_ahead(detail):
     copied on the copy stream by the looping copy kernel while later steps run (kvcache/prefetch.py), gives the
     GPU-resident cache's greedy tokens with the same config; reservations were copied and activated, and the store
     is consistent after."""
-    from longreach import LLM, SamplingParams
-
-    length, steps = 16384, 96
+    steps = 96
     cfg = '{"budgets": [4096, 1024, 256], "dense_below": 0, "refresh": [16, 4, 1], "ahead": true}'
-    kv_gb = length * 2 * 2 * 2 * 16 * 2 / 2**30
-    ids = torch.randint(3, 500, (length,), generator=torch.Generator().manual_seed(4)).tolist()
-    res = {}
-    for name, kw in (("gpu", {"kv_cache_memory_gb": kv_gb * 1.5 + 0.01}),
-                     ("offload-heads", {"kv_cache_memory_gb": kv_gb / 2, "kv_offloading_size": kv_gb * 1.5 + 0.01,
-                                        "kv_offload_unit": "head"})):
-        gc.collect()
-        torch.cuda.empty_cache()
-        llm = LLM("random:tiny", attention="infinitehip", attention_config=cfg, max_model_len=length + 128,
-                  max_num_batched_tokens=4096, **kw)
-        out = llm.generate({"prompt_token_ids": ids}, SamplingParams(temperature=0, max_tokens=steps, ignore_eos=True),
-                           use_tqdm=False)[0]
-        res[name] = (out.token_ids, llm.engine.kv_cache_stats())
-        if name != "gpu":
-            llm.engine.kv_cache.check_integrity()
-        del llm
-    (a, _), (b, stats) = res["gpu"], res["offload-heads"]
+    res = _tiny_greedy(cfg, 4, steps, {"gpu": {"kv_cache_memory_gb": TINY_KV_GB * 1.5 + 0.01},
+                                       "offload-heads": _tiny_offloaded(1 / 2)})
+    (a, _, _), (b, stats, _) = res["gpu"], res["offload-heads"]
     same = sum(x == y for x, y in zip(a, b))
     if same != len(a) or stats["pages_installed_ahead"] == 0:
         raise AssertionError(f"installs ahead: {same}/{len(a)} tokens equal, {stats['pages_installed_ahead']} "
                              "head-pages installed ahead")
-    detail(f"random:tiny at {length} tokens, ahead + refresh (16, 4, 1): {steps} greedy tokens equal offloaded "
+    detail(f"random:tiny at {TINY_LENGTH} tokens, ahead + refresh (16, 4, 1): {steps} greedy tokens equal offloaded "
            f"(head slots, pool 1/2) and not; {stats['pages_installed_ahead']} head-pages installed ahead, "
            f"{stats['pages_installed_in_step']} inside steps, {stats['pages_installed']} in all")
