@@ -461,7 +461,9 @@ class OffloadedKVCache:
         k = min(miss.numel(), room)
         if k == 0:
             return 0, 0
-        victims = torch.topk(key, k, largest=False).indices  # free slots (stamp -1) first, then the oldest
+        # the k smallest stamps: free slots (-1) first, then the oldest. Unsorted: their order does not matter, and
+        # a sorted topk picks its sort kernel by k (on a GPU a new one may be loaded at its first use)
+        victims = torch.topk(key, k, largest=False, sorted=False).indices
         miss = miss[:k]
         old = self.owner[victims]
         gone = old[old >= 0]
