@@ -120,6 +120,8 @@
 #   bash scripts/device_runs.sh ahead512k   # no model: the same check, then 512K offloaded: (16, 4, 1) without and
 #                                           # with ahead, one process
 #   bash scripts/device_runs.sh row1mahead  # no model: row1m with (16, 4, 1) and ahead
+#   bash scripts/device_runs.sh prefill512k # no model: 512K offloaded, the default against stage 1 by SelectRep
+#                                           # ({"exact_below": 8}) in one process: what the exact stage 1 costs the prefill
 #   bash scripts/device_runs.sh aheadcheck  # no model: tests/gpu's installs ahead and inside the step (fits beside a ladder)
 #   bash scripts/device_runs.sh qwen05refresh # needs Qwen 0.5B: the scoring kernels' GPU check (its shape too), then
 #                                           # its 128K decode with 8 steps profiled (a stage-0 and a stage-1 refresh),
@@ -356,6 +358,11 @@ ahead512k)  # no model: tests/gpu's installs ahead (random:tiny, pool 1/2), then
     run decode_512k_ahead 420 $bd --kv-offloading-size 40 --lengths 512k --attention infinitehip@r1641 \
         infinitehip@ahead16 --attention-config "$cfg" --dense-lengths --decode-tokens 66 --profile-steps 4 \
         --out "$out/bench-decode-512k-8b-ahead.json" ;;
+prefill512k)  # no model: the 8B shape at 512K offloaded, the default and {"exact_below": 8} (stage 1 scored by SelectRep,
+    # not exactly: ~1/6 of its reads) in one process, 8 decode steps: the prefill's exact-stage share, end to end
+    run prefill_512k_eb8 560 $bd --kv-offloading-size 40 --lengths 512k --attention infinitehip infinitehip@eb8 \
+        --attention-config '{"infinitehip@eb8": {"exact_below": 8}}' --dense-lengths --decode-tokens 8 \
+        --out "$out/bench-decode-512k-8b-eb8.json" ;;
 aheadcheck)  # no model: tests/gpu's installs ahead (random:tiny, pool 1/2); a correctness check, so it may share the
     # GPU with a background ladder run
     gpu_tests gpu_check_ahead 240 tests/gpu/test_offload.py -k "ahead or inside_the_step" ;;
