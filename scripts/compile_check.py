@@ -174,6 +174,7 @@ def all_cases() -> list:
             ("prune stage1 selectrep/head bq64", 256, False, True, 64, 4, 32, 1),
             ("prune stage1 selectrep/kv bq64", 256, False, False, 64, 4, 32, 4),
             ("prune stage3 exact bq64", 8, True, False, 64, 4, 16, 4),
+            ("prune stage2 exact bq64 runs of 8", 32, True, False, 64, 4, 4, 4),
             ("prune decode selectrep/kv", 256, False, False, 4, 4, 64, 1),
             ("prune decode exact", 8, True, False, 4, 4, 16, 1)):
         for suffix, kv, tiered in variants:
@@ -187,13 +188,15 @@ def all_cases() -> list:
                                    PER_HEAD=per_head, N_ITER=max(0, (chunk - 1).bit_length()), BQ_PAD=bq_pad,
                                    HPP_PAD=hpp_pad, BLOCK_C=block_c, TILES=tiles, TILE_FIRST=False, HEAD_DIM=128,
                                    PAGE=16, ROPE=rope, DOT_PRECISION="tf32", TIERED=tiered, FP8=kv == f8,
-                                   HALVES=exact and rope != 0), []))
+                                   HALVES=exact and rope != 0, SUB=8 if "runs of 8" in label else chunk), []))
     # exact scoring's long-prefill layout (one-tier staging only: decode keeps the first layout): 256-row tiles of
     # stage 1 (32-token chunks, 4 a tile) and stage 2 (8-token chunks, 16 a tile), as stored and moved (rt, ci), one
-    # row tile per block and several (atomic max)
-    for label, chunk, block_c, block_m in (("prune rows stage1 exact", 32, 4, 256),
-                                           ("prune rows stage2 exact", 8, 16, 256),
-                                           ("prune rows stage2 exact m128 atomic", 8, 16, 128)):
+    # row tile per block and several (atomic max); stage 1 also with a score per 8-key run (stage 2's, reused)
+    for label, chunk, block_c, block_m, sub in (("prune rows stage1 exact", 32, 4, 256, 32),
+                                                ("prune rows stage1 exact runs of 8", 32, 4, 256, 8),
+                                                ("prune rows stage1 exact runs of 8 m128 atomic", 32, 4, 128, 8),
+                                                ("prune rows stage2 exact", 8, 16, 256, 8),
+                                                ("prune rows stage2 exact m128 atomic", 8, 16, 128, 8)):
         for suffix, kv in ((" ", bf), (" fp8", f8)):
             for rope in (0, 1, 2):
                 cases.append((label + suffix + f" rope {rope}", prune_stage._exact_rows_kernel,
@@ -201,7 +204,8 @@ def all_cases() -> list:
                                    Ids=i32, Scores=f32, InvFreq=f32, NChunk=i32),
                               dict(ROPE=rope, HPP=4, PAIRS_PER_GROUP=1, PAIR_KV_DIV=1, CHUNK=chunk, BQ_PAD=64,
                                    BLOCK_M=block_m, BLOCK_C=block_c, HEAD_DIM=128, PAGE=16, DOT_PRECISION="tf32",
-                                   TIERED=False, FP8=kv == f8, ATOMIC=block_m < 256, HALVES=rope != 0), []))
+                                   TIERED=False, FP8=kv == f8, ATOMIC=block_m < 256, HALVES=rope != 0, SUB=sub),
+                              []))
     cases.append(("topk single tile", topk._topk_kernel,
                   dict(Ids=i32, Scores=f32, Out=i32, Counts=i32, C="i32", K="i32"), dict(BLOCK=4096, SINGLE=True), []))
     cases.append(("topk tiled", topk._topk_kernel, dict(Ids=i32, Scores=f32, Out=i32, Counts=i32, C="i32", K="i32"),

@@ -122,6 +122,8 @@
 #   bash scripts/device_runs.sh row1mahead  # no model: row1m with (16, 4, 1) and ahead
 #   bash scripts/device_runs.sh prefill512k # no model: 512K offloaded, the default against stage 1 by SelectRep
 #                                           # ({"exact_below": 8}) in one process: what the exact stage 1 costs the prefill
+#   bash scripts/device_runs.sh runsab      # no model: the scoring kernels' GPU check (runs of 8 keys too), then the
+#                                           # 8B shape at 256K with stage 2 from stage 1's runs off and on (scripts/runs_ab.py)
 #   bash scripts/device_runs.sh aheadcheck  # no model: tests/gpu's installs ahead and inside the step (fits beside a ladder)
 #   bash scripts/device_runs.sh qwen05refresh # needs Qwen 0.5B: the scoring kernels' GPU check (its shape too), then
 #                                           # its 128K decode with 8 steps profiled (a stage-0 and a stage-1 refresh),
@@ -363,6 +365,15 @@ prefill512k)  # no model: the 8B shape at 512K offloaded, the default and {"exac
     run prefill_512k_eb8 560 $bd --kv-offloading-size 40 --lengths 512k --attention infinitehip infinitehip@eb8 \
         --attention-config '{"infinitehip@eb8": {"exact_below": 8}}' --dense-lengths --decode-tokens 8 \
         --out "$out/bench-decode-512k-8b-eb8.json" ;;
+runsab)  # no model: tests/gpu's chunk scores (bf16, real sizes; exact 32-key chunks per run of 8 keys too), then the
+    # 8B shape at 256K (GPU-resident fp8 KV) prefilled with infinitehip's stage 2 read from its keys (off) and from
+    # stage 1's runs (on), one process each, the same command
+    gpu_tests gpu_check_chunk_scores 200 tests/gpu/test_kernels.py -k chunk_scores
+    for ab in off on; do
+        run "runs_ab_$ab" 200 python3 scripts/runs_ab.py $ab bench decode --kv-cache-dtype fp8 --kv-cache-memory-gb 40 \
+            --max-num-batched-tokens 65536 --lengths 256k --attention infinitehip --dense-lengths --decode-tokens 8 \
+            --out "$out/bench-decode-256k-8b-runs-$ab.json"
+    done ;;
 aheadcheck)  # no model: tests/gpu's installs ahead (random:tiny, pool 1/2); a correctness check, so it may share the
     # GPU with a background ladder run
     gpu_tests gpu_check_ahead 240 tests/gpu/test_offload.py -k "ahead or inside_the_step" ;;

@@ -175,3 +175,71 @@ def test_chunk_score_kernel_with_rope_matches_reference(dtype, mode, exact, per_
                                   rows_tile=16)
         assert torch.equal(torch.isfinite(alt), finite)
         assert (alt[finite] - ref[finite]).abs().max() <= tol * max(1.0, ref[finite].abs().max().item())
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+@pytest.mark.parametrize("mode", [None, "rt", "il", "de"])
+@pytest.mark.parametrize("D, sub", [(16, 2), (32, 4)])
+def test_exact_scores_per_run_are_the_next_stages(dtype, mode, D, sub):
+    """Exact scoring with a score per run of `sub` keys (`sub`, what infinitehip's next stage reads instead of its
+    keys: method.py `runs_for_next`): each run's score is the next stage's score of that sub-chunk, the runs' max is
+    the chunk's score, the kernel (both layouts) matches the reference, and `scores_from_runs` gives the next stage's
+    scores of the survivors' sub-chunks."""
+    from longreach.attention.infinitehip.method import InfiniteHiP
+
+    Hq, Hkv, page, rows, chunk, G = 6, 2, 4, 8, 8, 2
+    R = chunk // sub
+    g = torch.Generator().manual_seed(13 + D)
+    L, W = 211, 10
+    kc, _, tables = _cache([L], Hkv, D, page, dtype, g)
+    nb = 3
+    q = torch.randn(nb * rows, Hq, D, generator=g).to(dtype).to(DEV)
+    starts = torch.arange(nb, device=DEV) * rows
+    lens = torch.tensor([rows, rows - 1, rows], device=DEV)
+    cand_end = torch.tensor([L - 3 - W, 61, L - W], device=DEV)  # edge chunks cut inside a run
+    n_chunks = -(-L // chunk)
+    ids = torch.stack([torch.stack([torch.randperm(n_chunks, generator=g)[: n_chunks - 3].sort().values
+                                    for _ in range(G)]) for _ in range(nb)]).to(DEV)
+    ids[0, 0, -2:] = -1  # padding at the end, as the stages produce
+    inv = rope_inv_freq(RopeConfig(theta=10000.0), D)[0]
+    rope = None if mode is None else RopeArgs(mode, inv, rope_from=100, group=3, n_window=W)
+    keys = gather_tokens(kc, tables[0], L).float()
+    r = torch.arange(rows, device=DEV)
+    qs = q[(starts[:, None] + r).clamp(max=q.shape[0] - 1)].reshape(nb, rows, Hq, D).float()
+    ok = r[None, :] < lens[:, None]
+    n_sink = 5  # inside the first chunk: the sink cuts a run too
+
+    def ref(i, c, **kw):
+        return chunk_scores_reference(qs, ok, keys, i.long(), c, True, n_sink, cand_end, G, rope=rope, **kw)
+
+    runs = ref(ids, chunk, sub=sub)  # (nb, G, C * R)
+    whole = ref(ids, chunk)
+    assert runs.shape == (nb, G, ids.shape[-1] * R)
+    assert torch.allclose(runs.reshape(nb, G, -1, R).amax(-1), whole, rtol=1e-6, atol=1e-6)
+    subs = (ids[..., None] * R + torch.arange(R, device=DEV)).reshape(nb, G, -1)  # negative under a -1 parent
+    direct = ref(subs, sub)
+    finite = torch.isfinite(direct)
+    assert torch.equal(torch.isfinite(runs), finite) and not finite.all() and finite.any()
+    assert torch.allclose(runs[finite], direct[finite], rtol=1e-6, atol=1e-6)
+    tol = 1e-3 if dtype == torch.float32 else 5e-2
+    scale = max(1.0, direct[finite].abs().max().item())
+    for rows_tile in (None, 0, 16):  # the layout the launcher picks, the first one, the long-prefill one
+        got = chunk_scores_triton(q, kc, tables[0], starts, lens, cand_end, ids, chunk, True, n_sink, G, rope=rope,
+                                  rows_tile=rows_tile, sub=sub)
+        assert torch.equal(torch.isfinite(got), finite)
+        assert (got[finite] - runs[finite]).abs().max() <= tol * scale
+    # the next stage's candidates: the sub-chunks of a top-k of the chunks (ascending, -1 padded)
+    keep = torch.where(torch.rand(ids.shape, generator=g).to(DEV) < 0.5, ids, -1).sort(-1, descending=True).values
+    keep = torch.where(keep >= 0, keep, torch.iinfo(keep.dtype).max).sort(-1).values
+    keep = torch.where(keep == torch.iinfo(keep.dtype).max, -1, keep)
+    nxt = (keep[..., None] * R + torch.arange(R, device=DEV)).reshape(nb, G, -1)
+    from_runs = InfiniteHiP.scores_from_runs(nxt, ids, runs, R)
+    want = ref(nxt, sub)
+    fin = torch.isfinite(want)
+    assert torch.equal(torch.isfinite(from_runs), fin) and fin.any()
+    assert torch.equal(from_runs[fin], runs.gather(-1, torch.searchsorted(
+        torch.where(ids >= 0, ids, torch.iinfo(ids.dtype).max), torch.div(nxt, R, rounding_mode="floor"))
+        .clamp(max=ids.shape[-1] - 1) * R + nxt % R)[fin])
+    assert torch.allclose(from_runs[fin], want[fin], rtol=1e-6, atol=1e-6)
+    with pytest.raises(ValueError, match="exact scoring"):
+        chunk_scores_reference(qs, ok, keys, ids.long(), chunk, False, n_sink, cand_end, G, sub=sub)

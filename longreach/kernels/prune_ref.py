@@ -66,7 +66,7 @@ def moved_key_tables(kf: torch.Tensor, mode: str, rope: RopeArgs, table_cache: d
 def chunk_scores_reference(qs: torch.Tensor, row_ok: torch.Tensor, keys: torch.Tensor, ids: torch.Tensor,
                            chunk: int, exact: bool, n_sink: int, cand_end: torch.Tensor, groups: int,
                            rep_per_head: bool = True, rope: RopeArgs | None = None,
-                           table_cache: dict | None = None) -> torch.Tensor:
+                           table_cache: dict | None = None, sub: int | None = None) -> torch.Tensor:
     """qs (nb, R, H_q, D) block queries, row_ok (nb, R), keys (L, H_kv, D) -> scores (nb, G, C), -inf if invalid.
 
     SelectRep runs per query head (`rep_per_head`, the paper) or once per KV head of the group, its halves compared
@@ -75,6 +75,8 @@ def chunk_scores_reference(qs: torch.Tensor, row_ok: torch.Tensor, keys: torch.T
     rows are the last rows before its end, cand_end + rope.n_window.
     `table_cache`: a dict kept by the caller for as long as `keys` is unchanged (one layer of one step): the keys
     moved by a strategy that depends on the key alone (rt, il, de) are computed once into it instead of per call.
+    `sub` (exact only, dividing `chunk`): a score per run of `sub` keys, (nb, G, C * chunk // sub), run r of chunk c
+    at c * chunk // sub + r.
     """
     nb, R, Hq, _ = qs.shape
     dev = qs.device
@@ -109,12 +111,20 @@ def chunk_scores_reference(qs: torch.Tensor, row_ok: torch.Tensor, keys: torch.T
         eq = "npird,npicd->npirc" if per_head else "npird,npcd->npirc"
         return torch.einsum(eq, q32, k).amax(3)  # (nb, P, hpp, R, C) -> (nb, P, hpp, C)
 
+    sub = chunk if sub is None else sub
+    if sub != chunk and (not exact or chunk % sub):
+        raise ValueError(f"scores per run of keys need exact scoring and a run dividing the chunk {chunk}, got {sub}")
     if exact:
-        s = torch.full(a.shape, float("-inf"), device=dev)
-        for j in range(chunk):
-            pos = a + j
-            sj = probe(pos).amax(2)
-            s = torch.maximum(s, sj.masked_fill(pos >= b, float("-inf")))
+        runs = []
+        for r0 in range(0, chunk, sub):
+            s = torch.full(a.shape, float("-inf"), device=dev)
+            for j in range(r0, r0 + sub):
+                pos = ids[:, pair_group] * chunk + j if sub != chunk else a + j
+                sj = probe(pos).amax(2)
+                s = torch.maximum(s, sj.masked_fill((pos < a) | (pos >= b), float("-inf")))
+            runs.append(s)
+        s = torch.stack(runs, -1)  # (nb, P, C, R)
+        s = s.masked_fill(~valid[..., None], float("-inf")).reshape(*a.shape[:2], -1)
     elif rep_per_head:
         first, last = a[:, :, None].expand(-1, -1, hpp, -1).clone(), (b - 1)[:, :, None].expand(-1, -1, hpp, -1).clone()
         s = probe(first, right=False)
@@ -140,5 +150,6 @@ def chunk_scores_reference(qs: torch.Tensor, row_ok: torch.Tensor, keys: torch.T
             first = torch.where(right, mid, first)
             last = torch.where(active & ~right, mid - 1, last)
             s = torch.where(right, s_mid, s)
-    s = s.masked_fill(~valid, float("-inf"))  # (nb, P, C)
+    if not exact:
+        s = s.masked_fill(~valid, float("-inf"))  # (nb, P, C)
     return s.reshape(nb, groups, P // groups, -1).amax(dim=2)

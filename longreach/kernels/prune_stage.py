@@ -115,17 +115,23 @@ if triton is not None:
     def _exact_tile(qa, qb, rows_ok, K, KH, Slots, bt_base, kv, a, b, valid, from_end, stride_kp, stride_ko,
                     stride_kh, stride_khp, inv, remap, de_group, CHUNK: tl.constexpr, BLOCK_C: tl.constexpr,
                     PAGE: tl.constexpr, HEAD_DIM: tl.constexpr, DOT_PRECISION: tl.constexpr, ROPE: tl.constexpr,
-                    HALVES: tl.constexpr, TIERED: tl.constexpr, FP8: tl.constexpr):
-        """Exact scores (BLOCK_C,) of a tile of chunks [a, b): every key of every chunk in one gather and one dot
-        against the query rows, each chunk's best key.
+                    HALVES: tl.constexpr, TIERED: tl.constexpr, FP8: tl.constexpr, SUB: tl.constexpr):
+        """Exact scores (BLOCK_C * CHUNK // SUB,) of a tile of chunks [a, b): every key of every chunk in one gather
+        and one dot against the query rows, the best key of each run of SUB keys (SUB = CHUNK: each chunk's).
 
         HALVES (a pruning strategy, head_dim >= 32): qa, qb are the rows' two halves (R, D/2) and `inv` the D/2
         frequencies; each key is loaded as its two halves, moved to its pruning position (`rotate_halves`) and
         scored by a dot over each half. Else qa holds the rows (R, D), qb is unused and `inv` has D entries (`_probe`:
         the rows of each key loaded as stored and with halves swapped)."""
         j = tl.arange(0, CHUNK)
-        pos = tl.reshape(a[:, None] + j[None, :], [BLOCK_C * CHUNK])
-        ok = tl.reshape(valid[:, None] & (a[:, None] + j[None, :] < b[:, None]), [BLOCK_C * CHUNK])
+        if SUB == CHUNK:  # the chunk's valid keys from its first, [a, b)
+            p2 = a[:, None] + j[None, :]
+            ok2 = valid[:, None] & (p2 < b[:, None])
+        else:  # runs of SUB keys aligned to the chunk's start (a is past it where the sink cuts the chunk)
+            p2 = (a // CHUNK * CHUNK)[:, None] + j[None, :]
+            ok2 = valid[:, None] & (p2 >= a[:, None]) & (p2 < b[:, None])
+        pos = tl.reshape(p2, [BLOCK_C * CHUNK])
+        ok = tl.reshape(ok2, [BLOCK_C * CHUNK])
         fe = tl.reshape(from_end[:, None] + j[None, :] * 0, [BLOCK_C * CHUNK])
         if HALVES:
             h = tl.arange(0, HEAD_DIM // 2)
@@ -140,7 +146,20 @@ if triton is not None:
         else:
             s = _probe(qa, K, KH, Slots, bt_base, kv, pos, ok, rows_ok, stride_kp, stride_ko, stride_kh, stride_khp,
                        inv, remap, fe, de_group, PAGE, HEAD_DIM, DOT_PRECISION, ROPE, 1, TIERED, FP8)
-        return tl.max(tl.reshape(s, [BLOCK_C, CHUNK]), axis=1)
+        return tl.max(tl.reshape(s, [BLOCK_C * (CHUNK // SUB), SUB]), axis=1)
+
+    @triton.jit
+    def _store_scores(Scores, c, valid, best, num_chunks, R: tl.constexpr, BLOCK_C: tl.constexpr,
+                      ATOMIC: tl.constexpr):
+        """Store a tile's scores at (chunk c, sub-chunk r) -> c * R + r: `best` (BLOCK_C * R,), -inf where the chunk
+        is not a candidate (atomic max: combined with other row tiles')."""
+        cs = tl.reshape(c[:, None] * R + tl.arange(0, R)[None, :], [BLOCK_C * R])
+        ok = tl.reshape(valid[:, None] & (tl.arange(0, R)[None, :] >= 0), [BLOCK_C * R])
+        cm = tl.reshape((c[:, None] < num_chunks) & (tl.arange(0, R)[None, :] >= 0), [BLOCK_C * R])
+        if ATOMIC:
+            tl.atomic_max(Scores + cs, best, mask=ok)
+        else:
+            tl.store(Scores + cs, tl.where(ok, best, float("-inf")), mask=cm)
 
     @triton.jit
     def _query_pos(p, n_window, de_group, ROPE: tl.constexpr):
@@ -233,8 +252,9 @@ if triton is not None:
         CHUNK: tl.constexpr, EXACT: tl.constexpr, PER_HEAD: tl.constexpr, N_ITER: tl.constexpr,
         BQ_PAD: tl.constexpr, HPP_PAD: tl.constexpr, BLOCK_C: tl.constexpr, TILES: tl.constexpr,
         TILE_FIRST: tl.constexpr, HEAD_DIM: tl.constexpr, PAGE: tl.constexpr, DOT_PRECISION: tl.constexpr,
-        TIERED: tl.constexpr, FP8: tl.constexpr, HALVES: tl.constexpr,
+        TIERED: tl.constexpr, FP8: tl.constexpr, HALVES: tl.constexpr, SUB: tl.constexpr,
     ):
+        # SUB < CHUNK (exact only): a score per run of SUB keys, Scores' last axis C * CHUNK // SUB
         # TILE_FIRST: consecutive programs take consecutive chunk tiles of one query block (its queries stay in L2);
         # otherwise consecutive programs take the same chunk tile of consecutive query blocks (keys stay in L2)
         qb = tl.program_id(2) if TILE_FIRST else tl.program_id(0)
@@ -252,7 +272,7 @@ if triton is not None:
             a, b, valid = _candidates(Ids, qb, group, c, stride_ib, stride_ig, num_chunks, n_sink, cand_end, CHUNK)
             # a tile with no real candidate (the -1 padding of a graph variant sized for a larger context bucket,
             # attention/sparse/prefill_graph.py) scores nothing: its -inf is stored without reading keys
-            best = tl.full([BLOCK_C], float("-inf"), tl.float32)
+            best = tl.full([BLOCK_C * (CHUNK // SUB)], float("-inf"), tl.float32)
             if tl.max(valid.to(tl.int32), axis=0) > 0:
                 from_end = c - (n_chunk - 1)  # ci: the chunk's ordinal counted from the last candidate
                 if PER_HEAD:  # the paper's SelectRep: each query head searches on its own
@@ -268,13 +288,13 @@ if triton is not None:
                 elif EXACT:  # every key of every chunk in one gather and one dot
                     best = _exact_tile(q_all, q_hi, rows_ok, K, KH, Slots, BlockTable, kv, a, b, valid, from_end,
                                        stride_kp, stride_ko, stride_kh, stride_khp, inv_h, remap, de_group, CHUNK,
-                                       BLOCK_C, PAGE, HEAD_DIM, DOT_PRECISION, ROPE, HALVES, TIERED, FP8)
+                                       BLOCK_C, PAGE, HEAD_DIM, DOT_PRECISION, ROPE, HALVES, TIERED, FP8, SUB)
                 else:  # SelectRep shared by the heads of the pair: one gather per probe
                     best = _select_rep(q_all, K, KH, Slots, BlockTable, kv, a, b, valid, rows_ok, stride_kp, stride_ko,
                                        stride_kh, stride_khp, inv, remap, from_end, de_group, N_ITER, PAGE, HEAD_DIM,
                                        DOT_PRECISION, ROPE, TIERED, FP8)
-            tl.store(Scores + qb * stride_sb + pair * stride_sp + c, tl.where(valid, best, float("-inf")),
-                     mask=c < num_chunks)
+            _store_scores(Scores + qb * stride_sb + pair * stride_sp, c, valid, best, num_chunks, CHUNK // SUB,
+                          BLOCK_C, False)
 
 
     @triton.jit
@@ -286,7 +306,7 @@ if triton is not None:
         ROPE: tl.constexpr, HPP: tl.constexpr, PAIRS_PER_GROUP: tl.constexpr, PAIR_KV_DIV: tl.constexpr,
         CHUNK: tl.constexpr, BQ_PAD: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_C: tl.constexpr,
         HEAD_DIM: tl.constexpr, PAGE: tl.constexpr, DOT_PRECISION: tl.constexpr, TIERED: tl.constexpr,
-        FP8: tl.constexpr, ATOMIC: tl.constexpr, HALVES: tl.constexpr,
+        FP8: tl.constexpr, ATOMIC: tl.constexpr, HALVES: tl.constexpr, SUB: tl.constexpr,
     ):
         """Exact scoring for a long prefill step: a program keeps one tile of BLOCK_M rows (head of the pair *
         BQ_PAD + row of the block) and streams every candidate chunk of its block past it, so the rows are loaded
@@ -306,12 +326,10 @@ if triton is not None:
             if tl.max(valid.to(tl.int32), axis=0) > 0:  # the -1 padding of a larger bucket's variant reads nothing
                 best = _exact_tile(q, q_hi, rows_ok, K, KH, Slots, BlockTable, kv, a, b, valid, c - (n_chunk - 1),
                                    stride_kp, stride_ko, stride_kh, stride_khp, inv, remap, de_group, CHUNK, BLOCK_C,
-                                   PAGE, HEAD_DIM, DOT_PRECISION, ROPE, HALVES, TIERED, FP8)
-                out = Scores + qb * stride_sb + pair * stride_sp + c
-                if ATOMIC:
-                    tl.atomic_max(out, best, mask=valid)
-                else:
-                    tl.store(out, best, mask=valid)
+                                   PAGE, HEAD_DIM, DOT_PRECISION, ROPE, HALVES, TIERED, FP8, SUB)
+                # (the launcher filled Scores with -inf: a tile with no candidate needs no store)
+                _store_scores(Scores + qb * stride_sb + pair * stride_sp, c, valid, best, num_chunks, CHUNK // SUB,
+                              BLOCK_C, ATOMIC)
 
 
 def chunk_scores_triton(q: torch.Tensor, k_cache: torch.Tensor, block_table: torch.Tensor, starts: torch.Tensor,
@@ -319,7 +337,7 @@ def chunk_scores_triton(q: torch.Tensor, k_cache: torch.Tensor, block_table: tor
                         n_sink: int, groups: int, rep_per_head: bool = True, max_rows: int | None = None,
                         block_c: int | None = None, tiles: int | None = None,
                         tile_first: bool = False, rope: RopeArgs | None = None, rows_tile: int | None = None,
-                        rows_warps: int | None = None) -> torch.Tensor:
+                        rows_warps: int | None = None, sub: int | None = None) -> torch.Tensor:
     """Triton version of `chunk_scores_reference` reading keys from the paged cache of one sequence.
 
     q (n, H_q, D) the sequence's queries this step; starts/lens (nb,) each block's rows in q; cand_end (nb,);
@@ -329,6 +347,8 @@ def chunk_scores_triton(q: torch.Tensor, k_cache: torch.Tensor, block_table: tor
     Exact scoring of multi-row blocks has a second layout for long prefill steps (`_exact_rows_kernel`, taken from
     EXACT_ROWS_PROGRAMS (block, pair, 128-row tile) programs): tiles of `rows_tile` rows, each streaming its
     block's candidate chunks (block_c at a time, `rows_warps` warps). rows_tile 0 forces the first layout.
+    `sub` (exact only; a power of two dividing `chunk`): a score per run of `sub` keys instead, (nb, G, C * chunk //
+    sub), run r of chunk c at c * chunk // sub + r (a chunk's score is the max of its runs').
     """
     if triton is None:
         raise RuntimeError("chunk_scores_triton needs Triton")
@@ -341,14 +361,19 @@ def chunk_scores_triton(q: torch.Tensor, k_cache: torch.Tensor, block_table: tor
     if q.stride(-1) != 1 or k_cache.stride(-1) != 1:
         raise ValueError("q and the cache must be contiguous in the head dimension")
     nb, G, C = ids.shape
+    sub = chunk if sub is None else sub
+    if sub != chunk and (not exact or sub < 1 or sub & (sub - 1) or chunk % sub):
+        raise ValueError(f"scores per run of keys need exact scoring and a power of two dividing the chunk {chunk}, "
+                         f"got {sub} (exact {exact})")
+    R = chunk // sub
     pairs, hpp = head_pairs(Hq, Hkv, groups)
     P = len(pairs)
     ids32 = ids.to(torch.int32)  # no copy when int32 already: the kernel reads any strides but a unit last one
     if ids32.stride(-1) != 1:
         ids32 = ids32.contiguous()
     if nb == 0 or C == 0:
-        return torch.full((nb, G, C), float("-inf"), device=q.device)
-    scores = torch.empty(nb, P, C, dtype=torch.float32, device=q.device)
+        return torch.full((nb, G, C * R), float("-inf"), device=q.device)
+    scores = torch.empty(nb, P, C * R, dtype=torch.float32, device=q.device)
     rows = max(1, triton.next_power_of_2(max_rows if max_rows is not None else int(lens.max())))
     per_head = rep_per_head and not exact
     if exact and (chunk & (chunk - 1) or chunk > 64):
@@ -379,10 +404,10 @@ def chunk_scores_triton(q: torch.Tensor, k_cache: torch.Tensor, block_table: tor
         _exact_rows_kernel[(nb, P, n_row_tiles)](
             *args, ROPE=mode, HPP=hpp, PAIRS_PER_GROUP=P // groups, PAIR_KV_DIV=pair_kv_div, CHUNK=chunk,
             BQ_PAD=bq_pad, BLOCK_M=block_m, BLOCK_C=block_c, HEAD_DIM=D, PAGE=page, DOT_PRECISION=precision,
-            TIERED=tiered, FP8=fp8, ATOMIC=n_row_tiles > 1, HALVES=halves, num_warps=rows_warps or (8 if block_m >= 128 else 4),
-            num_stages=2,
+            TIERED=tiered, FP8=fp8, ATOMIC=n_row_tiles > 1, HALVES=halves, SUB=sub,
+            num_warps=rows_warps or (8 if block_m >= 128 else 4), num_stages=2,
         )
-        return scores if P == groups else scores.reshape(nb, groups, P // groups, C).amax(dim=2)
+        return scores if P == groups else scores.reshape(nb, groups, P // groups, C * R).amax(dim=2)
     # exact scoring with plenty of programs (long prefill): each walks 4 chunk tiles so its query tile is loaded once;
     # SelectRep is latency-bound and loses from it, and decode keeps every tile a program of its own (the timings:
     # docs/kernel-notes.md v4)
@@ -395,7 +420,6 @@ def chunk_scores_triton(q: torch.Tensor, k_cache: torch.Tensor, block_table: tor
         CHUNK=chunk, EXACT=exact, PER_HEAD=per_head, N_ITER=max(0, math.ceil(math.log2(chunk))),
         BQ_PAD=bq_pad, HPP_PAD=hpp_pad, BLOCK_C=block_c, TILES=tiles, TILE_FIRST=tile_first, HEAD_DIM=D,
         PAGE=page, DOT_PRECISION=precision, TIERED=tiered, FP8=fp8, HALVES=halves and exact and not per_head,
-        num_warps=8 if tile_rows >= 128 else 4,
-        num_stages=2,
+        SUB=sub, num_warps=8 if tile_rows >= 128 else 4, num_stages=2,
     )
-    return scores if P == groups else scores.reshape(nb, groups, P // groups, C).amax(dim=2)
+    return scores if P == groups else scores.reshape(nb, groups, P // groups, C * R).amax(dim=2)

@@ -102,9 +102,11 @@ def test_chunk_scores(detail):
     dev = "cuda"
     worst_val, worst_set, n = 0.0, 1.0, 0
     for (Hq, Hkv, D) in [(32, 8, 128), (9, 3, 64), (14, 2, 64)]:  # the 8B shape, SmolLM2's, Qwen2.5 0.5B's
-        for i, (chunk, exact, rows, L) in enumerate([(256, False, 64, 65536), (32, False, 64, 20000),
-                                                     (8, True, 64, 20000), (256, False, 1, 131072),
-                                                     (8, True, 1, 20000), (2, True, 32, 20000)]):
+        # the last case: exact 32-key chunks scored per run of 8 keys (infinitehip's stage 2 read from stage 1's runs)
+        for i, (chunk, exact, rows, L, sub) in enumerate([(256, False, 64, 65536, None), (32, False, 64, 20000, None),
+                                                          (8, True, 64, 20000, None), (256, False, 1, 131072, None),
+                                                          (8, True, 1, 20000, None), (2, True, 32, 20000, None),
+                                                          (32, True, 64, 20000, 8)]):
             g = torch.Generator(device=dev).manual_seed(chunk + rows + Hq)
             page = 16
             kc = torch.randn(-(-L // page), page, Hkv, D, device=dev, dtype=torch.bfloat16, generator=g)
@@ -126,16 +128,18 @@ def test_chunk_scores(detail):
             r = torch.arange(rows, device=dev)
             qs = q[(starts[:, None] + r)].reshape(nb, rows, Hq, D)
             ref = chunk_scores_reference(qs, torch.ones(nb, rows, dtype=torch.bool, device=dev), keys, ids.long(),
-                                         chunk, exact, 256, cand_end, Hkv, rope=rope)
+                                         chunk, exact, 256, cand_end, Hkv, rope=rope, sub=sub)
             fin = torch.isfinite(ref)
             # exact multi-row blocks: the first layout and the long-prefill one (row tiles of 128 to 512 rows)
             for rows_tile in ((None, 128, 256, 512) if exact and rows > 1 else (None,)):
                 got = chunk_scores_triton(q, kc, table, starts, lens, cand_end, ids, chunk, exact, 256, Hkv,
-                                          rope=rope, rows_tile=rows_tile)
-                worst_val, worst_set = _check_scores(got, ref, fin, C, (Hq, Hkv, chunk, exact, rows, mode, rows_tile),
+                                          rope=rope, rows_tile=rows_tile, sub=sub)
+                worst_val, worst_set = _check_scores(got, ref, fin, C * chunk // (sub or chunk),
+                                                     (Hq, Hkv, chunk, exact, rows, mode, rows_tile, sub),
                                                      worst_val, worst_set)
                 n += 1
-    detail(f"{n} cases (SmolLM2's and Qwen 0.5B's shapes with rt/ci/de; exact scoring in both layouts), at most "
+    detail(f"{n} cases (SmolLM2's and Qwen 0.5B's shapes with rt/ci/de; exact scoring in both layouts, also per run "
+           f"of 8 keys), at most "
            f"{worst_val:.2%} of scores off by >5% (SelectRep ties), top-k overlap >= {worst_set:.3f}")
 
 
@@ -143,7 +147,7 @@ def _check_scores(got, ref, fin, C, case, worst_val, worst_set):
     """test_chunk_scores' criteria for one case: the same invalid chunks, at most 2% of scores off by > 5%, top-k
     overlap >= 0.97; returns the running worst of both."""
     if not torch.equal(torch.isfinite(got), fin):
-        raise AssertionError(f"(Hq, Hkv, chunk, exact, rows, rope, rows_tile) = {case}: different invalid chunks")
+        raise AssertionError(f"(Hq, Hkv, chunk, exact, rows, rope, rows_tile, sub) = {case}: different invalid chunks")
     rel = ((got[fin] - ref[fin]).abs() / ref[fin].abs().clamp(min=1.0))
     frac_off = (rel > 0.05).float().mean().item()  # SelectRep branches decided by bf16 near-ties
     k = max(1, C // 8)
@@ -152,7 +156,7 @@ def _check_scores(got, ref, fin, C, case, worst_val, worst_set):
     overlap = sum(len(set(a.tolist()) & set(b.tolist())) for a, b in
                   zip(top_got.flatten(0, 1), top_ref.flatten(0, 1))) / top_ref.numel()
     if frac_off > 0.02 or overlap < 0.97:
-        raise AssertionError(f"(Hq, Hkv, chunk, exact, rows, rope, rows_tile) = {case}: {frac_off:.1%} scores off "
+        raise AssertionError(f"(Hq, Hkv, chunk, exact, rows, rope, rows_tile, sub) = {case}: {frac_off:.1%} scores off "
                              f"by >5%, top-k overlap {overlap:.3f}")
     return max(worst_val, frac_off), min(worst_set, overlap)
 

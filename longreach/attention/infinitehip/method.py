@@ -203,6 +203,37 @@ class InfiniteHiP(SelectionMethod):
         pre = torch.add(self.arange(ratio, new.device, new.dtype), new[..., None], alpha=ratio).reshape(nb, G, -1)
         return used, (pre if kept is None else torch.where(kept, -1, pre))
 
+    def runs_for_next(self, i: int, widths, keep, lookahead: int, ahead, ci: bool) -> int | None:
+        """The next stage's chunk size, if stage i should score its candidates per run of that many keys so that the
+        next stage takes its scores from them (`scores_from_runs`) instead of reading its keys again, else None.
+
+        Exact, not a shortcut: stage i+1's candidates are sub-chunks of stage i's survivors, every key of which stage
+        i scored against the same query rows at the same positions, and a chunk's exact score is its best key's, so
+        the best key of each run is stage i+1's score of that sub-chunk. It needs both stages exact (`exact_below`),
+        stage i+1 scoring (not every candidate fitting its budget), key positions that do not depend on the candidate
+        list (not `ci`, whose positions count the candidates), and every survivor scored in this call: no kept
+        output (`keep`: a captured decode step's rows keep earlier outputs), no lookahead chunks (not candidates of
+        stage i), and not stage 0 under `ahead` (the next stages then build on an earlier refresh's output)."""
+        cfg = self.cfg
+        if (i + 1 >= len(cfg.chunk_sizes) or cfg.chunk_sizes[i] > cfg.exact_below or ci or keep is not None
+                or lookahead or (ahead is not None and i == 0)):
+            return None
+        nxt = cfg.chunk_sizes[i + 1]
+        return nxt if nxt <= cfg.exact_below and widths[i + 1][1] else None
+
+    @staticmethod
+    def scores_from_runs(ids: torch.Tensor, prev_ids: torch.Tensor, run_scores: torch.Tensor, ratio: int):
+        """Scores (nb, G, C') of chunks `ids` (nb, G, C'), sub-chunks of the previous stage's candidates `prev_ids`
+        (nb, G, C; ascending where >= 0, the rest after them) whose scores per run of `ratio` runs are `run_scores`
+        (nb, G, C * ratio): run r of candidate c at c * ratio + r. A negative id (a dropped survivor's) or a parent
+        that is not a candidate scores -inf. Device ops only (a search and a gather), no host sync."""
+        parent = torch.div(ids, ratio, rounding_mode="floor")
+        key = torch.where(prev_ids >= 0, prev_ids, torch.iinfo(prev_ids.dtype).max).contiguous()
+        at = torch.searchsorted(key, parent.to(key.dtype).contiguous()).clamp(max=key.shape[-1] - 1)
+        found = (ids >= 0) & (torch.gather(key, -1, at) == parent)
+        score = torch.gather(run_scores, -1, at * ratio + (ids - parent * ratio))
+        return torch.where(found, score, float("-inf"))
+
     def lookahead_chunks(self, ids: torch.Tensor, chunk: int, cand_end: torch.Tensor, n: int) -> torch.Tensor:
         """A stage's survivors ids (nb, G, C) (candidate chunks of `chunk` tokens, ascending, -1 padded) -> (nb, G,
         (1 + n) * C): the survivors and the next n chunks after each that are candidates, each once, ascending, -1
@@ -250,9 +281,14 @@ class InfiniteHiP(SelectionMethod):
         nb, G = blocks.num_blocks, self.groups
         outs = []
         prefetch = None  # `ahead`: stage 1's chunks of this refresh's stage 0, for the store to copy in
+        runs = None  # (candidate ids, their scores per run of the next stage's chunk size): `runs_for_next`
+        rope = self.rope_args(layer, "prune", blocks.max_end)
+        ci = rope is not None and rope.mode == "ci"
         for i in range(first, len(cfg.chunk_sizes)):
             l = cfg.chunk_sizes[i]
             width, needs_scores = widths[i]
+            if runs is not None and not (needs_scores and l <= cfg.exact_below):
+                runs = None  # (runs_for_next asked for them only where this stage scores exactly)
             if i == 0:
                 def stage0_ids(l=l, width=width):
                     lo = cfg.n_sink // l
@@ -277,9 +313,17 @@ class InfiniteHiP(SelectionMethod):
                     keys.install(ids, l)
                     if prefetch is not None:  # after stage 1's installs, so that none of its pages is a victim
                         keys.install(prefetch, l, ahead=True)
-                score = self.chunk_scores(layer, q, blocks, keys, ids, l, l <= cfg.exact_below, cand_end)
-                if keys.probes is not None and i > 0:  # the keys it just read, for the store (SequenceKeys.probes);
-                    keys.probes(ids, l)  # stage 0's candidates are the whole context: never installed for it
+                if i > 0 and runs is not None:  # every key of these chunks was scored by the stage before: no read
+                    score = self.scores_from_runs(ids, *runs, cfg.chunk_sizes[i - 1] // l)
+                    runs = None
+                else:
+                    sub = self.runs_for_next(i, widths, keep, lookahead, ahead, ci)
+                    score = self.chunk_scores(layer, q, blocks, keys, ids, l, l <= cfg.exact_below, cand_end, sub=sub)
+                    if sub is not None:
+                        runs = (ids, score)
+                        score = score.reshape(nb, G, -1, l // sub).amax(-1)
+                    if keys.probes is not None and i > 0:  # the keys it just read, for the store (SequenceKeys.probes);
+                        keys.probes(ids, l)  # stage 0's candidates are the whole context: never installed for it
             else:  # every candidate fits the budget
                 _, _, valid = chunk_bounds(ids, l, cfg.n_sink, cand_end)
                 score = torch.where(valid, 0.0, float("-inf"))

@@ -337,9 +337,10 @@ class SelectionMethod(ABC):
         return q[rows].float(), ok
 
     def chunk_scores(self, layer: int, q: torch.Tensor, blocks: BlockQueries, keys: SequenceKeys, ids: torch.Tensor,
-                     chunk: int, exact: bool, cand_end: torch.Tensor) -> torch.Tensor:
+                     chunk: int, exact: bool, cand_end: torch.Tensor, sub: int | None = None) -> torch.Tensor:
         """Scores (nb, G, C) of candidate chunks (kernels/prune_stage.py), with the layer's pruning RoPE strategy:
-        the Triton kernel on CUDA, else the reference."""
+        the Triton kernel on CUDA, else the reference. `sub` (exact only): a score per run of `sub` keys instead,
+        (nb, G, C * chunk // sub)."""
         from ...kernels.prune_ref import chunk_scores_reference
         from ...kernels.prune_stage import chunk_scores_triton
 
@@ -348,10 +349,10 @@ class SelectionMethod(ABC):
         if use_kernels(q):
             return chunk_scores_triton(q, keys.k_cache, keys.block_table, blocks.starts, blocks.lens, cand_end, ids,
                                        chunk, exact, self.cfg.n_sink, self.groups, rep_per_head=per_head,
-                                       max_rows=blocks.max_rows, rope=rope)
+                                       max_rows=blocks.max_rows, rope=rope, sub=sub)
         qs, ok = self.query_rows(q, blocks)
         return chunk_scores_reference(qs, ok, keys.dense(), ids, chunk, exact, self.cfg.n_sink, cand_end, self.groups,
-                                      rep_per_head=per_head, rope=rope, table_cache=keys.prune_tables)
+                                      rep_per_head=per_head, rope=rope, table_cache=keys.prune_tables, sub=sub)
 
     def candidate_end(self, block_end: torch.Tensor) -> torch.Tensor:
         """Exclusive end of the selectable range: keys before every query's window (causal by construction)."""
