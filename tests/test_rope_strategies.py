@@ -127,33 +127,39 @@ def test_bsa_kernel_with_rope_matches_reference(dtype, mode, decode):
     assert (out.float() - ref).abs().max() <= tol
 
 
+def _scoring_case(dtype, D, chunk, mid_end, seed):
+    """One sequence of L = 211 keys (6 query / 2 KV heads, 4-token pages), three 8-row query blocks (the middle one a
+    row short, ending at `mid_end` + the window), sorted candidate chunks of `chunk` per block and group with two -1
+    at the end of one row, as the stages produce: (kc, table, q, starts, lens, cand_end, ids, qs, ok, keys)."""
+    Hq, Hkv, page, rows, G, L, W, nb = 6, 2, 4, 8, 2, 211, 10, 3
+    g = torch.Generator().manual_seed(seed)
+    kc, _, tables = _cache([L], Hkv, D, page, dtype, g)
+    q = torch.randn(nb * rows, Hq, D, generator=g).to(dtype).to(DEV)
+    starts = torch.arange(nb, device=DEV) * rows
+    lens = torch.tensor([rows, rows - 1, rows], device=DEV)
+    cand_end = torch.tensor([L - 3 - W, mid_end, L - W], device=DEV)
+    n_chunks = -(-L // chunk)
+    ids = torch.stack([torch.stack([torch.randperm(n_chunks, generator=g)[: n_chunks - 3].sort().values
+                                    for _ in range(G)]) for _ in range(nb)]).to(DEV)
+    ids[0, 0, -2:] = -1  # padding at the end, as the stages produce
+    keys = gather_tokens(kc, tables[0], L)
+    r = torch.arange(rows, device=DEV)
+    qs = q[(starts[:, None] + r).clamp(max=q.shape[0] - 1)].reshape(nb, rows, Hq, D)
+    return kc, tables[0], q, starts, lens, cand_end, ids, qs, r[None, :] < lens[:, None], keys
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
 @pytest.mark.parametrize("mode", ["rt", "ci", "il", "de"])
 # exact scoring at head dim 32 keeps rows as two halves (kernels/prune_stage.py `_exact_tile`, HALVES), at 16 not
 @pytest.mark.parametrize("exact, per_head, D", [(False, True, 16), (False, False, 16), (True, False, 16),
                                                 (True, False, 32)])
 def test_chunk_score_kernel_with_rope_matches_reference(dtype, mode, exact, per_head, D):
-    Hq, Hkv, page, rows, chunk, G = 6, 2, 4, 8, 4 if exact else 8, 2
-    g = torch.Generator().manual_seed(11)
-    L, W = 211, 10
-    kc, _, tables = _cache([L], Hkv, D, page, dtype, g)
-    nb = 3
-    q = torch.randn(nb * rows, Hq, D, generator=g).to(dtype).to(DEV)
-    starts = torch.arange(nb, device=DEV) * rows
-    lens = torch.tensor([rows, rows - 1, rows], device=DEV)
-    cand_end = torch.tensor([L - 3 - W, 60, L - W], device=DEV)
-    n_chunks = -(-L // chunk)
-    ids = torch.stack([torch.stack([torch.randperm(n_chunks, generator=g)[: n_chunks - 3].sort().values
-                                    for _ in range(G)]) for _ in range(nb)]).to(DEV)
-    ids[0, 0, -2:] = -1  # padding at the end, as the stages produce
+    chunk, G = 4 if exact else 8, 2
+    kc, table, q, starts, lens, cand_end, ids, qs, ok, keys = _scoring_case(dtype, D, chunk, 60, 11)
     inv = rope_inv_freq(RopeConfig(theta=10000.0), D)[0]
-    rope = RopeArgs(mode, inv, rope_from=100, group=3, n_window=W)  # block 1 ends before rope_from: not remapped
-    got = chunk_scores_triton(q, kc, tables[0], starts, lens, cand_end, ids, chunk, exact, 3, G,
+    rope = RopeArgs(mode, inv, rope_from=100, group=3, n_window=10)  # block 1 ends before rope_from: not remapped
+    got = chunk_scores_triton(q, kc, table, starts, lens, cand_end, ids, chunk, exact, 3, G,
                               rep_per_head=per_head, block_c=16 if not exact else None, rope=rope)
-    keys = gather_tokens(kc, tables[0], L)
-    r = torch.arange(rows, device=DEV)
-    qs = q[(starts[:, None] + r).clamp(max=q.shape[0] - 1)].reshape(nb, rows, Hq, D)
-    ok = r[None, :] < lens[:, None]
     ref = chunk_scores_reference(qs.float(), ok, keys.float(), ids.long(), chunk, exact, 3, cand_end, G,
                                  rep_per_head=per_head, rope=rope)
     plain = chunk_scores_reference(qs.float(), ok, keys.float(), ids.long(), chunk, exact, 3, cand_end, G,
@@ -171,7 +177,7 @@ def test_chunk_score_kernel_with_rope_matches_reference(dtype, mode, exact, per_
     tol = 1e-3 if dtype == torch.float32 else 5e-2
     assert (got[finite] - ref[finite]).abs().max() <= tol * max(1.0, ref[finite].abs().max().item())
     if exact:  # the long-prefill layout (row tiles streaming the chunks) moves the same keys
-        alt = chunk_scores_triton(q, kc, tables[0], starts, lens, cand_end, ids, chunk, exact, 3, G, rope=rope,
+        alt = chunk_scores_triton(q, kc, table, starts, lens, cand_end, ids, chunk, exact, 3, G, rope=rope,
                                   rows_tile=16)
         assert torch.equal(torch.isfinite(alt), finite)
         assert (alt[finite] - ref[finite]).abs().max() <= tol * max(1.0, ref[finite].abs().max().item())
@@ -187,26 +193,14 @@ def test_exact_scores_per_run_are_the_next_stages(dtype, mode, D, sub):
     scores of the survivors' sub-chunks."""
     from longreach.attention.infinitehip.method import InfiniteHiP
 
-    Hq, Hkv, page, rows, chunk, G = 6, 2, 4, 8, 8, 2
+    chunk, G, nb = 8, 2, 3
     R = chunk // sub
-    g = torch.Generator().manual_seed(13 + D)
-    L, W = 211, 10
-    kc, _, tables = _cache([L], Hkv, D, page, dtype, g)
-    nb = 3
-    q = torch.randn(nb * rows, Hq, D, generator=g).to(dtype).to(DEV)
-    starts = torch.arange(nb, device=DEV) * rows
-    lens = torch.tensor([rows, rows - 1, rows], device=DEV)
-    cand_end = torch.tensor([L - 3 - W, 61, L - W], device=DEV)  # edge chunks cut inside a run
-    n_chunks = -(-L // chunk)
-    ids = torch.stack([torch.stack([torch.randperm(n_chunks, generator=g)[: n_chunks - 3].sort().values
-                                    for _ in range(G)]) for _ in range(nb)]).to(DEV)
-    ids[0, 0, -2:] = -1  # padding at the end, as the stages produce
+    # the middle block's candidate end (61) cuts an edge chunk inside a run
+    kc, table, q, starts, lens, cand_end, ids, qs, ok, keys = _scoring_case(dtype, D, chunk, 61, 13 + D)
+    g = torch.Generator().manual_seed(D)
+    qs, keys = qs.float(), keys.float()
     inv = rope_inv_freq(RopeConfig(theta=10000.0), D)[0]
-    rope = None if mode is None else RopeArgs(mode, inv, rope_from=100, group=3, n_window=W)
-    keys = gather_tokens(kc, tables[0], L).float()
-    r = torch.arange(rows, device=DEV)
-    qs = q[(starts[:, None] + r).clamp(max=q.shape[0] - 1)].reshape(nb, rows, Hq, D).float()
-    ok = r[None, :] < lens[:, None]
+    rope = None if mode is None else RopeArgs(mode, inv, rope_from=100, group=3, n_window=10)
     n_sink = 5  # inside the first chunk: the sink cuts a run too
 
     def ref(i, c, **kw):
@@ -224,7 +218,7 @@ def test_exact_scores_per_run_are_the_next_stages(dtype, mode, D, sub):
     tol = 1e-3 if dtype == torch.float32 else 5e-2
     scale = max(1.0, direct[finite].abs().max().item())
     for rows_tile in (None, 0, 16):  # the layout the launcher picks, the first one, the long-prefill one
-        got = chunk_scores_triton(q, kc, tables[0], starts, lens, cand_end, ids, chunk, True, n_sink, G, rope=rope,
+        got = chunk_scores_triton(q, kc, table, starts, lens, cand_end, ids, chunk, True, n_sink, G, rope=rope,
                                   rows_tile=rows_tile, sub=sub)
         assert torch.equal(torch.isfinite(got), finite)
         assert (got[finite] - runs[finite]).abs().max() <= tol * scale

@@ -114,12 +114,13 @@ def chunk_scores_reference(qs: torch.Tensor, row_ok: torch.Tensor, keys: torch.T
     sub = chunk if sub is None else sub
     if sub != chunk and (not exact or chunk % sub):
         raise ValueError(f"scores per run of keys need exact scoring and a run dividing the chunk {chunk}, got {sub}")
-    if exact:
+    if exact:  # each key of the chunk from its start, masked to the valid part [a, b); the best of each run
+        start = ids[:, pair_group] * chunk
         runs = []
         for r0 in range(0, chunk, sub):
             s = torch.full(a.shape, float("-inf"), device=dev)
             for j in range(r0, r0 + sub):
-                pos = ids[:, pair_group] * chunk + j if sub != chunk else a + j
+                pos = start + j
                 sj = probe(pos).amax(2)
                 s = torch.maximum(s, sj.masked_fill((pos < a) | (pos >= b), float("-inf")))
             runs.append(s)

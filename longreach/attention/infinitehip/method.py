@@ -287,8 +287,6 @@ class InfiniteHiP(SelectionMethod):
         for i in range(first, len(cfg.chunk_sizes)):
             l = cfg.chunk_sizes[i]
             width, needs_scores = widths[i]
-            if runs is not None and not (needs_scores and l <= cfg.exact_below):
-                runs = None  # (runs_for_next asked for them only where this stage scores exactly)
             if i == 0:
                 def stage0_ids(l=l, width=width):
                     lo = cfg.n_sink // l
@@ -313,9 +311,10 @@ class InfiniteHiP(SelectionMethod):
                     keys.install(ids, l)
                     if prefetch is not None:  # after stage 1's installs, so that none of its pages is a victim
                         keys.install(prefetch, l, ahead=True)
-                if i > 0 and runs is not None:  # every key of these chunks was scored by the stage before: no read
+                if runs is not None:  # every key of these chunks was scored by the stage before: no read
+                    # (runs_for_next set them only for a next stage that scores exactly: this one)
                     score = self.scores_from_runs(ids, *runs, cfg.chunk_sizes[i - 1] // l)
-                    runs = None
+                    runs = None  # this stage read no keys: nothing for the one after
                 else:
                     sub = self.runs_for_next(i, widths, keep, lookahead, ahead, ci)
                     score = self.chunk_scores(layer, q, blocks, keys, ids, l, l <= cfg.exact_below, cand_end, sub=sub)
