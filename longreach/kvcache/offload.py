@@ -52,6 +52,7 @@ from ..kernels.offload_copy import copy_chunks, scatter_rows
 from .base import PageReads
 from .fp8 import as_bytes, encode, row_bytes, row_elems
 from .pinned import pinned_empty
+from .read_units import attended_units, probe_units
 from .prefetch import RESERVED, Prefetcher
 from .staging import StagedPrefill
 
@@ -278,11 +279,8 @@ class OffloadedKVCache:
     def note_reads(self, layer: int, block_tables: torch.Tensor, seq: torch.Tensor, first: torch.Tensor,
                    last: torch.Tensor, max_rows: int, blocks: torch.Tensor, block_k: int, n_sink: int,
                    n_window: int) -> None:
-        """Record the pages that block-sparse attention reads in `layer` (device ops, no host sync: graph-capturable).
-
-        Per query block: seq (nb,) its row of block_tables (B, W); first / last (nb,) the positions of its first and
-        last query (last - first < max_rows); blocks (nb, G, K) the selected key blocks of block_k tokens (-1
-        padded). The block also reads keys [0, n_sink) and its window [first - n_window + 1, last]."""
+        """Record the pages that block-sparse attention reads in `layer` (device ops, no host sync: graph-capturable;
+        the arguments: kvcache/read_units.py's `attended_units`)."""
         bs, dev = self.block_size, self.wanted.device
         nb = seq.shape[0]
         if nb == 0:
@@ -292,40 +290,9 @@ class OffloadedKVCache:
             return page_reads.mark_reads(self.wanted, layer, self.num_pages, block_tables.to(dev), seq.to(dev),
                                          first.to(dev), last.to(dev), max_rows, blocks.to(dev), block_k, bs, n_sink,
                                          n_window, units=U)
-        seq, first, last = seq.long().to(dev), first.long().to(dev), last.long().to(dev)
-        last_page = last // bs
-        sink = torch.arange(-(-n_sink // bs), device=dev).expand(nb, -1)
-        parts, oks = [sink], [sink <= last_page[:, None]]
-        if n_window > 0:
-            span = torch.arange(-(-(n_window + max_rows - 1) // bs) + 1, device=dev)
-            win = (torch.clamp(first - n_window + 1, min=0) // bs)[:, None] + span
-            parts.append(win)
-            oks.append(win <= last_page[:, None])
-        per = max(1, block_k // bs)  # pages per key block (block_k and bs are powers of two)
-        G = blocks.shape[1]
-        hpg, gph = page_reads.group_heads(G, U)
-        b = blocks.long().to(dev).reshape(nb, -1)
-        sel = ((b * block_k) // bs)[:, :, None] + torch.arange(per, device=dev)
-        n_fixed = sum(x.shape[1] for x in parts)
-        parts.append(sel.reshape(nb, -1))
-        oks.append(((b >= 0)[:, :, None] & (sel <= last_page[:, None, None])).reshape(nb, -1))
-        ok = torch.cat(oks, dim=1)
-        tables = block_tables.to(dev)
-        logical = torch.cat(parts, dim=1).clamp(0, tables.shape[1] - 1)
-        phys = tables[seq[:, None], logical].long()
-        ok = ok & (phys != self.num_pages - 1)  # the last page is the scratch page of padded graph rows
         trash = self.num_layers * self.num_pages * U  # the last entry of `wanted` takes the masked-out reads
-        if U == 1:
-            idx = torch.where(ok, layer * self.num_pages + phys, trash)
-        else:  # the sink and window: every head; a group's blocks: its heads (kernels/page_reads.py, group_heads)
-            g = torch.arange(G, device=dev).repeat_interleave(blocks.shape[2] * per)
-            first_head = torch.cat([torch.zeros(n_fixed, dtype=torch.long, device=dev), (g // gph) * hpg])
-            count = torch.cat([torch.full((n_fixed,), U, device=dev), torch.full((g.numel(),), hpg, device=dev)])
-            j = torch.arange(U, device=dev)
-            head = first_head[:, None] + j  # (places, U): the heads each place marks, the first `count`
-            use = ok[:, :, None] & (j < count[:, None])[None]
-            unit = (layer * self.num_pages + phys)[:, :, None] * U + head[None].clamp(max=U - 1)
-            idx = torch.where(use, unit, trash)
+        idx = attended_units(self.num_pages, U, layer, trash, block_tables.to(dev), seq, first, last, max_rows, blocks,
+                             block_k, bs, n_sink, n_window)
         self.wanted.index_fill_(0, idx.reshape(-1), True)
 
     def end_step(self) -> dict:
@@ -384,7 +351,7 @@ class OffloadedKVCache:
             return
         L, P, U, S = self.num_layers, self.num_pages, self.units, self.num_slots
         trash = L * P * U
-        u = self._probe_units(reads)  # (E,) ascending, each unit once, `trash` for no unit
+        u = probe_units(P, U, self.block_size, trash, reads, self.wanted.device)  # (E,) ascending, each once
         if u.numel() == 0:
             return
         valid = u < trash
@@ -429,28 +396,6 @@ class OffloadedKVCache:
         last = torch.searchsorted(cum, n_do.view(1))[0]  # the position of the n_do-th eligible slot
         self._hand.copy_(torch.remainder(self._hand + torch.where(n_do > 0, last + 1, 0), S))
         return do, vic
-
-    def _probe_units(self, reads: PageReads) -> torch.Tensor:
-        """The head-page units (layer * P + page) * U + head of a stage's candidate chunks (`reads.blocks` (nb, G, C)
-        of `block_k` tokens, each group's heads: kernels/page_reads.py's `group_heads`), ascending, each once; the
-        trash index L * P * U for no unit (a -1 candidate, a page past the row's position, the scratch page)."""
-        bs, P, U = self.block_size, self.num_pages, self.units
-        trash = self.num_layers * P * U
-        dev = self.wanted.device
-        b = reads.blocks.long().to(dev)
-        nb, G, C = b.shape
-        per = max(1, reads.block_k // bs)
-        logical = ((b * reads.block_k) // bs)[..., None] + torch.arange(per, device=dev)  # (nb, G, C, per)
-        tables = reads.block_tables.to(dev)
-        seq, last = reads.seq.long().to(dev), reads.last.long().to(dev)
-        ok = (b >= 0)[..., None] & (logical <= (last // bs)[:, None, None, None])
-        phys = tables[seq[:, None, None, None], logical.clamp(0, tables.shape[1] - 1)].long()
-        ok = ok & (phys != P - 1)
-        hpg, gph = page_reads.group_heads(G, U)
-        head = ((torch.arange(G, device=dev) // gph) * hpg)[:, None] + torch.arange(hpg, device=dev)  # (G, hpg)
-        unit = (reads.layer * P + phys)[..., None] * U + head[None, :, None, None, :]
-        unit = torch.where(ok[..., None], unit, trash).reshape(-1).sort().values
-        return torch.where(torch.cat([unit[:1] < trash, unit[1:] != unit[:-1]]), unit, trash)
 
     def _install(self, miss: torch.Tensor) -> tuple[int, int]:
         """Copy the missed (layer * P + page) ids into free or least-recently-used slots, never a slot read in this
