@@ -282,8 +282,7 @@ class InfiniteHiP(SelectionMethod):
         outs = []
         prefetch = None  # `ahead`: stage 1's chunks of this refresh's stage 0, for the store to copy in
         runs = None  # (candidate ids, their scores per run of the next stage's chunk size): `runs_for_next`
-        rope = self.rope_args(layer, "prune", blocks.max_end)
-        ci = rope is not None and rope.mode == "ci"
+        ci = self.rope_mode(layer, "prune") == "ci"
         for i in range(first, len(cfg.chunk_sizes)):
             l = cfg.chunk_sizes[i]
             width, needs_scores = widths[i]

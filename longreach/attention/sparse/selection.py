@@ -227,12 +227,19 @@ class SelectionMethod(ABC):
         self._aranges: dict[tuple[str, torch.dtype], torch.Tensor] = {}
         self._retired: list[torch.Tensor] = []  # outgrown aranges: a captured graph may still read them
 
+    def rope_mode(self, layer: int, phase: str) -> str:
+        """The strategy code of `phase` ("prune" or "attend") in `layer`; "none" when positions stay true (strategy
+        none, or no model frame)."""
+        if self.rope_frame is None:
+            return "none"
+        return strategy_for(self.prune_spec if phase == "prune" else self.attend_spec, layer)
+
     def rope_args(self, layer: int, phase: str, context_len: int) -> RopeArgs | None:
-        """The strategy of `phase` ("prune" or "attend") in `layer` for a context of `context_len` tokens, or None
-        when positions stay true (strategy none, or no model frame)."""
-        mode = strategy_for(self.prune_spec if phase == "prune" else self.attend_spec, layer)
+        """The strategy of `phase` in `layer` (`rope_mode`) for a context of `context_len` tokens, or None when
+        positions stay true."""
+        mode = self.rope_mode(layer, phase)
         f = self.rope_frame
-        if mode == "none" or f is None:
+        if mode == "none":
             return None
         group = self.cfg.de_group or de_group_size(context_len, f.trained_len, self.cfg.n_window)
         return RopeArgs(mode, f.inv_freq, f.rope_from, group, self.cfg.n_window)
