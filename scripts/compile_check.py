@@ -188,7 +188,8 @@ def all_cases() -> list:
                                    PER_HEAD=per_head, N_ITER=max(0, (chunk - 1).bit_length()), BQ_PAD=bq_pad,
                                    HPP_PAD=hpp_pad, BLOCK_C=block_c, TILES=tiles, TILE_FIRST=False, HEAD_DIM=128,
                                    PAGE=16, ROPE=rope, DOT_PRECISION="tf32", TIERED=tiered, FP8=kv == f8,
-                                   HALVES=exact and rope != 0, SUB=8 if "runs of 8" in label else chunk), []))
+                                   HALVES=exact and rope != 0, SUB=8 if "runs of 8" in label else chunk,
+                                   STRIDE=1), []))
     # exact scoring's long-prefill layout (one-tier staging only: decode keeps the first layout): 256-row tiles of
     # stage 1 (32-token chunks, 4 a tile) and stage 2 (8-token chunks, 16 a tile), as stored and moved (rt, ci), one
     # row tile per block and several (atomic max); stage 1 also with a score per 8-key run (stage 2's, reused)
@@ -196,15 +197,19 @@ def all_cases() -> list:
                                                 ("prune rows stage1 exact runs of 8", 32, 4, 256, 8),
                                                 ("prune rows stage1 exact runs of 8 m128 atomic", 32, 4, 128, 8),
                                                 ("prune rows stage2 exact", 8, 16, 256, 8),
-                                                ("prune rows stage2 exact m128 atomic", 8, 16, 128, 8)):
+                                                ("prune rows stage2 exact m128 atomic", 8, 16, 128, 8),
+                                                # query stride 2: 32 of a 64-row block's rows, 4 heads: 128 rows
+                                                ("prune rows stage1 exact stride 2", 32, 4, 128, 32)):
         for suffix, kv in ((" ", bf), (" fp8", f8)):
             for rope in (0, 1, 2):
                 cases.append((label + suffix + f" rope {rope}", prune_stage._exact_rows_kernel,
                               dict(Q=bf, K=kv, KH=kv, Slots=i32, BlockTable=i32, QbStart=i32, QbLen=i32, CandEnd=i32,
                                    Ids=i32, Scores=f32, InvFreq=f32, NChunk=i32),
-                              dict(ROPE=rope, HPP=4, PAIRS_PER_GROUP=1, PAIR_KV_DIV=1, CHUNK=chunk, BQ_PAD=64,
-                                   BLOCK_M=block_m, BLOCK_C=block_c, HEAD_DIM=128, PAGE=16, DOT_PRECISION="tf32",
-                                   TIERED=False, FP8=kv == f8, ATOMIC=block_m < 256, HALVES=rope != 0, SUB=sub),
+                              dict(ROPE=rope, HPP=4, PAIRS_PER_GROUP=1, PAIR_KV_DIV=1, CHUNK=chunk,
+                                   BQ_PAD=32 if "stride" in label else 64, BLOCK_M=block_m, BLOCK_C=block_c,
+                                   HEAD_DIM=128, PAGE=16, DOT_PRECISION="tf32", TIERED=False, FP8=kv == f8,
+                                   ATOMIC=block_m < 256 and "stride" not in label, HALVES=rope != 0, SUB=sub,
+                                   STRIDE=2 if "stride" in label else 1),
                               []))
     cases.append(("topk single tile", topk._topk_kernel,
                   dict(Ids=i32, Scores=f32, Out=i32, Counts=i32, C="i32", K="i32"), dict(BLOCK=4096, SINGLE=True), []))

@@ -20,9 +20,9 @@ def _stages(method, reuse: bool, layer, q, blocks, keys, monkeypatch, **kw):
     scored = []
     score = InfiniteHiP.chunk_scores
 
-    def counted(self, layer, q, blocks, keys, ids, chunk, exact, cand_end, sub=None):
+    def counted(self, layer, q, blocks, keys, ids, chunk, exact, cand_end, **kw):
         scored.append(chunk)
-        return score(self, layer, q, blocks, keys, ids, chunk, exact, cand_end, sub=sub)
+        return score(self, layer, q, blocks, keys, ids, chunk, exact, cand_end, **kw)
 
     with monkeypatch.context() as m:
         m.setattr(InfiniteHiP, "chunk_scores", counted)

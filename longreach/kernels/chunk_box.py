@@ -34,7 +34,7 @@ from __future__ import annotations
 
 import torch
 
-from ..rope.strategies import RopeArgs, prune_query_pos, rotation
+from ..rope.strategies import RopeArgs, block_row_positions, prune_query_pos, rotation
 from .index_types import head_pairs
 from .key_boxes import BOX_KINDS, BoxView, box_of_keys, box_scores
 from .prune_ref import chunk_bounds, moved_keys
@@ -75,10 +75,11 @@ def key_boxes(keys: torch.Tensor, first: int, chunk: int, kind: str, rope: RopeA
     return torch.stack([stored, moved], dim=1)
 
 
-def box_queries(qs: torch.Tensor, row_ok: torch.Tensor, cand_end: torch.Tensor, rope: RopeArgs | None, shared=None):
+def box_queries(qs: torch.Tensor, row_ok: torch.Tensor, cand_end: torch.Tensor, rope: RopeArgs | None, shared=None,
+                stride: int = 1):
     """(q (nb, R, H_q, D) fp32 at true positions, q moved to the strategy's query position (ci as rt), moved (nb,)
     bool: blocks that end at or past rope.rope_from read flavour 1). No host sync. Rows past a block's length repeat
-    its first row, so a max over rows is the max over its real rows. `shared`: chunk_box_scores'."""
+    its first row, so a max over rows is the max over its real rows. `shared`, `stride`: chunk_box_scores'."""
     nb, R = row_ok.shape
     # one-row blocks (decode) have no row past their length (a block has a row at least)
     q32 = qs.float() if R == 1 else torch.where(row_ok[:, :, None, None], qs.float(), qs[:, :1].float())
@@ -88,14 +89,14 @@ def box_queries(qs: torch.Tensor, row_ok: torch.Tensor, cand_end: torch.Tensor, 
 
     def angles():  # the rows' rotation and which blocks are moved: positions only, no query
         end = cand_end + rope.n_window
-        p = (end - row_ok.sum(1))[:, None] + torch.arange(R, device=qs.device)  # (nb, R) row positions
+        p = block_row_positions(end, row_ok, stride)  # (nb, R)
         delta = (prune_query_pos(mode, p, rope.n_window, rope.group) - p)[:, :, None]
         c, s = rotation(delta, rope.inv_freq.to(qs.device))
         # rotate_cs as x * (c, c) + (x2, x1) * (-s, s): the same products and sums, two ops fewer per layer
         return torch.cat((c, c), dim=-1), torch.cat((-s, s), dim=-1), end - 1 >= rope.rope_from
 
     cc, ss, moved = _made(shared, ("box_query_angles", mode, rope.n_window, rope.group, rope.rope_from,
-                                   rope.inv_freq.data_ptr()), angles)
+                                   rope.inv_freq.data_ptr(), stride), angles)
     half = q32.shape[-1] // 2
     moved_q = q32 * cc + torch.cat((q32[..., half:], q32[..., :half]), dim=-1) * ss
     return q32, moved_q if R == 1 else torch.where(row_ok[:, :, None, None], moved_q, moved_q[:, :1]), moved
@@ -143,17 +144,17 @@ def pair_index(P: int, Hkv: int, groups: int, dev) -> tuple[torch.Tensor, torch.
 def chunk_box_scores(qs: torch.Tensor, row_ok: torch.Tensor, keys: torch.Tensor | None, ids: torch.Tensor, chunk: int,
                      n_sink: int, cand_end: torch.Tensor, groups: int, kind: str, rope: RopeArgs | None = None,
                      boxes: "torch.Tensor | BoxView | None" = None, max_bytes: int = 256 << 20,
-                     shared=None) -> torch.Tensor:
+                     shared=None, stride: int = 1) -> torch.Tensor:
     """Scores (nb, G, C) of candidate chunks `ids` (nb, G, C) from their boxes, -inf if invalid; the arguments are
-    prune_ref.chunk_scores_reference's (qs (nb, R, H_q, D), row_ok (nb, R), keys (L, H_kv, D) as stored). `boxes`:
-    the sequence's boxes kept by the engine (a `BoxView`, or a tensor in `key_boxes`' layout); None builds them from
-    `keys`. `shared`: BlockQueries.shared of the blocks, where the layers of a step share what depends on the blocks,
-    candidates and positions alone (the query rotation's angles, the candidates' validity), else None."""
+    prune_ref.chunk_scores_reference's (qs (nb, R, H_q, D), row_ok (nb, R), keys (L, H_kv, D) as stored, `stride`).
+    `boxes`: the sequence's boxes kept by the engine (a `BoxView`, or a tensor in `key_boxes`' layout); None builds
+    them from `keys`. `shared`: BlockQueries.shared of the blocks, where the layers of a step share what depends on
+    the blocks, candidates and positions alone (the query rotation's angles, the candidates' validity), else None."""
     if kind not in BOX_KINDS:
         raise ValueError(f"box kind must be one of {', '.join(BOX_KINDS)}, got {kind!r}")
     if boxes is None:
         boxes = key_boxes(keys, 0, chunk, kind, rope)
-    q32, q_moved, moved = box_queries(qs, row_ok, cand_end, rope, shared)
+    q32, q_moved, moved = box_queries(qs, row_ok, cand_end, rope, shared, stride)
     return score_boxes(q32, q_moved, moved, boxes, ids, chunk, n_sink, cand_end, groups, max_bytes, shared)
 
 

@@ -8,7 +8,7 @@ import math
 
 import torch
 
-from ..rope.strategies import RopeArgs, prune_key_pos, prune_query_pos, rotate
+from ..rope.strategies import RopeArgs, block_row_positions, prune_key_pos, prune_query_pos, rotate
 from .index_types import head_pairs
 
 
@@ -20,11 +20,12 @@ def chunk_bounds(ids: torch.Tensor, chunk: int, n_sink: int, cand_end: torch.Ten
 
 
 def prune_queries(qs: torch.Tensor, row_ok: torch.Tensor, cand_end: torch.Tensor, rope: RopeArgs | None,
-                  mode: str | None = None):
+                  mode: str | None = None, stride: int = 1):
     """The block queries as a pruning strategy places them: (q32 (nb, R, H_q, D) fp32, mode, remap (nb, 1, 1) or
     None). Blocks ending at or past rope.rope_from are moved (`mode`, default rope.mode), the others keep their true
     positions; mode is "none" when no block is moved. Rows past a block's length repeat its first row (every block
-    has one): a max over rows is then the max over its real rows, with no mask to apply to every score."""
+    has one): a max over rows is then the max over its real rows, with no mask to apply to every score. `stride`:
+    the rows are every stride-th of the block's, counted back from its last (`block_row_positions`)."""
     nb, R = row_ok.shape
     q32 = qs.float()
     mode = (rope.mode if mode is None else mode) if rope is not None else "none"
@@ -34,7 +35,7 @@ def prune_queries(qs: torch.Tensor, row_ok: torch.Tensor, cand_end: torch.Tensor
     if mode != "none":
         end = cand_end + rope.n_window
         remap = (end - 1 >= rope.rope_from)[:, None, None]  # (nb, 1, 1)
-        p = (end - row_ok.sum(1))[:, None] + torch.arange(R, device=qs.device)  # (nb, R) row positions
+        p = block_row_positions(end, row_ok, stride)  # (nb, R)
         dq = torch.where(remap[:, :, 0], prune_query_pos(mode, p, rope.n_window, rope.group) - p, 0)
         q32 = rotate(q32, dq[:, :, None], rope.inv_freq)
     return torch.where(row_ok[:, :, None, None], q32, q32[:, :1]), mode, remap
@@ -66,7 +67,8 @@ def moved_key_tables(kf: torch.Tensor, mode: str, rope: RopeArgs, table_cache: d
 def chunk_scores_reference(qs: torch.Tensor, row_ok: torch.Tensor, keys: torch.Tensor, ids: torch.Tensor,
                            chunk: int, exact: bool, n_sink: int, cand_end: torch.Tensor, groups: int,
                            rep_per_head: bool = True, rope: RopeArgs | None = None,
-                           table_cache: dict | None = None, sub: int | None = None) -> torch.Tensor:
+                           table_cache: dict | None = None, sub: int | None = None,
+                           stride: int = 1) -> torch.Tensor:
     """qs (nb, R, H_q, D) block queries, row_ok (nb, R), keys (L, H_kv, D) -> scores (nb, G, C), -inf if invalid.
 
     SelectRep runs per query head (`rep_per_head`, the paper) or once per KV head of the group, its halves compared
@@ -76,7 +78,8 @@ def chunk_scores_reference(qs: torch.Tensor, row_ok: torch.Tensor, keys: torch.T
     `table_cache`: a dict kept by the caller for as long as `keys` is unchanged (one layer of one step): the keys
     moved by a strategy that depends on the key alone (rt, il, de) are computed once into it instead of per call.
     `sub` (exact only, dividing `chunk`): a score per run of `sub` keys, (nb, G, C * chunk // sub), run r of chunk c
-    at c * chunk // sub + r.
+    at c * chunk // sub + r. `stride`: qs holds every stride-th row of each block, counted back from its last
+    (`block_row_positions`; where a strategy moves them, their true positions are needed).
     """
     nb, R, Hq, _ = qs.shape
     dev = qs.device
@@ -87,7 +90,7 @@ def chunk_scores_reference(qs: torch.Tensor, row_ok: torch.Tensor, keys: torch.T
     pair_kv = torch.tensor([kv for _, kv in pairs], device=dev)
     a, b, valid = chunk_bounds(ids, chunk, n_sink, cand_end)
     a, b, valid = a[:, pair_group], b[:, pair_group], valid[:, pair_group]  # (nb, P, C)
-    q32, mode, remap = prune_queries(qs, row_ok, cand_end, rope)
+    q32, mode, remap = prune_queries(qs, row_ok, cand_end, rope, stride=stride)
     if mode != "none":
         n_chunk = (ids >= 0).sum(-1, keepdim=True)[:, pair_group]  # (nb, P, 1)
         from_end = torch.arange(ids.shape[-1], device=dev) - (n_chunk - 1)  # (nb, P, C)

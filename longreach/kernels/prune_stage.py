@@ -215,15 +215,22 @@ if triton is not None:
                 blk_end - 1 >= rope_from, inv, n_chunk)
 
     @triton.jit
+    def _row_offsets(j, length, STRIDE: tl.constexpr):
+        """Offsets in the block of its taken rows j: every STRIDE-th row counted back from its last (HiP's query
+        stride; rope/strategies.py `block_row_positions`), and which are rows of the block."""
+        qi = tl.maximum(length - 1, 0) % STRIDE + j * STRIDE  # (a block of no rows takes none)
+        return qi, qi < length
+
+    @triton.jit
     def _pair_rows(Q, InvFreq, r, pair, start, length, stride_qt, stride_qh, blk_end, inv, remap, n_window, de_group,
                    HPP: tl.constexpr, BQ_PAD: tl.constexpr, HEAD_DIM: tl.constexpr, ROPE: tl.constexpr,
-                   HALVES: tl.constexpr):
-        """Rows r (head of the pair * BQ_PAD + row of the block) as the exact scoring takes them: (qa, qb, rows_ok,
-        the frequencies `_exact_tile` takes): with HALVES the rows' two halves and the D/2 frequencies, else the rows
-        (qb the same) and `inv`."""
+                   HALVES: tl.constexpr, STRIDE: tl.constexpr):
+        """Rows r (head of the pair * BQ_PAD + taken row of the block, `_row_offsets`) as the exact scoring takes
+        them: (qa, qb, rows_ok, the frequencies `_exact_tile` takes): with HALVES the rows' two halves and the D/2
+        frequencies, else the rows (qb the same) and `inv`."""
         hh = r // BQ_PAD
-        qi = r % BQ_PAD
-        rows_ok = (hh < HPP) & (qi < length)
+        qi, in_block = _row_offsets(r % BQ_PAD, length, STRIDE)
+        rows_ok = (hh < HPP) & in_block
         if HALVES:
             inv_h = tl.load(InvFreq + tl.arange(0, HEAD_DIM // 2))
             qa, qb = _load_q_halves(Q, start + qi, pair * HPP + hh, rows_ok, stride_qt, stride_qh, qi, length,
@@ -252,9 +259,10 @@ if triton is not None:
         CHUNK: tl.constexpr, EXACT: tl.constexpr, PER_HEAD: tl.constexpr, N_ITER: tl.constexpr,
         BQ_PAD: tl.constexpr, HPP_PAD: tl.constexpr, BLOCK_C: tl.constexpr, TILES: tl.constexpr,
         TILE_FIRST: tl.constexpr, HEAD_DIM: tl.constexpr, PAGE: tl.constexpr, DOT_PRECISION: tl.constexpr,
-        TIERED: tl.constexpr, FP8: tl.constexpr, HALVES: tl.constexpr, SUB: tl.constexpr,
+        TIERED: tl.constexpr, FP8: tl.constexpr, HALVES: tl.constexpr, SUB: tl.constexpr, STRIDE: tl.constexpr,
     ):
         # SUB < CHUNK (exact only): a score per run of SUB keys, Scores' last axis C * CHUNK // SUB
+        # STRIDE: every STRIDE-th query row of each block (`_row_offsets`)
         # TILE_FIRST: consecutive programs take consecutive chunk tiles of one query block (its queries stay in L2);
         # otherwise consecutive programs take the same chunk tile of consecutive query blocks (keys stay in L2)
         qb = tl.program_id(2) if TILE_FIRST else tl.program_id(0)
@@ -266,7 +274,7 @@ if triton is not None:
         if not PER_HEAD:  # every head of the pair in one query tile, loaded once for all the program's chunk tiles
             q_all, q_hi, rows_ok, inv_h = _pair_rows(Q, InvFreq, tl.arange(0, HPP_PAD * BQ_PAD), pair, start, length,
                                                      stride_qt, stride_qh, blk_end, inv, remap, n_window, de_group,
-                                                     HPP, BQ_PAD, HEAD_DIM, ROPE, EXACT and HALVES)
+                                                     HPP, BQ_PAD, HEAD_DIM, ROPE, EXACT and HALVES, STRIDE)
         for t in tl.static_range(TILES):
             c = (tile0 * TILES + t) * BLOCK_C + tl.arange(0, BLOCK_C)
             a, b, valid = _candidates(Ids, qb, group, c, stride_ib, stride_ig, num_chunks, n_sink, cand_end, CHUNK)
@@ -276,8 +284,7 @@ if triton is not None:
             if tl.max(valid.to(tl.int32), axis=0) > 0:
                 from_end = c - (n_chunk - 1)  # ci: the chunk's ordinal counted from the last candidate
                 if PER_HEAD:  # the paper's SelectRep: each query head searches on its own
-                    r1 = tl.arange(0, BQ_PAD)
-                    row_ok = r1 < length
+                    r1, row_ok = _row_offsets(tl.arange(0, BQ_PAD), length, STRIDE)
                     for i in range(HPP):  # a loop, not unrolled (kernel-notes v6)
                         q = _load_q(Q, start + r1, r1 * 0 + pair * HPP + i, row_ok, stride_qt, stride_qh, r1, length,
                                     blk_end, inv, remap, n_window, de_group, HEAD_DIM, ROPE)
@@ -306,7 +313,7 @@ if triton is not None:
         ROPE: tl.constexpr, HPP: tl.constexpr, PAIRS_PER_GROUP: tl.constexpr, PAIR_KV_DIV: tl.constexpr,
         CHUNK: tl.constexpr, BQ_PAD: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_C: tl.constexpr,
         HEAD_DIM: tl.constexpr, PAGE: tl.constexpr, DOT_PRECISION: tl.constexpr, TIERED: tl.constexpr,
-        FP8: tl.constexpr, ATOMIC: tl.constexpr, HALVES: tl.constexpr, SUB: tl.constexpr,
+        FP8: tl.constexpr, ATOMIC: tl.constexpr, HALVES: tl.constexpr, SUB: tl.constexpr, STRIDE: tl.constexpr,
     ):
         """Exact scoring for a long prefill step: a program keeps one tile of BLOCK_M rows (head of the pair *
         BQ_PAD + row of the block) and streams every candidate chunk of its block past it, so the rows are loaded
@@ -319,7 +326,7 @@ if triton is not None:
             PAIR_KV_DIV, HEAD_DIM, ROPE)
         q, q_hi, rows_ok, inv = _pair_rows(Q, InvFreq, tl.program_id(2) * BLOCK_M + tl.arange(0, BLOCK_M), pair,
                                            start, length, stride_qt, stride_qh, blk_end, inv, remap, n_window,
-                                           de_group, HPP, BQ_PAD, HEAD_DIM, ROPE, HALVES)
+                                           de_group, HPP, BQ_PAD, HEAD_DIM, ROPE, HALVES, STRIDE)
         for c0 in tl.range(0, num_chunks, BLOCK_C):
             c = c0 + tl.arange(0, BLOCK_C)
             a, b, valid = _candidates(Ids, qb, group, c, stride_ib, stride_ig, num_chunks, n_sink, cand_end, CHUNK)
@@ -337,7 +344,7 @@ def chunk_scores_triton(q: torch.Tensor, k_cache: torch.Tensor, block_table: tor
                         n_sink: int, groups: int, rep_per_head: bool = True, max_rows: int | None = None,
                         block_c: int | None = None, tiles: int | None = None,
                         tile_first: bool = False, rope: RopeArgs | None = None, rows_tile: int | None = None,
-                        rows_warps: int | None = None, sub: int | None = None) -> torch.Tensor:
+                        rows_warps: int | None = None, sub: int | None = None, stride: int = 1) -> torch.Tensor:
     """Triton version of `chunk_scores_reference` reading keys from the paged cache of one sequence.
 
     q (n, H_q, D) the sequence's queries this step; starts/lens (nb,) each block's rows in q; cand_end (nb,);
@@ -349,6 +356,7 @@ def chunk_scores_triton(q: torch.Tensor, k_cache: torch.Tensor, block_table: tor
     block's candidate chunks (block_c at a time, `rows_warps` warps). rows_tile 0 forces the first layout.
     `sub` (exact only; a power of two dividing `chunk`): a score per run of `sub` keys instead, (nb, G, C * chunk //
     sub), run r of chunk c at c * chunk // sub + r (a chunk's score is the max of its runs').
+    `stride`: every stride-th query row of each block, counted back from its last (HiP's query stride).
     """
     if triton is None:
         raise RuntimeError("chunk_scores_triton needs Triton")
@@ -374,7 +382,9 @@ def chunk_scores_triton(q: torch.Tensor, k_cache: torch.Tensor, block_table: tor
     if nb == 0 or C == 0:
         return torch.full((nb, G, C * R), float("-inf"), device=q.device)
     scores = torch.empty(nb, P, C * R, dtype=torch.float32, device=q.device)
-    rows = max(1, triton.next_power_of_2(max_rows if max_rows is not None else int(lens.max())))
+    if not isinstance(stride, int) or stride < 1:
+        raise ValueError(f"the query stride must be an integer >= 1, got {stride!r}")
+    rows = max(1, triton.next_power_of_2(-(-(max_rows if max_rows is not None else int(lens.max())) // stride)))
     per_head = rep_per_head and not exact
     if exact and (chunk & (chunk - 1) or chunk > 64):
         raise ValueError(f"exact scoring needs a power-of-two chunk <= 64, got {chunk}")
@@ -404,7 +414,7 @@ def chunk_scores_triton(q: torch.Tensor, k_cache: torch.Tensor, block_table: tor
         _exact_rows_kernel[(nb, P, n_row_tiles)](
             *args, ROPE=mode, HPP=hpp, PAIRS_PER_GROUP=P // groups, PAIR_KV_DIV=pair_kv_div, CHUNK=chunk,
             BQ_PAD=bq_pad, BLOCK_M=block_m, BLOCK_C=block_c, HEAD_DIM=D, PAGE=page, DOT_PRECISION=precision,
-            TIERED=tiered, FP8=fp8, ATOMIC=n_row_tiles > 1, HALVES=halves, SUB=sub,
+            TIERED=tiered, FP8=fp8, ATOMIC=n_row_tiles > 1, HALVES=halves, SUB=sub, STRIDE=stride,
             num_warps=rows_warps or (8 if block_m >= 128 else 4), num_stages=2,
         )
         return scores if P == groups else scores.reshape(nb, groups, P // groups, C * R).amax(dim=2)
@@ -420,6 +430,6 @@ def chunk_scores_triton(q: torch.Tensor, k_cache: torch.Tensor, block_table: tor
         CHUNK=chunk, EXACT=exact, PER_HEAD=per_head, N_ITER=max(0, math.ceil(math.log2(chunk))),
         BQ_PAD=bq_pad, HPP_PAD=hpp_pad, BLOCK_C=block_c, TILES=tiles, TILE_FIRST=tile_first, HEAD_DIM=D,
         PAGE=page, DOT_PRECISION=precision, TIERED=tiered, FP8=fp8, HALVES=halves and exact and not per_head,
-        SUB=sub, num_warps=8 if tile_rows >= 128 else 4, num_stages=2,
+        SUB=sub, STRIDE=stride, num_warps=8 if tile_rows >= 128 else 4, num_stages=2,
     )
     return scores if P == groups else scores.reshape(nb, groups, P // groups, C * R).amax(dim=2)

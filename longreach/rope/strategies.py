@@ -137,6 +137,18 @@ def rotate_cs(x: torch.Tensor, c: torch.Tensor, s: torch.Tensor) -> torch.Tensor
 
 
 # ---- pruning ------------------------------------------------------------------------------------------------------
+def block_row_positions(end: torch.Tensor, row_ok: torch.Tensor, stride: int = 1) -> torch.Tensor:
+    """True positions (nb, R) of query blocks' rows as the pruning takes them: a block ending before `end` (nb,)
+    with n = row_ok.sum(1) rows taken, every `stride`-th row counted back from its last one (HiP's query stride
+    b_sq; 1: every row), ascending: row j at end - 1 - (n - 1 - j) * stride. Rows past n continue the sequence
+    (their scores are masked or replaced by the callers)."""
+    n = row_ok.sum(1)
+    j = torch.arange(row_ok.shape[1], device=row_ok.device)
+    if stride == 1:  # (the same in fewer ops: a captured decode step runs this per layer)
+        return (end - n)[:, None] + j
+    return (end + (stride - 1) - n * stride)[:, None] + j * stride
+
+
 def prune_query_pos(mode: str, p: torch.Tensor, n_window: int, group: int) -> torch.Tensor:
     """New position of query rows at true positions p while scoring chunks."""
     if mode == "rt":

@@ -102,11 +102,12 @@ def test_chunk_scores(detail):
     dev = "cuda"
     worst_val, worst_set, n = 0.0, 1.0, 0
     for (Hq, Hkv, D) in [(32, 8, 128), (9, 3, 64), (14, 2, 64)]:  # the 8B shape, SmolLM2's, Qwen2.5 0.5B's
-        # the last case: exact 32-key chunks scored per run of 8 keys (infinitehip's stage 2 read from stage 1's runs)
-        for i, (chunk, exact, rows, L, sub) in enumerate([(256, False, 64, 65536, None), (32, False, 64, 20000, None),
-                                                          (8, True, 64, 20000, None), (256, False, 1, 131072, None),
-                                                          (8, True, 1, 20000, None), (2, True, 32, 20000, None),
-                                                          (32, True, 64, 20000, 8)]):
+        # the last cases: exact 32-key chunks scored per run of 8 keys (infinitehip's stage 2 read from stage 1's
+        # runs), and from every 2nd / 4th row of the blocks (infinitehip's query_stride)
+        for i, (chunk, exact, rows, L, sub, stride) in enumerate([
+                (256, False, 64, 65536, None, 1), (32, False, 64, 20000, None, 1), (8, True, 64, 20000, None, 1),
+                (256, False, 1, 131072, None, 1), (8, True, 1, 20000, None, 1), (2, True, 32, 20000, None, 1),
+                (32, True, 64, 20000, 8, 1), (32, True, 64, 20000, None, 2), (8, True, 64, 20000, None, 4)]):
             g = torch.Generator(device=dev).manual_seed(chunk + rows + Hq)
             page = 16
             kc = torch.randn(-(-L // page), page, Hkv, D, device=dev, dtype=torch.bfloat16, generator=g)
@@ -125,21 +126,21 @@ def test_chunk_scores(detail):
                 ids = ids.sort(-1).values  # ci numbers candidates in position order, as the stages produce them
             rope = None if mode == "none" else RopeArgs(mode, llama_inv_freq(D), rope_from=0, group=4, n_window=1024)
             keys = gather_tokens(kc, table, L)
-            r = torch.arange(rows, device=dev)
-            qs = q[(starts[:, None] + r)].reshape(nb, rows, Hq, D)
-            ref = chunk_scores_reference(qs, torch.ones(nb, rows, dtype=torch.bool, device=dev), keys, ids.long(),
-                                         chunk, exact, 256, cand_end, Hkv, rope=rope, sub=sub)
+            r = torch.arange((rows - 1) % stride, rows, stride, device=dev)  # the block's last row and every stride-th
+            qs = q[(starts[:, None] + r)].reshape(nb, r.numel(), Hq, D)
+            ref = chunk_scores_reference(qs, torch.ones(nb, r.numel(), dtype=torch.bool, device=dev), keys, ids.long(),
+                                         chunk, exact, 256, cand_end, Hkv, rope=rope, sub=sub, stride=stride)
             fin = torch.isfinite(ref)
             # exact multi-row blocks: the first layout and the long-prefill one (row tiles of 128 to 512 rows)
             for rows_tile in ((None, 128, 256, 512) if exact and rows > 1 else (None,)):
                 got = chunk_scores_triton(q, kc, table, starts, lens, cand_end, ids, chunk, exact, 256, Hkv,
-                                          rope=rope, rows_tile=rows_tile, sub=sub)
+                                          rope=rope, rows_tile=rows_tile, sub=sub, stride=stride)
                 worst_val, worst_set = _check_scores(got, ref, fin, C * chunk // (sub or chunk),
-                                                     (Hq, Hkv, chunk, exact, rows, mode, rows_tile, sub),
+                                                     (Hq, Hkv, chunk, exact, rows, mode, rows_tile, sub, stride),
                                                      worst_val, worst_set)
                 n += 1
     detail(f"{n} cases (SmolLM2's and Qwen 0.5B's shapes with rt/ci/de; exact scoring in both layouts, also per run "
-           f"of 8 keys), at most "
+           f"of 8 keys and from every 2nd / 4th query row), at most "
            f"{worst_val:.2%} of scores off by >5% (SelectRep ties), top-k overlap >= {worst_set:.3f}")
 
 

@@ -34,6 +34,15 @@ class InfiniteHiPConfig(SparseConfig):
     # and keeps the new one for the next, whose pages an offloaded store copies in while the steps between run
     # (method.py; docs/design-refresh-installs.md, option 5); False: the paper's
     ahead: bool = False
+    # per stage: score a prefill query block's candidates with every query_stride-th of its rows, counted back from
+    # its last (HiP's b_sq, "blocks are subsampled with one stride over queries"; InfiniteHiP's paper scores every
+    # row: 1, the default). The stage's scoring work shrinks with it; decode blocks have one row, untouched
+    query_stride: tuple[int, ...] | None = None
+
+    @property
+    def query_strides(self) -> tuple[int, ...]:
+        """query_stride, one entry per stage (1s when None)."""
+        return self.query_stride or (1,) * len(self.chunk_sizes)
 
     def __post_init__(self) -> None:
         super().__post_init__()
@@ -56,6 +65,11 @@ class InfiniteHiPConfig(SparseConfig):
         if self.ahead and n < 2:
             raise ValueError("ahead needs two stages or more: it delays stage 0's output, which with one stage would "
                              "be the attention's own selection")
+        qs = self.query_stride
+        if qs is not None and (not isinstance(qs, (tuple, list)) or len(qs) != n or any(
+                isinstance(x, bool) or not isinstance(x, int) or not 1 <= x <= 64 for x in qs)):
+            raise ValueError(f"query_stride needs one integer in [1, 64] per stage ({n} stages: the rows of a prefill "
+                             f"query block each stage scores with, every n-th), or null for every row; got {qs!r}")
         if any(r < 1 for r in self.refresh):
             raise ValueError(f"refresh intervals must be >= 1, got {self.refresh}")
         if self.stage0_scores not in STAGE0_SCORES:

@@ -165,11 +165,13 @@ class InfiniteHiP(SelectionMethod):
         GPU), else boxes built from the keys (torch ops)."""
         from ...kernels.chunk_box import chunk_box_scores
 
-        qs, ok = self.query_rows(q, blocks)
+        stride = self.cfg.query_strides[0]
+        qs, ok = self.query_rows(q, blocks, stride)
         boxes = keys.chunk_boxes(chunk)
         return chunk_box_scores(qs, ok, keys.dense() if boxes is None else None, ids, chunk, self.cfg.n_sink,
                                 cand_end, self.groups, self.cfg.stage0_scores,
-                                self.rope_args(layer, "prune", blocks.max_end), boxes=boxes, shared=blocks.shared)
+                                self.rope_args(layer, "prune", blocks.max_end), boxes=boxes, shared=blocks.shared,
+                                stride=stride)
 
     def refresh_from(self, step: int) -> int:
         return next((i for i, r in enumerate(self.cfg.refresh) if step % r == 0), len(self.cfg.refresh))
@@ -210,13 +212,14 @@ class InfiniteHiP(SelectionMethod):
         Exact, not a shortcut: stage i+1's candidates are sub-chunks of stage i's survivors, every key of which stage
         i scored against the same query rows at the same positions, and a chunk's exact score is its best key's, so
         the best key of each run is stage i+1's score of that sub-chunk. It needs both stages exact (`exact_below`),
-        stage i+1 scoring (not every candidate fitting its budget), key positions that do not depend on the candidate
-        list (not `ci`, whose positions count the candidates), and every survivor scored in this call: no kept
+        stage i+1 scoring (not every candidate fitting its budget), the same query rows (`query_stride`), key
+        positions that do not depend on the candidate list (not `ci`, whose positions count the candidates), and
+        every survivor scored in this call: no kept
         output (`keep`: a captured decode step's rows keep earlier outputs), no lookahead chunks (not candidates of
         stage i), and not stage 0 under `ahead` (the next stages then build on an earlier refresh's output)."""
         cfg = self.cfg
         if (i + 1 >= len(cfg.chunk_sizes) or cfg.chunk_sizes[i] > cfg.exact_below or ci or keep is not None
-                or lookahead or (ahead is not None and i == 0)):
+                or lookahead or (ahead is not None and i == 0) or cfg.query_strides[i] != cfg.query_strides[i + 1]):
             return None
         nxt = cfg.chunk_sizes[i + 1]
         return nxt if nxt <= cfg.exact_below and widths[i + 1][1] else None
@@ -316,7 +319,8 @@ class InfiniteHiP(SelectionMethod):
                     runs = None  # this stage read no keys: nothing for the one after
                 else:
                     sub = self.runs_for_next(i, widths, keep, lookahead, ahead, ci)
-                    score = self.chunk_scores(layer, q, blocks, keys, ids, l, l <= cfg.exact_below, cand_end, sub=sub)
+                    score = self.chunk_scores(layer, q, blocks, keys, ids, l, l <= cfg.exact_below, cand_end, sub=sub,
+                                              stride=cfg.query_strides[i])
                     if sub is not None:
                         runs = (ids, score)
                         score = score.reshape(nb, G, -1, l // sub).amax(-1)

@@ -334,20 +334,24 @@ class SelectionMethod(ABC):
         step = max(1, budget // max(1, bytes_per_item))
         return [slice(i, min(n, i + step)) for i in range(0, n, step)]
 
-    def query_rows(self, q: torch.Tensor, blocks: BlockQueries):
-        """(nb, max_rows, H_q, D) fp32 queries of the blocks and the (nb, max_rows) row mask."""
+    def query_rows(self, q: torch.Tensor, blocks: BlockQueries, stride: int = 1):
+        """(nb, R, H_q, D) fp32 queries of the blocks and the (nb, R) row mask: every row (R = max_rows), or with
+        `stride` every stride-th row counted back from each block's last (R = ceil(max_rows / stride);
+        rope/strategies.py `block_row_positions` gives their positions)."""
         def index():
-            r = self.arange(blocks.max_rows, q.device, torch.long)
-            return (blocks.starts[:, None] + r).clamp(max=q.shape[0] - 1), r[None, :] < blocks.lens[:, None]
+            r = self.arange(-(-blocks.max_rows // stride), q.device, torch.long)
+            off = (blocks.lens[:, None] - 1) % stride + r * stride  # row offsets in the block; stride 1: r
+            return (blocks.starts[:, None] + off).clamp(max=q.shape[0] - 1), off < blocks.lens[:, None]
 
-        rows, ok = blocks.shared(("query_rows", q.shape[0]), index)
+        rows, ok = blocks.shared(("query_rows", q.shape[0], stride), index)
         return q[rows].float(), ok
 
     def chunk_scores(self, layer: int, q: torch.Tensor, blocks: BlockQueries, keys: SequenceKeys, ids: torch.Tensor,
-                     chunk: int, exact: bool, cand_end: torch.Tensor, sub: int | None = None) -> torch.Tensor:
+                     chunk: int, exact: bool, cand_end: torch.Tensor, sub: int | None = None,
+                     stride: int = 1) -> torch.Tensor:
         """Scores (nb, G, C) of candidate chunks (kernels/prune_stage.py), with the layer's pruning RoPE strategy:
         the Triton kernel on CUDA, else the reference. `sub` (exact only): a score per run of `sub` keys instead,
-        (nb, G, C * chunk // sub)."""
+        (nb, G, C * chunk // sub). `stride`: from every stride-th query row of each block (`query_rows`)."""
         from ...kernels.prune_ref import chunk_scores_reference
         from ...kernels.prune_stage import chunk_scores_triton
 
@@ -356,10 +360,11 @@ class SelectionMethod(ABC):
         if use_kernels(q):
             return chunk_scores_triton(q, keys.k_cache, keys.block_table, blocks.starts, blocks.lens, cand_end, ids,
                                        chunk, exact, self.cfg.n_sink, self.groups, rep_per_head=per_head,
-                                       max_rows=blocks.max_rows, rope=rope, sub=sub)
-        qs, ok = self.query_rows(q, blocks)
+                                       max_rows=blocks.max_rows, rope=rope, sub=sub, stride=stride)
+        qs, ok = self.query_rows(q, blocks, stride)
         return chunk_scores_reference(qs, ok, keys.dense(), ids, chunk, exact, self.cfg.n_sink, cand_end, self.groups,
-                                      rep_per_head=per_head, rope=rope, table_cache=keys.prune_tables, sub=sub)
+                                      rep_per_head=per_head, rope=rope, table_cache=keys.prune_tables, sub=sub,
+                                      stride=stride)
 
     def candidate_end(self, block_end: torch.Tensor) -> torch.Tensor:
         """Exclusive end of the selectable range: keys before every query's window (causal by construction)."""
