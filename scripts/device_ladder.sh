@@ -473,17 +473,19 @@ suite_qwen_r16b() {  # stage 0's refresh interval (docs/design-refresh-installs.
     done
 }
 QS2='{"query_stride": [2, 2, 2]}'  # every stage scores a prefill block with every 2nd row (HiP's b_sq)
-suite_qwen_stride() {  # the default against query_stride 2 in every stage (a prefill selection change: no shared
-    # prefill, each prompt prefilled by both), the same tasks and seeds as qwen_r16b; 512K first (where the stages
-    # prune hardest), 1M last (P=3 KV_GB=8)
-    local t L cfg="{\"$DEFAULT@qs2\": $QS2}"
+BQ128='{"block_q": 128}'  # prefill query blocks of 128 rows (each key tile gathered once per 128 rows)
+suite_qwen_stride() {  # the default against query_stride 2 in every stage and against 128-row blocks (prefill
+    # selection changes: no shared prefill, each prompt prefilled by each), the same tasks and seeds as qwen_r16b;
+    # 512K first (where the stages prune hardest), 1M last (P=3 KV_GB=8)
+    local t L cfg="{\"$DEFAULT@qs2\": $QS2, \"$DEFAULT@bq128\": $BQ128}"
     for L in "512k 42 10" "256k 43 10" "128k 43 10" "1M 42 2"; do
         set -- $L
         local len=$1 seed=$2 n=$3 kv=()
         [ "$len" = 1M ] && kv=(--kv-cache-memory-gb 14)
         for t in niah_single_3 niah_single_2 niah_multikey_1; do
             job "ruler__${t}__infinitehip-3k-box-qs2__${len}-s$seed" ruler --tasks "$t" --lengths "$len" \
-                --samples "$n" --seed "$seed" --attention "$DEFAULT" "$DEFAULT@qs2" --attention-config "$cfg" \
+                --samples "$n" --seed "$seed" --attention "$DEFAULT" "$DEFAULT@qs2" "$DEFAULT@bq128" \
+                --attention-config "$cfg" \
                 "${kv[@]}"
         done
     done

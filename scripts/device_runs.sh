@@ -75,8 +75,8 @@
 #                                           # the banded prefill, graphs, infinitehip on the global layer; issue 33)
 #   bash scripts/device_runs.sh gemma12b    # no model: bench decode at 1M, Gemma-3-12B shape then Llama-3.1-8B shape
 #                                           # (fp8 KV offloaded, the default; issue 33's KV memory and decode rows)
-#   bash scripts/device_runs.sh strideab    # no model: 8B shape at 512K, the default vs {"query_stride": [2, 2, 2]}
-#                                           # in one process (issue 31; runsab runs the kernels' GPU check with strides)
+#   bash scripts/device_runs.sh strideab    # no model: 8B shape at 256K, the default vs query_stride 2, block_q 128
+#                                           # and both, in one process (issue 31; kernel-notes v25)
 #   bash scripts/device_runs.sh tp2         # needs nvidia-h100-x2 / h200-x2 and the model: tests/gpu/test_tensor_parallel.py
 #                                           # (TP=2 over NCCL vs TP=1); then bench decode, 8B shape, bf16, 128K,
 #                                           # infinitehip pruned vs dense, TP=1 then TP=2 (issue 32's scaling row)
@@ -367,11 +367,15 @@ prefill512k)  # no model: the 8B shape at 512K offloaded, the default and {"exac
     run prefill_512k_eb8 560 $bd --kv-offloading-size 40 --lengths 512k --attention infinitehip infinitehip@eb8 \
         --attention-config '{"infinitehip@eb8": {"exact_below": 8}}' --dense-lengths --decode-tokens 8 \
         --out "$out/bench-decode-512k-8b-eb8.json" ;;
-strideab)  # no model: the 8B shape at 512K offloaded, the default and {"query_stride": [2, 2, 2]} (every stage scores
-    # a prefill block from every 2nd row) in one process (the kernels' GPU check with strides 2 and 4: runsab's first)
-    run prefill_512k_qs2 560 $bd --kv-offloading-size 40 --lengths 512k --attention infinitehip infinitehip@qs2 \
-        --attention-config '{"infinitehip@qs2": {"query_stride": [2, 2, 2]}}' --dense-lengths --decode-tokens 8 \
-        --out "$out/bench-decode-512k-8b-qs2.json" ;;
+strideab)  # no model: the 8B shape at 256K, fp8 KV on the GPU (fits an H100), in one process: the default,
+    # {"query_stride": [2, 2, 2]} (every stage scores a prefill block from every 2nd row), {"block_q": 128} (blocks of
+    # 128 rows: each key tile gathered and rotated once per 128 rows instead of 64) and both (kernel-notes v25)
+    run prefill_256k_qs2 560 python3 -m longreach bench decode --kv-cache-dtype fp8 --kv-cache-memory-gb 24 \
+        --max-num-batched-tokens 65536 --lengths 256k \
+        --attention infinitehip infinitehip@qs2 infinitehip@bq128 infinitehip@bq128qs2 \
+        --attention-config '{"infinitehip@qs2": {"query_stride": [2, 2, 2]}, "infinitehip@bq128": {"block_q": 128},
+            "infinitehip@bq128qs2": {"block_q": 128, "query_stride": [2, 2, 2]}}' \
+        --dense-lengths --decode-tokens 8 --out "$out/bench-decode-256k-8b-strides.json" ;;
 runsab)  # no model: tests/gpu's chunk scores (bf16, real sizes; exact 32-key chunks per run of 8 keys too), then the
     # 8B shape at 256K (GPU-resident fp8 KV) prefilled with infinitehip's stage 2 read from its keys (off) and from
     # stage 1's runs (on), one process each, the same command

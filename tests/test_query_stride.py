@@ -127,3 +127,33 @@ def test_config_validation_and_the_stages():
         # the decode row (one row) selects the same whatever the stride
         assert all(torch.equal(a[-1], b[-1]) for a, b in zip(out[strides], out[(1, 1, 1)]))
     assert any(not torch.equal(a, b) for a, b in zip(out[(2, 2, 1)], out[(1, 1, 1)]))
+
+
+def test_through_the_engine(tmp_path):
+    """The engine with a query stride (and with 16-row blocks, a stride of 4) runs the prompt and decodes, the
+    prompt's selections differing from every row's; an explicit stride of 1 is the default, token for token and
+    selection for selection."""
+    import json
+
+    from conftest import make_tiny_hf_model
+    from longreach import SamplingParams
+    from longreach.engine.llm import LLM
+    from tests.test_infinitehip_lookahead import ENGINE_CFG, _record
+
+    path = make_tiny_hf_model(tmp_path / "m", arch="llama", max_position_embeddings=512)[0]
+    prompt = torch.randint(3, 256, (180,), generator=torch.Generator().manual_seed(7)).tolist()
+    params = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
+    runs = {}
+    mp = pytest.MonkeyPatch()
+    for name, extra in (("default", {}), ("one", {"query_stride": [1, 1, 1]}), ("two", {"query_stride": [2, 2, 2]}),
+                        ("q16s4", {"block_q": 16, "query_stride": [4, 4, 4]})):
+        llm = LLM(path, device="cpu", dtype="float32", kv_cache_memory_gb=0.01, attention="infinitehip",
+                  attention_config=json.dumps({**ENGINE_CFG["infinitehip"], **extra}), enforce_eager=True)
+        picked = _record(mp)
+        tokens = llm.generate({"prompt_token_ids": prompt}, params, use_tqdm=False)[0].token_ids
+        runs[name] = (tokens, [p for p in picked if not p[0]])
+        mp.undo()
+    assert runs["one"] == runs["default"]
+    assert len(runs["two"][0]) == len(runs["q16s4"][0]) == 8
+    for name in ("two", "q16s4"):
+        assert runs[name][1] and runs[name][1] != runs["default"][1]  # the prompt selected from fewer rows
