@@ -13,7 +13,6 @@ from longreach.models.config import RopeConfig
 from longreach.rope.scaling import rope_inv_freq
 from longreach.rope.strategies import RopeArgs, RopeFrame, block_row_positions, prune_query_pos, rotate
 from tests.test_rope_strategies import _scoring_case
-from tests.test_kernel_bsa import DEV
 
 
 def _taken(length: int, stride: int) -> list[int]:
