@@ -457,38 +457,35 @@ suite_qwen_r16() {  # the next schedule candidate against the default (8, 4, 1),
 }
 R1641='{"refresh": [16, 4, 1]}'  # stage 0 half as often as (8, 4, 1): halves the 1M decode's refresh copies
 R3241='{"refresh": [32, 4, 1]}'  # a quarter as often: stage 0's masks as old as "install ahead" with (16, 4, 1)
+ruler_grid() {  # ruler_grid LABEL CFG SHARE METHOD...: niah_single_3, niah_single_2 and niah_multikey_1 at 512K,
+    # 256K and 128K (10 prompts each, run 15's seeds), then 1M (2 prompts, 14 GiB of KV), every METHOD on the same
+    # prompts; SHARE "--share-prefill" (decode-only candidates: each prompt prefilled once) or "" (prefill changes)
+    local label=$1 cfg=$2 share=$3 t L len seed n
+    shift 3
+    for L in "512k 42 10" "256k 43 10" "128k 43 10" "1M 42 2"; do
+        read -r len seed n <<< "$L"
+        local kv=()
+        [ "$len" = 1M ] && kv=(--kv-cache-memory-gb 14)
+        for t in niah_single_3 niah_single_2 niah_multikey_1; do
+            job "ruler__${t}__${label}__${len}-s$seed" ruler --tasks "$t" --lengths "$len" --samples "$n" \
+                --seed "$seed" --attention "$@" --attention-config "$cfg" ${share:+"$share"} "${kv[@]}"
+        done
+    done
+}
 suite_qwen_r16b() {  # stage 0's refresh interval (docs/design-refresh-installs.md, options 4 and 5): the default
     # (8, 4, 1) against (16, 4, 1), (32, 4, 1) and (16, 8, 1), each prompt prefilled once (P=3 KV_GB=8); run 15's
     # seeds, so the default's rows repeat its cells; 512K first (where schedules parted in run 15), 1M last
-    local t L cfg="{\"$DEFAULT@r1641\": $R1641, \"$DEFAULT@r3241\": $R3241, \"$DEFAULT@r1681\": $R1681}"
-    for L in "512k 42 10" "256k 43 10" "128k 43 10" "1M 42 2"; do
-        set -- $L
-        local len=$1 seed=$2 n=$3 kv=()
-        [ "$len" = 1M ] && kv=(--kv-cache-memory-gb 14)
-        for t in niah_single_3 niah_single_2 niah_multikey_1; do
-            job "ruler__${t}__infinitehip-3k-box-stage0__${len}-s$seed" ruler --tasks "$t" --lengths "$len" \
-                --samples "$n" --seed "$seed" --attention "$DEFAULT" "$DEFAULT@r1641" "$DEFAULT@r3241" \
-                "$DEFAULT@r1681" --attention-config "$cfg" --share-prefill "${kv[@]}"
-        done
-    done
+    ruler_grid infinitehip-3k-box-stage0 \
+        "{\"$DEFAULT@r1641\": $R1641, \"$DEFAULT@r3241\": $R3241, \"$DEFAULT@r1681\": $R1681}" --share-prefill \
+        "$DEFAULT" "$DEFAULT@r1641" "$DEFAULT@r3241" "$DEFAULT@r1681"
 }
 QS2='{"query_stride": [2, 2, 2]}'  # every stage scores a prefill block with every 2nd row (HiP's b_sq)
 BQ128='{"block_q": 128}'  # prefill query blocks of 128 rows (each key tile gathered once per 128 rows)
 suite_qwen_stride() {  # the default against query_stride 2 in every stage and against 128-row blocks (prefill
     # selection changes: no shared prefill, each prompt prefilled by each), the same tasks and seeds as qwen_r16b;
     # 512K first (where the stages prune hardest), 1M last (P=3 KV_GB=8)
-    local t L cfg="{\"$DEFAULT@qs2\": $QS2, \"$DEFAULT@bq128\": $BQ128}"
-    for L in "512k 42 10" "256k 43 10" "128k 43 10" "1M 42 2"; do
-        set -- $L
-        local len=$1 seed=$2 n=$3 kv=()
-        [ "$len" = 1M ] && kv=(--kv-cache-memory-gb 14)
-        for t in niah_single_3 niah_single_2 niah_multikey_1; do
-            job "ruler__${t}__infinitehip-3k-box-qs2__${len}-s$seed" ruler --tasks "$t" --lengths "$len" \
-                --samples "$n" --seed "$seed" --attention "$DEFAULT" "$DEFAULT@qs2" "$DEFAULT@bq128" \
-                --attention-config "$cfg" \
-                "${kv[@]}"
-        done
-    done
+    ruler_grid infinitehip-3k-box-qs2 "{\"$DEFAULT@qs2\": $QS2, \"$DEFAULT@bq128\": $BQ128}" "" \
+        "$DEFAULT" "$DEFAULT@qs2" "$DEFAULT@bq128"
 }
 AHEAD16='{"refresh": [16, 4, 1], "ahead": true}'  # (16, 4, 1) with stage 0 one refresh late (its pages copied ahead)
 suite_qwen_ahead() {  # run 17's next step: the default (8, 4, 1), (16, 4, 1) and (16, 4, 1) with `ahead`, on the

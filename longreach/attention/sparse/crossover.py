@@ -10,8 +10,8 @@ Key (`key_fields`): the model shape (layers, heads, KV heads, head dim, hidden s
 and the run dtype and KV cache dtype as configured ("auto" included: on a GPU that is always bfloat16). A config
 field added after measurements were keyed is left out at the value that selects as before it existed
 (`UNKEYED_DEFAULTS`: infinitehip's `lookahead` 0, `ahead` false and `query_stride` None), so those measurements
-keep their key. The file is
-<method>-<16 hex digits of the key's SHA-256>.json and holds its key: a file whose key differs is not used.
+keep their key. The file is <method>-<16 hex digits of the key's SHA-256>.json and holds its key: a file whose key
+differs is not used.
 
 File (format "longreach-crossover/1"): key, command, commit, device, date, `lengths`, the median decode step seconds
 of `dense` and `method` at each length (lists in the order of `lengths`), and `crossover`.
@@ -37,7 +37,8 @@ from ...models.hub import cache_root
 FORMAT = "longreach-crossover/1"
 MEASURE_COMMAND = "longreach calibrate crossover --model M --attention METHOD[:PRESET]"
 LIMIT_FIELDS = ("dense_below", "dense_below_decode")  # left out of the key: the calibration sets both to 0
-UNKEYED_DEFAULTS = {"lookahead": 0, "ahead": False, "query_stride": None}  # left out of the key at these values (module docstring)
+# left out of the key at these values (module docstring)
+UNKEYED_DEFAULTS = {"lookahead": 0, "ahead": False, "query_stride": None}
 
 
 def device_name(device) -> str:
